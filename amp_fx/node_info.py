@@ -1,0 +1,49 @@
+"""What the convert passes record on each fx node, read by `amp_fx.report`.
+
+Every pass writes into one `NodeInfo` per node, stored as ``node.meta["amp_fx"]``; no pass
+reads another pass's private state. Example::
+
+    >>> info = NodeInfo(op="linear", rule=Rule.LOWER, reason="autocast cuda lower_precision_fp list")
+    >>> info.is_cast
+    False
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from amp_fx.policy import Rule
+
+META_KEY = "amp_fx"
+
+
+@dataclass
+class NodeInfo:
+    # Canonical op name after `normalize_ops` ("linear", "softmax", "add", ...); None for
+    # placeholders, outputs and get_attr nodes.
+    op: str | None = None
+    rule: Rule | None = None
+    # Why the policy chose `rule`, e.g. "O1 cpu lower_precision_fp list" or "override: module name 'head'".
+    reason: str = ""
+    # Dtypes of the tensor inputs as the node sees them after casts (None where not a tensor/unknown).
+    in_dtypes: tuple[torch.dtype | None, ...] = ()
+    out_dtype: torch.dtype | None = None
+    # True for nodes inserted by amp_fx (casts at op inputs, model entry and outputs).
+    is_cast: bool = False
+    cast_reason: str = ""
+    # Why this node is opaque: "leaf_modules", "fx.wrap", or "untraceable: file:line: source".
+    opaque_reason: str | None = None
+    # Free-form extras a pass wants to show in the report (e.g. which params were kept fp32).
+    notes: list[str] = field(default_factory=list)
+
+
+def node_info(node: torch.fx.Node) -> NodeInfo:
+    """Return the node's `NodeInfo`, creating an empty one on first use."""
+    info = node.meta.get(META_KEY)
+    if info is None:
+        info = NodeInfo()
+        node.meta[META_KEY] = info
+    return info
