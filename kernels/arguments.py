@@ -1,0 +1,160 @@
+"""Argument checks shared by the pure-torch reference and the Triton kernels.
+
+Both implementations take the same arguments and must refuse the same bad input with the same
+message, before anything is written. The checks run on the host and read only metadata (dtype,
+shape, strides, device), never tensor values, so they never synchronize with the device.
+
+The layout rule: for each parameter ``i``, ``params[i]``, ``grads[i]``, ``masters[i]`` and its
+optimizer states have the same shape and strides and are dense (no gaps, no overlap), so an
+update can walk all of them in storage order, element ``k`` of one matching element ``k`` of the
+others. Contiguous and channels-last tensors both qualify; ``torch.zeros_like(p)`` and
+``p.detach().clone().float()`` produce matching states.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def is_dense(tensor: Tensor) -> bool:
+    """True when the tensor's elements fill one gap-free, non-overlapping span of its storage."""
+    if tensor.is_contiguous():
+        return True
+    expected_stride = 1
+    for stride, size in sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape, strict=True) if n != 1):
+        if stride != expected_stride:
+            return False
+        expected_stride *= size
+    return True
+
+
+def _check_scalar_tensor(name: str, value: Tensor | None, device: torch.device) -> None:
+    if value is None:
+        return
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a float32 tensor of one element, got {type(value).__name__}")
+    if value.dtype != torch.float32 or value.numel() != 1:
+        raise ValueError(
+            f"{name} must be a float32 tensor of one element, got dtype {value.dtype} with "
+            f"{value.numel()} elements; create it with torch.zeros(1, dtype=torch.float32, device=...)"
+        )
+    if value.device != device:
+        raise ValueError(
+            f"{name} is on {value.device} but the tensors are on {device}; move it with .to({device})"
+        )
+
+
+def _check_tensor_list(name: str, tensors: Sequence[Tensor], allowed_dtypes: tuple[torch.dtype, ...]) -> None:
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{name} must be a list of tensors, got {type(tensors).__name__}")
+    for i, tensor in enumerate(tensors):
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"{name}[{i}] must be a tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in allowed_dtypes:
+            allowed = ", ".join(str(d) for d in allowed_dtypes)
+            raise ValueError(f"{name}[{i}] has dtype {tensor.dtype}; supported dtypes are {allowed}")
+        if not is_dense(tensor):
+            raise ValueError(
+                f"{name}[{i}] is not dense (strides {tensor.stride()} for shape {tuple(tensor.shape)}); "
+                "pass a contiguous tensor (.contiguous())"
+            )
+
+
+def _check_matches(name: str, i: int, tensor: Tensor, param: Tensor) -> None:
+    if tensor.shape != param.shape or tensor.stride() != param.stride():
+        raise ValueError(
+            f"{name}[{i}] has shape {tuple(tensor.shape)} and strides {tensor.stride()} but params[{i}] has "
+            f"shape {tuple(param.shape)} and strides {param.stride()}; "
+            "create it with torch.zeros_like(param) or param.detach().clone()"
+        )
+    if tensor.device != param.device:
+        raise ValueError(f"{name}[{i}] is on {tensor.device} but params[{i}] is on {param.device}")
+
+
+def check_grads(
+    grads: Sequence[Tensor], found_inf: Tensor, grad_multiplier: Tensor | None, sq_norm_out: Tensor | None
+) -> None:
+    """Validate the arguments of ``check_finite_and_norm_``; raise TypeError/ValueError."""
+    _check_tensor_list("grads", grads, PARAM_DTYPES)
+    if not isinstance(found_inf, Tensor):
+        raise TypeError("found_inf must be a float32 tensor of one element")
+    device = found_inf.device
+    for name, value in (
+        ("found_inf", found_inf),
+        ("grad_multiplier", grad_multiplier),
+        ("sq_norm_out", sq_norm_out),
+    ):
+        _check_scalar_tensor(name, value, device)
+    for i, grad in enumerate(grads):
+        if grad.device != device:
+            raise ValueError(
+                f"grads[{i}] is on {grad.device} but found_inf is on {device}; keep them on one device"
+            )
+
+
+def check_update(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    masters: Sequence[Tensor | None] | None,
+    states: dict[str, Sequence[Tensor] | None],
+    step: Tensor,
+    grad_multiplier: Tensor | None,
+    found_inf: Tensor | None,
+    hyperparameters: dict[str, float],
+) -> None:
+    """Validate the arguments of an optimizer update (``adam_step_``, ``sgd_step_``).
+
+    ``masters`` may be None (every param is its own master) or a list whose entries are float32
+    tensors or None (that param is updated in place, in its own dtype, with fp32 arithmetic).
+    ``states`` maps a name (``"exp_avgs"``) to a list of float32 tensors, or None when unused.
+    """
+    _check_tensor_list("params", params, PARAM_DTYPES)
+    _check_tensor_list("grads", grads, PARAM_DTYPES)
+    if len(grads) != len(params):
+        raise ValueError(f"got {len(params)} params but {len(grads)} grads; pass one grad per param")
+    if masters is not None:
+        if len(masters) != len(params):
+            raise ValueError(
+                f"got {len(params)} params but {len(masters)} masters; pass one per param (or None)"
+            )
+        _check_tensor_list("masters", [m for m in masters if m is not None], (torch.float32,))
+    for name, tensors in states.items():
+        if tensors is None:
+            continue
+        _check_tensor_list(name, tensors, (torch.float32,))
+        if len(tensors) != len(params):
+            raise ValueError(f"got {len(params)} params but {len(tensors)} {name}; pass one per param")
+    for i, param in enumerate(params):
+        _check_matches("grads", i, grads[i], param)
+        if masters is not None and masters[i] is not None:
+            _check_matches("masters", i, masters[i], param)
+        for name, tensors in states.items():
+            if tensors is not None:
+                _check_matches(name, i, tensors[i], param)
+    device = params[0].device if params else step.device
+    for name, value in (("step", step), ("grad_multiplier", grad_multiplier), ("found_inf", found_inf)):
+        _check_scalar_tensor(name, value, device)
+    if step is None:
+        raise TypeError("step must be a float32 tensor of one element (steps already taken)")
+    for name, value in hyperparameters.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise TypeError(f"{name} must be a finite Python float, got {value!r}")
+
+
+def check_range(name: str, value: float, low: float, high: float, high_inclusive: bool = False) -> None:
+    """Raise ValueError unless low <= value < high (or <= high when high_inclusive)."""
+    ok = low <= value <= high if high_inclusive else low <= value < high
+    if not ok:
+        bracket = "]" if high_inclusive else ")"
+        raise ValueError(f"invalid {name}: {value} (expected a value in [{low}, {high}{bracket})")
+
+
+def log_beta(beta: float) -> float:
+    """ln(beta), with beta = 0 mapped to -inf so that 1 - beta**t = -expm1(t * ln(beta)) = 1."""
+    return math.log(beta) if beta > 0 else -math.inf

@@ -1,0 +1,287 @@
+"""Pure-torch reference for the fused optimizer kernels: the same math as the Triton kernels.
+
+This module is the definition of what the kernels compute, and what the optimizers run on a machine
+without CUDA. Every function has the same signature and semantics as its Triton twin in
+``amp_fx.kernels.triton_ops``; none of them reads a tensor value on the host (no ``.item()``, no
+``if tensor``), so a training step built on them never synchronizes with the device.
+
+The skip rule: when ``found_inf`` is given and > 0, nothing is written. Here that is done with
+``torch.where(skip, old, new)`` per tensor, so skipped tensors keep their exact bits; the Triton
+kernels do the same by not storing at all.
+
+Adam (torch.optim.Adam / AdamW), for each element, in fp32, with t = step + 1::
+
+    g  = grad * grad_multiplier                      (grad_multiplier = 1 / loss_scale ...)
+    g += weight_decay * w                            (L2, adam_w_mode=False)
+    w *= 1 - lr * weight_decay                       (decoupled, adam_w_mode=True)
+    m  = beta1 * m + (1 - beta1) * g
+    v  = beta2 * v + (1 - beta2) * g * g
+    w -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+    param = w.to(param.dtype)                        (round to nearest)
+
+where w is the fp32 master (or the param itself when it has no master). ``1 - beta**t`` is computed
+as ``-expm1(t * ln(beta))``, accurate in fp32 even when beta is close to 1 and t is small.
+
+SGD (torch.optim.SGD)::
+
+    g  = grad * grad_multiplier + weight_decay * w
+    buf = g                                          (first step, step == 0)
+    buf = momentum * buf + (1 - dampening) * g       (later steps)
+    g  = g + momentum * buf if nesterov else buf     (when momentum != 0)
+    w -= lr * g
+
+Example:
+    >>> import torch
+    >>> from amp_fx.kernels import reference
+    >>> p = torch.ones(3, dtype=torch.float16); g = torch.full((3,), 2.0, dtype=torch.float16)
+    >>> master = p.float(); m = torch.zeros(3); v = torch.zeros(3); step = torch.zeros(1)
+    >>> found_inf = torch.zeros(1)
+    >>> reference.check_finite_and_norm_([g], found_inf)
+    >>> reference.adam_step_([p], [g], [master], [m], [v], step, lr=0.1, beta1=0.9, beta2=0.999,
+    ...                      eps=1e-8, weight_decay=0.0, adam_w_mode=True, found_inf=found_inf)
+    >>> reference.advance_step_(step, found_inf)
+    >>> p
+    tensor([0.8999, 0.8999, 0.8999], dtype=torch.float16)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from amp_fx.kernels.arguments import check_grads, check_range, check_update, log_beta
+from torch import Tensor
+
+__all__ = ["check_finite_and_norm_", "adam_step_", "sgd_step_", "advance_step_"]
+
+
+def _skip_flag(found_inf: Tensor | None) -> Tensor | None:
+    """A 0-dim bool tensor, True when the step must be skipped (broadcasts against any shape)."""
+    return None if found_inf is None else found_inf.reshape(()) > 0
+
+
+def _write(target: Tensor, new_value: Tensor, skip: Tensor | None) -> None:
+    """target <- new_value in target's dtype, unless skip is set (then target keeps its bits)."""
+    new_value = new_value.to(target.dtype)
+    if skip is not None:
+        new_value = torch.where(skip, target, new_value)
+    target.copy_(new_value)
+
+
+def _scaled_grad(grad: Tensor, grad_multiplier: Tensor | None) -> Tensor:
+    grad = grad.float()
+    return grad if grad_multiplier is None else grad * grad_multiplier.reshape(())
+
+
+@torch.no_grad()
+def check_finite_and_norm_(
+    grads: Sequence[Tensor],
+    found_inf: Tensor,
+    *,
+    grad_multiplier: Tensor | None = None,
+    sq_norm_out: Tensor | None = None,
+) -> None:
+    """Set ``found_inf`` to 1.0 if any grad holds an inf or NaN; optionally accumulate the squared norm.
+
+    ``found_inf`` is never cleared (it accumulates over calls, like
+    ``torch._amp_foreach_non_finite_check_and_unscale_``). When ``sq_norm_out`` is given,
+    ``sq_norm_out += sum_i sum((grads[i].float() * grad_multiplier) ** 2)`` in fp32.
+
+    Example:
+        >>> found_inf, sq = torch.zeros(1), torch.zeros(1)
+        >>> check_finite_and_norm_([torch.tensor([3.0, 4.0])], found_inf, sq_norm_out=sq)
+        >>> found_inf.item(), sq.item()
+        (0.0, 25.0)
+    """
+    check_grads(grads, found_inf, grad_multiplier, sq_norm_out)
+    if len(grads) == 0:
+        return
+    finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+    found_inf.copy_(torch.where(finite, found_inf, torch.ones_like(found_inf)))
+    if sq_norm_out is not None:
+        sums = [_scaled_grad(g, grad_multiplier).square().sum() for g in grads]
+        sq_norm_out.add_(torch.stack(sums).sum())
+
+
+def _bias_correction(beta: float, t: Tensor) -> Tensor:
+    """1 - beta**t, as -expm1(t * ln(beta)): no cancellation when beta**t is close to 1."""
+    return -torch.expm1(t * log_beta(beta))
+
+
+@torch.no_grad()
+def adam_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    masters: Sequence[Tensor | None] | None,
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    step: Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adam_w_mode: bool,
+    grad_multiplier: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> None:
+    """One Adam (``adam_w_mode=False``) or AdamW (``adam_w_mode=True``) step, in place.
+
+    ``step`` holds the number of steps already taken; this step uses t = step + 1 and does not
+    change ``step`` (call ``advance_step_`` afterwards). ``masters[i]`` is the fp32 copy of a
+    low-precision ``params[i]``; None (the whole list or one entry) means the param is its own
+    master. If ``found_inf`` > 0 nothing is written.
+
+    Example:
+        >>> p, g = torch.ones(2), torch.ones(2)
+        >>> m, v, step = torch.zeros(2), torch.zeros(2), torch.zeros(1)
+        >>> adam_step_([p], [g], None, [m], [v], step, lr=0.5, beta1=0.9, beta2=0.999, eps=0.0,
+        ...            weight_decay=0.0, adam_w_mode=False)
+        >>> p
+        tensor([0.5000, 0.5000])
+    """
+    check_update(
+        params,
+        grads,
+        masters,
+        {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
+        step,
+        grad_multiplier,
+        found_inf,
+        {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay},
+    )
+    check_adam_hyperparameters(lr, beta1, beta2, eps, weight_decay)
+    if len(params) == 0:
+        return
+    skip = _skip_flag(found_inf)
+    t = step.reshape(()) + 1
+    step_size = lr / _bias_correction(beta1, t)
+    bias_correction2_sqrt = _bias_correction(beta2, t).sqrt()
+    for i, (param, grad, exp_avg, exp_avg_sq) in enumerate(
+        zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)
+    ):
+        master = None if masters is None else masters[i]
+        weight = (param if master is None else master).float()
+        g = _scaled_grad(grad, grad_multiplier)
+        if weight_decay != 0.0:
+            if adam_w_mode:
+                weight = weight * (1.0 - lr * weight_decay)
+            else:
+                g = g + weight_decay * weight
+        new_exp_avg = beta1 * exp_avg + (1.0 - beta1) * g
+        new_exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * g * g
+        denom = new_exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
+        new_weight = weight - step_size * (new_exp_avg / denom)
+        _write(exp_avg, new_exp_avg, skip)
+        _write(exp_avg_sq, new_exp_avg_sq, skip)
+        if master is not None:
+            _write(master, new_weight, skip)
+        _write(param, new_weight, skip)
+
+
+def check_adam_hyperparameters(
+    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float
+) -> None:
+    """Raise ValueError for hyperparameters torch.optim.Adam would refuse."""
+    check_range("lr", lr, 0.0, float("inf"))
+    check_range("beta1", beta1, 0.0, 1.0)
+    check_range("beta2", beta2, 0.0, 1.0)
+    check_range("eps", eps, 0.0, float("inf"))
+    check_range("weight_decay", weight_decay, 0.0, float("inf"))
+
+
+def check_sgd_hyperparameters(
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    momentum_buffers: Sequence[Tensor] | None,
+) -> None:
+    """Raise ValueError for hyperparameters torch.optim.SGD would refuse, or missing momentum buffers."""
+    check_range("lr", lr, 0.0, float("inf"))
+    check_range("momentum", momentum, 0.0, float("inf"))
+    check_range("weight_decay", weight_decay, 0.0, float("inf"))
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("nesterov momentum requires momentum > 0 and dampening == 0")
+    if momentum != 0.0 and momentum_buffers is None:
+        raise ValueError(
+            "momentum != 0 needs momentum_buffers (fp32, torch.zeros_like(param, dtype=torch.float32))"
+        )
+
+
+@torch.no_grad()
+def sgd_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    masters: Sequence[Tensor | None] | None,
+    momentum_buffers: Sequence[Tensor] | None,
+    step: Tensor,
+    *,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    grad_multiplier: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> None:
+    """One SGD step (torch.optim.SGD math), in place; same master and skip rules as ``adam_step_``.
+
+    On the first step (``step`` == 0) the momentum buffer is set to the gradient, as torch does
+    when it creates the buffer; ``momentum_buffers`` may be None when ``momentum`` == 0.
+
+    Example:
+        >>> p, g, buf, step = torch.ones(2), torch.ones(2), torch.zeros(2), torch.zeros(1)
+        >>> sgd_step_([p], [g], None, [buf], step, lr=0.1, momentum=0.9, dampening=0.0,
+        ...           weight_decay=0.0, nesterov=False)
+        >>> p, buf
+        (tensor([0.9000, 0.9000]), tensor([1., 1.]))
+    """
+    check_update(
+        params,
+        grads,
+        masters,
+        {"momentum_buffers": momentum_buffers},
+        step,
+        grad_multiplier,
+        found_inf,
+        {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay},
+    )
+    check_sgd_hyperparameters(lr, momentum, dampening, weight_decay, nesterov, momentum_buffers)
+    if len(params) == 0:
+        return
+    skip = _skip_flag(found_inf)
+    first_step = step.reshape(()) == 0
+    for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
+        master = None if masters is None else masters[i]
+        weight = (param if master is None else master).float()
+        g = _scaled_grad(grad, grad_multiplier)
+        if weight_decay != 0.0:
+            g = g + weight_decay * weight
+        if momentum != 0.0:
+            buf = momentum_buffers[i]
+            new_buf = torch.where(first_step, g, momentum * buf + (1.0 - dampening) * g)
+            g = g + momentum * new_buf if nesterov else new_buf
+            _write(buf, new_buf, skip)
+        new_weight = weight - lr * g
+        if master is not None:
+            _write(master, new_weight, skip)
+        _write(param, new_weight, skip)
+
+
+@torch.no_grad()
+def advance_step_(step: Tensor, found_inf: Tensor | None) -> None:
+    """``step += 1`` unless ``found_inf`` > 0, decided on the device.
+
+    Example:
+        >>> step = torch.zeros(1)
+        >>> advance_step_(step, torch.ones(1)); advance_step_(step, None)
+        >>> step
+        tensor([1.])
+    """
+    if found_inf is None:
+        step.add_(1.0)
+    else:
+        step.add_((found_inf.reshape(()) <= 0).to(step.dtype))
