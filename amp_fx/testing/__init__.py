@@ -1,0 +1,45 @@
+"""Test your own models the way amp_fx tests itself.
+
+- `tolerances(dtype)` / `grad_tolerances(dtype)`: (rtol, atol) for outputs and gradients of a model
+  converted to fp16/bf16, compared with FP32 by norm-wise relative error (the one place these
+  numbers are written).
+- `assert_equivalent(original, converted, inputs)`: forward and backward through both models,
+  outputs and input/parameter gradients compared within those tolerances.
+- `models_and_inputs()`: a hypothesis strategy for random models (linear, conv, norms,
+  activations, attention, residual adds, concatenation, reductions, softmax, embedding) with
+  matching inputs.
+
+Example, a property test of your own::
+
+    from hypothesis import given
+    import amp_fx
+    from amp_fx.testing import assert_equivalent, models_and_inputs
+
+    @given(models_and_inputs(max_layers=3))
+    def test_o2_bf16(model_and_inputs):
+        model, inputs = model_and_inputs
+        assert_equivalent(model, amp_fx.convert(model, "O2", dtype=torch.bfloat16), inputs)
+"""
+
+from __future__ import annotations
+
+from amp_fx.testing.dtype_tolerances import grad_tolerances, tolerances
+from amp_fx.testing.equivalence import (
+    Mismatch,
+    assert_close_normwise,
+    assert_equivalent,
+    compare_tensors,
+    infer_dtype,
+    normwise_error,
+)
+
+__all__ = [
+    "Mismatch",
+    "assert_close_normwise",
+    "assert_equivalent",
+    "compare_tensors",
+    "grad_tolerances",
+    "infer_dtype",
+    "normwise_error",
+    "tolerances",
+]

@@ -1,0 +1,203 @@
+"""Tests of amp_fx.testing: the tolerances, the comparison and `assert_equivalent` itself.
+
+The reference for "a low-precision model within tolerance" is the same model run in pure
+fp16/bf16 (`_low_precision_copy`: parameters and inputs cast, outputs back to FP32), the
+strictest thing mixed precision can do; it must pass, and a deliberately wrong model must not.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from amp_fx.testing import (
+    assert_close_normwise,
+    assert_equivalent,
+    compare_tensors,
+    grad_tolerances,
+    infer_dtype,
+    normwise_error,
+    tolerances,
+)
+
+LOW_DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _low_precision_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`model` in pure ``dtype`` with the same parameter names: inputs cast in, outputs cast out."""
+    low = copy.deepcopy(model).to(dtype)
+    low.register_forward_pre_hook(
+        lambda _m, args: tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
+    )
+    low.register_forward_hook(lambda _m, _args, out: out.float())
+    return low
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 16), nn.LayerNorm(16), nn.Linear(16, 5)
+    )
+
+
+def test_tolerances_grow_with_unit_roundoff() -> None:
+    fp32, fp16, bf16 = (tolerances(d) for d in (torch.float32, torch.float16, torch.bfloat16))
+    assert fp32[0] < fp16[0] < bf16[0]
+    for dtype in (torch.float32, *LOW_DTYPES):
+        rtol, atol = tolerances(dtype)
+        grad_rtol, grad_atol = grad_tolerances(dtype)
+        assert grad_rtol >= rtol and grad_atol >= atol
+        # Never tighter than the format can represent: at least a few unit roundoffs.
+        assert rtol >= 2 * torch.finfo(dtype).eps / 2
+
+
+@pytest.mark.parametrize("fn", [tolerances, grad_tolerances])
+def test_tolerances_reject_unknown_dtypes(fn) -> None:
+    with pytest.raises(ValueError, match="torch.int32"):
+        fn(torch.int32)
+    with pytest.raises(TypeError, match="torch.dtype"):
+        fn("float16")
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("seed", range(5))
+def test_pure_low_precision_model_is_within_tolerance(dtype: torch.dtype, seed: int) -> None:
+    model = _mlp(seed)
+    x = torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(seed))
+    assert_equivalent(model, _low_precision_copy(model, dtype), (x,), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_fp32_tolerance_rejects_low_precision_rounding(dtype: torch.dtype) -> None:
+    model = _mlp()
+    with pytest.raises(AssertionError, match="norm-wise error"):
+        assert_equivalent(
+            model, _low_precision_copy(model, dtype), (torch.randn(3, 16),), dtype=torch.float32
+        )
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_wrong_weight_is_caught_in_outputs_and_gradients(dtype: torch.dtype) -> None:
+    model = _mlp()
+    wrong = copy.deepcopy(model)
+    with torch.no_grad():
+        wrong[5].weight.mul_(1.2)  # a 20% error in the last layer
+    with pytest.raises(AssertionError) as info:
+        assert_equivalent(model, wrong, (torch.randn(3, 16),), dtype=dtype)
+    message = str(info.value)
+    assert "output[0]" in message and "grad of parameter '0.weight'" in message
+
+
+def test_wrong_gradient_alone_is_caught() -> None:
+    class DetachedLayerNorm(nn.Module):
+        """Same forward as the original, but no gradient flows into the first layer."""
+
+        def __init__(self, model: nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model[1:](self.model[0](x).detach())
+
+    model = nn.Sequential(_mlp())
+    converted = nn.Sequential(DetachedLayerNorm(copy.deepcopy(model[0])))
+    x = torch.randn(3, 16)
+    assert_equivalent(model, converted, (x,), dtype=torch.float32, check_grads=False)
+    with pytest.raises(AssertionError, match=r"'0\.model\.0\.weight'|grad of input\[0\]"):
+        assert_equivalent(model, converted, (x,), dtype=torch.float32)
+
+
+def test_missing_parameter_is_named() -> None:
+    model = nn.Sequential(nn.Linear(4, 4))
+    renamed = nn.Sequential(nn.Identity(), copy.deepcopy(model[0]))
+    with pytest.raises(AssertionError, match="'0.weight': the converted model has no parameter of that name"):
+        assert_equivalent(model, renamed, (torch.randn(2, 4),), dtype=torch.float32)
+
+
+def test_overflow_is_a_failure_not_averaged_away() -> None:
+    model = nn.Linear(4, 4)
+    with torch.no_grad():
+        model.weight.fill_(1.0e4)
+        model.bias.zero_()
+    x = torch.full((2, 4), 3.0)  # 1.2e5 overflows float16 (max 65504)
+    with pytest.raises(AssertionError, match="inf/NaN"):
+        assert_equivalent(model, _low_precision_copy(model, torch.float16), (x,), dtype=torch.float16)
+
+
+def test_output_structure_must_match() -> None:
+    class Pair(nn.Module):
+        def forward(self, x: torch.Tensor):
+            return x * 2, x + 1
+
+    class Single(nn.Module):
+        def forward(self, x: torch.Tensor):
+            return (x * 2,)
+
+    with pytest.raises(AssertionError, match="output structure"):
+        assert_equivalent(Pair(), Single(), (torch.randn(3),))
+
+
+def test_model_state_is_restored() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).train()
+    model[0].weight.grad = torch.full_like(model[0].weight, 7.0)
+    before = copy.deepcopy(model.state_dict())
+    assert_equivalent(model, model, (torch.randn(5, 4),))  # shared parameters: runs one at a time
+    assert torch.equal(model[0].weight.grad, torch.full_like(model[0].weight, 7.0))
+    assert model[0].bias.grad is None
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_dropout_sees_the_same_randomness() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)).train()
+    assert_equivalent(model, copy.deepcopy(model), (torch.randn(4, 8),), dtype=torch.float32)
+
+
+def test_integer_inputs_and_outputs_are_compared_exactly() -> None:
+    class ArgMax(nn.Module):
+        def __init__(self, offset: int) -> None:
+            super().__init__()
+            self.embedding = nn.Embedding(10, 4)
+            self.offset = offset
+
+        def forward(self, tokens: torch.Tensor):
+            h = self.embedding(tokens)
+            return h, h.sum(-1).argmax(-1) + self.offset
+
+    tokens = torch.randint(10, (2, 5))
+    torch.manual_seed(0)
+    same = ArgMax(0)
+    assert_equivalent(same, copy.deepcopy(same), (tokens,))
+    shifted = copy.deepcopy(same)
+    shifted.offset = 1
+    with pytest.raises(AssertionError, match=r"output\[1\]: torch.int64 values differ"):
+        assert_equivalent(same, shifted, (tokens,))
+
+
+def test_compare_tensors_measures() -> None:
+    e = torch.tensor([3.0, 4.0])
+    assert normwise_error(torch.tensor([3.0, 4.5]), e) == pytest.approx(0.1)
+    assert compare_tensors(torch.tensor([3.0, 4.5]), e, rtol=0.11, atol=0.0) is None
+    assert compare_tensors(torch.tensor([3.0, 4.5]), e, rtol=0.09, atol=0.0) is not None
+    # atol is a floor on the RMS error, for tensors that are zero in FP32.
+    assert compare_tensors(torch.tensor([1e-4, -1e-4]), torch.zeros(2), rtol=0.1, atol=1e-3) is None
+    assert compare_tensors(torch.tensor([1e-2, -1e-2]), torch.zeros(2), rtol=0.1, atol=1e-3) is not None
+    nan = torch.tensor([float("nan"), 1.0])
+    assert compare_tensors(nan.clone(), nan, rtol=0.0, atol=0.0) is None
+    assert compare_tensors(torch.tensor([0.0, 1.0]), nan, rtol=0.0, atol=0.0) is not None
+    assert "shape" in compare_tensors(torch.zeros(2, 1), torch.zeros(2), rtol=0.0, atol=0.0).message
+    with pytest.raises(AssertionError, match="half: norm-wise error"):
+        assert_close_normwise(e.half() + 1, e, rtol=1e-3, atol=0.0, name="half")
+
+
+def test_infer_dtype_from_parameters() -> None:
+    assert infer_dtype(nn.Linear(2, 2)) == torch.float32
+    assert infer_dtype(nn.Linear(2, 2).to(torch.bfloat16)) == torch.bfloat16
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="tuple of positional arguments"):
+        assert_equivalent(nn.Identity(), nn.Identity(), torch.randn(2))
