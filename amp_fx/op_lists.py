@@ -372,9 +372,11 @@ _CPU_PROMOTE = frozenset({"stack", "cat", "index_copy"})
 
 # Ops on no CPU list that torch.autocast("cpu") nevertheless changes, measured with torch 2.14.1:
 # einsum, tensordot, linalg_multi_dot and chain_matmul reach bmm/mm; rnn_tanh/rnn_relu/lstm/gru
-# reach linear/matmul or mkldnn_rnn_layer; multi_head_attention_forward reaches linear and sdpa.
+# reach linear/matmul or mkldnn_rnn_layer; multi_head_attention_forward reaches linear and sdpa;
+# bilinear reaches a lowered matmul inside and returns fp32 with low-precision rounding.
 _CPU_COMPOSITE = frozenset(
     {
+        "bilinear",
         "einsum",
         "tensordot",
         "linalg_multi_dot",
