@@ -1,0 +1,228 @@
+"""Apex's opt-level property table (O0-O3) and the consistency checks it applies to overrides.
+
+`amp.initialize` starts from the preset of the chosen opt level and applies every keyword that is
+not None as an override, in Apex's order, checking each against the opt level the way Apex did
+(e.g. O1 keeps model weights FP32, so `cast_model_type=torch.float16` with O1 is refused)::
+
+    >>> props = resolve_properties("O2", keep_batchnorm_fp32="False", loss_scale="128.0")
+    >>> props.keep_batchnorm_fp32, props.loss_scale, props.master_weights
+    (False, 128.0, True)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+
+OPT_LEVELS = ("O0", "O1", "O2", "O3")
+LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class AmpConfigError(ValueError, RuntimeError):
+    """A bad `amp.initialize` argument or property combination.
+
+    A ValueError like every amp_fx argument error, and a RuntimeError because that is what Apex
+    raised for the same mistakes, so `except RuntimeError` written for Apex keeps working.
+    """
+
+
+@dataclass(frozen=True)
+class Properties:
+    """The options an opt level stands for, with Apex's names and meanings."""
+
+    enabled: bool = False
+    opt_level: str | None = None
+    # The dtype the model's weights are stored in; None/False leaves them as they are (O1).
+    cast_model_type: torch.dtype | None | bool = None
+    # O1's op-level casts (Apex patched torch functions; amp_fx inserts the casts into the graph).
+    patch_torch_functions: bool = False
+    keep_batchnorm_fp32: bool | None = None
+    master_weights: bool | None = None
+    # "dynamic" or a fixed scale.
+    loss_scale: float | str = 1.0
+
+    def items(self) -> list[tuple[str, Any]]:
+        return [(f.name, getattr(self, f.name)) for f in fields(self)]
+
+
+# One line per opt level, as Apex's startup message shows it.
+OPT_LEVEL_BRIEF = {
+    "O0": "O0:  Pure FP32 training.",
+    "O1": "O1:  Casts inserted around each op by the autocast op lists; model weights stay FP32.",
+    "O2": "O2:  Low-precision weights with FP32 batchnorm and FP32 master weights.",
+    "O3": "O3:  Pure low-precision training.",
+}
+
+# Apex's property table. `enabled` and `opt_level` are set from the arguments.
+OPT_LEVEL_PRESETS: dict[str, dict[str, Any]] = {
+    "O0": dict(
+        cast_model_type=torch.float32,
+        patch_torch_functions=False,
+        keep_batchnorm_fp32=None,
+        master_weights=False,
+        loss_scale=1.0,
+    ),
+    "O1": dict(
+        cast_model_type=None,
+        patch_torch_functions=True,
+        keep_batchnorm_fp32=None,
+        master_weights=None,
+        loss_scale="dynamic",
+    ),
+    "O2": dict(
+        cast_model_type=torch.float16,
+        patch_torch_functions=False,
+        keep_batchnorm_fp32=True,
+        master_weights=True,
+        loss_scale="dynamic",
+    ),
+    "O3": dict(
+        cast_model_type=torch.float16,
+        patch_torch_functions=False,
+        keep_batchnorm_fp32=False,
+        master_weights=False,
+        loss_scale=1.0,
+    ),
+}
+
+
+def check_opt_level(opt_level: Any) -> str:
+    """Return `opt_level` if it is one of "O0".."O3", else raise naming the accepted spellings."""
+    if isinstance(opt_level, str) and opt_level in OPT_LEVELS:
+        return opt_level
+    hint = ""
+    if isinstance(opt_level, str) and opt_level.upper().replace("0", "O", 1) in OPT_LEVELS:
+        hint = (
+            f" (did you mean {opt_level.upper().replace('0', 'O', 1)!r}? the first character is the letter O)"
+        )
+    raise AmpConfigError(f"unexpected opt_level {opt_level!r}: use one of 'O0', 'O1', 'O2', 'O3'{hint}")
+
+
+def opt_level_defaults(opt_level: str) -> Properties:
+    """The preset of an opt level, before any override."""
+    level = check_opt_level(opt_level)
+    return Properties(enabled=True, opt_level=level, **OPT_LEVEL_PRESETS[level])
+
+
+def _check_cast_model_type(props: Properties, value: Any) -> Any:
+    if value is not None and value is not False and value not in (torch.float32, *LOW_PRECISION_DTYPES):
+        raise AmpConfigError(
+            f"cast_model_type={value!r} is not supported: use torch.float16, torch.bfloat16, "
+            "torch.float32 or None"
+        )
+    if props.opt_level == "O1" and value not in (None, False, torch.float32):
+        raise AmpConfigError(
+            "O1 casts around each op and keeps the model weights themselves FP32, so "
+            f"cast_model_type must stay None with O1 (it was {value}); to store the weights in low "
+            "precision use opt_level='O2' or 'O3'"
+        )
+    return value
+
+
+def _check_patch_torch_functions(props: Properties, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise AmpConfigError(f"patch_torch_functions must be True, False or None, not {value!r}")
+    if props.opt_level != "O1" and value:
+        raise AmpConfigError(
+            "patch_torch_functions=True (op-level casts) is what opt_level='O1' selects; "
+            "choose opt_level='O1' instead of setting it on another opt level"
+        )
+    return value
+
+
+def _check_keep_batchnorm_fp32(props: Properties, value: Any) -> bool | None:
+    if props.opt_level == "O1" and value is not None:
+        raise AmpConfigError(
+            "with opt_level O1 batchnorm already runs in FP32 through the op lists, so "
+            f"keep_batchnorm_fp32 must be None (it was {value!r})"
+        )
+    if value == "True":
+        return True
+    if value == "False":
+        return False
+    if value is True or value is False or value is None:
+        return value
+    raise AmpConfigError(
+        "keep_batchnorm_fp32 must be a boolean, the string 'True' or 'False', or None, "
+        f"found keep_batchnorm_fp32={value!r}"
+    )
+
+
+def _check_master_weights(props: Properties, value: Any) -> bool | None:
+    if props.opt_level == "O1" and value is not None:
+        raise AmpConfigError(
+            "master_weights make no sense with O1: its model weights are FP32 already; leave "
+            "master_weights=None, or use opt_level='O2' for low-precision weights with FP32 masters"
+        )
+    if value is not None and not isinstance(value, bool):
+        raise AmpConfigError(f"master_weights must be True, False or None, not {value!r}")
+    return value
+
+
+def _check_loss_scale(props: Properties, value: Any) -> float | str:
+    if value == "dynamic":
+        return value
+    try:
+        scale = float(value)
+    except (TypeError, ValueError):
+        raise AmpConfigError(
+            f"loss_scale must be 'dynamic' or a number (or a string of one, e.g. '128.0'), not {value!r}"
+        ) from None
+    if not math.isfinite(scale) or scale <= 0:
+        raise AmpConfigError(f"loss_scale must be a positive finite number or 'dynamic', not {value!r}")
+    return scale
+
+
+# Apex's override order; each check sees the opt level already in place.
+_OVERRIDE_CHECKS = (
+    ("cast_model_type", _check_cast_model_type),
+    ("patch_torch_functions", _check_patch_torch_functions),
+    ("keep_batchnorm_fp32", _check_keep_batchnorm_fp32),
+    ("master_weights", _check_master_weights),
+    ("loss_scale", _check_loss_scale),
+)
+
+
+def resolve_properties(opt_level: str = "O1", **overrides: Any) -> Properties:
+    """The opt level's preset with every override that is not None applied and checked.
+
+    Raises `AmpConfigError` (a ValueError and RuntimeError) for an unknown opt level, an unknown
+    override name or a value the opt level does not allow, as Apex did.
+    """
+    unknown = set(overrides) - {name for name, _ in _OVERRIDE_CHECKS}
+    if unknown:
+        raise AmpConfigError(
+            f"unknown property {sorted(unknown)}: known are {[n for n, _ in _OVERRIDE_CHECKS]}"
+        )
+    props = opt_level_defaults(opt_level)
+    for name, check in _OVERRIDE_CHECKS:
+        value = overrides.get(name)
+        if value is not None:
+            props = replace(props, **{name: check(props, value)})
+    return props
+
+
+def check_loss_scale_bounds(min_loss_scale: Any, max_loss_scale: Any) -> tuple[float | None, float]:
+    """Validate `min_loss_scale`/`max_loss_scale` and return them as floats (min may be None)."""
+    bounds = []
+    for name, value in (("min_loss_scale", min_loss_scale), ("max_loss_scale", max_loss_scale)):
+        if value is None and name == "min_loss_scale":
+            bounds.append(None)
+            continue
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not value > 0
+            or math.isinf(value)
+        ):
+            raise AmpConfigError(f"{name} must be a positive finite number, not {value!r}")
+        bounds.append(float(value))
+    low, high = bounds
+    if low is not None and low > high:
+        raise AmpConfigError(
+            f"min_loss_scale={low} is larger than max_loss_scale={high}: lower min_loss_scale"
+        )
+    return low, high

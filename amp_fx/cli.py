@@ -1,0 +1,267 @@
+"""The ``amp-fx`` command line (also ``python -m amp_fx``).
+
+``amp-fx inspect MODEL --opt-level O2 [--dtype bf16] [--input-shape 1,3,224,224] [--dot out.dot]``
+converts MODEL and prints `amp_fx.report` of the rewritten graph: each node's rule and dtypes, the
+casts inserted, what stayed FP32 and why. MODEL is ``torchvision:NAME`` (built with weights=None,
+nothing is downloaded), ``path/to/file.py:ClassName`` or ``package.module:ClassName``; the class is
+built with no arguments. Example::
+
+    $ amp-fx inspect torchvision:resnet18 --opt-level O2 --dtype bf16 --dot resnet18.dot
+
+A model that cannot be found or built, or that convert refuses, ends the command with exit status
+1 and one line on stderr that names the problem and the fix; bad arguments exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib
+import importlib.util
+import inspect as pyinspect
+import os
+import sys
+from collections.abc import Sequence
+
+import torch
+
+DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+INPUT_DTYPES = {"float32": torch.float32, "int64": torch.int64, "long": torch.int64}
+# torchvision classification models whose stem needs another input size than 224x224.
+_TORCHVISION_INPUT_SIZE = {"inception_v3": 299}
+
+
+class ModelSpecError(ValueError):
+    """MODEL names something that cannot be found or built; the message says what to do."""
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """Parse "1,3,224,224" (or "1x3x224x224") into a shape tuple."""
+    parts = text.replace("x", ",").split(",")
+    try:
+        shape = tuple(int(part) for part in parts if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"input shape must be integers like 1,3,224,224, got {text!r}"
+        ) from None
+    if not shape or any(size <= 0 for size in shape):
+        raise argparse.ArgumentTypeError(
+            f"input shape must be positive integers like 1,3,224,224, got {text!r}"
+        )
+    return shape
+
+
+def _build(cls: type, where: str) -> torch.nn.Module:
+    try:
+        model = cls()
+    except Exception as error:  # any failure in user code: report it on one line
+        raise ModelSpecError(
+            f"could not build {where} with no arguments ({type(error).__name__}: {error}); give the class "
+            "defaults for its arguments, or point MODEL at a class that needs none"
+        ) from error
+    if not isinstance(model, torch.nn.Module):
+        raise ModelSpecError(f"{where} built a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _module_classes(namespace: object) -> list[str]:
+    return sorted(
+        name
+        for name, value in vars(namespace).items()
+        if isinstance(value, type) and issubclass(value, torch.nn.Module) and not name.startswith("_")
+    )
+
+
+def _load_torchvision(name: str) -> torch.nn.Module:
+    try:
+        import torchvision
+    except ImportError:
+        raise ModelSpecError(
+            "torchvision is not installed: install it (pip install torchvision) to inspect torchvision models"
+        ) from None
+    available = torchvision.models.list_models()
+    if name not in available:
+        close = difflib.get_close_matches(name, available, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else "; see torchvision.models.list_models()"
+        raise ModelSpecError(f"torchvision has no model {name!r}{hint}")
+    try:
+        return torchvision.models.get_model(name, weights=None)
+    except Exception as error:
+        raise ModelSpecError(
+            f"could not build torchvision:{name} ({type(error).__name__}: {error})"
+        ) from error
+
+
+def _load_from_file(path: str, class_name: str) -> torch.nn.Module:
+    if not os.path.isfile(path):
+        raise ModelSpecError(f"no file {path!r}: give the path of a .py file that defines the model class")
+    module_name = "amp_fx_cli_model_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ModelSpecError(f"cannot import {path!r}: give the path of a Python (.py) file")
+    module = importlib.util.module_from_spec(spec)
+    # The file's directory goes on sys.path so that it can import its neighbours.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    try:
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    except Exception as error:
+        sys.modules.pop(module_name, None)
+        raise ModelSpecError(
+            f"importing {path} failed ({type(error).__name__}: {error}); fix the file"
+        ) from error
+    finally:
+        sys.path.pop(0)
+    return _class_from(module, class_name, path)
+
+
+def _load_from_module(module_name: str, class_name: str) -> torch.nn.Module:
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ModelSpecError(
+            f"cannot import {module_name!r} ({error}); give a path to a .py file, an importable module, "
+            "or torchvision:NAME"
+        ) from error
+    return _class_from(module, class_name, module_name)
+
+
+def _class_from(module: object, class_name: str, where: str) -> torch.nn.Module:
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+        classes = _module_classes(module)
+        close = difflib.get_close_matches(class_name, classes, n=3)
+        listed = ", ".join(close or classes) or "none"
+        what = "is not a torch.nn.Module class" if cls is not None else "is not defined"
+        raise ModelSpecError(f"{class_name!r} {what} in {where}; nn.Module classes there: {listed}")
+    return _build(cls, f"{where}:{class_name}")
+
+
+def load_model(spec: str) -> torch.nn.Module:
+    """Build the model MODEL names: ``torchvision:NAME``, ``file.py:Class`` or ``pkg.module:Class``.
+
+    >>> load_model("torchvision:resnet18").__class__.__name__
+    'ResNet'
+    """
+    source, sep, name = spec.rpartition(":")
+    if not sep or not source or not name:
+        raise ModelSpecError(
+            f"MODEL {spec!r} must be torchvision:NAME, path/to/file.py:ClassName or package.module:ClassName"
+        )
+    if source == "torchvision":
+        return _load_torchvision(name)
+    if source.endswith(".py") or os.sep in source or "/" in source:
+        return _load_from_file(source, name)
+    return _load_from_module(source, name)
+
+
+def default_input_shape(spec: str) -> tuple[int, ...] | None:
+    """The input shape used when --input-shape is not given: ImageNet-sized for torchvision models."""
+    source, _, name = spec.rpartition(":")
+    if source == "torchvision":
+        size = _TORCHVISION_INPUT_SIZE.get(name, 224)
+        return (1, 3, size, size)
+    return None
+
+
+def _positional_inputs(model: torch.nn.Module) -> int:
+    parameters = pyinspect.signature(model.forward).parameters.values()
+    return sum(
+        1
+        for p in parameters
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is pyinspect.Parameter.empty
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="amp-fx", description="amp_fx: mixed precision as torch.fx passes")
+    commands = parser.add_subparsers(dest="command", required=True)
+    inspect_cmd = commands.add_parser(
+        "inspect",
+        help="convert a model and print the report of the rewritten graph",
+        description="Convert MODEL at an opt level and print each node's rule, dtypes and inserted casts.",
+    )
+    inspect_cmd.add_argument(
+        "model", metavar="MODEL", help="torchvision:NAME, path/to/file.py:Class or pkg.module:Class"
+    )
+    inspect_cmd.add_argument("--opt-level", default="O2", choices=["O0", "O1", "O2", "O3"])
+    inspect_cmd.add_argument("--dtype", default="fp16", choices=sorted(DTYPES), help="low-precision dtype")
+    inspect_cmd.add_argument(
+        "--device-type", default=None, choices=["cuda", "cpu"], help="whose autocast op lists O1 follows"
+    )
+    inspect_cmd.add_argument(
+        "--input-shape",
+        type=parse_shape,
+        default=None,
+        help="shape of one example input, e.g. 1,3,224,224 (exact dtypes in the report); "
+        "torchvision models default to 1,3,224,224",
+    )
+    inspect_cmd.add_argument(
+        "--input-dtype", default="float32", choices=sorted(INPUT_DTYPES), help="dtype of the example input"
+    )
+    inspect_cmd.add_argument(
+        "--dot", metavar="PATH", default=None, help="also write the graph as Graphviz DOT"
+    )
+    inspect_cmd.add_argument(
+        "--diff", action="store_true", help="also print the diff against the original graph"
+    )
+    return parser
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    import amp_fx
+    from amp_fx.dot import write_dot
+
+    model = load_model(args.model).eval()
+    shape = args.input_shape or default_input_shape(args.model)
+    example_inputs = None
+    if shape is not None:
+        if _positional_inputs(model) > 1:
+            raise ModelSpecError(
+                f"{args.model} takes several inputs; --input-shape describes one: leave it out "
+                "(dtypes are then propagated statically)"
+            )
+        input_dtype = INPUT_DTYPES[args.input_dtype]
+        example = (
+            torch.zeros(shape, dtype=input_dtype) if not input_dtype.is_floating_point else torch.randn(shape)
+        )
+        example_inputs = (example,)
+    try:
+        gm = amp_fx.convert(
+            model,
+            args.opt_level,
+            dtype=DTYPES[args.dtype],
+            device_type=args.device_type,
+            example_inputs=example_inputs,
+        )
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ModelSpecError(f"converting {args.model} failed: {error}") from error
+    report = amp_fx.report(gm)
+    print(report)
+    if args.diff:
+        print(report.diff())
+    if args.dot:
+        write_dot(gm, args.dot)
+        print(f"wrote {args.dot} (render with: dot -Tsvg {args.dot} -o graph.svg)")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``amp-fx`` and ``python -m amp_fx``; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "inspect":
+            return run_inspect(args)
+    except ModelSpecError as error:
+        print(f"amp-fx: error: {error}".splitlines()[0], file=sys.stderr)
+        return 1
+    except OSError as error:
+        print(f"amp-fx: error: {error}", file=sys.stderr)
+        return 1
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
