@@ -1,0 +1,94 @@
+"""clip_grad_norm_: gradient clipping that works on the still-scaled grads of amp_fx optimizers.
+
+For `amp_fx.optim.FusedAdam` / `FusedSGD` the grads are left scaled by `amp_fx.LossScaler.unscale_`
+(the unscale happens inside the optimizer's kernel), so ``torch.nn.utils.clip_grad_norm_`` would
+measure scaled grads. This function instead computes the norm of ``grad * pending multiplier`` in
+one fused pass over all grads (fp32 accumulation), and folds the clip coefficient
+``min(1, max_norm / (norm + 1e-6))`` into the pending multiplier: nothing is rewritten, nothing is
+read on the host. For any other optimizer, or for an iterable of parameters, it is
+``torch.nn.utils.clip_grad_norm_``.
+
+Example:
+    >>> import torch, amp_fx
+    >>> w = torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))
+    >>> opt, scaler = amp_fx.optim.FusedSGD([w], lr=1.0), amp_fx.LossScaler(init_scale=1024.0)
+    >>> scaler.scale((w.float() * torch.tensor([3.0, 4.0])).sum()).backward()
+    >>> scaler.unscale_(opt)
+    >>> amp_fx.clip_grad_norm_(opt, max_norm=1.0)
+    tensor(5.)
+    >>> scaler.step(opt); scaler.update(); w.detach()
+    tensor([-0.6001, -0.7998], dtype=torch.float16)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+from amp_fx.kernels import reference
+from amp_fx.optim._fused_base import FusedOptimizer, is_fused_optimizer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["clip_grad_norm_"]
+
+# torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing.
+_NORM_EPS = 1e-6
+
+
+def clip_grad_norm_(
+    target: torch.optim.Optimizer | Tensor | Iterable[Tensor], max_norm: float, norm_type: float = 2.0
+) -> Tensor:
+    """Clip the total 2-norm of the gradients to ``max_norm``; return the norm before clipping (0-dim tensor).
+
+    ``target`` is an amp_fx optimizer (fused path: the norm of the unscaled grads, clip folded
+    into the pending grad multiplier, no host sync), another torch optimizer (its params' grads,
+    via torch.nn.utils.clip_grad_norm_) or parameters (torch.nn.utils.clip_grad_norm_).
+    Call it after ``scaler.unscale_(optimizer)`` and before ``scaler.step(optimizer)``.
+
+    An inf or NaN grad makes the norm inf or NaN, as in torch; under a LossScaler that step is
+    skipped anyway.
+
+    Example:
+        >>> import torch, amp_fx
+        >>> w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16)); w.grad = torch.ones_like(w)
+        >>> opt = amp_fx.optim.FusedSGD([w], lr=1.0)
+        >>> amp_fx.clip_grad_norm_(opt, max_norm=1.0)
+        tensor(2.)
+        >>> opt.step(); w.detach()
+        tensor([0.5000, 0.5000, 0.5000, 0.5000], dtype=torch.bfloat16)
+    """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
+        raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}")
+    if not is_fused_optimizer(target):
+        if isinstance(target, torch.optim.Optimizer):
+            target = [p for group in target.param_groups for p in group["params"]]
+        return torch.nn.utils.clip_grad_norm_(target, max_norm, norm_type=norm_type)
+    if float(norm_type) != 2.0:
+        raise ValueError(
+            f"clip_grad_norm_ on an amp_fx optimizer computes the 2-norm in its fused pass; got norm_type="
+            f"{norm_type}. Use norm_type=2.0"
+        )
+    return _clip_fused(target, float(max_norm))
+
+
+def _clip_fused(optimizer: FusedOptimizer, max_norm: float) -> Tensor:
+    grads_by_device = optimizer._amp_grads_by_device()
+    if not grads_by_device:
+        return torch.zeros(())
+    sq_norms = []
+    for device, grads in grads_by_device.items():
+        multiplier, found_inf = optimizer._amp_pending(device)
+        if found_inf is None:  # no LossScaler: the check runs anyway, its result is not used
+            found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        sq_norm = torch.zeros(1, dtype=torch.float32, device=device)
+        reference.check_finite_and_norm_(grads, found_inf, grad_multiplier=multiplier, sq_norm_out=sq_norm)
+        sq_norms.append(sq_norm)
+    home = sq_norms[0].device
+    total = sq_norms[0] if len(sq_norms) == 1 else sum(s.to(home, non_blocking=True) for s in sq_norms)
+    norm = total.sqrt()
+    optimizer._amp_fold_multiplier_(torch.clamp(max_norm / (norm + _NORM_EPS), max=1.0))
+    return norm.reshape(())

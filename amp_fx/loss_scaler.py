@@ -1,0 +1,659 @@
+"""LossScaler: dynamic loss scaling with torch.amp.GradScaler's protocol, state on the device.
+
+``scale``, ``unscale_``, ``step`` and ``update`` work as in ``torch.amp.GradScaler``, with the same
+defaults, so GradScaler code runs unchanged; on top of it: hysteresis, min/max scale, and a step
+with no host sync for amp_fx's fused optimizers.
+
+With `amp_fx.optim.FusedAdam` / `FusedSGD`:
+
+- ``unscale_(opt)`` does not rewrite the grads (an fp16 grad divided by 2^16 in place loses its
+  small values). It checks them for inf/NaN on the device and records ``1 / scale`` on the
+  optimizer as a pending grad multiplier; `amp_fx.clip_grad_norm_` folds its clip coefficient
+  into it; the optimizer's kernel applies it while it reads the grads. So clip with
+  ``amp_fx.clip_grad_norm_(opt, max_norm)``, not ``torch.nn.utils.clip_grad_norm_``, which would
+  see the still-scaled grads.
+- ``step(opt)`` always launches the update; on overflow the kernel writes nothing and the step
+  count stays, decided on the device. Nothing calls ``.item()``: scale, backward, step and update
+  run under ``torch.cuda.set_sync_debug_mode("error")`` and can be captured in a CUDA graph.
+
+With any other optimizer the scaler does what GradScaler does: ``unscale_`` divides the grads in
+place (fp16 grads are refused, as by GradScaler), and ``step`` reads ``found_inf`` on the host to
+decide whether to call ``optimizer.step()`` (a sync, as in GradScaler); optimizers with
+``_step_supports_amp_scaling`` (torch's ``fused=True`` Adam) get ``grad_scale``/``found_inf``.
+
+Example:
+    >>> import torch, amp_fx
+    >>> model = torch.nn.Linear(4, 2).half()
+    >>> opt = amp_fx.optim.FusedAdam(model.parameters())
+    >>> scaler = amp_fx.LossScaler(hysteresis=2)
+    >>> loss = model(torch.randn(8, 4, dtype=torch.float16)).float().square().mean()
+    >>> scaler.scale(loss).backward()
+    >>> scaler.unscale_(opt)
+    >>> norm = amp_fx.clip_grad_norm_(opt, max_norm=1.0)
+    >>> scaler.step(opt); scaler.update()
+    >>> scaler.get_scale()
+    65536.0
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from amp_fx.optim._fused_base import is_fused_optimizer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LossScaler"]
+
+
+class _Stage(enum.Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+def _fresh_optimizer_state() -> dict[str, Any]:
+    return {"stage": _Stage.READY, "found_inf_per_device": {}, "optimizer": None}
+
+
+def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
+        kind = "an int" if integer else "a finite number"
+        raise TypeError(f"{name} must be {kind}, got {value!r}")
+
+
+def _check_config(
+    init_scale: float,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+    min_scale: float | None,
+    max_scale: float | None,
+) -> None:
+    """Raise TypeError/ValueError for a bad scaler configuration (constructor and load_state_dict)."""
+    if isinstance(init_scale, str):
+        raise TypeError(
+            f"LossScaler's first argument is init_scale, got {init_scale!r}: unlike torch.amp.GradScaler it "
+            "takes no device (the scale lives on the device of the first scaled loss); drop that argument"
+        )
+    _check_number("init_scale", init_scale)
+    _check_number("growth_factor", growth_factor)
+    _check_number("backoff_factor", backoff_factor)
+    _check_number("growth_interval", growth_interval, integer=True)
+    _check_number("hysteresis", hysteresis, integer=True)
+    if init_scale <= 0:
+        raise ValueError(f"init_scale must be > 0, got {init_scale}")
+    if growth_factor <= 1.0:
+        raise ValueError(f"growth_factor must be > 1.0, got {growth_factor}")
+    if not 0.0 < backoff_factor < 1.0:
+        raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
+    if growth_interval < 1:
+        raise ValueError(f"growth_interval must be >= 1, got {growth_interval}")
+    if hysteresis < 1:
+        raise ValueError(f"hysteresis must be >= 1 (1 backs off at the first overflow), got {hysteresis}")
+    for name, bound in (("min_scale", min_scale), ("max_scale", max_scale)):
+        if bound is not None:
+            _check_number(name, bound)
+            if bound <= 0:
+                raise ValueError(f"{name} must be > 0 or None, got {bound}")
+    low = min_scale if min_scale is not None else 0.0
+    high = max_scale if max_scale is not None else math.inf
+    if low > high:
+        raise ValueError(f"min_scale ({min_scale}) must not exceed max_scale ({max_scale})")
+    if not low <= init_scale <= high:
+        raise ValueError(
+            f"the scale {init_scale} is outside [min_scale, max_scale] = [{min_scale}, {max_scale}]; "
+            "widen the bounds or change the scale"
+        )
+
+
+class LossScaler:
+    """Dynamic loss scaler: torch.amp.GradScaler's protocol with hysteresis and a min/max scale.
+
+    The scale starts at ``init_scale``, is multiplied by ``growth_factor`` after
+    ``growth_interval`` consecutive steps without inf/NaN grads (never above ``max_scale``) and
+    by ``backoff_factor`` on overflow (never below ``min_scale``).
+
+    Hysteresis follows DeepSpeed's ``DynamicLossScaler`` with ``consecutive_hysteresis=True``
+    (the same rule as Apex's ``update_scale_hysteresis`` used by NeMo): the scale backs off only
+    at the ``hysteresis``-th consecutive overflowing step, and again at every further consecutive
+    overflow; a clean step refills the count. Every overflowing step is skipped and resets the
+    growth count, whether or not it backs off. (Megatron's ``DynamicGradScaler`` refills the count
+    only when the scale grows; with ``hysteresis=1`` all of these, and GradScaler, agree.)
+
+    The scale (float32), growth tracker and hysteresis tracker (int32) are 0-dim tensors created
+    on the device of the first scaled loss; ``update`` changes them with device ops only.
+    ``enabled=False`` turns every method into a pass-through (bf16 training needs no scaling).
+
+    Args:
+        init_scale: initial scale (GradScaler's default 2**16).
+        growth_factor, backoff_factor, growth_interval: as torch.amp.GradScaler.
+        hysteresis: consecutive overflowing steps before the scale backs off (1 = GradScaler).
+        min_scale: lower bound of the scale (None: none).
+        max_scale: upper bound of the scale (None: none; 2**24 by default).
+        enabled: False makes the scaler a pass-through.
+
+    Example:
+        >>> import torch, amp_fx
+        >>> w = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+        >>> opt, scaler = amp_fx.optim.FusedSGD([w], lr=0.1), amp_fx.LossScaler(init_scale=1024.0)
+        >>> scaler.scale((w.float() * 3).sum()).backward()
+        >>> w.grad
+        tensor([3072., 3072.], dtype=torch.float16)
+        >>> scaler.step(opt); scaler.update()
+        >>> w
+        Parameter containing:
+        tensor([0.7002, 0.7002], dtype=torch.float16, requires_grad=True)
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        min_scale: float | None = None,
+        max_scale: float | None = 2.0**24,
+        enabled: bool = True,
+    ) -> None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be True or False, got {enabled!r}")
+        _check_config(
+            init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale
+        )
+        self._enabled = enabled
+        self._init_scale = float(init_scale)
+        self._growth_factor = float(growth_factor)
+        self._backoff_factor = float(backoff_factor)
+        self._growth_interval = int(growth_interval)
+        self._hysteresis = int(hysteresis)
+        self._min_scale = None if min_scale is None else float(min_scale)
+        self._max_scale = None if max_scale is None else float(max_scale)
+        self._init_growth_tracker = 0
+        self._init_hysteresis_tracker = self._hysteresis
+        # Created lazily on the device of the first scaled loss.
+        self._scale: Tensor | None = None
+        self._growth_tracker: Tensor | None = None
+        self._hysteresis_tracker: Tensor | None = None
+        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
+
+    # ----------------------------------------------------------------------------------------
+    # Device state
+
+    def _lazy_init(self, device: torch.device) -> None:
+        self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=device)
+        self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=device)
+        self._hysteresis_tracker = torch.full(
+            (), self._init_hysteresis_tracker, dtype=torch.int32, device=device
+        )
+
+    def _require_state(self, method: str) -> Tensor:
+        if self._scale is None:
+            raise RuntimeError(
+                f"LossScaler.{method}() was called before any loss was scaled; "
+                "call scaler.scale(loss).backward() first in each iteration"
+            )
+        return self._scale
+
+    # ----------------------------------------------------------------------------------------
+    # The protocol
+
+    def scale(self, outputs: Tensor | Iterable[Tensor]) -> Tensor | Iterable[Tensor]:
+        """Multiply a tensor (or an iterable of tensors, nested) by the scale; no-op when disabled.
+
+        Example:
+            >>> import torch
+            >>> LossScaler(init_scale=8.0).scale(torch.tensor(1.5))
+            tensor(12.)
+        """
+        if not self._enabled:
+            return outputs
+        copies: dict[torch.device, Tensor] = {}
+
+        def apply(value: Any) -> Any:
+            if isinstance(value, Tensor):
+                if self._scale is None:
+                    self._lazy_init(value.device)
+                if value.device not in copies:
+                    copies[value.device] = self._scale.to(value.device, non_blocking=True)
+                return value * copies[value.device]
+            if isinstance(value, (list, tuple)):
+                return type(value)(apply(v) for v in value)
+            if isinstance(value, Iterable):
+                return map(apply, value)
+            raise TypeError(f"scale() takes a tensor or an iterable of tensors, got {type(value).__name__}")
+
+        return apply(outputs)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale ``optimizer``'s grads and check them for inf/NaN (optional; ``step`` does it otherwise).
+
+        For amp_fx optimizers the grads stay as they are: ``1 / scale`` becomes a pending grad
+        multiplier on the optimizer (device tensor), applied by its next ``step`` and by
+        `amp_fx.clip_grad_norm_`; works for fp16 and bf16 grads, no host sync. For other
+        optimizers the grads are divided in place, as by torch.amp.GradScaler (fp16 grads refused).
+        Call it at most once per optimizer between ``update()`` calls.
+
+        Example:
+            >>> import torch, amp_fx
+            >>> w = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+            >>> opt, scaler = amp_fx.optim.FusedAdam([w]), amp_fx.LossScaler(init_scale=1024.0)
+            >>> scaler.scale(w.float().sum()).backward(); scaler.unscale_(opt)
+            >>> w.grad  # left scaled: the optimizer applies 1 / 1024 when it reads it
+            tensor([1024., 1024.], dtype=torch.float16)
+            >>> amp_fx.clip_grad_norm_(opt, max_norm=1.0)
+            tensor(1.4142)
+        """
+        if not self._enabled:
+            return
+        scale = self._require_state("unscale_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is _Stage.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update()")
+        if state["stage"] is _Stage.STEPPED:
+            raise RuntimeError(
+                "unscale_() is being called after step(); call it between backward() and step()"
+            )
+        # As GradScaler: the reciprocal in fp64, so 1/scale is exact for any float32 scale.
+        inv_scale = scale.double().reciprocal().float()
+        if is_fused_optimizer(optimizer):
+            found_infs = optimizer._amp_unscale_(inv_scale)
+        else:
+            found_zero = torch.zeros((), dtype=torch.float32, device=scale.device)
+            found_infs = self._unscale_in_place(optimizer, inv_scale, found_zero, allow_fp16=False)
+        state.update(stage=_Stage.UNSCALED, found_inf_per_device=found_infs, optimizer=optimizer)
+
+    def _unscale_in_place(
+        self, optimizer: torch.optim.Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool
+    ) -> dict[torch.device, Tensor]:
+        """GradScaler's unscale: grads *= inv_scale in place, found_inf per device (torch optimizers)."""
+        grouped: dict[torch.device, dict[torch.dtype, list[Tensor]]] = defaultdict(lambda: defaultdict(list))
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is None:
+                        continue
+                    if not allow_fp16 and param.grad.dtype == torch.float16:
+                        raise ValueError(
+                            "Attempting to unscale FP16 gradients of a torch.optim optimizer (GradScaler "
+                            "refuses too); use amp_fx.optim.FusedAdam / FusedSGD, which keep FP32 masters"
+                        )
+                    grad = param.grad
+                    if grad.is_sparse:
+                        if grad.dtype is torch.float16:
+                            param.grad = grad = grad.coalesce()
+                        grad = grad._values()
+                    grouped[grad.device][grad.dtype].append(grad)
+            found_infs: dict[torch.device, Tensor] = {}
+            inv_scales: dict[torch.device, Tensor] = {}
+            for device, per_dtype in grouped.items():
+                found_infs[device] = found_inf.to(device, copy=True)
+                inv_scales[device] = inv_scale.to(device)
+                for grads in per_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(
+                        grads, found_infs[device], inv_scales[device]
+                    )
+        return found_infs
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (unless ``unscale_`` ran) and step ``optimizer``, skipping the update on inf/NaN grads.
+
+        Returns what ``optimizer.step`` returns. For amp_fx optimizers the skip is decided on the
+        device inside the kernel; for others it reads found_inf on the host, as GradScaler does.
+        Closures are not supported (as in GradScaler).
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs or args:
+            raise RuntimeError(
+                "LossScaler.step does not take a closure (nor does GradScaler); run the forward and backward "
+                "yourself, then call scaler.step(optimizer)"
+            )
+        scale = self._require_state("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is _Stage.STEPPED:
+            raise RuntimeError("step() has already been called since the last update()")
+
+        if is_fused_optimizer(optimizer):
+            if state["stage"] is _Stage.READY:
+                self.unscale_(optimizer)
+            self._require_inf_checks(state)
+            result = optimizer.step(**kwargs)
+        elif getattr(optimizer, "_step_supports_amp_scaling", False):
+            result = self._step_torch_fused(optimizer, state, scale, kwargs)
+        else:
+            if state["stage"] is _Stage.READY:
+                self.unscale_(optimizer)
+            self._require_inf_checks(state)
+            # The GradScaler path for torch.optim optimizers: a host sync, by design of that protocol.
+            found = sum(v.item() for v in state["found_inf_per_device"].values())
+            result = optimizer.step(**kwargs) if not found else None
+        state["stage"] = _Stage.STEPPED
+        return result
+
+    def _step_torch_fused(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any], scale: Tensor, kwargs: dict[str, Any]
+    ) -> Any:
+        """GradScaler's protocol for optimizers that unscale in their own kernel (torch's fused Adam)."""
+        if state["stage"] is _Stage.READY:
+            dummy_inv_scale = torch.ones((), dtype=torch.float32, device=scale.device)
+            found_zero = torch.zeros((), dtype=torch.float32, device=scale.device)
+            infs = self._unscale_in_place(optimizer, dummy_inv_scale, found_zero, allow_fp16=True)
+            state.update(found_inf_per_device=infs, optimizer=optimizer)
+        self._require_inf_checks(state)
+        found_inf = sum(f.to(scale.device, non_blocking=True) for f in state["found_inf_per_device"].values())
+        # As GradScaler: after unscale_ the grads are already unscaled; otherwise hand over the scale
+        # (times any grad_scale the user set).
+        grad_scale = getattr(optimizer, "grad_scale", None)
+        if state["stage"] is not _Stage.UNSCALED:
+            grad_scale = scale if grad_scale is None else scale * grad_scale
+        optimizer.grad_scale = grad_scale
+        optimizer.found_inf = found_inf
+        try:
+            return optimizer.step(**kwargs)
+        finally:
+            del optimizer.grad_scale
+            del optimizer.found_inf
+
+    @staticmethod
+    def _require_inf_checks(state: dict[str, Any]) -> None:
+        if not state["found_inf_per_device"]:
+            raise RuntimeError(
+                "no inf checks were recorded for this optimizer: none of its parameters has a gradient; call "
+                "scaler.scale(loss).backward() before scaler.step(optimizer)"
+            )
+
+    def update(self, new_scale: float | Tensor | None = None) -> None:
+        """Update the scale from this iteration's overflow checks (or set it to ``new_scale``).
+
+        All device ops, no host sync. Call once per iteration, after ``step`` for every optimizer.
+
+        Example:
+            >>> import torch, amp_fx
+            >>> w = torch.nn.Parameter(torch.ones(1, dtype=torch.float16))
+            >>> opt, scaler = amp_fx.optim.FusedSGD([w]), amp_fx.LossScaler(init_scale=4.0)
+            >>> scaler.scale(w.float().sum() * float("inf")).backward()
+            >>> scaler.step(opt); scaler.update(); scaler.get_scale()
+            2.0
+        """
+        if not self._enabled:
+            return
+        scale = self._require_state("update")
+        if new_scale is not None:
+            self._set_scale(new_scale)
+        else:
+            found_infs = [
+                found_inf.to(scale.device, non_blocking=True).reshape(())
+                for state in self._per_optimizer_states.values()
+                for found_inf in state["found_inf_per_device"].values()
+            ]
+            if not found_infs:
+                raise RuntimeError(
+                    "no inf checks were recorded before update(); call scaler.step(optimizer) (or "
+                    "scaler.unscale_(optimizer)) first in each iteration"
+                )
+            found_inf = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).sum()
+            self._update_scale(found_inf)
+        for state in self._per_optimizer_states.values():
+            if is_fused_optimizer(state["optimizer"]):
+                state["optimizer"]._amp_clear_pending()
+        self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+
+    def _set_scale(self, new_scale: float | Tensor) -> None:
+        if isinstance(new_scale, Tensor):
+            if new_scale.numel() != 1 or new_scale.requires_grad:
+                raise ValueError(
+                    "new_scale must be a float or a one-element tensor that does not require grad"
+                )
+            self._scale.copy_(new_scale.reshape(()))
+        else:
+            _check_number("new_scale", new_scale)
+            if new_scale <= 0:
+                raise ValueError(f"new_scale must be > 0, got {new_scale}")
+            self._scale.fill_(float(new_scale))
+
+    def _update_scale(self, found_inf: Tensor) -> None:
+        """The scale rule (class docstring) as device ops on the 0-dim state tensors."""
+        scale, growth_tracker, hysteresis_tracker = (
+            self._scale,
+            self._growth_tracker,
+            self._hysteresis_tracker,
+        )
+        overflow = found_inf > 0
+        new_hysteresis = torch.where(overflow, (hysteresis_tracker - 1).clamp(min=0), self._hysteresis)
+        back_off = overflow & (new_hysteresis == 0)
+        successful = growth_tracker + 1
+        grow = ~overflow & (successful >= self._growth_interval)
+        new_growth_tracker = torch.where(overflow | grow, 0, successful)
+        # factor products in fp64, rounded once to fp32: what torch._amp_update_scale_ computes.
+        wide = scale.double()
+        backed_off = (wide * self._backoff_factor).float()
+        if self._min_scale is not None:
+            backed_off = backed_off.clamp(min=self._min_scale)
+        grown = (wide * self._growth_factor).float()
+        grown = torch.where(torch.isfinite(grown), grown, scale)  # as GradScaler: never grow to inf
+        if self._max_scale is not None:
+            grown = grown.clamp(max=self._max_scale)
+        scale.copy_(torch.where(back_off, backed_off, torch.where(grow, grown, scale)))
+        growth_tracker.copy_(new_growth_tracker)
+        hysteresis_tracker.copy_(new_hysteresis)
+
+    # ----------------------------------------------------------------------------------------
+    # Getters and setters (GradScaler's)
+
+    def _get_scale_async(self) -> Tensor | None:
+        return self._scale
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled). Reads the device: a host sync."""
+        if not self._enabled:
+            return 1.0
+        return self._init_scale if self._scale is None else float(self._scale.item())
+
+    def get_growth_factor(self) -> float:
+        """The factor the scale grows by after ``growth_interval`` clean steps."""
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (> 1)."""
+        _check_config(
+            self._init_scale,
+            new_factor,
+            self._backoff_factor,
+            self._growth_interval,
+            self._hysteresis,
+            self._min_scale,
+            self._max_scale,
+        )
+        self._growth_factor = float(new_factor)
+
+    def get_backoff_factor(self) -> float:
+        """The factor the scale shrinks by on overflow."""
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (in (0, 1))."""
+        _check_config(
+            self._init_scale,
+            self._growth_factor,
+            new_factor,
+            self._growth_interval,
+            self._hysteresis,
+            self._min_scale,
+            self._max_scale,
+        )
+        self._backoff_factor = float(new_factor)
+
+    def get_growth_interval(self) -> int:
+        """The number of consecutive clean steps before the scale grows."""
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (>= 1)."""
+        _check_config(
+            self._init_scale,
+            self._growth_factor,
+            self._backoff_factor,
+            new_interval,
+            self._hysteresis,
+            self._min_scale,
+            self._max_scale,
+        )
+        self._growth_interval = int(new_interval)
+
+    def get_hysteresis(self) -> int:
+        """The number of consecutive overflowing steps before the scale backs off."""
+        return self._hysteresis
+
+    def get_min_scale(self) -> float | None:
+        """The lower bound of the scale (None: unbounded)."""
+        return self._min_scale
+
+    def get_max_scale(self) -> float | None:
+        """The upper bound of the scale (None: unbounded)."""
+        return self._max_scale
+
+    def _get_growth_tracker(self) -> int:
+        if not self._enabled:
+            return 0
+        return self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
+
+    def _get_hysteresis_tracker(self) -> int:
+        if not self._enabled:
+            return 0
+        if self._hysteresis_tracker is None:
+            return self._init_hysteresis_tracker
+        return int(self._hysteresis_tracker.item())
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Tensor]:
+        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+    def is_enabled(self) -> bool:
+        """False when the scaler was created with ``enabled=False`` (a pass-through)."""
+        return self._enabled
+
+    # ----------------------------------------------------------------------------------------
+    # Checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state as plain Python numbers (empty when disabled); a superset of GradScaler's.
+
+        Keys: ``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
+        ``_growth_tracker`` (GradScaler's five) and ``hysteresis``, ``_hysteresis_tracker``,
+        ``min_scale``, ``max_scale``. Reads the device (a host sync): call it after ``update()``.
+
+        Example:
+            >>> LossScaler(init_scale=1024.0).state_dict()["scale"]
+            1024.0
+        """
+        if not self._enabled:
+            return {}
+        return {
+            "scale": self.get_scale(),
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            "_growth_tracker": self._get_growth_tracker(),
+            "hysteresis": self._hysteresis,
+            "_hysteresis_tracker": self._get_hysteresis_tracker(),
+            "min_scale": self._min_scale,
+            "max_scale": self._max_scale,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state from ``state_dict()`` (or from torch.amp.GradScaler's); no-op when disabled.
+
+        Every value is checked before anything changes. Keys GradScaler does not write
+        (hysteresis, bounds) keep their current values when absent.
+        """
+        if not self._enabled:
+            return
+        if not isinstance(state_dict, dict):
+            raise TypeError(
+                f"state_dict must be a dict from LossScaler.state_dict(), got {type(state_dict).__name__}"
+            )
+        if not state_dict:
+            raise ValueError(
+                "the loaded scaler state dict is empty: it was saved from a disabled scaler (enabled=False); "
+                "create this scaler with enabled=False too, or load a state dict from an enabled one"
+            )
+        required = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+        missing = [key for key in required if key not in state_dict]
+        if missing:
+            raise ValueError(
+                f"the loaded scaler state dict lacks {missing}; load one from LossScaler.state_dict()"
+            )
+
+        def number(key: str, default: Any) -> Any:
+            value = state_dict.get(key, default)
+            if isinstance(value, Tensor):
+                if value.numel() != 1:
+                    raise ValueError(
+                        f"'{key}' must be a number or a one-element tensor, got shape {tuple(value.shape)}"
+                    )
+                value = value.item()
+            return value
+
+        values = {
+            "init_scale": number("scale", None),
+            "growth_factor": number("growth_factor", None),
+            "backoff_factor": number("backoff_factor", None),
+            "growth_interval": number("growth_interval", None),
+            "hysteresis": number("hysteresis", self._hysteresis),
+            "min_scale": number("min_scale", self._min_scale),
+            "max_scale": number("max_scale", self._max_scale),
+        }
+        _check_config(**values)
+        growth_tracker = number("_growth_tracker", None)
+        hysteresis_tracker = number("_hysteresis_tracker", values["hysteresis"])
+        _check_number("_growth_tracker", growth_tracker, integer=True)
+        _check_number("_hysteresis_tracker", hysteresis_tracker, integer=True)
+        if growth_tracker < 0 or not 0 <= hysteresis_tracker <= values["hysteresis"]:
+            raise ValueError(
+                f"_growth_tracker ({growth_tracker}) must be >= 0 and _hysteresis_tracker "
+                f"({hysteresis_tracker}) in [0, hysteresis={values['hysteresis']}]"
+            )
+
+        self._init_scale = float(values["init_scale"])
+        self._growth_factor = float(values["growth_factor"])
+        self._backoff_factor = float(values["backoff_factor"])
+        self._growth_interval = int(values["growth_interval"])
+        self._hysteresis = int(values["hysteresis"])
+        self._min_scale = None if values["min_scale"] is None else float(values["min_scale"])
+        self._max_scale = None if values["max_scale"] is None else float(values["max_scale"])
+        self._init_growth_tracker = int(growth_tracker)
+        self._init_hysteresis_tracker = int(hysteresis_tracker)
+        if self._scale is not None:
+            self._scale.fill_(self._init_scale)
+            self._growth_tracker.fill_(self._init_growth_tracker)
+            self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self._enabled:
+            if self._per_optimizer_states:
+                raise RuntimeError(
+                    "a LossScaler may only be pickled at the start of an iteration or after scaler.update()"
+                )
+            # Device tensors are re-created lazily after unpickling, on the device of the first scaled loss.
+            state["_init_scale"] = self.get_scale()
+            state["_init_growth_tracker"] = self._get_growth_tracker()
+            state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
+            state["_scale"] = state["_growth_tracker"] = state["_hysteresis_tracker"] = None
+        state["_per_optimizer_states"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._per_optimizer_states = defaultdict(_fresh_optimizer_state)

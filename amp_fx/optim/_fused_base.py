@@ -1,0 +1,467 @@
+"""What FusedAdam and FusedSGD share: FP32 master weights, state, and a step with no host sync.
+
+For each fp16/bf16 parameter (with ``master_weights=True``) the optimizer keeps an FP32 copy in
+``state[p]["master_param"]``; the update reads the low-precision grad, computes in FP32 from the
+master and writes the master and the rounded low-precision weight. FP32 parameters are their own
+master and are updated in place.
+
+One step, per parameter group: collect the params that have grads and hand all of them to one
+call of the kernel (Triton on CUDA, the pure-torch reference elsewhere; `amp_fx.kernels`), then
+advance the group's step counter on the device. The step counter is a float32 tensor of shape (1,)
+in ``param_group["step"]``, one per group as in Apex's FusedAdam: all params of a group share it,
+and it advances whenever the group takes a step that was not skipped.
+
+Loss scaling reaches the kernel as two device tensors and is never read on the host:
+
+- ``grad_multiplier`` multiplies every grad: ``1 / loss_scale``, times a clip coefficient when
+  `amp_fx.clip_grad_norm_` ran. `amp_fx.LossScaler.unscale_` records it here instead of rewriting
+  the fp16 grads in place (dividing an fp16 grad by 2^16 would flush its small values to zero).
+- ``found_inf`` > 0 makes the kernel write nothing (weights, masters, moments stay bit-identical)
+  and keeps the step counter where it was.
+
+``torch.amp.GradScaler`` drives the same path through the ``grad_scale``/``found_inf`` attributes
+that it sets on optimizers with ``_step_supports_amp_scaling = True``.
+
+Example:
+    >>> import torch
+    >>> from amp_fx.optim import FusedSGD, master_params
+    >>> w = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    >>> opt = FusedSGD([w], lr=0.1)
+    >>> w.grad = torch.full((3,), 0.5, dtype=torch.float16)
+    >>> opt.step()
+    >>> next(master_params(opt))
+    tensor([0.9500, 0.9500, 0.9500])
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from amp_fx.kernels import reference
+from amp_fx.kernels.arguments import PARAM_DTYPES, is_dense
+
+logger = logging.getLogger(__name__)
+
+LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
+MASTER_KEY = "master_param"
+STEP_KEY = "step"
+
+
+def is_fused_optimizer(optimizer: Any) -> bool:
+    """True for optimizers that take loss scaling as a pending grad multiplier (amp_fx's fused ones)."""
+    return isinstance(optimizer, FusedOptimizer)
+
+
+def master_params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
+    """Yield, for each parameter of ``optimizer`` in param-group order, its FP32 master.
+
+    A parameter without a master (an fp32 parameter, or any parameter of a group with
+    ``master_weights=False``) is yielded itself.
+
+    Example:
+        >>> import torch
+        >>> from amp_fx.optim import FusedAdam, master_params
+        >>> w = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+        >>> [m.dtype for m in master_params(FusedAdam([w]))]
+        [torch.float32]
+    """
+    if not is_fused_optimizer(optimizer):
+        raise TypeError(
+            f"master_params needs an amp_fx.optim optimizer (FusedAdam, FusedSGD), got "
+            f"{type(optimizer).__name__}; torch.optim optimizers keep no master weights"
+        )
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            yield optimizer.state.get(param, {}).get(MASTER_KEY, param)
+
+
+@dataclass
+class _StepBatch:
+    """The tensors of one param group that take part in one step (params with a grad)."""
+
+    device: torch.device
+    params: list[Tensor] = field(default_factory=list)
+    grads: list[Tensor] = field(default_factory=list)
+    masters: list[Tensor | None] = field(default_factory=list)
+    states: dict[str, list[Tensor]] = field(default_factory=lambda: defaultdict(list))
+
+    def masters_or_none(self) -> list[Tensor | None] | None:
+        """The masters list, or None when no param has one (all are updated in place)."""
+        return None if all(m is None for m in self.masters) else self.masters
+
+
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(
+            f"{name} must be a finite Python float, got {value!r}; the fused kernels take hyperparameters "
+            "as Python numbers (a tensor would need a host sync to read)"
+        )
+    return float(value)
+
+
+def _param_tensors(params: Iterable[Any]) -> list[Tensor]:
+    """The tensors of a param list that may hold (name, tensor) pairs, as torch.optim allows."""
+    return [p[1] if isinstance(p, tuple) else p for p in params]
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """Base of the fused optimizers; subclasses say which state they keep and which kernel they call.
+
+    A subclass defines three methods:
+
+    - ``_state_keys(group) -> tuple[str, ...]``: names of its FP32 state tensors besides the master
+      (``("exp_avg", "exp_avg_sq")``), each shaped like the parameter;
+    - ``_check_hyperparameters(group)``: raise TypeError/ValueError for bad values in a param group;
+    - ``_update(kernels, batch, step, group, grad_multiplier, found_inf)``: one kernel call that
+      updates all params of ``batch`` (a `_StepBatch`).
+    """
+
+    # torch.amp.GradScaler then hands over grad_scale/found_inf instead of unscaling in place.
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+        self._reset_pending()
+        super().__init__(params, defaults)
+
+    # ----------------------------------------------------------------------------------------
+    # Param groups and state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        # torch.optim.Optimizer.__getstate__ keeps only defaults/state/param_groups (deepcopy, pickle).
+        if "_pending_multipliers" not in self.__dict__:
+            self._reset_pending()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group (torch semantics); creates FP32 masters, moments and a step counter for it.
+
+        Example:
+            >>> import torch
+            >>> from amp_fx.optim import FusedAdam
+            >>> opt = FusedAdam([torch.nn.Parameter(torch.zeros(2))])
+            >>> opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))]})
+            >>> opt.state[opt.param_groups[1]["params"][0]]["master_param"].dtype
+            torch.float32
+        """
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        param_group = dict(param_group)
+        params = param_group.get("params")
+        if isinstance(params, Tensor):
+            params = [params]
+        elif isinstance(params, set):
+            raise TypeError("optimizer parameters need to be organized in ordered collections, not a set")
+        elif params is None:
+            raise ValueError("param_group has no 'params' entry; pass {'params': [...], ...}")
+        param_group["params"] = list(params)
+        tensors = _param_tensors(param_group["params"])
+        self._check_params(tensors)
+        merged = {**self.defaults, **param_group}
+        self._check_hyperparameters(merged)
+        super().add_param_group(param_group)  # torch's checks (duplicates, names) before it appends
+        group = self.param_groups[-1]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        group[STEP_KEY] = torch.zeros(1, dtype=torch.float32, device=device)
+        for param in group["params"]:
+            self._init_state(param, group)
+
+    def _check_params(self, params: Sequence[Tensor]) -> None:
+        name = type(self).__name__
+        for i, param in enumerate(params):
+            if not isinstance(param, Tensor):
+                raise TypeError(
+                    f"{name} can only optimize tensors, but parameter {i} is {type(param).__name__}"
+                )
+            if param.dtype not in PARAM_DTYPES:
+                raise ValueError(
+                    f"{name} updates fp16, bf16 and fp32 parameters; parameter {i} has dtype {param.dtype}. "
+                    "Keep it out of this optimizer or convert it with .float()"
+                )
+            if param.is_sparse or not is_dense(param):
+                raise ValueError(
+                    f"{name} needs dense parameters; parameter {i} (shape {tuple(param.shape)}, strides "
+                    f"{param.stride()}) is not. Make it contiguous before creating the optimizer"
+                )
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ValueError(
+                f"a param group of {name} holds parameters on several devices ({sorted(map(str, devices))}); "
+                "its step counter lives on one device, so put each device's parameters in their own group"
+            )
+
+    def _init_state(self, param: Tensor, group: dict[str, Any]) -> None:
+        """Create whatever state ``param`` lacks: its FP32 master (copied from it) and zeroed moments."""
+        state = self.state[param]
+        with torch.no_grad():
+            if param.dtype in LOW_PRECISION_DTYPES and group["master_weights"] and MASTER_KEY not in state:
+                # .to() keeps the memory format, so master and param share strides (the kernels need it).
+                state[MASTER_KEY] = param.detach().to(torch.float32, copy=True)
+            for key in self._state_keys(group):
+                if key not in state:
+                    state[key] = torch.zeros_like(
+                        param, dtype=torch.float32, memory_format=torch.preserve_format
+                    )
+
+    # ----------------------------------------------------------------------------------------
+    # Pending loss scaling (set by LossScaler.unscale_ and clip_grad_norm_, consumed by step)
+
+    def _reset_pending(self) -> None:
+        self._pending_multipliers: dict[torch.device, Tensor] = {}
+        self._pending_found_infs: dict[torch.device, Tensor] = {}
+
+    def _amp_grads_by_device(self) -> dict[torch.device, list[Tensor]]:
+        """The grads of all params that have one, per device."""
+        grads: dict[torch.device, list[Tensor]] = defaultdict(list)
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    grads[param.grad.device].append(param.grad)
+        return dict(grads)
+
+    def _amp_unscale_(self, inv_scale: Tensor) -> dict[torch.device, Tensor]:
+        """Record ``inv_scale`` as the pending grad multiplier and check the grads for inf/NaN.
+
+        The grads are not modified. Returns the found_inf tensor (float32, shape (1,)) per device;
+        the next ``step`` skips the update on the device when one of them is > 0.
+        """
+        self._reset_pending()
+        for device, grads in self._amp_grads_by_device().items():
+            found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+            reference.check_finite_and_norm_(grads, found_inf)
+            self._pending_found_infs[device] = found_inf
+            self._pending_multipliers[device] = inv_scale.to(device, non_blocking=True).reshape(1)
+        return dict(self._pending_found_infs)
+
+    def _amp_pending(self, device: torch.device) -> tuple[Tensor | None, Tensor | None]:
+        """(grad multiplier, found_inf) recorded for ``device`` since the last step, or None for each."""
+        return self._pending_multipliers.get(device), self._pending_found_infs.get(device)
+
+    def _amp_fold_multiplier_(self, factor: Tensor) -> None:
+        """Multiply the pending grad multiplier of each device with grads by ``factor`` (a device tensor)."""
+        for device in self._amp_grads_by_device():
+            local = factor.to(device, non_blocking=True).reshape(1)
+            current = self._pending_multipliers.get(device)
+            self._pending_multipliers[device] = local if current is None else current * local
+
+    def _amp_clear_pending(self) -> None:
+        """Forget the pending multiplier and found_inf (LossScaler.update calls it after an iteration)."""
+        self._reset_pending()
+
+    # ----------------------------------------------------------------------------------------
+    # The step
+
+    def _collect(self, group: dict[str, Any]) -> _StepBatch | None:
+        """Gather the params of ``group`` that have grads, with their masters and states."""
+        batch: _StepBatch | None = None
+        keys = self._state_keys(group)
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise ValueError(
+                    f"{type(self).__name__} does not support sparse gradients; use torch.optim.SparseAdam "
+                    "for sparse embeddings (nn.Embedding(sparse=False) gives dense ones)"
+                )
+            if grad.stride() != param.stride() or not is_dense(grad):
+                # The kernels walk param, grad and states in storage order; give the grad the param's layout.
+                grad = torch.empty_like(param, dtype=grad.dtype).copy_(grad)
+            if batch is None:
+                batch = _StepBatch(device=param.device)
+            state = self.state[param]
+            if any(key not in state for key in keys):  # a hyperparameter changed (momentum 0 -> 0.9)
+                self._init_state(param, group)
+            batch.params.append(param)
+            batch.grads.append(grad)
+            batch.masters.append(state.get(MASTER_KEY))
+            for key in keys:
+                batch.states[key].append(state[key])
+        return batch
+
+    def _scaling_for(
+        self, device: torch.device, cache: dict[torch.device, tuple[Tensor | None, Tensor | None]]
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """The (grad_multiplier, found_inf) that this step applies on ``device``.
+
+        Combines the pending values from LossScaler/clip_grad_norm_ with ``grad_scale``/``found_inf``
+        set by torch.amp.GradScaler; all device arithmetic, computed once per device.
+        """
+        if device in cache:
+            return cache[device]
+        multiplier, found_inf = self._amp_pending(device)
+        grad_scale = getattr(self, "grad_scale", None)
+        if grad_scale is not None:
+            # GradScaler passes the scale itself; like GradScaler.unscale_, take the reciprocal in fp64.
+            inv_scale = grad_scale.to(device, non_blocking=True).double().reciprocal().float().reshape(1)
+            multiplier = inv_scale if multiplier is None else multiplier * inv_scale
+        torch_found_inf = getattr(self, "found_inf", None)
+        if torch_found_inf is not None:
+            local = torch_found_inf.to(device, torch.float32, non_blocking=True).reshape(1)
+            found_inf = local if found_inf is None else found_inf + local
+        cache[device] = (multiplier, found_inf)
+        return cache[device]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Update every parameter that has a grad, in one kernel call per param group.
+
+        ``closure`` (optional) re-evaluates the model and returns the loss, as in torch.optim.
+        Under a LossScaler (or torch.amp.GradScaler) the grads are unscaled and checked on the
+        device; an overflow leaves all weights, masters, moments and step counters bit-identical.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # Collect every group first, so that a bad grad raises before anything is written.
+        batches = [(group, self._collect(group)) for group in self.param_groups]
+        cache: dict[torch.device, tuple[Tensor | None, Tensor | None]] = {}
+        for group, batch in batches:
+            if batch is None:
+                continue
+            step = group[STEP_KEY]
+            grad_multiplier, found_inf = self._scaling_for(batch.device, cache)
+            kernels = reference  # the Triton kernels are chosen here once amp_fx.kernels picks them
+            self._update(kernels, batch, step, group, grad_multiplier, found_inf)
+            kernels.advance_step_(step, found_inf)
+        self._reset_pending()
+        return loss
+
+    # ----------------------------------------------------------------------------------------
+    # Checkpoints
+
+    def _expected_state(self, param: Tensor, group: dict[str, Any]) -> set[str]:
+        keys = set(self._state_keys(group))
+        if param.dtype in LOW_PRECISION_DTYPES and group["master_weights"]:
+            keys.add(MASTER_KEY)
+        return keys
+
+    def _check_loaded_group(self, index: int, saved: dict[str, Any], current: dict[str, Any]) -> None:
+        name = type(self).__name__
+        missing = sorted(k for k in (*self.defaults, STEP_KEY, "params") if k not in saved)
+        if missing:
+            raise ValueError(
+                f"param group {index} of the loaded state dict lacks {missing}; it was not saved by a {name} "
+                f"(load a state dict from {name}.state_dict())"
+            )
+        if len(saved["params"]) != len(current["params"]):
+            raise ValueError(
+                f"param group {index} of the loaded state dict has {len(saved['params'])} parameters but "
+                f"this optimizer's group has {len(current['params'])}; build it with the same parameters"
+            )
+        try:
+            self._check_hyperparameters(saved)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"param group {index} of the loaded state dict: {error}") from error
+        step = saved[STEP_KEY]
+        if isinstance(step, Tensor):
+            if step.numel() != 1 or not step.is_floating_point():
+                raise ValueError(
+                    f"param group {index}: 'step' must be a float tensor of one element, got dtype "
+                    f"{step.dtype} with {step.numel()} elements"
+                )
+        elif isinstance(step, bool) or not isinstance(step, (int, float)) or not step >= 0:
+            raise ValueError(f"param group {index}: 'step' must be a count of steps (>= 0), got {step!r}")
+
+    def _check_loaded_state(self, index: int, param: Tensor, saved_state: Any, group: dict[str, Any]) -> None:
+        where = f"state of parameter {index} (shape {tuple(param.shape)}, {param.dtype})"
+        if not isinstance(saved_state, dict):
+            raise ValueError(f"the loaded {where} must be a dict, got {type(saved_state).__name__}")
+        expected = self._expected_state(param, group)
+        missing, unexpected = sorted(expected - set(saved_state)), sorted(set(saved_state) - expected)
+        if missing or unexpected:
+            raise ValueError(
+                f"the loaded {where} has keys {sorted(saved_state)} but {type(self).__name__} expects "
+                f"{sorted(expected)} (missing {missing}, unexpected {unexpected}); was it saved by another "
+                "optimizer, another opt level or other hyperparameters (master_weights, momentum)?"
+            )
+        for key in sorted(expected):
+            value = saved_state[key]
+            if not isinstance(value, Tensor) or value.dtype != torch.float32 or value.shape != param.shape:
+                got = (
+                    f"{value.dtype} tensor of shape {tuple(value.shape)}"
+                    if isinstance(value, Tensor)
+                    else type(value).__name__
+                )
+                raise ValueError(
+                    f"the loaded {where}: '{key}' must be a float32 tensor of shape {tuple(param.shape)}, "
+                    f"got {got}; the checkpoint belongs to a different model"
+                )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from ``state_dict()``; everything is checked before anything changes.
+
+        Refused with a ValueError (the optimizer left as it was): a different number of param
+        groups or of params in a group, a state tensor of the wrong shape or dtype, missing or
+        unexpected state (another optimizer type, master_weights or momentum setting). Loaded
+        tensors are copied into the parameters' device and memory layout; the hyperparameters
+        come from the state dict, as in torch.optim.
+
+        Example:
+            >>> import io, torch
+            >>> from amp_fx.optim import FusedAdam
+            >>> w = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+            >>> opt = FusedAdam([w]); buffer = io.BytesIO(); torch.save(opt.state_dict(), buffer)
+            >>> _ = buffer.seek(0); opt.load_state_dict(torch.load(buffer, weights_only=True))
+        """
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict from {type(self).__name__}.state_dict()")
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        if "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError(
+                "the state dict needs 'state' and 'param_groups' entries (from optimizer.state_dict())"
+            )
+        saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"the loaded state dict has {len(saved_groups)} param groups but this optimizer has "
+                f"{len(self.param_groups)}; build the optimizer with the same param groups"
+            )
+        for index, (saved, current) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
+            self._check_loaded_group(index, saved, current)
+        position = 0
+        for saved, current in zip(saved_groups, self.param_groups, strict=True):
+            for saved_id, param in zip(saved["params"], current["params"], strict=True):
+                if saved_id not in saved_state:
+                    raise ValueError(
+                        f"the loaded state dict has no state for parameter {position} (id {saved_id})"
+                    )
+                self._check_loaded_state(position, param, saved_state[saved_id], saved)
+                position += 1
+
+        # Everything checked: build the new state as copies (never aliasing the given dict).
+        new_state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
+        new_groups = []
+        with torch.no_grad():
+            for saved, current in zip(saved_groups, self.param_groups, strict=True):
+                group = {k: v for k, v in saved.items() if k not in ("params", STEP_KEY)}
+                group["params"] = current["params"]
+                if "param_names" in current and "param_names" not in saved:
+                    group["param_names"] = current["param_names"]
+                step_device = current[STEP_KEY].device
+                group[STEP_KEY] = (
+                    torch.as_tensor(saved[STEP_KEY]).to(step_device, torch.float32).reshape(1).clone()
+                )
+                new_groups.append(group)
+                for saved_id, param in zip(saved["params"], current["params"], strict=True):
+                    for key, value in saved_state[saved_id].items():
+                        local = torch.empty_like(
+                            param, dtype=torch.float32, memory_format=torch.preserve_format
+                        )
+                        new_state[param][key] = local.copy_(value)
+        self.__setstate__({"state": new_state, "param_groups": new_groups})
+        self._reset_pending()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)

@@ -1,0 +1,110 @@
+"""FusedAdam: Adam/AdamW with FP32 master weights, one kernel call per param group, no host sync."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import ModuleType
+from typing import Any
+
+from torch import Tensor
+
+from amp_fx.kernels.reference import check_adam_hyperparameters
+from amp_fx.optim._fused_base import FusedOptimizer, _as_float, _StepBatch
+
+
+class FusedAdam(FusedOptimizer):
+    """Adam (``adam_w_mode=False``, L2 penalty) or AdamW (``adam_w_mode=True``, decoupled decay).
+
+    The math is torch.optim.Adam's / AdamW's, computed in FP32. For fp16/bf16 parameters with
+    ``master_weights=True`` (the default) the optimizer keeps an FP32 master copy in
+    ``state[p]["master_param"]`` and writes the rounded result back to the parameter; FP32
+    parameters are updated in place. Moments (``exp_avg``, ``exp_avg_sq``) are FP32. The step
+    count is one float32 device tensor per param group (``param_groups[i]["step"]``, Apex's
+    convention): it advances when the group takes a step that was not skipped, and every param of
+    the group uses it for bias correction (torch counts per param; the two agree whenever all
+    params of a group get a grad at every step).
+
+    Hyperparameters are read from the param groups at each step as Python floats, so LR schedulers
+    work as with torch.optim (when a step is captured in a CUDA graph, the values at capture time
+    are baked in).
+
+    Args:
+        params: parameters or param groups, as for torch.optim.Adam.
+        lr, betas, eps, weight_decay: as torch.optim.Adam / AdamW.
+        adam_w_mode: True for AdamW's decoupled weight decay, False for Adam's L2 penalty.
+        master_weights: keep FP32 masters for fp16/bf16 params (False: update them in place,
+            with FP32 arithmetic but low-precision storage).
+
+    Example:
+        >>> import torch, amp_fx
+        >>> model = torch.nn.Linear(4, 2).half()
+        >>> opt = amp_fx.optim.FusedAdam(model.parameters(), lr=1e-3)
+        >>> scaler = amp_fx.LossScaler()
+        >>> loss = model(torch.randn(8, 4, dtype=torch.float16)).float().square().mean()
+        >>> scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        adam_w_mode: bool = True,
+        master_weights: bool = True,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "adam_w_mode": adam_w_mode,
+            "master_weights": master_weights,
+        }
+        super().__init__(params, defaults)
+
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq")
+
+    def _check_hyperparameters(self, group: dict[str, Any]) -> None:
+        betas = group["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise TypeError(f"betas must be a pair of floats (beta1, beta2), got {betas!r}")
+        for name in ("adam_w_mode", "master_weights"):
+            if not isinstance(group[name], bool):
+                raise TypeError(f"{name} must be True or False, got {group[name]!r}")
+        check_adam_hyperparameters(
+            _as_float("lr", group["lr"]),
+            _as_float("beta1", betas[0]),
+            _as_float("beta2", betas[1]),
+            _as_float("eps", group["eps"]),
+            _as_float("weight_decay", group["weight_decay"]),
+        )
+
+    def _update(
+        self,
+        kernels: ModuleType,
+        batch: _StepBatch,
+        step: Tensor,
+        group: dict[str, Any],
+        grad_multiplier: Tensor | None,
+        found_inf: Tensor | None,
+    ) -> None:
+        beta1, beta2 = group["betas"]
+        kernels.adam_step_(
+            batch.params,
+            batch.grads,
+            batch.masters_or_none(),
+            batch.states["exp_avg"],
+            batch.states["exp_avg_sq"],
+            step,
+            lr=float(group["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            adam_w_mode=group["adam_w_mode"],
+            grad_multiplier=grad_multiplier,
+            found_inf=found_inf,
+        )
