@@ -1,8 +1,54 @@
-"""Triton kernels beside their pure-torch references; installed as `amp_fx.kernels`.
+"""Fused-optimizer kernels: Triton kernels beside their pure-torch reference; installed as `amp_fx.kernels`.
 
-``reference`` holds the fused-optimizer math in plain torch (runs anywhere).
+Two modules implement one contract (``check_finite_and_norm_``, ``adam_step_``, ``sgd_step_``,
+``advance_step_``; see ``reference``'s docstring for the math):
+
+- ``reference``: plain torch; runs on any device and is what the optimizers use without CUDA.
+- ``triton_ops``: Triton kernels, one launch per dtype group; run on CUDA tensors, or on CPU
+  tensors under ``TRITON_INTERPRET=1`` (slow; for tests). None when Triton is not installed.
+
+``implementation_for(tensors)`` picks one.
+
+Example:
+    >>> import torch
+    >>> from amp_fx.kernels import implementation_for, reference
+    >>> implementation_for([torch.zeros(2)]) is reference  # CPU tensors, AMP_FX_FORCE_TRITON unset
+    True
 """
 
-from amp_fx.kernels import reference
+from __future__ import annotations
 
-__all__ = ["reference"]
+import importlib.util
+import os
+from collections.abc import Iterable
+from types import ModuleType
+
+from amp_fx.kernels import reference
+from torch import Tensor
+
+if importlib.util.find_spec("triton") is not None:
+    from amp_fx.kernels import triton_ops
+else:  # e.g. macOS or Windows: no Triton wheel; the reference serves everything
+    triton_ops = None
+
+__all__ = ["reference", "triton_ops", "implementation_for"]
+
+FORCE_TRITON_ENV = "AMP_FX_FORCE_TRITON"
+
+
+def implementation_for(tensors: Iterable[Tensor]) -> ModuleType:
+    """The module to run these tensors' kernels with: ``triton_ops`` for CUDA tensors (or when the
+    environment sets ``AMP_FX_FORCE_TRITON=1``, e.g. to test the kernels on CPU under
+    ``TRITON_INTERPRET=1``), else ``reference``.
+
+    Example:
+        >>> import torch
+        >>> implementation_for([]).__name__
+        'amp_fx.kernels.reference'
+    """
+    if triton_ops is None:
+        return reference
+    if os.environ.get(FORCE_TRITON_ENV) == "1":
+        return triton_ops
+    first = next(iter(tensors), None)
+    return triton_ops if first is not None and first.is_cuda else reference

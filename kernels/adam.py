@@ -1,0 +1,311 @@
+"""Fused Adam / AdamW step for many tensors in one launch, with FP32 master weights.
+
+What: for every element of every parameter, in fp32, with t = step + 1 (torch.optim.Adam/AdamW)::
+
+    g  = grad * grad_multiplier                  grad_multiplier = 1 / loss_scale (x clip coefficient)
+    g += weight_decay * w                        L2 (adam_w_mode=False)
+    w *= 1 - lr * weight_decay                   decoupled (adam_w_mode=True)
+    m  = beta1 * m + (1 - beta1) * g
+    v  = beta2 * v + (1 - beta2) * g^2
+    w -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+    param = w.to(param.dtype)
+
+w is the fp32 master when the param has one, else the param itself (read, updated in fp32, written
+back in its own dtype).
+
+Why fused: the step is memory-bound. For an fp16 param with an fp32 master it must read the grad
+(2 B), master, m and v (12 B) and write master, m, v (12 B) and the param (2 B): 28 bytes per
+parameter, and nothing else. One pass does exactly that; the same step from torch parts makes
+several passes (grad to fp32, unscale, the update, the copy back) and moves about twice as much.
+
+Skip: when found_inf > 0 (an overflow found by ``check_finite_and_norm_``, launched before this
+kernel) every program sets its loop count to zero, so nothing is read or written: params, masters
+and moments keep their exact bits and no NaN reaches a master. The decision is made on the device,
+per program, from the same flag, so it is all-or-nothing.
+
+Bias correction: 1 - beta^t = -expm1(t * ln(beta)), computed once per program; expm1 avoids the
+cancellation of 1 - exp(x) when beta is close to 1 and t is small (beta2 = 0.999, t = 1).
+
+Layout: a pointer table (``pointer_table.py``) with columns param, grad, master, exp_avg,
+exp_avg_sq; one launch per (param dtype, grad dtype, has master) group, never one per tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import triton
+import triton.language as tl
+from amp_fx.kernels.arguments import check_update, log_beta
+from amp_fx.kernels.pointer_table import LaunchConfig, group_by_dtype, pointer_table, triton_dtype
+from amp_fx.kernels.reference import check_adam_hyperparameters
+from amp_fx.kernels.rounding import round_to_dtype
+from torch import Tensor
+
+# 1024 elements per iteration, 8 per thread with 4 warps: 16-byte loads of fp16 and 2 x 16-byte
+# loads of fp32. Tuned on an H200 (benchmarks/NOTES_optimizer.md).
+LAUNCH = LaunchConfig(block_size=1024, chunk_size=16 * 1024, num_warps=4)
+
+
+@triton.jit
+def one_minus_pow(log_base, exponent):
+    """1 - base**exponent = -expm1(exponent * ln(base)) for a scalar, accurate when the result is small."""
+    x = exponent * log_base
+    # expm1 by its Taylor series where |x| < 0.5 (truncation error < 1e-9 relative), exp(x) - 1 elsewhere.
+    taylor = x * (
+        1
+        + x
+        / 2
+        * (1 + x / 3 * (1 + x / 4 * (1 + x / 5 * (1 + x / 6 * (1 + x / 7 * (1 + x / 8 * (1 + x / 9)))))))
+    )
+    small = tl.abs(x) < 0.5
+    return -tl.where(small, taylor, tl.exp(tl.where(small, 0.0, x)) - 1)
+
+
+@triton.jit
+def _adam_block(
+    param_ptr,  # PARAM_DTYPE*: the param (also the fp32 master when HAS_MASTER is False)
+    grad_ptr,  # GRAD_DTYPE*: its gradient
+    master_ptr,  # float32*: fp32 master (only when HAS_MASTER)
+    exp_avg_ptr,  # float32*: first moment m
+    exp_avg_sq_ptr,  # float32*: second moment v
+    offsets,
+    mask,  # None for a full block (lets the compiler vectorize), else offsets < end
+    grad_multiplier,
+    lr,
+    step_size,
+    bias_correction2_sqrt,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    weight_decay,
+    decay_factor,
+    PARAM_DTYPE: tl.constexpr,
+    HAS_MASTER: tl.constexpr,
+    ADAM_W_MODE: tl.constexpr,
+    USE_WEIGHT_DECAY: tl.constexpr,
+):
+    grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32) * grad_multiplier
+    if HAS_MASTER:
+        weight = tl.load(master_ptr + offsets, mask=mask)
+    else:
+        weight = tl.load(param_ptr + offsets, mask=mask).to(tl.float32)
+    exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask)
+    exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask)
+    if USE_WEIGHT_DECAY:
+        if ADAM_W_MODE:
+            weight = weight * decay_factor
+        else:
+            grad = grad + weight_decay * weight
+    exp_avg = beta1 * exp_avg + one_minus_beta1 * grad
+    exp_avg_sq = beta2 * exp_avg_sq + one_minus_beta2 * grad * grad
+    denom = tl.sqrt_rn(exp_avg_sq) / bias_correction2_sqrt + eps
+    weight = weight - step_size * tl.div_rn(exp_avg, denom)
+    tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
+    tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
+    if HAS_MASTER:
+        tl.store(master_ptr + offsets, weight, mask=mask)
+    tl.store(param_ptr + offsets, round_to_dtype(weight, PARAM_DTYPE), mask=mask)
+
+
+@triton.jit
+def _adam_kernel(
+    tensor_table,  # int64 [T, 6]: pointers to param, grad, master (0: none), exp_avg, exp_avg_sq; numel
+    chunk_table,  # int64 [C, 2]: (tensor index, first element) of the chunk this program updates
+    step_ptr,  # float32 [1]: steps already taken; this step is t = step + 1
+    grad_multiplier_ptr,  # float32 [1]: multiplies every grad (read only if HAS_GRAD_MULTIPLIER)
+    found_inf_ptr,  # float32 [1]: > 0 means skip the step (read only if HAS_FOUND_INF)
+    lr,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    log_beta1,
+    log_beta2,
+    eps,
+    weight_decay,
+    decay_factor,  # 1 - lr * weight_decay, for adam_w_mode
+    PARAM_DTYPE: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr,
+    HAS_MASTER: tl.constexpr,
+    ADAM_W_MODE: tl.constexpr,
+    USE_WEIGHT_DECAY: tl.constexpr,
+    HAS_GRAD_MULTIPLIER: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every pointer in the table is 16-byte aligned
+    CHUNK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    chunk = tl.program_id(0).to(tl.int64)
+    tensor_index = tl.load(chunk_table + 2 * chunk)
+    chunk_start = tl.load(chunk_table + 2 * chunk + 1)
+    row = tensor_table + 6 * tensor_index
+    param_ptr = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
+    grad_ptr = tl.load(row + 1).to(tl.pointer_type(GRAD_DTYPE))
+    master_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    exp_avg_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    exp_avg_sq_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+    numel = tl.load(row + 5)
+    if ALIGNED:
+        param_ptr = tl.multiple_of(param_ptr, 16)
+        grad_ptr = tl.multiple_of(grad_ptr, 16)
+        master_ptr = tl.multiple_of(master_ptr, 16)
+        exp_avg_ptr = tl.multiple_of(exp_avg_ptr, 16)
+        exp_avg_sq_ptr = tl.multiple_of(exp_avg_sq_ptr, 16)
+    chunk_start = tl.multiple_of(chunk_start, CHUNK_SIZE)
+    chunk_end = tl.minimum(chunk_start + CHUNK_SIZE, numel)
+    if HAS_FOUND_INF:
+        # The skip: no iterations, so nothing is loaded or stored.
+        chunk_end = tl.where(tl.load(found_inf_ptr) > 0, chunk_start, chunk_end)
+
+    t = tl.load(step_ptr) + 1.0
+    step_size = lr / one_minus_pow(log_beta1, t)
+    bias_correction2_sqrt = tl.sqrt_rn(one_minus_pow(log_beta2, t))
+    grad_multiplier = 1.0
+    if HAS_GRAD_MULTIPLIER:
+        grad_multiplier = tl.load(grad_multiplier_ptr)
+
+    block = tl.arange(0, BLOCK_SIZE)
+    num_full_blocks = (chunk_end - chunk_start) // BLOCK_SIZE
+    for i in range(num_full_blocks):
+        offsets = chunk_start + i * BLOCK_SIZE + block
+        _adam_block(
+            param_ptr,
+            grad_ptr,
+            master_ptr,
+            exp_avg_ptr,
+            exp_avg_sq_ptr,
+            offsets,
+            None,
+            grad_multiplier,
+            lr,
+            step_size,
+            bias_correction2_sqrt,
+            beta1,
+            one_minus_beta1,
+            beta2,
+            one_minus_beta2,
+            eps,
+            weight_decay,
+            decay_factor,
+            PARAM_DTYPE,
+            HAS_MASTER,
+            ADAM_W_MODE,
+            USE_WEIGHT_DECAY,
+        )
+    tail_start = chunk_start + num_full_blocks * BLOCK_SIZE
+    if tail_start < chunk_end:
+        offsets = tail_start + block
+        _adam_block(
+            param_ptr,
+            grad_ptr,
+            master_ptr,
+            exp_avg_ptr,
+            exp_avg_sq_ptr,
+            offsets,
+            offsets < chunk_end,
+            grad_multiplier,
+            lr,
+            step_size,
+            bias_correction2_sqrt,
+            beta1,
+            one_minus_beta1,
+            beta2,
+            one_minus_beta2,
+            eps,
+            weight_decay,
+            decay_factor,
+            PARAM_DTYPE,
+            HAS_MASTER,
+            ADAM_W_MODE,
+            USE_WEIGHT_DECAY,
+        )
+
+
+def adam_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    masters: Sequence[Tensor | None] | None,
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    step: Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adam_w_mode: bool,
+    grad_multiplier: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> None:
+    """One Adam/AdamW step over all tensors, in one launch per dtype group; same contract as
+    ``amp_fx.kernels.reference.adam_step_`` (t = step + 1; nothing written when found_inf > 0).
+
+    Example:
+        >>> p = torch.ones(3, dtype=torch.float16, device="cuda"); g = torch.ones_like(p)
+        >>> master = p.float(); m, v = torch.zeros_like(master), torch.zeros_like(master)
+        >>> step = torch.zeros(1, device="cuda")
+        >>> adam_step_([p], [g], [master], [m], [v], step, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8,
+        ...            weight_decay=0.0, adam_w_mode=True)  # doctest: +SKIP
+    """
+    check_update(
+        params,
+        grads,
+        masters,
+        {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
+        step,
+        grad_multiplier,
+        found_inf,
+        {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay},
+    )
+    check_adam_hyperparameters(lr, beta1, beta2, eps, weight_decay)
+    if masters is None:
+        masters = [None] * len(params)
+    launch = LAUNCH
+    groups = group_by_dtype(
+        [p.dtype for p in params], [g.dtype for g in grads], [m is not None for m in masters]
+    )
+    for (param_dtype, grad_dtype, has_master), indices in groups.items():
+        table = pointer_table(
+            [
+                [params[i] for i in indices],
+                [grads[i] for i in indices],
+                [masters[i] for i in indices],
+                [exp_avgs[i] for i in indices],
+                [exp_avg_sqs[i] for i in indices],
+            ],
+            launch.chunk_size,
+        )
+        if table.num_chunks == 0:
+            continue
+        _adam_kernel[(table.num_chunks,)](
+            table.tensors,
+            table.chunks,
+            step,
+            step if grad_multiplier is None else grad_multiplier,
+            step if found_inf is None else found_inf,
+            lr,
+            beta1,
+            1.0 - beta1,
+            beta2,
+            1.0 - beta2,
+            log_beta(beta1),
+            log_beta(beta2),
+            eps,
+            weight_decay,
+            1.0 - lr * weight_decay,
+            PARAM_DTYPE=triton_dtype(param_dtype),
+            GRAD_DTYPE=triton_dtype(grad_dtype),
+            HAS_MASTER=has_master,
+            ADAM_W_MODE=adam_w_mode,
+            USE_WEIGHT_DECAY=weight_decay != 0.0,
+            HAS_GRAD_MULTIPLIER=grad_multiplier is not None,
+            HAS_FOUND_INF=found_inf is not None,
+            ALIGNED=table.aligned,
+            CHUNK_SIZE=launch.chunk_size,
+            BLOCK_SIZE=launch.block_size,
+            num_warps=launch.num_warps,
+        )

@@ -1,0 +1,254 @@
+"""Fused SGD step (momentum, dampening, Nesterov) for many tensors in one launch, with FP32 masters.
+
+What: for every element of every parameter, in fp32 (torch.optim.SGD)::
+
+    g   = grad * grad_multiplier + weight_decay * w
+    buf = g                                        first step (step == 0), as torch creates the buffer
+    buf = momentum * buf + (1 - dampening) * g     later steps
+    g   = g + momentum * buf  (nesterov)   or   buf      (when momentum != 0)
+    w  -= lr * g
+    param = w.to(param.dtype)
+
+w is the fp32 master when the param has one, else the param itself.
+
+Why fused: memory-bound, like Adam. For an fp16 param with an fp32 master and momentum it reads the
+grad (2 B), master and buffer (8 B) and writes master and buffer (8 B) and the param (2 B): 20 bytes
+per parameter (12 without momentum: no buffer), in one pass.
+
+Skip: when found_inf > 0 every program runs zero iterations, so nothing is read or written
+(all-or-nothing, decided on the device; see ``overflow_check.py`` for why the check runs first).
+
+Layout: a pointer table (``pointer_table.py``) with columns param, grad, master, momentum buffer;
+one launch per (param dtype, grad dtype, has master) group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import triton
+import triton.language as tl
+from amp_fx.kernels.arguments import check_update
+from amp_fx.kernels.pointer_table import LaunchConfig, group_by_dtype, pointer_table, triton_dtype
+from amp_fx.kernels.reference import check_sgd_hyperparameters
+from amp_fx.kernels.rounding import round_to_dtype
+from torch import Tensor
+
+# Tuned on an H200 (benchmarks/NOTES_optimizer.md).
+LAUNCH = LaunchConfig(block_size=1024, chunk_size=16 * 1024, num_warps=4)
+
+
+@triton.jit
+def _sgd_block(
+    param_ptr,  # PARAM_DTYPE*: the param (also the fp32 master when HAS_MASTER is False)
+    grad_ptr,  # GRAD_DTYPE*: its gradient
+    master_ptr,  # float32*: fp32 master (only when HAS_MASTER)
+    buffer_ptr,  # float32*: momentum buffer (only when USE_MOMENTUM)
+    offsets,
+    mask,  # None for a full block (lets the compiler vectorize), else offsets < end
+    first_step,
+    grad_multiplier,
+    lr,
+    momentum,
+    one_minus_dampening,
+    weight_decay,
+    PARAM_DTYPE: tl.constexpr,
+    HAS_MASTER: tl.constexpr,
+    USE_MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    USE_WEIGHT_DECAY: tl.constexpr,
+):
+    grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32) * grad_multiplier
+    if HAS_MASTER:
+        weight = tl.load(master_ptr + offsets, mask=mask)
+    else:
+        weight = tl.load(param_ptr + offsets, mask=mask).to(tl.float32)
+    if USE_WEIGHT_DECAY:
+        grad = grad + weight_decay * weight
+    if USE_MOMENTUM:
+        if first_step:
+            buffer = grad
+        else:
+            buffer = momentum * tl.load(buffer_ptr + offsets, mask=mask) + one_minus_dampening * grad
+        tl.store(buffer_ptr + offsets, buffer, mask=mask)
+        if NESTEROV:
+            grad = grad + momentum * buffer
+        else:
+            grad = buffer
+    weight = weight - lr * grad
+    if HAS_MASTER:
+        tl.store(master_ptr + offsets, weight, mask=mask)
+    tl.store(param_ptr + offsets, round_to_dtype(weight, PARAM_DTYPE), mask=mask)
+
+
+@triton.jit
+def _sgd_kernel(
+    tensor_table,  # int64 [T, 5]: data pointers of param, grad, master (0 if none), momentum buffer; numel
+    chunk_table,  # int64 [C, 2]: (tensor index, first element) of the chunk this program updates
+    step_ptr,  # float32 [1]: steps already taken; 0 means the momentum buffer starts as the grad
+    grad_multiplier_ptr,  # float32 [1]: multiplies every grad (read only if HAS_GRAD_MULTIPLIER)
+    found_inf_ptr,  # float32 [1]: > 0 means skip the step (read only if HAS_FOUND_INF)
+    lr,
+    momentum,
+    one_minus_dampening,
+    weight_decay,
+    PARAM_DTYPE: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr,
+    HAS_MASTER: tl.constexpr,
+    USE_MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    USE_WEIGHT_DECAY: tl.constexpr,
+    HAS_GRAD_MULTIPLIER: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every pointer in the table is 16-byte aligned
+    CHUNK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    chunk = tl.program_id(0).to(tl.int64)
+    tensor_index = tl.load(chunk_table + 2 * chunk)
+    chunk_start = tl.multiple_of(tl.load(chunk_table + 2 * chunk + 1), CHUNK_SIZE)
+    row = tensor_table + 5 * tensor_index
+    param_ptr = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
+    grad_ptr = tl.load(row + 1).to(tl.pointer_type(GRAD_DTYPE))
+    master_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    buffer_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    numel = tl.load(row + 4)
+    if ALIGNED:
+        param_ptr = tl.multiple_of(param_ptr, 16)
+        grad_ptr = tl.multiple_of(grad_ptr, 16)
+        master_ptr = tl.multiple_of(master_ptr, 16)
+        buffer_ptr = tl.multiple_of(buffer_ptr, 16)
+    chunk_end = tl.minimum(chunk_start + CHUNK_SIZE, numel)
+    if HAS_FOUND_INF:
+        # The skip: no iterations, so nothing is loaded or stored.
+        chunk_end = tl.where(tl.load(found_inf_ptr) > 0, chunk_start, chunk_end)
+    first_step = tl.load(step_ptr) == 0
+    grad_multiplier = 1.0
+    if HAS_GRAD_MULTIPLIER:
+        grad_multiplier = tl.load(grad_multiplier_ptr)
+
+    block = tl.arange(0, BLOCK_SIZE)
+    num_full_blocks = (chunk_end - chunk_start) // BLOCK_SIZE
+    for i in range(num_full_blocks):
+        offsets = chunk_start + i * BLOCK_SIZE + block
+        _sgd_block(
+            param_ptr,
+            grad_ptr,
+            master_ptr,
+            buffer_ptr,
+            offsets,
+            None,
+            first_step,
+            grad_multiplier,
+            lr,
+            momentum,
+            one_minus_dampening,
+            weight_decay,
+            PARAM_DTYPE,
+            HAS_MASTER,
+            USE_MOMENTUM,
+            NESTEROV,
+            USE_WEIGHT_DECAY,
+        )
+    tail_start = chunk_start + num_full_blocks * BLOCK_SIZE
+    if tail_start < chunk_end:
+        offsets = tail_start + block
+        _sgd_block(
+            param_ptr,
+            grad_ptr,
+            master_ptr,
+            buffer_ptr,
+            offsets,
+            offsets < chunk_end,
+            first_step,
+            grad_multiplier,
+            lr,
+            momentum,
+            one_minus_dampening,
+            weight_decay,
+            PARAM_DTYPE,
+            HAS_MASTER,
+            USE_MOMENTUM,
+            NESTEROV,
+            USE_WEIGHT_DECAY,
+        )
+
+
+def sgd_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    masters: Sequence[Tensor | None] | None,
+    momentum_buffers: Sequence[Tensor] | None,
+    step: Tensor,
+    *,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    grad_multiplier: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> None:
+    """One SGD step over all tensors, in one launch per dtype group; same contract as
+    ``amp_fx.kernels.reference.sgd_step_``.
+
+    Example:
+        >>> p = torch.ones(3, dtype=torch.float16, device="cuda"); g = torch.ones_like(p)
+        >>> master = p.float(); buf = torch.zeros_like(master); step = torch.zeros(1, device="cuda")
+        >>> sgd_step_([p], [g], [master], [buf], step, lr=0.1, momentum=0.9, dampening=0.0,
+        ...           weight_decay=0.0, nesterov=False)  # doctest: +SKIP
+    """
+    check_update(
+        params,
+        grads,
+        masters,
+        {"momentum_buffers": momentum_buffers},
+        step,
+        grad_multiplier,
+        found_inf,
+        {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay},
+    )
+    check_sgd_hyperparameters(lr, momentum, dampening, weight_decay, nesterov, momentum_buffers)
+    if masters is None:
+        masters = [None] * len(params)
+    use_momentum = momentum != 0.0
+    buffers = momentum_buffers if use_momentum else [None] * len(params)
+    launch = LAUNCH
+    groups = group_by_dtype(
+        [p.dtype for p in params], [g.dtype for g in grads], [m is not None for m in masters]
+    )
+    for (param_dtype, grad_dtype, has_master), indices in groups.items():
+        table = pointer_table(
+            [
+                [params[i] for i in indices],
+                [grads[i] for i in indices],
+                [masters[i] for i in indices],
+                [buffers[i] for i in indices],
+            ],
+            launch.chunk_size,
+        )
+        if table.num_chunks == 0:
+            continue
+        _sgd_kernel[(table.num_chunks,)](
+            table.tensors,
+            table.chunks,
+            step,
+            step if grad_multiplier is None else grad_multiplier,
+            step if found_inf is None else found_inf,
+            lr,
+            momentum,
+            1.0 - dampening,
+            weight_decay,
+            PARAM_DTYPE=triton_dtype(param_dtype),
+            GRAD_DTYPE=triton_dtype(grad_dtype),
+            HAS_MASTER=has_master,
+            USE_MOMENTUM=use_momentum,
+            NESTEROV=nesterov,
+            USE_WEIGHT_DECAY=weight_decay != 0.0,
+            HAS_GRAD_MULTIPLIER=grad_multiplier is not None,
+            HAS_FOUND_INF=found_inf is not None,
+            ALIGNED=table.aligned,
+            CHUNK_SIZE=launch.chunk_size,
+            BLOCK_SIZE=launch.block_size,
+            num_warps=launch.num_warps,
+        )
