@@ -430,7 +430,7 @@ def normalize_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         info = node_info(node)
         spelling = original_spelling(node, gm)
         if spelling is not None and spelling not in info.notes:
-            info.notes.append(spelling)
+            info.notes.insert(0, spelling)
         # Untraced code is one op for the policy, "opaque"; what it is stays in the notes.
         info.op = OPAQUE_OP if info.rule is Rule.OPAQUE else canonical_op(node, gm)
     return gm

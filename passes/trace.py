@@ -13,6 +13,10 @@ becomes an *opaque* node instead of an error:
 * functions registered with ``torch.fx.wrap`` (torchvision's Swin ``shifted_window_attention``,
   ``stochastic_depth``, ...) appear as opaque ``call_function`` nodes.
 
+torch.nn's transformer layers are traced along their non-fast path (the one autograd and autocast
+take): the MHA fast path is switched off while tracing, and ``nn.TransformerEncoder``'s
+shape checks, which fx cannot trace, are skipped.
+
 Each opaque node carries ``node_info(node).rule == Rule.OPAQUE`` and an ``opaque_reason``.
 Only when the top-level forward itself cannot be traced does `trace` raise `TraceError`,
 naming the line and suggesting ``concrete_args``.
@@ -33,7 +37,8 @@ Example::
     >>> gm = trace(model)
     >>> print(gm.code)                                  # before: Sequential(Linear, Gate, ReLU)
     def forward(self, input):
-        _0 = getattr(self, "0")(input);  input = None
+        input_1 = input
+        _0 = getattr(self, "0")(input_1);  input_1 = None
         _1 = getattr(self, "1")(_0);  _0 = None
         _2 = getattr(self, "2")(_1);  _1 = None
         return _2
@@ -141,9 +146,9 @@ class _PrimitiveLeafTracer(torch.fx.Tracer):
     def call_module(
         self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        if type(m) is nn.TransformerEncoder and _encoder_is_traceable(*args, **kwargs):
-            forward = functools.partial(_transformer_encoder_forward, m)
         try:
+            if type(m) is nn.TransformerEncoder and _encoder_is_traceable(*args, **kwargs):
+                forward = functools.partial(_transformer_encoder_forward, m)
             return super().call_module(m, forward, args, kwargs)
         except Exception as error:
             if self.failure is None:
@@ -216,6 +221,10 @@ def _culprit_frame(frames: Sequence[types.FrameType]) -> types.FrameType | None:
     outside_machinery = [f for f in frames if not _is_machinery(f.f_code.co_filename)]
     outside_torch = [f for f in outside_machinery if not f.f_code.co_filename.startswith(_TORCH_DIR)]
     chosen = outside_torch or outside_machinery
+    # A library's own argument check (`raise RuntimeError(...)`) is not what the user must look
+    # at; the call that passed it a traced value is.
+    while len(chosen) > 1 and _location(chosen[-1])[1].startswith("raise "):
+        chosen = chosen[:-1]
     return chosen[-1] if chosen else None
 
 
@@ -317,15 +326,15 @@ def _mark_opaque(
     gm: torch.fx.GraphModule,
     opaque_types: tuple[type, ...],
     leaf_names: set[str],
-    untraceable: dict[str, str],
+    untraceable: dict[str, tuple[str, str]],
 ) -> None:
     modules = dict(gm.named_modules())
     for node in gm.graph.nodes:
         if node.op == "call_module":
             module = modules[node.target]
-            reason = None
+            reason, detail = None, None
             if node.target in untraceable:
-                reason = untraceable[node.target]
+                reason, detail = untraceable[node.target]
             elif node.target in leaf_names or isinstance(module, opaque_types):
                 reason = f"leaf_modules: {type(module).__qualname__}"
             elif isinstance(module, OPAQUE_TORCH_MODULES):
@@ -336,6 +345,8 @@ def _mark_opaque(
             if reason is not None:
                 info = node_info(node)
                 info.rule, info.opaque_reason, info.op = Rule.OPAQUE, reason, type(module).__name__
+                if detail is not None:
+                    info.notes.append(detail)
         elif _is_opaque_function(node):
             info = node_info(node)
             name = _function_name(node.target)
@@ -379,7 +390,7 @@ def trace(
     opaque_types, leaf_names = _validate_leaf_modules(model, leaf_modules)
 
     root = copy.deepcopy(model)
-    untraceable: dict[str, str] = {}  # qualified name -> opaque_reason
+    untraceable: dict[str, tuple[str, str]] = {}  # qualified name -> (opaque_reason, the error)
     while True:
         tracer = _PrimitiveLeafTracer(opaque_types, leaf_names | set(untraceable))
         try:
@@ -388,8 +399,9 @@ def trace(
             break
         except Exception as error:
             failure = tracer.failure
-            if failure is None or failure[0] == "":
-                # Failed in the top-level forward (outside every traced-through submodule).
+            # A failure outside every traced-through submodule, or in a module that is already a
+            # leaf (making it opaque would not help), is the top-level forward's own.
+            if failure is None or failure[0] in ("", *tracer.opaque_names):
                 frames = _frames_after_current(error) if failure is None else failure[2]
                 where, source = _location(_culprit_frame(frames))
                 raise TraceError(
@@ -400,7 +412,7 @@ def trace(
                 ) from error
             name, error, frames = failure
             where, source = _location(_culprit_frame(frames))
-            untraceable[name] = f"untraceable: {where}: {source}"
+            untraceable[name] = (f"untraceable: {where}: {source}", f"{type(error).__name__}: {error}")
             logger.info(
                 "submodule %r (%s) cannot be traced (%s at %s: %s); keeping it as an opaque node",
                 name,

@@ -104,6 +104,38 @@ def test_transformer_encoder_layer_is_traced_through_with_opaque_attention():
     assert torch.equal(gm(x), layer(x))
 
 
+def test_transformer_encoder_is_traced_through_its_layers():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0)
+    model = nn.Sequential(nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(16), enable_nested_tensor=False))
+    gm = trace(model.eval())
+    assert set(_opaque(gm)) == {"0.layers.0.self_attn", "0.layers.1.self_attn"}
+    assert {"0.layers.0.linear1", "0.layers.1.norm2", "0.norm"} <= set(_call_modules(gm))
+    x = torch.randn(2, 5, 16)
+    assert torch.equal(gm(x), model(x))
+
+
+def test_a_mask_the_tracer_cannot_inspect_makes_only_the_layers_opaque():
+    class CausalEncoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2)
+
+        def forward(self, x):
+            mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
+            return self.encoder(x, mask=mask, is_causal=True)
+
+    model = CausalEncoder().eval()
+    gm = trace(model)
+    opaque = _opaque(gm)
+    assert set(opaque) == {"encoder.layers.0", "encoder.layers.1"}
+    # The reported line is the call that received the traced mask, not torch's argument check.
+    assert "torch/nn/modules/transformer.py" in opaque["encoder.layers.0"]
+    assert "raise" not in opaque["encoder.layers.0"]
+    x = torch.randn(2, 5, 8)
+    assert torch.equal(gm(x), model(x))
+
+
 def test_untraceable_submodule_becomes_opaque_with_file_line_and_source():
     model = Block()
     gm = trace(model)
