@@ -1,0 +1,445 @@
+"""End-to-end training-step benchmark: torch's mixed precision against amp_fx O1/O2/O3.
+
+One training step is forward, loss, (scaled) backward, optimizer step and scaler update. Every
+variant trains the same freshly seeded model on the same batch:
+
+    fp32             fp32 model, torch fused AdamW / SGD
+    autocast_fp16    torch.autocast(float16) + torch.amp.GradScaler, torch fused optimizer
+    autocast_bf16    torch.autocast(bfloat16), torch fused optimizer
+    half             model.half() (no master weights, no loss scaling), torch fused optimizer on fp16
+    o{1,2,3}_{fp16,bf16}
+                     amp_fx.convert(model, level, dtype=...) + amp_fx.optim.FusedAdam / FusedSGD
+                     (FP32 masters at O2) + amp_fx.LossScaler (dynamic for fp16 at O1/O2; off for
+                     bf16 and for O3, whose loss scale is 1.0 as in Apex)
+
+each eager and under torch.compile (the forward and the loss compiled; the optimizer step runs
+eagerly, as a fused kernel in every variant). Per variant it reports the median step time over
+``--steps`` steps after ``--warmup`` steps, the ratio to autocast_fp16 in the same mode, and peak
+memory (``torch.cuda.max_memory_allocated``, reset before the model is built, so it counts
+weights, optimizer state and activations). A variant that fails is reported in the table and the
+run goes on.
+
+GPU runs (each model fits one ~9-minute invocation on an H200, compiles included)::
+
+    python benchmarks/bench_train.py --model gpt --markdown BENCHMARKS.md
+    python benchmarks/bench_train.py --model resnet50 --markdown BENCHMARKS.md
+
+CPU check that everything runs (tiny models, compile through aot_eager, well under a minute)::
+
+    python benchmarks/bench_train.py --small --model all
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import logging
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import Workload, build_workload  # noqa: E402
+
+logger = logging.getLogger("bench_train")
+
+GPT_ADAMW = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+RESNET_SGD = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How one row of the table trains: who converts the model and in which precision."""
+
+    name: str
+    # "torch": plain PyTorch (fp32, autocast or .half()); "amp_fx": amp_fx.convert + fused optimizer.
+    framework: str
+    # dtype of the model's parameters (torch variants) or amp_fx's low dtype.
+    dtype: torch.dtype = torch.float32
+    autocast: bool = False
+    opt_level: str | None = None
+
+    @property
+    def uses_loss_scaling(self) -> bool:
+        # fp16 needs a dynamic loss scale wherever an fp32 copy of the weights exists (autocast, O1,
+        # O2); `.half()` and O3 train without one, as Apex's O3 does.
+        if self.dtype != torch.float16:
+            return False
+        return self.autocast or self.opt_level in ("O1", "O2")
+
+
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in [
+        Variant("fp32", "torch"),
+        Variant("autocast_fp16", "torch", torch.float16, autocast=True),
+        Variant("autocast_bf16", "torch", torch.bfloat16, autocast=True),
+        Variant("half", "torch", torch.float16),
+        *(
+            Variant(f"o{level}_{short}", "amp_fx", dtype, opt_level=f"O{level}")
+            for level in (1, 2, 3)
+            for short, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16))
+        ),
+    ]
+}
+BASELINE = "autocast_fp16"
+
+
+@dataclass
+class Result:
+    median_ms: float | None = None
+    peak_gib: float | None = None
+    setup_s: float = 0.0
+    error: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Building one variant's training step
+# ---------------------------------------------------------------------------------------------
+
+
+def make_optimizer(variant: Variant, work: Workload, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """torch's fused AdamW/SGD for the torch variants, amp_fx's FusedAdam/FusedSGD for amp_fx's."""
+    if variant.framework == "amp_fx":
+        import amp_fx.optim
+
+        # FP32 masters where the weights are stored low and updated by the optimizer (O2); O1's
+        # weights are fp32 already and O3 has none by definition.
+        masters = variant.opt_level == "O2"
+        if work.optimizer == "adamw":
+            return amp_fx.optim.FusedAdam(params, adam_w_mode=True, master_weights=masters, **GPT_ADAMW)
+        return amp_fx.optim.FusedSGD(params, master_weights=masters, **RESNET_SGD)
+    if work.optimizer == "adamw":
+        return torch.optim.AdamW(params, fused=True, **GPT_ADAMW)
+    return torch.optim.SGD(params, fused=True, **RESNET_SGD)
+
+
+def make_scaler(variant: Variant, device: torch.device) -> object | None:
+    if variant.framework == "amp_fx":
+        import amp_fx
+
+        return amp_fx.LossScaler(enabled=variant.uses_loss_scaling)
+    if variant.uses_loss_scaling:
+        return torch.amp.GradScaler(device.type)
+    return None
+
+
+def prepare_model(variant: Variant, work: Workload) -> nn.Module:
+    """The model as the variant trains it: as is, `.half()`-ed, or amp_fx-converted."""
+    if variant.framework == "amp_fx":
+        import amp_fx
+
+        return amp_fx.convert(work.model, variant.opt_level, dtype=variant.dtype)
+    if not variant.autocast and variant.dtype != torch.float32:
+        return work.model.to(variant.dtype)
+    return work.model
+
+
+def make_forward_loss(
+    variant: Variant, model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """forward + loss as one function, the region torch.compile compiles."""
+
+    def forward_loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if variant.autocast:
+            with torch.autocast(inputs.device.type, dtype=variant.dtype):
+                return loss_fn(model(inputs), targets)
+        return loss_fn(model(inputs), targets)
+
+    return forward_loss
+
+
+def build_step(
+    variant: Variant, work: Workload, mode: str, compile_backend: str
+) -> Callable[[], torch.Tensor]:
+    """Return a function that runs one full training step on the workload's batch."""
+    model = prepare_model(variant, work)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(variant, work, params)
+    scaler = make_scaler(variant, work.inputs.device)
+    forward_loss = make_forward_loss(variant, model, work.loss_fn)
+    if mode == "compile":
+        forward_loss = torch.compile(forward_loss, backend=compile_backend)
+    inputs = work.inputs
+    if variant.framework == "torch" and not variant.autocast and inputs.is_floating_point():
+        inputs = inputs.to(variant.dtype)  # `.half()` models take fp16 images
+    targets = work.targets
+
+    def step() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = forward_loss(inputs, targets)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        return loss
+
+    return step
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+
+
+def time_steps(step: Callable[[], torch.Tensor], device: torch.device, warmup: int, steps: int) -> float:
+    """Median ms per step. On CUDA, events between consecutive steps with no sync in between, so
+    a step's time includes any host-side gap (launch overhead shows up, as it does in training)."""
+    for _ in range(warmup):
+        step()
+    if device.type != "cuda":
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+    torch.cuda.synchronize(device)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    events[0].record()
+    for i in range(steps):
+        step()
+        events[i + 1].record()
+    torch.cuda.synchronize(device)
+    return statistics.median(events[i].elapsed_time(events[i + 1]) for i in range(steps))
+
+
+def release_memory(device: torch.device) -> None:
+    """Drop everything the previous variant left: compiled graphs, cached blocks, peak counters."""
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def short_error(exc: BaseException) -> str:
+    first_line = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first_line[:100]}"
+
+
+def run_variant(
+    model_name: str,
+    variant: Variant,
+    mode: str,
+    args: argparse.Namespace,
+    device: torch.device,
+) -> Result:
+    result = Result()
+    release_memory(device)
+    start = time.perf_counter()
+    try:
+        work = build_workload(model_name, device, small=args.small, batch_size=args.batch_size)
+        step = build_step(variant, work, mode, args.compile_backend)
+        # The step holds what it needs; amp_fx's unconverted original goes now, and the peak counts
+        # from here: weights, optimizer state and activations of training, not conversion copies.
+        del work
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        warmup = args.warmup if mode == "eager" else max(args.warmup, 2)
+        result.median_ms = time_steps(step, device, warmup, args.steps)
+        if device.type == "cuda":
+            result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+    except Exception as exc:  # a failing variant is a row of the table, not the end of the run
+        logger.exception("%s %s %s failed", model_name, variant.name, mode)
+        result.error = short_error(exc)
+    finally:
+        step = None  # noqa: F841 -- frees the model, optimizer state and compiled graphs
+        release_memory(device)
+    result.setup_s = time.perf_counter() - start
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+
+
+def environment_line(device: torch.device, compile_backend: str) -> str:
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    else:
+        where = f"CPU ({os.cpu_count()} cores)"
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    date = datetime.date.today().isoformat()
+    return (
+        f"{where}, torch {torch.__version__}, triton {triton_version}, "
+        f"compile backend {compile_backend}, {date}"
+    )
+
+
+def format_table(
+    model_name: str,
+    variants: list[Variant],
+    modes: list[str],
+    results: dict[tuple[str, str], Result],
+    title: str,
+) -> str:
+    header = ["variant"]
+    for mode in modes:
+        header += [f"{mode} ms/step", f"{mode} vs {BASELINE}", f"{mode} peak GiB"]
+    lines = [f"#### {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    errors = []
+    for variant in variants:
+        cells = [variant.name]
+        for mode in modes:
+            result = results.get((variant.name, mode))
+            baseline = results.get((BASELINE, mode))
+            if result is None:
+                cells += ["-", "-", "-"]
+                continue
+            if result.error is not None:
+                errors.append(f"- {variant.name} ({mode}): {result.error}")
+                cells += ["failed", "-", "-"]
+                continue
+            ratio = "-"
+            if baseline is not None and baseline.median_ms:
+                ratio = f"{result.median_ms / baseline.median_ms:.2f}x"
+            peak = "-" if result.peak_gib is None else f"{result.peak_gib:.2f}"
+            cells += [f"{result.median_ms:.1f}", ratio, peak]
+        lines.append("| " + " | ".join(cells) + " |")
+    if errors:
+        lines += ["", "Failures:", *errors]
+    return "\n".join(lines) + "\n"
+
+
+def workload_description(model_name: str, small: bool, batch_size: int | None) -> str:
+    if model_name == "gpt":
+        return "GPT tiny (CPU check)" if small else f"GPT-2 small 124M, batch {batch_size or 16} x seq 1024"
+    if small:
+        return "ResNet (Bottleneck [1,1,1,1], 32x32, CPU check)"
+    return f"ResNet-50, batch {batch_size or 256} x 224x224, channels_last"
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", choices=["gpt", "resnet50", "all"], default="all")
+    parser.add_argument("--modes", default="eager,compile", help="comma list of eager, compile")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20; 3 with --small)")
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="untimed steps first (default 3; 1 with --small)"
+    )
+    parser.add_argument("--batch-size", type=int, default=None, help="override the model's batch size")
+    parser.add_argument("--small", action="store_true", help="tiny models: checks the benchmark runs, on CPU")
+    parser.add_argument(
+        "--compile-backend",
+        default=None,
+        help="torch.compile backend (default inductor on CUDA, aot_eager on CPU: inductor's C++ "
+        "compile takes minutes there and a CPU run only checks that everything works)",
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds; variants that would start after this are reported as skipped",
+    )
+    parser.add_argument(
+        "--markdown", default=None, help="append the tables to this file (e.g. BENCHMARKS.md)"
+    )
+    parser.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    args = parser.parse_args(argv)
+
+    args.modes = [m for m in args.modes.split(",") if m]
+    for mode in args.modes:
+        if mode not in ("eager", "compile"):
+            parser.error(f"unknown mode {mode!r}: use eager and/or compile")
+    names = [v for v in args.variants.split(",") if v]
+    for name in names:
+        if name not in VARIANTS:
+            parser.error(f"unknown variant {name!r}: choose from {', '.join(VARIANTS)}")
+    args.variants = [VARIANTS[n] for n in names]
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.steps is None:
+        args.steps = 3 if args.small else 20
+    if args.warmup is None:
+        args.warmup = 1 if args.small else 3
+    if args.compile_backend is None:
+        args.compile_backend = "inductor" if args.device.type == "cuda" else "aot_eager"
+    return args
+
+
+@contextlib.contextmanager
+def quiet_compile_warnings() -> Iterator[None]:
+    # Recompile warnings from torch._dynamo would interleave with the table; failures are logged.
+    previous = logging.getLogger("torch._dynamo").level
+    logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logging.getLogger("torch._dynamo").setLevel(previous)
+
+
+def benchmark_model(model_name: str, args: argparse.Namespace, deadline: float | None) -> str:
+    # The baseline runs first in each mode so every later row has its ratio even if the run is cut.
+    variants = sorted(args.variants, key=lambda v: v.name != BASELINE)
+    results: dict[tuple[str, str], Result] = {}
+    for mode in args.modes:
+        for variant in variants:
+            if deadline is not None and time.perf_counter() > deadline:
+                results[(variant.name, mode)] = Result(error="skipped: --time-budget spent")
+                continue
+            result = run_variant(model_name, variant, mode, args, args.device)
+            results[(variant.name, mode)] = result
+            status = result.error or f"{result.median_ms:.2f} ms/step" + (
+                f", peak {result.peak_gib:.2f} GiB" if result.peak_gib is not None else ""
+            )
+            print(
+                f"  {model_name} {mode:7s} {variant.name:14s} {status} ({result.setup_s:.0f} s)", flush=True
+            )
+    ordered = [v for v in args.variants]
+    title = (
+        f"Training step: {workload_description(model_name, args.small, args.batch_size)} - "
+        f"{environment_line(args.device, args.compile_backend)}"
+    )
+    return format_table(model_name, ordered, args.modes, results, title)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    deadline = None if args.time_budget is None else time.perf_counter() + args.time_budget
+    models = ["gpt", "resnet50"] if args.model == "all" else [args.model]
+    tables = []
+    with quiet_compile_warnings():
+        for model_name in models:
+            print(
+                f"{model_name}: {args.steps} timed steps after {args.warmup} warm-up, {args.device}",
+                flush=True,
+            )
+            tables.append(benchmark_model(model_name, args, deadline))
+    text = "\n".join(tables)
+    print()
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write("\n" + text)
+
+
+if __name__ == "__main__":
+    main()
