@@ -28,7 +28,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from amp_fx.kernels import reference
+from amp_fx.kernels import implementation_for
 from amp_fx.optim._fused_base import FusedOptimizer, is_fused_optimizer
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,9 @@ def _clip_fused(optimizer: FusedOptimizer, max_norm: float) -> Tensor:
         if found_inf is None:  # no LossScaler: the check runs anyway, its result is not used
             found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         sq_norm = torch.zeros(1, dtype=torch.float32, device=device)
-        reference.check_finite_and_norm_(grads, found_inf, grad_multiplier=multiplier, sq_norm_out=sq_norm)
+        implementation_for(grads).check_finite_and_norm_(
+            grads, found_inf, grad_multiplier=multiplier, sq_norm_out=sq_norm
+        )
         sq_norms.append(sq_norm)
     home = sq_norms[0].device
     total = sq_norms[0] if len(sq_norms) == 1 else sum(s.to(home, non_blocking=True) for s in sq_norms)

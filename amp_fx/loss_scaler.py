@@ -25,14 +25,14 @@ Example:
     >>> import torch, amp_fx
     >>> model = torch.nn.Linear(4, 2).half()
     >>> opt = amp_fx.optim.FusedAdam(model.parameters())
-    >>> scaler = amp_fx.LossScaler(hysteresis=2)
-    >>> loss = model(torch.randn(8, 4, dtype=torch.float16)).float().square().mean()
+    >>> scaler = amp_fx.LossScaler(init_scale=1024.0, hysteresis=2)
+    >>> loss = model(torch.ones(8, 4, dtype=torch.float16)).float().square().mean()
     >>> scaler.scale(loss).backward()
     >>> scaler.unscale_(opt)
     >>> norm = amp_fx.clip_grad_norm_(opt, max_norm=1.0)
     >>> scaler.step(opt); scaler.update()
     >>> scaler.get_scale()
-    65536.0
+    1024.0
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from amp_fx.kernels import reference
+from amp_fx.kernels import implementation_for
 from amp_fx.kernels.arguments import PARAM_DTYPES, is_dense
 
 logger = logging.getLogger(__name__)
@@ -235,7 +235,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._reset_pending()
         for device, grads in self._amp_grads_by_device().items():
             found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-            reference.check_finite_and_norm_(grads, found_inf)
+            implementation_for(grads).check_finite_and_norm_(grads, found_inf)
             self._pending_found_infs[device] = found_inf
             self._pending_multipliers[device] = inv_scale.to(device, non_blocking=True).reshape(1)
         return dict(self._pending_found_infs)
@@ -329,7 +329,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 continue
             step = group[STEP_KEY]
             grad_multiplier, found_inf = self._scaling_for(batch.device, cache)
-            kernels = reference  # the Triton kernels are chosen here once amp_fx.kernels picks them
+            kernels = implementation_for(batch.params)
             self._update(kernels, batch, step, group, grad_multiplier, found_inf)
             kernels.advance_step_(step, found_inf)
         self._reset_pending()

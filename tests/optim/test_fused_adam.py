@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from amp_fx import LossScaler
+from amp_fx.kernels import reference
 from amp_fx.optim import FusedAdam, master_params
 from amp_fx.testing import tolerances
 
@@ -174,3 +175,20 @@ def test_torch_like_param_groups() -> None:
     assert optimizer.param_groups[1]["betas"] == (0.8, 0.9)
     assert optimizer._step_supports_amp_scaling is True
     assert isinstance(optimizer, torch.optim.Optimizer)
+
+
+@pytest.mark.parametrize("num_params", [1, 40])
+def test_one_kernel_call_per_group_whatever_the_number_of_params(monkeypatch, num_params) -> None:
+    calls = []
+    original = reference.adam_step_
+    monkeypatch.setattr(
+        reference,
+        "adam_step_",
+        lambda params, *a, **k: calls.append(len(params)) or original(params, *a, **k),
+    )
+    params = [torch.nn.Parameter(torch.randn(3).to(LOW[i % 2])) for i in range(num_params)]
+    optimizer = FusedAdam([{"params": params[::2]}, {"params": params[1::2]}] if num_params > 1 else params)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    assert sorted(calls) == sorted(len(g["params"]) for g in optimizer.param_groups)
