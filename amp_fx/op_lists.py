@@ -418,6 +418,19 @@ AUTOCAST_OP_LISTS: dict[str, AutocastOpLists] = {
 # ---------------------------------------------------------------------------------------------
 PASSTHROUGH_OPS = frozenset(
     {
+        # names normalize_ops gives to spellings with no aten op of their own
+        "identity",
+        "getattr",
+        "positive",
+        "_assert",
+        "bitwise_xor",
+        "bitwise_left_shift",
+        "bitwise_right_shift",
+        "max_unpool1d",
+        "lp_pool3d",
+        "gaussian_nll_loss",
+        "multilabel_soft_margin_loss",
+        "triplet_margin_with_distance_loss",
         # activations
         "relu",
         "relu6",

@@ -217,23 +217,6 @@ def test_graph_is_not_rewritten_and_normalizing_twice_changes_nothing():
     assert {n.name: (node_info(n).op, node_info(n).notes) for n in gm.graph.nodes} == first
 
 
-# Names normalize_ops produces that amp_fx.op_lists does not know yet; the policy treats them by
-# its global rule. Kept short: each entry is reported to the policy's owner.
-NOT_YET_IN_OP_LISTS = {
-    "identity",  # nn.Identity
-    "getattr",  # x.mT, x.dtype, ... (x.shape is named "shape")
-    "positive",
-    "bitwise_xor",
-    "bitwise_left_shift",
-    "bitwise_right_shift",
-    "max_unpool1d",
-    "lp_pool3d",
-    "gaussian_nll_loss",
-    "multilabel_soft_margin_loss",
-    "triplet_margin_with_distance_loss",
-}
-
-
 def test_canonical_names_are_known_to_the_policy():
     produced = set(MODULE_OPS.values()) | {name for name, _ in OPERATOR_OPS.values()}
     torchvision = pytest.importorskip("torchvision")
@@ -245,5 +228,4 @@ def test_canonical_names_are_known_to_the_policy():
     ]
     for model in models:
         produced |= {op for op in _ops(normalize_ops(trace(model.eval()))).values()}
-    unknown = produced - known_ops()
-    assert unknown <= NOT_YET_IN_OP_LISTS, sorted(unknown - NOT_YET_IN_OP_LISTS)
+    assert produced <= known_ops(), sorted(produced - known_ops())
