@@ -80,3 +80,20 @@ def test_signature_defaults_follow_torch() -> None:
     torch_defaults = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))]).defaults
     for key in ("lr", "momentum", "dampening", "weight_decay", "nesterov"):
         assert optimizer.defaults[key] == torch_defaults[key], key
+
+
+def test_lr_scheduler_drives_the_learning_rate(problem) -> None:
+    case = problem(torch.float16, seed=25)
+    optimizer = FusedSGD(case.params, lr=0.1)
+    reference = torch.optim.SGD(case.fp32, lr=0.1)
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (optimizer, reference)]
+    for _ in range(5):
+        case.next_grads()
+        optimizer.step()
+        reference.step()
+        for scheduler in schedulers:
+            scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == reference.param_groups[0]["lr"] == 0.025
+    rtol, atol = tolerances(torch.float32)
+    for master, expected in zip(master_params(optimizer), case.fp32, strict=True):
+        torch.testing.assert_close(master, expected.detach(), rtol=rtol, atol=atol)
