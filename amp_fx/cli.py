@@ -209,8 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    import amp_fx
+    # Imported from their modules: `amp_fx.report` the attribute is shadowed by the submodule of
+    # the same name once anything imports that submodule directly.
+    from amp_fx.convert import convert
     from amp_fx.dot import write_dot
+    from amp_fx.report import report as make_report
 
     model = load_model(args.model).eval()
     shape = args.input_shape or default_input_shape(args.model)
@@ -227,7 +230,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         )
         example_inputs = (example,)
     try:
-        gm = amp_fx.convert(
+        gm = convert(
             model,
             args.opt_level,
             dtype=DTYPES[args.dtype],
@@ -236,7 +239,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         )
     except (TypeError, ValueError, RuntimeError) as error:
         raise ModelSpecError(f"converting {args.model} failed: {error}") from error
-    report = amp_fx.report(gm)
+    report = make_report(gm)
     print(report)
     if args.diff:
         print(report.diff())

@@ -19,6 +19,7 @@ import torch
 import torch.fx
 
 from amp_fx.node_info import META_KEY
+from amp_fx.report import short_dtype as dtype_name
 
 # Fill colour per rule name (the `Rule` enum's member names); casts override the rule's colour.
 RULE_COLOURS = {
@@ -30,23 +31,6 @@ RULE_COLOURS = {
 }
 CAST_COLOUR = "#fb6a4a"  # red: a cast amp_fx inserted
 IO_COLOUR = "#f0f0f0"
-
-_DTYPE_SHORT = {
-    torch.float32: "fp32",
-    torch.float16: "fp16",
-    torch.bfloat16: "bf16",
-    torch.float64: "fp64",
-    torch.int64: "i64",
-    torch.int32: "i32",
-    torch.bool: "bool",
-}
-
-
-def dtype_name(dtype: torch.dtype | None) -> str:
-    """Short name of a dtype for tables and labels ("fp16", "bf16", ...); "?" when unknown."""
-    if dtype is None:
-        return "?"
-    return _DTYPE_SHORT.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def _quote(text: str) -> str:
@@ -69,23 +53,23 @@ def _node_style(node: torch.fx.Node) -> tuple[str, str, str]:
     """(label, fill colour, shape) of one node."""
     info = node.meta.get(META_KEY)
     if node.op in ("placeholder", "output"):
-        label = f"{node.op}\\n{node.name}"
+        label = f"{node.op}\n{node.name}"
         if info is not None and info.out_dtype is not None:
-            label += f"\\n{dtype_name(info.out_dtype)}"
+            label += f"\n{dtype_name(info.out_dtype)}"
         return label, IO_COLOUR, "oval"
     if info is None:
-        return f"{node.name}\\n{_target_name(node)}", "#ffffff", "box"
+        return f"{node.name}\n{_target_name(node)}", "#ffffff", "box"
     rule = _rule_name(info.rule)
     lines = [node.name, info.op or _target_name(node)]
     if info.is_cast:
         lines.append(f"cast -> {dtype_name(info.out_dtype)}")
         if info.cast_reason:
             lines.append(info.cast_reason)
-        return "\\n".join(lines), CAST_COLOUR, "box"
+        return "\n".join(lines), CAST_COLOUR, "box"
     ins = ",".join(dtype_name(d) for d in info.in_dtypes)
     dtypes = f"({ins}) -> {dtype_name(info.out_dtype)}" if ins else dtype_name(info.out_dtype)
     lines.append(f"{rule or '-'} {dtypes}")
-    return "\\n".join(lines), RULE_COLOURS.get(rule or "", "#ffffff"), "box"
+    return "\n".join(lines), RULE_COLOURS.get(rule or "", "#ffffff"), "box"
 
 
 def to_dot(gm: torch.fx.GraphModule | torch.fx.Graph, name: str = "amp_fx") -> str:

@@ -76,14 +76,12 @@ class Batches:
 # Model: nanoGPT's, small; attention written out so the report shows softmax as an FP32 island
 # --------------------------------------------------------------------------------------------
 class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, block_size: int):
+    def __init__(self, n_embd: int, n_head: int):
         super().__init__()
         self.n_embd, self.n_head, self.head_dim = n_embd, n_head, n_embd // n_head
         self.qkv = nn.Linear(n_embd, 3 * n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
         self.scale = self.head_dim**-0.5
-        mask = torch.tril(torch.ones(block_size, block_size, dtype=torch.bool))
-        self.register_buffer("mask", mask.view(1, 1, block_size, block_size), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time_steps = x.size(0), x.size(1)
@@ -92,17 +90,20 @@ class CausalSelfAttention(nn.Module):
         k = k.view(batch, time_steps, self.n_head, self.head_dim).transpose(1, 2)
         v = v.view(batch, time_steps, self.n_head, self.head_dim).transpose(1, 2)
         att = (q @ k.transpose(-2, -1)) * self.scale
-        att = att.masked_fill(~self.mask[:, :, :time_steps, :time_steps], float("-inf"))
+        # True above the diagonal: the future positions a token may not attend to. Built here from
+        # the input's length (a buffer sliced by it would stop torch.fx, which traces with proxies).
+        future = x.new_ones(time_steps, time_steps, dtype=torch.bool).triu(1)
+        att = att.masked_fill(future, float("-inf"))
         att = F.softmax(att, dim=-1)
         y = (att @ v).transpose(1, 2).reshape(batch, time_steps, self.n_embd)
         return self.proj(y)
 
 
 class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, block_size: int):
+    def __init__(self, n_embd: int, n_head: int):
         super().__init__()
         self.ln1 = nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head, block_size)
+        self.attn = CausalSelfAttention(n_embd, n_head)
         self.ln2 = nn.LayerNorm(n_embd)
         self.fc = nn.Linear(n_embd, 4 * n_embd)
         self.gelu = nn.GELU()
@@ -118,7 +119,7 @@ class GPT(nn.Module):
         super().__init__()
         self.tok_emb = nn.Embedding(VOCAB_SIZE, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
-        self.blocks = nn.ModuleList([Block(n_embd, n_head, block_size) for _ in range(n_layer)])
+        self.blocks = nn.ModuleList([Block(n_embd, n_head) for _ in range(n_layer)])
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, VOCAB_SIZE, bias=False)
         self.apply(self._init_weights)

@@ -202,7 +202,7 @@ def initialize(
         master_weights=master_weights,
         loss_scale=loss_scale,
     )
-    low_dtype = _check_dtype(dtype, properties.cast_model_type)
+    low_dtype = _check_dtype(dtype, cast_model_type)
     if properties.cast_model_type in LOW_PRECISION_DTYPES:
         if low_dtype is not None:  # dtype= picks the low type of O2/O3's cast_model_type
             properties = dataclasses.replace(properties, cast_model_type=low_dtype)
