@@ -1,0 +1,210 @@
+"""`amp_fx.convert`: a model in, a mixed-precision `torch.fx.GraphModule` with explicit casts out.
+
+    >>> import torch, amp_fx
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16, device_type="cpu")
+    >>> gm(torch.randn(4, 8)).dtype
+    torch.bfloat16
+    >>> gm.print_readable()  # doctest: +SKIP
+    ...
+        input_to_bfloat16 = amp_fx_passes_insert_casts_cast_if_floating(input, torch.bfloat16)
+        _0_weight = getattr(self, "0").weight
+        _0_weight_to_bfloat16 = _0_weight.to(torch.bfloat16)
+        ...
+
+The pipeline (DESIGN.md), one pass a file in `amp_fx.passes`: trace -> normalize_ops -> classify ->
+propagate_dtypes -> insert_casts -> cast_parameters -> simplify_casts -> cast_outputs, then lint
+and recompile. The input model is never modified: `trace` works on a deep copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from amp_fx.passes.cast_outputs import cast_outputs
+from amp_fx.passes.cast_parameters import cast_parameters
+from amp_fx.passes.classify import classify
+from amp_fx.passes.insert_casts import insert_casts
+from amp_fx.passes.normalize_ops import normalize_ops
+from amp_fx.passes.propagate_dtypes import propagate_dtypes
+from amp_fx.passes.simplify_casts import simplify_casts
+from amp_fx.passes.trace import trace
+from amp_fx.policy import Policy, preset
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["convert", "POLICY_KEY", "ORIGINAL_CODE_KEY"]
+
+# Keys of GraphModule.meta that amp_fx.report reads.
+POLICY_KEY = "amp_fx_policy"
+ORIGINAL_CODE_KEY = "amp_fx_original_code"
+
+
+def _check_model(model: Any) -> None:
+    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    if isinstance(model, wrappers):
+        raise TypeError(
+            f"convert got a model wrapped in {type(model).__name__}; convert model.module, then wrap "
+            f"the result in {type(model).__name__}: "
+            f"{type(model).__name__}(amp_fx.convert(model.module, ...))"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"convert expects a torch.nn.Module, got {type(model).__name__}; pass the model itself "
+            "(wrap a plain function in an nn.Module whose forward calls it)"
+        )
+
+
+def _default_device_type(model: nn.Module) -> str:
+    for tensor in [*model.parameters(), *model.buffers()]:
+        return tensor.device.type
+    return "cpu"
+
+
+def _check_example_inputs(example_inputs: Any) -> tuple[Any, ...] | None:
+    if example_inputs is None:
+        return None
+    if isinstance(example_inputs, torch.Tensor) or not isinstance(example_inputs, (tuple, list)):
+        raise TypeError(
+            f"example_inputs must be a tuple of the forward's positional arguments, got "
+            f"{type(example_inputs).__name__}; for one input x pass example_inputs=(x,)"
+        )
+    return tuple(example_inputs)
+
+
+def _resolve_policy(
+    opt_level: str,
+    dtype: torch.dtype,
+    device_type: str | None,
+    keep_batchnorm_fp32: bool | str | None,
+    cast_model_outputs: torch.dtype | None,
+    policy: Policy | None,
+    model: nn.Module,
+) -> Policy:
+    if policy is None:
+        return preset(
+            opt_level,
+            dtype=dtype,
+            device_type=device_type if device_type is not None else _default_device_type(model),
+            keep_batchnorm_fp32=keep_batchnorm_fp32,
+            cast_model_outputs=cast_model_outputs,
+        )
+    if not isinstance(policy, Policy):
+        raise TypeError(
+            f"policy must be an amp_fx.Policy (e.g. amp_fx.preset('O2').set_op('softmax', 'fp32')), "
+            f"got {type(policy).__name__}"
+        )
+    preset(opt_level)  # validates the opt level, with the same message as without a policy
+    conflicts = []
+    if opt_level != policy.opt_level:
+        conflicts.append(f"opt_level {opt_level!r} vs the policy's {policy.opt_level!r}")
+    if dtype != torch.float16 and dtype != policy.dtype:
+        conflicts.append(f"dtype {dtype} vs the policy's {policy.dtype}")
+    if device_type is not None and device_type != policy.device_type:
+        conflicts.append(f"device_type {device_type!r} vs the policy's {policy.device_type!r}")
+    if keep_batchnorm_fp32 is not None and keep_batchnorm_fp32 not in (
+        policy.keep_batchnorm_fp32,
+        str(policy.keep_batchnorm_fp32),
+    ):
+        conflicts.append(
+            f"keep_batchnorm_fp32={keep_batchnorm_fp32} vs the policy's {policy.keep_batchnorm_fp32}"
+        )
+    if cast_model_outputs is not None and cast_model_outputs != policy.cast_model_outputs:
+        conflicts.append(
+            f"cast_model_outputs={cast_model_outputs} vs the policy's {policy.cast_model_outputs}"
+        )
+    if conflicts:
+        raise ValueError(
+            f"convert got a policy and arguments that disagree ({'; '.join(conflicts)}); the policy "
+            "decides: build it with amp_fx.preset(opt_level, dtype, device_type, ...) and pass only "
+            "opt_level and policy"
+        )
+    return policy
+
+
+def _is_converted(model: nn.Module) -> bool:
+    return isinstance(model, torch.fx.GraphModule) and POLICY_KEY in model.meta
+
+
+def convert(
+    model: nn.Module,
+    opt_level: str,
+    *,
+    dtype: torch.dtype = torch.float16,
+    device_type: str | None = None,
+    keep_batchnorm_fp32: bool | str | None = None,
+    cast_model_outputs: torch.dtype | None = None,
+    policy: Policy | None = None,
+    example_inputs: Sequence[Any] | None = None,
+    leaf_modules: Sequence[type | str] = (),
+    concrete_args: dict[str, Any] | None = None,
+) -> torch.fx.GraphModule:
+    """Convert `model` to mixed precision at an Apex opt level; returns a new GraphModule.
+
+    Args:
+        model: the model (an nn.Module, not wrapped in DDP/DataParallel); never modified.
+        opt_level: "O0" (identity), "O1" (torch.autocast's op lists, fp32 weights), "O2" (low
+            weights, FP32 islands, BatchNorm fp32), "O3" (pure low precision).
+        dtype: torch.float16 or torch.bfloat16.
+        device_type: "cuda" or "cpu", selects autocast's op lists; default: the device of the
+            model's parameters (cpu without any).
+        keep_batchnorm_fp32, cast_model_outputs: Apex's overrides (default True at O2 /
+            float32 outputs at O2 and O3).
+        policy: an `amp_fx.Policy` to use instead of the preset (it then decides dtype,
+            device_type, keep_batchnorm_fp32 and cast_model_outputs).
+        example_inputs: a tuple of forward arguments; makes dtype propagation exact (run on fake
+            tensors, no compute), so no cast is ever a no-op.
+        leaf_modules: module types or qualified names to keep opaque (run in an autocast island).
+        concrete_args: forward arguments to specialise while tracing (as torch.fx).
+
+    Raises:
+        TypeError: `model` is not an nn.Module or is wrapped in DDP/DataParallel; `policy` or
+            `example_inputs` of the wrong type; the top-level forward cannot be traced (TraceError).
+        ValueError: unknown opt level, dtype, device type; a policy naming an unknown op;
+            arguments that contradict `policy`.
+
+    The result stores the policy in ``gm.meta["amp_fx_policy"]`` and the traced graph before any
+    cast in ``gm.meta["amp_fx_original_code"]`` (read by `amp_fx.report`). Converting a converted
+    GraphModule again with the same arguments inserts nothing.
+    """
+    # Validate everything before any work: a bad argument never leaves a half-converted copy.
+    _check_model(model)
+    resolved = _resolve_policy(
+        opt_level, dtype, device_type, keep_batchnorm_fp32, cast_model_outputs, policy, model
+    )
+    examples = _check_example_inputs(example_inputs)
+
+    if _is_converted(model):
+        # Already amp_fx's: its graph is flat and annotated, and re-tracing would run the
+        # autocast islands' context managers at trace time. Convert a copy of it as it is.
+        gm = copy.deepcopy(model)
+    else:
+        gm = trace(model, leaf_modules=leaf_modules, concrete_args=concrete_args)
+    normalize_ops(gm)
+    original_code = gm.code
+    classify(gm, resolved)
+    propagate_dtypes(gm, resolved, examples)
+    insert_casts(gm, resolved)
+    cast_parameters(gm, resolved)
+    simplify_casts(gm, resolved)
+    cast_outputs(gm, resolved)
+    gm.graph.lint()
+    gm.recompile()
+    gm.meta[POLICY_KEY] = resolved
+    gm.meta[ORIGINAL_CODE_KEY] = original_code
+    logger.info(
+        "converted %s at %s (%s, %s): %d cast nodes",
+        type(model).__name__,
+        resolved.opt_level,
+        resolved.dtype,
+        resolved.device_type,
+        sum(1 for n in gm.graph.nodes if n.meta.get("amp_fx") is not None and n.meta["amp_fx"].is_cast),
+    )
+    return gm

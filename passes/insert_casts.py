@@ -1,0 +1,366 @@
+"""Pass 5 of convert: insert the casts `propagate_dtypes` decided, as named nodes.
+
+For every input of every node, ``node_info(node).in_dtypes`` says the dtype the node must see;
+where the producer's ``out_dtype`` differs, a cast node is inserted before the node (one cast per
+value and dtype, shared by every later user, as autocast caches its weight casts). Two node
+rewrites make casts possible where a module call would hide them:
+
+- a LOWER/FP32/PROMOTE leaf module whose parameters are stored in another dtype than its rule
+  wants (at O1 the weights stay float32) becomes its functional form with the parameters as
+  ``get_attr`` nodes, so their casts are explicit: ``fc1(x)`` -> ``F.linear(x, fc1.weight, fc1.bias)``
+  (Linear, Bilinear, Conv1d/2d/3d with every padding mode, ConvTranspose1d/2d/3d, PReLU; any
+  other such module runs in an `AutocastIsland`).
+- an OPAQUE node under O1/O2 becomes a call of an `AutocastIsland` that runs the module or
+  function inside ``torch.autocast(device_type, dtype)``.
+
+Example (O1, CPU, bf16)::
+
+    before                                    after
+    x = placeholder                           x = placeholder
+    fc1 = self.fc1(x)                         x_to_bfloat16 = x.to(torch.bfloat16)
+                                              fc1_weight = self.fc1.weight
+                                              fc1_weight_to_bfloat16 = fc1_weight.to(torch.bfloat16)
+                                              fc1_bias = self.fc1.bias
+                                              fc1_bias_to_bfloat16 = fc1_bias.to(torch.bfloat16)
+                                              fc1 = torch.nn.functional.linear(
+                                                  x_to_bfloat16, fc1_weight_to_bfloat16, fc1_bias_to_bfloat16)
+    attn = self.attn(fc1, fc1, fc1)           attn = self.attn_autocast(fc1, fc1, fc1)
+
+A cast of a value whose dtype is known is ``x.to(dtype)``, never a no-op. A cast of a value whose
+dtype is not known statically (a model input without ``example_inputs``, the output of untraced
+code) is `cast_if_floating`, which like autocast leaves integer, bool and float64 tensors alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+from amp_fx.node_info import NodeInfo, node_info
+from amp_fx.passes.autocast_island import AutocastIsland
+from amp_fx.passes.cast_parameters import planned_parameter_dtypes
+from amp_fx.policy import Policy, Rule
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["insert_casts", "cast_if_floating", "insert_input_casts", "make_cast", "dtype_name"]
+
+
+def cast_if_floating(value: Any, dtype: torch.dtype) -> Any:
+    """``value.to(dtype)`` for a floating tensor other than float64, else `value` unchanged.
+
+    Autocast's rule for which tensors it casts, used where the graph cannot know a value's dtype
+    statically. Dtype checks are resolved at compile time by ``torch.compile`` (no graph break).
+
+    >>> cast_if_floating(torch.ones(2), torch.float16).dtype
+    torch.float16
+    >>> cast_if_floating(torch.arange(2), torch.float16).dtype
+    torch.int64
+    """
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float64:
+        return value.to(dtype)
+    return value
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (for node names and messages)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def make_cast(
+    graph: torch.fx.Graph, value: torch.fx.Node, dtype: torch.dtype, *, guarded: bool, reason: str
+) -> torch.fx.Node:
+    """Create (at the graph's insertion point) a cast node named ``<value>_to_<dtype>``."""
+    name = f"{value.name}_to_{dtype_name(dtype)}"
+    if guarded:
+        cast = graph.create_node("call_function", cast_if_floating, (value, dtype), name=name)
+        # Recorded as a call if the converted graph is ever traced again (fx.wrap semantics);
+        # tracing into it would drop the cast (isinstance of a Proxy is False).
+        cast.meta["is_wrapped"] = True
+    else:
+        cast = graph.create_node("call_method", "to", (value, dtype), name=name)
+    cast.meta[_META_KEY] = NodeInfo(
+        op="to",
+        rule=Rule.PASSTHROUGH,
+        reason=reason,
+        in_dtypes=(node_info(value).out_dtype,),
+        out_dtype=dtype,
+        is_cast=True,
+        cast_reason=reason,
+    )
+    return cast
+
+
+_META_KEY = "amp_fx"
+
+
+def _cast_reason(node: torch.fx.Node, dtype: torch.dtype, value: torch.fx.Node) -> str:
+    info = node_info(node)
+    what = info.op or str(node.target)
+    if node.op == "output":
+        return f"model output cast to {dtype_name(dtype)} (cast_model_outputs)"
+    if value.op == "placeholder" and info.rule in (Rule.PASSTHROUGH, None):
+        return f"model input cast to {dtype_name(dtype)} at entry"
+    rule = info.rule.value.upper() if info.rule is not None else "input"
+    return f"{rule} {what}: input cast to {dtype_name(dtype)}"
+
+
+CastCache = dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node]
+
+
+def insert_input_casts(gm: torch.fx.GraphModule, node: torch.fx.Node, cache: CastCache) -> int:
+    """Make `node` see the dtypes of its ``in_dtypes``: cast each input whose producer's
+    ``out_dtype`` differs. Returns the number of new cast nodes."""
+    info = node_info(node)
+    inputs = node.all_input_nodes
+    if len(info.in_dtypes) != len(inputs):
+        logger.debug("%s has no dtypes for its inputs; left as is", node.name)
+        return 0
+    created = 0
+    for value, want in zip(inputs, info.in_dtypes, strict=True):
+        have = node_info(value).out_dtype
+        if want is None or want == have:
+            continue
+        cast = cache.get((value, want))
+        if cast is None:
+            with gm.graph.inserting_before(node):
+                guarded = have is None or value.op == "placeholder"
+                cast = make_cast(
+                    gm.graph, value, want, guarded=guarded, reason=_cast_reason(node, want, value)
+                )
+            cache[(value, want)] = cast
+            created += 1
+        node.replace_input_with(value, cast)
+    return created
+
+
+# ---------------------------------------------------------------------------------------------
+# Functional forms of leaf modules with parameters
+# ---------------------------------------------------------------------------------------------
+_CONV = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
+_CONV_TRANSPOSE = {
+    nn.ConvTranspose1d: F.conv_transpose1d,
+    nn.ConvTranspose2d: F.conv_transpose2d,
+    nn.ConvTranspose3d: F.conv_transpose3d,
+}
+
+
+def _module_input(node: torch.fx.Node, position: int, keyword: str) -> Any:
+    if len(node.args) > position:
+        return node.args[position]
+    return node.kwargs.get(keyword)
+
+
+def _functional_form(module: nn.Module, node: torch.fx.Node) -> tuple[Callable[..., Any], list[Any]] | None:
+    """(function, args with parameter names as str placeholders) equivalent to ``module(...)``,
+    or None where no exact functional form is known."""
+    cls = type(module)
+    extra = len(node.args) + len(node.kwargs)
+    if isinstance(module, nn.Linear) and cls.forward is nn.Linear.forward and extra == 1:
+        return F.linear, [_module_input(node, 0, "input"), "weight", "bias"]
+    if isinstance(module, nn.Bilinear) and cls.forward is nn.Bilinear.forward and extra == 2:
+        return F.bilinear, [
+            _module_input(node, 0, "input1"),
+            _module_input(node, 1, "input2"),
+            "weight",
+            "bias",
+        ]
+    if isinstance(module, nn.PReLU) and cls.forward is nn.PReLU.forward and extra == 1:
+        return F.prelu, [_module_input(node, 0, "input"), "weight"]
+    for base, function in _CONV.items():
+        if isinstance(module, base) and cls.forward is base.forward and extra == 1:
+            x = _module_input(node, 0, "input")
+            if module.padding_mode != "zeros":
+                # As _ConvNd._conv_forward: explicit pad, then a convolution without padding.
+                zero = (0,) * len(module.kernel_size)
+                pad = ("pad", module._reversed_padding_repeated_twice, module.padding_mode, x)
+                return function, [pad, "weight", "bias", module.stride, zero, module.dilation, module.groups]
+            return function, [
+                x,
+                "weight",
+                "bias",
+                module.stride,
+                module.padding,
+                module.dilation,
+                module.groups,
+            ]
+    for base, function in _CONV_TRANSPOSE.items():
+        if (
+            isinstance(module, base)
+            and cls.forward is base.forward
+            and extra == 1
+            and module.padding_mode == "zeros"
+        ):
+            x = _module_input(node, 0, "input")
+            return function, [x, "weight", "bias", module.stride, module.padding, module.output_padding,
+                              module.groups, module.dilation]  # fmt: skip
+    return None
+
+
+def _get_attr(gm: torch.fx.GraphModule, target: str, dtype: torch.dtype) -> torch.fx.Node:
+    node = gm.graph.get_attr(target)
+    node.meta[_META_KEY] = NodeInfo(out_dtype=dtype)
+    return node
+
+
+def _functionalize(
+    gm: torch.fx.GraphModule,
+    node: torch.fx.Node,
+    module: nn.Module,
+    target: torch.dtype,
+    plan: dict[str, torch.dtype],
+) -> bool:
+    """Rewrite ``call_module`` `node` in place into its functional form; False if none is known."""
+    form = _functional_form(module, node)
+    if form is None:
+        return False
+    function, template = form
+    info = node_info(node)
+    activation_dtypes = dict(zip(node.all_input_nodes, info.in_dtypes, strict=False))
+    args: list[Any] = []
+    with gm.graph.inserting_before(node):
+        for item in template:
+            if isinstance(item, str):  # a parameter of the module
+                tensor = getattr(module, item)
+                if tensor is None:
+                    args.append(None)
+                    continue
+                qualified = f"{node.target}.{item}"
+                args.append(_get_attr(gm, qualified, plan.get(qualified, tensor.dtype)))
+            elif isinstance(item, tuple) and item and item[0] == "pad":
+                _, padding, mode, x = item
+                pad = gm.graph.call_function(F.pad, (x, padding), {"mode": mode})
+                x_dtype = node_info(x).out_dtype if isinstance(x, torch.fx.Node) else None
+                pad.meta[_META_KEY] = NodeInfo(
+                    op="pad", rule=Rule.PASSTHROUGH, reason=f"padding_mode={mode!r} of {node.target}",
+                    in_dtypes=(x_dtype,), out_dtype=x_dtype,
+                )  # fmt: skip
+                activation_dtypes[pad] = activation_dtypes.get(x) if isinstance(x, torch.fx.Node) else None
+                args.append(pad)
+            else:
+                args.append(item)
+    spelling = f"{type(module).__name__} {node.target}"
+    node.op, node.target, node.args, node.kwargs = "call_function", function, tuple(args), {}
+    # The node now also reads the parameters: they are seen in the rule's dtype, like every input.
+    info.in_dtypes = tuple(activation_dtypes.get(a, target) for a in node.all_input_nodes)
+    info.notes.append(f"functional form of {spelling}: its parameters are cast in the graph")
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Autocast islands
+# ---------------------------------------------------------------------------------------------
+def _unique_attribute(gm: torch.fx.GraphModule, base: str) -> str:
+    name, index = base, 1
+    while hasattr(gm, name):
+        index += 1
+        name = f"{base}_{index}"
+    return name
+
+
+def _make_island(
+    gm: torch.fx.GraphModule, node: torch.fx.Node, policy: Policy, wrapped: Any, name: str
+) -> None:
+    """Turn `node` in place into a call of an `AutocastIsland` running `wrapped`."""
+    island = AutocastIsland(wrapped, policy.device_type, policy.dtype, name=name)
+    path = _unique_attribute(gm, f"{name.replace('.', '_')}_autocast")
+    gm.add_submodule(path, island)
+    # A call_method x.m(*rest) keeps its arguments: the island calls Tensor.m(x, *rest).
+    node.op, node.target = "call_module", path
+    info = node_info(node)
+    info.rule = Rule.OPAQUE
+    info.notes.append(f"runs in {path}: {island.extra_repr()}")
+
+
+def _island_for(gm: torch.fx.GraphModule, node: torch.fx.Node, policy: Policy) -> None:
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if isinstance(module, AutocastIsland):
+            return
+        _make_island(gm, node, policy, module, node.target)
+    elif node.op == "call_function":
+        _make_island(gm, node, policy, node.target, getattr(node.target, "__name__", node.name))
+    elif node.op == "call_method":
+        _make_island(gm, node, policy, getattr(torch.Tensor, node.target), f"Tensor.{node.target}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The pass
+# ---------------------------------------------------------------------------------------------
+def _rule_target(info: NodeInfo, policy: Policy) -> torch.dtype | None:
+    # The dtype the rule casts a module's parameters to: fixed for LOWER/FP32; for PROMOTE, the
+    # dtype propagate_dtypes chose for the floating inputs (the parameters took part).
+    if info.rule is Rule.LOWER:
+        return policy.dtype
+    if info.rule is Rule.FP32:
+        return torch.float32
+    if info.rule is Rule.PROMOTE:
+        return next((d for d in info.in_dtypes if d is not None and d.is_floating_point), None)
+    return None
+
+
+def _needs_parameter_casts(
+    module: nn.Module, path: str, target: torch.dtype, plan: dict[str, torch.dtype]
+) -> bool:
+    for name, tensor in module.named_parameters(prefix=path):
+        dtype = plan.get(name, tensor.dtype)
+        if dtype.is_floating_point and dtype != torch.float64 and dtype != target:
+            return True
+    return False
+
+
+def insert_casts(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
+    """Insert the casts `propagate_dtypes` decided (run it first); see the module docstring.
+
+    Example::
+
+        >>> policy = preset("O1", torch.bfloat16, "cpu")
+        >>> gm = propagate_dtypes(classify(normalize_ops(trace(nn.Linear(4, 2))), policy), policy)
+        >>> print(insert_casts(gm, policy).code)                            # doctest: +SKIP
+        def forward(self, input):
+            input_to_bfloat16 = amp_fx_passes_insert_casts_cast_if_floating(input, torch.bfloat16)
+            weight = self.weight
+            weight_to_bfloat16 = weight.to(torch.bfloat16)
+            ...
+    """
+    plan = planned_parameter_dtypes(gm, policy)
+    cache: CastCache = {}
+    created = functional = islands = 0
+    for node in list(gm.graph.nodes):
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        info = node_info(node)
+        if info.is_cast:
+            continue
+        if info.rule is Rule.OPAQUE and policy.autocast_opaque:
+            was_island = node.op == "call_module" and isinstance(
+                gm.get_submodule(node.target), AutocastIsland
+            )
+            if not was_island:
+                _island_for(gm, node, policy)
+                islands += 1
+        elif node.op == "call_module":
+            module = gm.get_submodule(node.target)
+            target = _rule_target(info, policy)
+            if target is not None and _needs_parameter_casts(module, node.target, target, plan):
+                if _functionalize(gm, node, module, target, plan):
+                    functional += 1
+                else:
+                    # No exact functional form: autocast itself applies the rule to the weights.
+                    _make_island(gm, node, policy, module, node.target)
+                    islands += 1
+        created += insert_input_casts(gm, node, cache)
+    logger.debug(
+        "insert_casts %s: %d casts, %d functional forms, %d autocast islands",
+        policy.opt_level,
+        created,
+        functional,
+        islands,
+    )
+    return gm

@@ -1,0 +1,695 @@
+"""Pass 4 of convert: the dtype every node sees and produces once its rule is applied.
+
+For each node, ``node_info(node).in_dtypes`` is the dtype of each input (one per
+``node.all_input_nodes``) *as the node sees it after the casts its rule asks for*, and
+``out_dtype`` the dtype it produces (None where the value is not a tensor or its dtype is not
+known). Parameters are taken in the dtype `cast_parameters` will store them in. This is the single
+place that decides casts: `insert_casts` and `cast_outputs` only make the graph match, inserting
+a cast wherever a node sees a dtype its producer does not produce. Run on a converted graph, the
+pass finds every node already seeing what its producer produces, which is why converting twice
+inserts nothing.
+
+Two ways to get the dtypes:
+
+- static (default): transfer rules per op (LOWER -> low dtype, FP32 -> float32, comparisons -> bool,
+  ``x.to(d)`` -> d, otherwise torch's type promotion of the inputs); model inputs are taken to be
+  float32 (an integer input is harmless: casts from model inputs only ever touch floating tensors).
+  Opaque nodes produce "unknown", and casts of unknown values are guarded (`cast_if_floating`).
+- exact, with ``example_inputs``: the graph is run on fake tensors (``FakeTensorMode``: shapes
+  and dtypes only, no compute), each node on its inputs cast as its rule says, parameters faked in
+  their planned dtype, opaque nodes under ``torch.autocast``.
+
+Example (O1, CPU, bf16; model ``softmax(fc(x))``, ``fc`` LOWER, softmax PASSTHROUGH on CPU)::
+
+    node     rule         in_dtypes               out_dtype
+    x        -            ()                      float32
+    fc       LOWER        (bfloat16,)             bfloat16     <- x must be cast: float32 != bfloat16
+    softmax  PASSTHROUGH  (bfloat16,)             bfloat16
+    output   -            (bfloat16,)             -
+
+At O2/O3 a floating model input is seen in the low dtype by its users (the model-entry cast of
+Apex's O2), while the placeholder's own ``out_dtype`` stays the input's dtype.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import operator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+from torch.fx.node import map_aggregate, map_arg
+
+from amp_fx.node_info import node_info
+from amp_fx.passes.autocast_island import AutocastIsland
+from amp_fx.passes.cast_parameters import planned_parameter_dtypes
+from amp_fx.passes.insert_casts import cast_if_floating
+from amp_fx.policy import Policy, Rule
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["propagate_dtypes", "rule_cast_dtype", "is_eligible", "UNKNOWN", "NOT_TENSOR"]
+
+
+class _Marker:
+    """A static value that is not a tensor of known dtype."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+# A value that may be a tensor of any dtype (output of untraced code), or anything else.
+UNKNOWN = _Marker("UNKNOWN")
+# A value that is certainly not a tensor (a size, a shape, a Python number).
+NOT_TENSOR = _Marker("NOT_TENSOR")
+
+
+@dataclass(frozen=True)
+class _Repeated:
+    """A list/tuple of unknown length whose elements all have one value (``torch.split``)."""
+
+    element: Any
+
+
+def is_eligible(value: Any) -> bool | None:
+    """Would autocast cast this value? True for floating dtypes other than float64, False for
+    other dtypes and non-tensors, None when unknown.
+
+    >>> is_eligible(torch.bfloat16), is_eligible(torch.int64), is_eligible(UNKNOWN)
+    (True, False, None)
+    """
+    if isinstance(value, torch.dtype):
+        return value.is_floating_point and value != torch.float64
+    if value is UNKNOWN:
+        return None
+    return False
+
+
+def _autocast_promote(low: torch.dtype, values: Sequence[Any]) -> torch.dtype | None:
+    # aten/src/ATen/autocast_mode.h promote_type: start from the low dtype; a float32 input makes
+    # it float32; float64 and non-floating inputs are ignored. Unknown inputs leave it undecided
+    # unless a float32 input already decided it.
+    target, undecided = low, False
+    for value in values:
+        eligible = is_eligible(value)
+        if eligible is None:
+            undecided = True
+        elif eligible and value != target:
+            target = torch.float32 if torch.float32 in (value, target) else torch.promote_types(value, target)
+    if target == torch.float32:
+        return target
+    return None if undecided else target
+
+
+def _passes_dtype(node: torch.fx.Node) -> bool:
+    # fp32_set_opt_dtype / fp32_append_dtype ops respect an explicit dtype (softmax(x, 0, dtype=d)).
+    return isinstance(node.kwargs.get("dtype"), torch.dtype) or any(
+        isinstance(a, torch.dtype) for a in node.args
+    )
+
+
+def rule_cast_dtype(
+    rule: Rule | None, policy: Policy, input_values: Sequence[Any], node: torch.fx.Node | None = None
+) -> torch.dtype | None:
+    """The dtype a node's eligible floating inputs are cast to under `rule` (None: no casts).
+
+    LOWER: the policy's low dtype. FP32: float32, unless the call passes an explicit ``dtype=``
+    (autocast respects it). PROMOTE: autocast's promote type over `input_values`. OPAQUE: the
+    model-entry dtype at O2/O3 (the island's weights are low there), nothing at O1.
+
+    >>> rule_cast_dtype(Rule.PROMOTE, preset("O1", torch.bfloat16, "cpu"), [torch.bfloat16, torch.float32])
+    torch.float32
+    """
+    if rule is Rule.LOWER:
+        return policy.dtype
+    if rule is Rule.FP32:
+        return None if node is not None and _passes_dtype(node) else torch.float32
+    if rule is Rule.PROMOTE:
+        return _autocast_promote(policy.dtype, input_values)
+    if rule is Rule.OPAQUE:
+        return policy.cast_inputs_dtype
+    return None
+
+
+def _flat_values(value: Any) -> Iterator[Any]:
+    """The tensor-like leaves of an argument structure (lists/tuples/dicts of values)."""
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _flat_values(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _flat_values(item)
+    elif isinstance(value, _Repeated):
+        yield value.element
+    else:
+        yield value
+
+
+def _abstract(value: Any) -> Any:
+    """The static value of a concrete (fake) one: its dtype for a tensor, structure kept."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    if isinstance(value, (list, tuple)):
+        return tuple(_abstract(v) for v in value)
+    return NOT_TENSOR
+
+
+def _seen_dtype(value: Any, target: torch.dtype | None) -> torch.dtype | None:
+    """The dtype a user sees of `value` when its rule casts eligible inputs to `target`."""
+    eligible = is_eligible(value)
+    if target is not None and eligible is not False:
+        return target
+    return value if isinstance(value, torch.dtype) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Static transfer rules for PASSTHROUGH ops (ops whose rule casts nothing).
+# ---------------------------------------------------------------------------------------------
+_METHOD_DTYPES = {
+    "float": torch.float32,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "double": torch.float64,
+    "int": torch.int32,
+    "long": torch.int64,
+    "short": torch.int16,
+    "bool": torch.bool,
+    "byte": torch.uint8,
+    "char": torch.int8,
+    "cfloat": torch.complex64,
+    "cdouble": torch.complex128,
+}
+_TENSOR_TYPE_STRINGS = {
+    "torch.FloatTensor": torch.float32,
+    "torch.HalfTensor": torch.float16,
+    "torch.BFloat16Tensor": torch.bfloat16,
+    "torch.DoubleTensor": torch.float64,
+    "torch.LongTensor": torch.int64,
+    "torch.IntTensor": torch.int32,
+    "torch.BoolTensor": torch.bool,
+}
+_BOOL_OPS = frozenset(
+    {
+        "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "logical_xor",
+        "isnan", "isinf", "isfinite", "isneginf", "isposinf", "isclose", "any", "all", "signbit",
+        "isreal", "is_nonzero", "equal",
+    }
+)  # fmt: skip
+_INT64_OPS = frozenset(
+    {
+        "argmax",
+        "argmin",
+        "argsort",
+        "nonzero",
+        "count_nonzero",
+        "bucketize",
+        "searchsorted",
+        "one_hot",
+        "multinomial",
+    }
+)
+# Ops returning (values, int64 indices); max/min only with a dim argument.
+_VALUES_INDICES_OPS = frozenset(
+    {"topk", "sort", "kthvalue", "mode", "cummax", "cummin", "median", "max", "min"}
+)
+_ALWAYS_VALUES_INDICES = frozenset({"topk", "sort", "kthvalue", "mode", "cummax", "cummin"})
+_PAIR_OPS = frozenset({"var_mean", "std_mean", "aminmax"})
+_SPLIT_OPS = frozenset(
+    {"split", "chunk", "unbind", "tensor_split", "split_with_sizes", "hsplit", "vsplit", "dsplit"}
+)
+_NOT_TENSOR_METHODS = frozenset(
+    {
+        "size", "dim", "numel", "stride", "item", "tolist", "element_size", "data_ptr", "is_contiguous",
+        "is_floating_point", "is_complex", "nelement", "ndimension", "get_device", "__len__",
+        "storage_offset",
+    }
+)  # fmt: skip
+_NOT_TENSOR_ATTRIBUTES = frozenset(
+    {"shape", "ndim", "dtype", "device", "is_cuda", "requires_grad", "layout", "is_leaf", "grad_fn"}
+)
+_SAME_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "data", "real", "imag", "grad"})
+# Reductions that accumulate integer and bool inputs in int64.
+_INT64_ACCUMULATING_OPS = frozenset({"sum", "prod", "cumsum", "cumprod", "nansum"})
+_FIRST_ARG_OPS = frozenset(
+    {
+        "embedding_bag", "batch_norm", "instance_norm", "layer_norm", "group_norm", "rms_norm",
+        "local_response_norm", "index_select", "gather", "take", "take_along_dim", "masked_select",
+        "masked_fill", "masked_scatter", "index_fill", "scatter", "scatter_reduce", "index_add",
+        "index_copy", "narrow", "select", "roll", "pad", "repeat_interleave", "dropout",
+    }
+)  # fmt: skip
+_FACTORIES = {
+    torch.zeros, torch.ones, torch.empty, torch.rand, torch.randn, torch.eye, torch.linspace, torch.logspace,
+    torch.full, torch.arange, torch.randint, torch.randperm, torch.tensor, torch.as_tensor, torch.zeros_like,
+    torch.ones_like, torch.empty_like, torch.rand_like, torch.randn_like, torch.full_like, torch.randint_like,
+}  # fmt: skip
+_PYTHON_MODULES = frozenset({"operator", "_operator", "builtins", "math"})
+
+
+def _scalar_category(value: Any) -> int:
+    # bool < int < float < complex, as torch's type promotion orders dtype categories.
+    if isinstance(value, bool):
+        return 0
+    if isinstance(value, int):
+        return 1
+    if isinstance(value, float):
+        return 2
+    if isinstance(value, complex):
+        return 3
+    return -1
+
+
+def _dtype_category(dtype: torch.dtype) -> int:
+    if dtype == torch.bool:
+        return 0
+    if dtype.is_complex:
+        return 3
+    if dtype.is_floating_point:
+        return 2
+    return 1
+
+
+_CATEGORY_DEFAULTS = {0: torch.bool, 1: torch.int64, 3: torch.complex64}
+
+
+def _promote(args: Any) -> Any:
+    """torch's type promotion over the tensor values among `args` (Python numbers take part as
+    scalars: they only raise the category, as ``int_tensor * 0.5`` is float32)."""
+    dtypes: list[torch.dtype] = []
+    scalar_category = -1
+    unknown = False
+    for value in _flat_values(args):
+        if isinstance(value, torch.dtype):
+            dtypes.append(value)
+        elif value is UNKNOWN or isinstance(value, tuple):
+            unknown = True
+        else:
+            scalar_category = max(scalar_category, _scalar_category(value))
+    if unknown:
+        return UNKNOWN
+    if not dtypes:
+        return None
+    result = dtypes[0]
+    for dtype in dtypes[1:]:
+        result = torch.promote_types(result, dtype)
+    if scalar_category > _dtype_category(result):
+        result = _CATEGORY_DEFAULTS.get(scalar_category, torch.get_default_dtype())
+    return result
+
+
+def _conversion_dtype(node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """Output of x.to(...), x.float(), x.type(...), x.type_as(y)."""
+    method = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    source = args[0] if args else UNKNOWN
+    if method in _METHOD_DTYPES:
+        return _METHOD_DTYPES[method]
+    if method == "type_as":
+        return args[1] if len(args) > 1 else UNKNOWN
+    if method == "type":
+        spec = args[1] if len(args) > 1 else kwargs.get("dtype")
+        if spec is None:
+            return NOT_TENSOR  # x.type() returns a string
+        if isinstance(spec, torch.dtype):
+            return spec
+        return _TENSOR_TYPE_STRINGS.get(spec, UNKNOWN)
+    if method in ("cuda", "cpu"):
+        return source
+    # to(dtype) / to(device, dtype) / to(tensor) / to(dtype=...) / to(device)
+    if isinstance(kwargs.get("dtype"), torch.dtype):
+        return kwargs["dtype"]
+    for original, value in zip(node.args[1:], args[1:], strict=False):
+        if isinstance(original, torch.dtype):
+            return original
+        if isinstance(original, torch.fx.Node):
+            return value  # to(other_tensor): other's dtype
+    return source
+
+
+def _first(args: Sequence[Any]) -> Any:
+    return args[0] if args else UNKNOWN
+
+
+def _has_dim_argument(node: torch.fx.Node) -> bool:
+    if "dim" in node.kwargs:
+        return True
+    return len(node.args) > 1 and isinstance(node.args[1], int) and not isinstance(node.args[1], bool)
+
+
+def _static_passthrough(
+    node: torch.fx.Node, op: str, args: Sequence[Any], kwargs: dict[str, Any], params: dict[str, torch.dtype]
+) -> Any:
+    """The static output value of a call whose rule casts nothing."""
+    target = node.target
+    if node.op == "call_function" and target is cast_if_floating:
+        return args[1] if is_eligible(args[0]) is not False else args[0]
+    if op == "to":
+        return _conversion_dtype(node, args, kwargs)
+    if node.op == "call_method" and target in _NOT_TENSOR_METHODS:
+        return NOT_TENSOR
+    if node.op == "call_function" and target is builtins.getattr:
+        attribute = node.args[1] if len(node.args) > 1 else None
+        if attribute in _NOT_TENSOR_ATTRIBUTES:
+            return NOT_TENSOR
+        if attribute in _SAME_ATTRIBUTES:
+            return _first(args)
+        container = _first(args)
+        if isinstance(container, tuple) and attribute in ("values", "indices") and len(container) == 2:
+            return container[0 if attribute == "values" else 1]
+        return UNKNOWN
+    if node.op == "call_function" and target is operator.getitem:
+        container, index = _first(args), args[1] if len(args) > 1 else None
+        if isinstance(container, tuple):
+            return (
+                container[index]
+                if isinstance(index, int) and -len(container) <= index < len(container)
+                else UNKNOWN
+            )
+        if isinstance(container, _Repeated):
+            return container.element if isinstance(index, int) else container
+        return container  # tensor indexing keeps the dtype; NOT_TENSOR/UNKNOWN stay so
+    if isinstance(kwargs.get("dtype"), torch.dtype):
+        return kwargs["dtype"]
+    if node.op == "call_module":
+        if op in ("embedding", "embedding_bag"):
+            return params.get("weight", UNKNOWN)
+        return _first(args)
+    if node.op == "call_function" and target in _FACTORIES:
+        name = target.__name__
+        if name.endswith("_like"):
+            return _first(args)
+        if name in ("arange", "full"):
+            scalars = [_scalar_category(a) for a in node.args if not isinstance(a, torch.fx.Node)]
+            if name == "full":
+                scalars = scalars[-1:]
+            category = max(scalars, default=1)
+            return _CATEGORY_DEFAULTS.get(category, torch.get_default_dtype())
+        if name in ("randint", "randperm"):
+            return torch.int64
+        if name in ("tensor", "as_tensor"):
+            return UNKNOWN
+        return torch.get_default_dtype()
+    if op in _BOOL_OPS:
+        return torch.bool
+    if op in _INT64_OPS:
+        return torch.int64
+    if op in _VALUES_INDICES_OPS and (op in _ALWAYS_VALUES_INDICES or _has_dim_argument(node)):
+        if op in ("max", "min") and len(args) > 1 and isinstance(args[1], (torch.dtype, _Marker)):
+            return _promote(args[:2])  # torch.max(a, b): elementwise
+        return (_first(args), torch.int64)
+    if op in _PAIR_OPS:
+        return (_first(args), _first(args))
+    if op in _SPLIT_OPS:
+        return _Repeated(_first(args))
+    if op == "embedding":
+        return args[1] if len(args) > 1 else kwargs.get("weight", UNKNOWN)
+    if op in _FIRST_ARG_OPS or op.startswith("new_"):
+        return _first(args)
+    if op in _INT64_ACCUMULATING_OPS:
+        source = _first(args)
+        if isinstance(source, torch.dtype) and not source.is_floating_point and not source.is_complex:
+            return torch.int64
+        return source
+    if op == "div" and kwargs.get("rounding_mode") is None:
+        promoted = _promote(args)
+        if isinstance(promoted, torch.dtype) and _dtype_category(promoted) < 2:
+            return torch.get_default_dtype()
+        return promoted
+    promoted = _promote(list(args) + list(kwargs.values()))
+    if promoted is not None:
+        return promoted
+    module = getattr(target, "__module__", None) or ""
+    if node.op == "call_function" and module in _PYTHON_MODULES:
+        return NOT_TENSOR  # arithmetic on sizes
+    return UNKNOWN
+
+
+def _static_output(
+    node: torch.fx.Node,
+    rule: Rule | None,
+    target: torch.dtype | None,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    gm: torch.fx.GraphModule,
+    params: dict[str, torch.dtype],
+) -> Any:
+    if rule is Rule.OPAQUE:
+        return UNKNOWN
+    if node.op == "call_module" and isinstance(gm.get_submodule(node.target), AutocastIsland):
+        return UNKNOWN
+    op = node_info(node).op or ""
+    if target is not None and rule in (Rule.LOWER, Rule.FP32, Rule.PROMOTE):
+        inputs = [*_flat_values(list(args) + list(kwargs.values())), *params.values()]
+        if any(is_eligible(v) is not False for v in inputs):
+            return target
+    if rule is Rule.FP32 and isinstance(kwargs.get("dtype"), torch.dtype):
+        return kwargs["dtype"]
+    return _static_passthrough(node, op, args, kwargs, params)
+
+
+# ---------------------------------------------------------------------------------------------
+# The pass
+# ---------------------------------------------------------------------------------------------
+def _module_state(module: nn.Module, path: str, plan: dict[str, torch.dtype]) -> dict[str, torch.dtype]:
+    """Planned dtype of each parameter/buffer of `module`, by its name inside the module."""
+    prefix = f"{path}." if path else ""
+    state = {}
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        state[name] = plan.get(prefix + name, tensor.dtype)
+    return state
+
+
+def _called_module(node: torch.fx.Node, gm: torch.fx.GraphModule) -> tuple[Any, str, bool]:
+    """(module or function to run, its qualified path, whether under autocast) for call_module."""
+    module = gm.get_submodule(node.target)
+    if isinstance(module, AutocastIsland):
+        path = module.name if isinstance(module.wrapped, nn.Module) else ""
+        return module.wrapped, path, True
+    return module, node.target, False
+
+
+class _Propagation:
+    """Walks the graph in order, deciding what each node sees and computing what it produces."""
+
+    def __init__(
+        self, gm: torch.fx.GraphModule, policy: Policy, example_inputs: Sequence[Any] | None
+    ) -> None:
+        self.gm = gm
+        self.policy = policy
+        self.plan = planned_parameter_dtypes(gm, policy)
+        self.exact = example_inputs is not None
+        self.example_inputs = list(example_inputs) if example_inputs is not None else []
+        # node -> the value its users see: a dtype/marker/tuple (static) or a fake tensor (exact).
+        self.env: dict[torch.fx.Node, Any] = {}
+        self.fake_mode: Any = None
+
+    # -- values ---------------------------------------------------------------------------------
+    def abstract(self, node: torch.fx.Node) -> Any:
+        value = self.env[node]
+        return _abstract(value) if self.exact else value
+
+    def cast_value(self, value: Any, dtype: torch.dtype | None) -> Any:
+        if dtype is None:
+            return value
+        if self.exact:
+            if isinstance(value, torch.Tensor) and is_eligible(value.dtype) and value.dtype != dtype:
+                return value.to(dtype)
+            return value
+        return dtype if is_eligible(value) is not False else value
+
+    # -- per node -------------------------------------------------------------------------------
+    def run(self) -> None:
+        if self.exact:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+            with self.fake_mode:
+                self._walk()
+        else:
+            self._walk()
+
+    def _walk(self) -> None:
+        placeholder_index = 0
+        for node in self.gm.graph.nodes:
+            info = node_info(node)
+            if node.op == "placeholder":
+                raw = self._placeholder_value(node, placeholder_index)
+                placeholder_index += 1
+                info.in_dtypes = ()
+                info.out_dtype = self._dtype_of(raw)
+                # Users of a model input see it cast to the entry dtype (O2/O3).
+                self.env[node] = self.cast_value(raw, self.policy.cast_inputs_dtype)
+                continue
+            if node.op == "get_attr":
+                self.env[node] = self._get_attr_value(node)
+                info.in_dtypes = ()
+                info.out_dtype = self._dtype_of(self.env[node])
+                continue
+            inputs = node.all_input_nodes
+            values = [self.abstract(a) for a in inputs]
+            if node.op == "output":
+                target = self.policy.cast_model_outputs
+                info.in_dtypes = tuple(_seen_dtype(v, target) for v in values)
+                info.out_dtype = None
+                continue
+            rule = info.rule
+            params = self._params(node)
+            target = rule_cast_dtype(rule, self.policy, [*values, *params.values()], node)
+            info.in_dtypes = tuple(_seen_dtype(v, target) for v in values)
+            seen = {a: self.cast_value(self.env[a], target) for a in inputs}
+            args = map_arg(node.args, seen.__getitem__)
+            kwargs = map_arg(node.kwargs, seen.__getitem__)
+            if self.exact:
+                out = self._run_fake(node, rule, target, args, kwargs)
+            else:
+                out = _static_output(node, rule, target, args, kwargs, self.gm, params)
+            self.env[node] = out
+            info.out_dtype = self._dtype_of(out)
+
+    def _dtype_of(self, value: Any) -> torch.dtype | None:
+        value = _abstract(value) if self.exact else value
+        return value if isinstance(value, torch.dtype) else None
+
+    def check_example_inputs(self) -> None:
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        required = [p for p in placeholders if not p.args]
+        if not len(required) <= len(self.example_inputs) <= len(placeholders):
+            names = ", ".join(p.target for p in placeholders)
+            raise ValueError(
+                f"example_inputs has {len(self.example_inputs)} values but the model's forward takes "
+                f"({names}); pass one example per forward argument, in order"
+            )
+
+    def _placeholder_value(self, node: torch.fx.Node, index: int) -> Any:
+        if not self.exact:
+            if node.args and not isinstance(node.args[0], torch.Tensor):
+                return UNKNOWN  # an optional argument (default None/flag): may be anything
+            # Assumed float32: a model input is a floating tensor unless example_inputs say otherwise.
+            return torch.float32
+        if index < len(self.example_inputs):
+            value = self.example_inputs[index]
+        else:
+            value = node.args[0]  # the forward's default
+        return map_aggregate(
+            value, lambda v: self.fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
+        )
+
+    def _get_attr_value(self, node: torch.fx.Node) -> Any:
+        try:
+            attribute = self.gm.get_parameter(node.target)
+        except AttributeError:
+            try:
+                attribute = self.gm.get_buffer(node.target)
+            except AttributeError:
+                attribute = _getattr_path(self.gm, node.target)
+        if not isinstance(attribute, torch.Tensor):
+            return NOT_TENSOR if not self.exact else attribute
+        dtype = self.plan.get(node.target, attribute.dtype)
+        if not self.exact:
+            return dtype
+        fake = self.fake_mode.from_tensor(attribute)
+        return fake.to(dtype) if fake.dtype != dtype else fake
+
+    def _params(self, node: torch.fx.Node) -> dict[str, torch.dtype]:
+        """Planned dtypes of a call_module's parameters and buffers (they take part in promotion)."""
+        if node.op != "call_module":
+            return {}
+        module, path, _ = _called_module(node, self.gm)
+        if not isinstance(module, nn.Module):
+            return {}
+        return _module_state(module, path, self.plan)
+
+    def _run_fake(
+        self, node: torch.fx.Node, rule: Rule | None, target: torch.dtype | None, args: Any, kwargs: Any
+    ) -> Any:
+        if node.op == "call_function":
+            if rule is Rule.OPAQUE and self._autocast_applies():
+                with torch.autocast(self.policy.device_type, dtype=self.policy.dtype):
+                    return node.target(*args, **kwargs)
+            return node.target(*args, **kwargs)
+        if node.op == "call_method":
+            self_arg, *rest = args
+            if rule is Rule.OPAQUE and self._autocast_applies():
+                with torch.autocast(self.policy.device_type, dtype=self.policy.dtype):
+                    return getattr(self_arg, node.target)(*rest, **kwargs)
+            return getattr(self_arg, node.target)(*rest, **kwargs)
+        module, path, island = _called_module(node, self.gm)
+        under_autocast = (island or rule is Rule.OPAQUE) and self._autocast_applies()
+        if isinstance(module, nn.Module):
+            state = {}
+            tensors = dict([*module.named_parameters(), *module.named_buffers()])
+            for name, dtype in _module_state(module, path, self.plan).items():
+                fake = self.fake_mode.from_tensor(tensors[name])
+                # The rule's casts apply to the module's parameters too (its functional form).
+                if target is not None and rule is not Rule.OPAQUE and not island and is_eligible(dtype):
+                    dtype = target
+                state[name] = fake.to(dtype) if fake.dtype != dtype else fake
+            call = lambda: torch.func.functional_call(module, state, tuple(args), dict(kwargs))  # noqa: E731
+        else:
+            call = lambda: module(*args, **kwargs)  # noqa: E731
+        if under_autocast:
+            with torch.autocast(self.policy.device_type, dtype=self.policy.dtype):
+                return call()
+        return call()
+
+    def _autocast_applies(self) -> bool:
+        return self.policy.autocast_opaque
+
+
+def _getattr_path(root: Any, path: str) -> Any:
+    value = root
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def propagate_dtypes(
+    gm: torch.fx.GraphModule, policy: Policy, example_inputs: Sequence[Any] | None = None
+) -> torch.fx.GraphModule:
+    """Record ``in_dtypes`` and ``out_dtype`` on every node (see the module docstring).
+
+    With `example_inputs` (one per forward argument) the dtypes are exact, from a fake-tensor run;
+    if that run fails (an op fake tensors do not support), the static rules are used and a
+    warning is logged. Returns `gm` (graph unchanged).
+
+    Example::
+
+        >>> policy = preset("O1", torch.bfloat16, "cpu")
+        >>> gm = classify(normalize_ops(trace(nn.Sequential(nn.Linear(4, 2)))), policy)
+        >>> gm = propagate_dtypes(gm, policy)
+        >>> [(n.name, node_info(n).in_dtypes, node_info(n).out_dtype) for n in gm.graph.nodes]
+        [('input_1', (), torch.float32), ('_0', (torch.bfloat16,), torch.bfloat16),
+         ('output', (torch.bfloat16,), None)]
+    """
+    propagation = _Propagation(gm, policy, example_inputs)
+    if example_inputs is None:
+        propagation.run()
+        return gm
+    propagation.check_example_inputs()
+    devices = {v.device.type for v in example_inputs if isinstance(v, torch.Tensor)}
+    if devices - {policy.device_type}:
+        # Fake tensors on another device would not see this device type's autocast lists.
+        logger.info(
+            "example_inputs are on %s, the policy is for %s: using the static dtype rules",
+            sorted(devices),
+            policy.device_type,
+        )
+        _Propagation(gm, policy, None).run()
+        return gm
+    try:
+        propagation.run()
+    except Exception as error:  # an op fake tensors cannot run: the static rules still apply
+        logger.warning(
+            "exact dtype propagation with example_inputs failed (%s: %s); using the static rules",
+            type(error).__name__,
+            error,
+        )
+        _Propagation(gm, policy, None).run()
+    return gm

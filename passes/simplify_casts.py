@@ -1,0 +1,124 @@
+"""Pass 7 of convert: remove the casts that change nothing and merge the ones that repeat.
+
+Works on amp_fx's own cast nodes (``node_info(n).is_cast``) only; casts the user wrote are
+left as written. Reads the dtypes recorded by `propagate_dtypes` and `insert_casts` (run
+`propagate_dtypes` again first on a graph changed by other means), then:
+
+- removes a cast whose input already has the target dtype (a no-op; a model input's dtype is
+  only assumed without ``example_inputs``, so casts of model inputs are kept);
+- merges casts of one value to one dtype into the first of them (one cast feeding every user);
+- cancels a round trip ``a -> wide -> a`` where it is exact: float16/bfloat16 -> float32 ->
+  back returns the same bits, so users of the second cast read ``a`` itself. ``float32 ->
+  float16 -> float32`` rounds, and stays;
+- erases casts left without users.
+
+Example::
+
+    before                                       after
+    h16 = linear(...)              (float16)      h16 = linear(...)
+    h32 = h16.to(torch.float32)                   h32 = h16.to(torch.float32)
+    a = softmax(h32)                              a = softmax(h32)
+    h16_again = h32.to(torch.float16)             (removed: exact round trip)
+    b = matmul(h16_again, w)                      b = matmul(h16, w)
+    h32_dup = h16.to(torch.float32)               (merged into h32)
+    c = log_softmax(h32_dup)                      c = log_softmax(h32)
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx
+
+from amp_fx.node_info import node_info
+from amp_fx.policy import Policy
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["simplify_casts", "is_exact_widening"]
+
+_EXACT_WIDENINGS = {
+    torch.float16: (torch.float32, torch.float64),
+    torch.bfloat16: (torch.float32, torch.float64),
+    torch.float32: (torch.float64,),
+}
+
+
+def is_exact_widening(source: torch.dtype, wide: torch.dtype) -> bool:
+    """True when every `source` value is exactly representable in `wide` (the round trip is exact).
+
+    >>> is_exact_widening(torch.float16, torch.float32), is_exact_widening(torch.float32, torch.float16)
+    (True, False)
+    """
+    return wide in _EXACT_WIDENINGS.get(source, ())
+
+
+def _cast_parts(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.dtype] | None:
+    if not node_info(node).is_cast or len(node.args) < 2:
+        return None
+    source, dtype = node.args[0], node.args[1]
+    if not isinstance(source, torch.fx.Node) or not isinstance(dtype, torch.dtype):
+        return None
+    return source, dtype
+
+
+def _replace(node: torch.fx.Node, replacement: torch.fx.Node) -> None:
+    # Users keep in_dtypes aligned with all_input_nodes: they see `replacement` as they saw `node`.
+    seen = node_info(node).out_dtype
+    for user in list(node.users):
+        info = node_info(user)
+        inputs = user.all_input_nodes
+        aligned = len(inputs) == len(info.in_dtypes)
+        before = dict(zip(inputs, info.in_dtypes, strict=False))
+        user.replace_input_with(node, replacement)
+        if aligned:
+            info.in_dtypes = tuple(seen if a is replacement else before.get(a) for a in user.all_input_nodes)
+
+
+def simplify_casts(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
+    """Remove no-op casts, merge duplicates, cancel exact round trips (see the module docstring).
+
+    Example::
+
+        >>> gm = simplify_casts(insert_casts(gm, policy), policy)   # doctest: +SKIP
+    """
+    graph = gm.graph
+    first_cast: dict[tuple[torch.fx.Node, torch.dtype, object], torch.fx.Node] = {}
+    removed = {"no-op": 0, "duplicate": 0, "round trip": 0, "unused": 0}
+    for node in list(graph.nodes):
+        parts = _cast_parts(node)
+        if parts is None:
+            continue
+        source, dtype = parts
+        source_dtype = node_info(source).out_dtype
+        replacement, why = None, None
+        if source_dtype == dtype and source.op != "placeholder":
+            replacement, why = source, "no-op"
+        else:
+            inner = _cast_parts(source)
+            if inner is not None:
+                origin = inner[0]
+                origin_dtype = node_info(origin).out_dtype
+                if (
+                    origin_dtype == dtype
+                    and origin.op != "placeholder"
+                    and is_exact_widening(dtype, inner[1])
+                ):
+                    replacement, why = origin, "round trip"
+            if replacement is None:
+                # Same value, same dtype, same kind of cast (x.to vs cast_if_floating): one node.
+                key = (source, dtype, node.target)
+                earlier = first_cast.setdefault(key, node)
+                if earlier is not node:
+                    replacement, why = earlier, "duplicate"
+        if replacement is not None:
+            _replace(node, replacement)
+            graph.erase_node(node)
+            removed[why] += 1
+    for node in reversed(list(graph.nodes)):
+        if _cast_parts(node) is not None and not node.users:
+            graph.erase_node(node)
+            removed["unused"] += 1
+    logger.debug("simplify_casts: removed %s", removed)
+    return gm

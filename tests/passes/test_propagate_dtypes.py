@@ -1,0 +1,169 @@
+"""Tests for `amp_fx.passes.propagate_dtypes`: what each node sees and produces under its rule."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+from amp_fx.node_info import node_info
+from amp_fx.passes.classify import classify
+from amp_fx.passes.normalize_ops import normalize_ops
+from amp_fx.passes.propagate_dtypes import UNKNOWN, is_eligible, propagate_dtypes, rule_cast_dtype
+from amp_fx.passes.trace import trace
+from amp_fx.policy import Rule, preset
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def _propagated(model: nn.Module, policy, example_inputs=None) -> dict[str, tuple]:
+    gm = classify(normalize_ops(trace(model)), policy)
+    propagate_dtypes(gm, policy, example_inputs)
+    return {n.name: (node_info(n).in_dtypes, node_info(n).out_dtype) for n in gm.graph.nodes}
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.softmax(self.fc(x), -1)
+
+
+def test_static_o1_linear_sees_and_produces_low():
+    dtypes = _propagated(Mlp(), preset("O1", BF16, "cpu"))
+    assert dtypes["x"] == ((), F32)  # a model input is assumed float32
+    assert dtypes["fc"] == ((BF16,), BF16)
+    assert dtypes["softmax"] == ((BF16,), BF16)  # CPU autocast leaves softmax alone
+    assert dtypes["output"] == ((BF16,), None)
+
+
+def test_static_fp32_rule_sees_float32():
+    dtypes = _propagated(Mlp(), preset("O1", F16, "cuda"))
+    assert dtypes["softmax"] == ((F32,), F32)
+
+
+def test_o2_model_input_is_seen_low_but_keeps_its_dtype():
+    dtypes = _propagated(Mlp(), preset("O2", BF16, "cpu"))
+    assert dtypes["x"] == ((), F32)
+    assert dtypes["fc"] == ((BF16,), BF16)
+    assert dtypes["softmax"] == ((F32,), F32)  # O2 FP32 island
+    assert dtypes["output"] == ((F32,), None)  # cast_model_outputs float32
+
+
+class Transfers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+
+    def forward(self, x, ids):
+        e = self.emb(ids)
+        mask = x > 0
+        idx = x.argmax(-1)
+        first_part = torch.split(x, 2, dim=-1)[0]
+        values, indices = torch.max(x, dim=-1)
+        n = x.size(0)
+        as_long = x.long()
+        as_half = x.to(torch.float16)
+        mixed = torch.cat([as_half, x], -1)
+        return e, mask, idx, first_part, values, indices, n, as_long, mixed
+
+
+def test_static_transfer_rules():
+    dtypes = _propagated(Transfers(), preset("O1", BF16, "cpu"))
+    out = {name: d[1] for name, d in dtypes.items()}
+    assert out["emb"] == F32  # embedding: the weight's dtype
+    assert out["gt"] == torch.bool
+    assert out["argmax"] == torch.int64
+    assert out["getitem"] == F32  # parts[0]
+    assert (out["getitem_1"], out["getitem_2"]) == (F32, torch.int64)  # values, indices
+    assert out["size"] is None  # not a tensor
+    assert out["long"] == torch.int64
+    assert out["to"] == F16
+    assert out["cat"] == F32  # CPU autocast promote: float16 and float32 -> float32
+    assert dtypes["cat"][0] == (F32, F32)
+
+
+class Opaque(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(self.attn(x, x, x)[0])
+
+
+def test_opaque_output_is_unknown_statically_and_exact_with_examples():
+    static = _propagated(Opaque(), preset("O1", BF16, "cpu"))
+    assert static["attn"][1] is None and static["getitem"][1] is None
+    assert static["fc"] == ((BF16,), BF16)  # an unknown value is still cast for a LOWER op
+    exact = _propagated(Opaque(), preset("O1", BF16, "cpu"), (torch.randn(2, 3, 4),))
+    assert exact["getitem"][1] == BF16  # MHA's out_proj under autocast
+    assert exact["fc"] == ((BF16,), BF16)
+
+
+def test_exact_integer_input_is_never_cast():
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2))
+    ids = torch.tensor([[1, 2, 3]])
+    dtypes = _propagated(model, preset("O2", F16, "cpu"), (ids,))
+    assert dtypes["input_1"] == ((), torch.int64)
+    assert dtypes["_0"] == ((torch.int64,), F16)  # the embedding sees the ids as they are
+    assert dtypes["_1"] == ((F16,), F16)
+
+
+def test_exact_low_precision_input_at_o1():
+    dtypes = _propagated(Mlp(), preset("O1", BF16, "cpu"), (torch.randn(2, 4, dtype=BF16),))
+    assert dtypes["x"] == ((), BF16)
+    assert dtypes["fc"] == ((BF16,), BF16)
+
+
+class ExplicitDtype(nn.Module):
+    def forward(self, x):
+        return F.softmax(x, -1, dtype=torch.float64), torch.softmax(x, -1)
+
+
+def test_fp32_rule_respects_an_explicit_dtype():
+    dtypes = _propagated(ExplicitDtype(), preset("O1", F16, "cuda"))
+    assert dtypes["softmax"] == ((F32,), torch.float64)  # seen as produced, output as asked
+    assert dtypes["softmax_1"] == ((F32,), F32)
+    o2 = _propagated(ExplicitDtype(), preset("O2", F16, "cpu"))
+    assert o2["softmax"] == ((F16,), torch.float64)  # the entry cast applies, no FP32 cast
+    assert o2["softmax_1"] == ((F32,), F32)
+
+
+def test_rule_cast_dtype_and_eligibility():
+    o1 = preset("O1", BF16, "cpu")
+    assert rule_cast_dtype(Rule.LOWER, o1, []) == BF16
+    assert rule_cast_dtype(Rule.FP32, o1, []) == F32
+    assert rule_cast_dtype(Rule.PASSTHROUGH, o1, [F32]) is None
+    assert rule_cast_dtype(Rule.PROMOTE, o1, [BF16, BF16, torch.int64]) == BF16
+    assert rule_cast_dtype(Rule.PROMOTE, o1, [BF16, F32]) == F32
+    assert rule_cast_dtype(Rule.PROMOTE, o1, [BF16, torch.float64]) == BF16  # float64 is ignored
+    assert rule_cast_dtype(Rule.PROMOTE, o1, [BF16, UNKNOWN]) is None  # undecidable statically
+    assert rule_cast_dtype(Rule.OPAQUE, o1, []) is None
+    assert rule_cast_dtype(Rule.OPAQUE, preset("O2", BF16, "cpu"), []) == BF16
+    assert is_eligible(F16) and not is_eligible(torch.float64) and not is_eligible(torch.bool)
+    assert is_eligible(UNKNOWN) is None
+
+
+class DataDependent(nn.Module):
+    def forward(self, x):
+        return torch.nonzero(x).float() @ torch.ones(2, 2)
+
+
+def test_exact_propagation_falls_back_to_static_rules(caplog):
+    with caplog.at_level(logging.WARNING, logger="amp_fx.passes.propagate_dtypes"):
+        dtypes = _propagated(DataDependent(), preset("O1", BF16, "cpu"), (torch.randn(3, 2),))
+    assert "using the static rules" in caplog.text
+    assert dtypes["matmul"] == ((BF16, BF16), BF16)
+
+
+def test_example_inputs_must_match_the_forward():
+    with pytest.raises(ValueError, match="example_inputs has 2 values"):
+        _propagated(Mlp(), preset("O1", BF16, "cpu"), (torch.randn(2, 4), torch.randn(2, 4)))
