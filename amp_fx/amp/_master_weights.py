@@ -482,7 +482,8 @@ class AmpOptimizer:
         if getattr(self.optimizer, "_step_supports_amp_scaling", False):
             params = self.optimizer.param_groups[0]["params"]
             device = params[0].device if params else next(iter(found))
-            self.optimizer.found_inf = _grads.total_flag(found, device)
+            # torch's fused optimizers take GradScaler's 0-dim flag.
+            self.optimizer.found_inf = _grads.total_flag(found, device).reshape(())
             try:
                 return True, original_step(closure)
             finally:

@@ -29,10 +29,9 @@ KINDS = {
 def _setup(tiny_net, kind, num_losses=2, verbosity=1, scales=SCALES, **kwargs):
     opt_level, make_optimizer = KINDS[kind]
     model = tiny_net()
-    model, optimizer = amp.initialize(
-        model, make_optimizer(model.parameters()), opt_level=opt_level, num_losses=num_losses,
-        verbosity=verbosity, **kwargs,
-    )  # fmt: skip
+    optimizer = make_optimizer(model.parameters())
+    options = dict(opt_level=opt_level, num_losses=num_losses, verbosity=verbosity, **kwargs)
+    model, optimizer = amp.initialize(model, optimizer, **options)
     assert optimizer._amp_fx.kind is kind
     if scales:
         amp.load_state_dict(
