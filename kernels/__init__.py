@@ -23,8 +23,9 @@ import os
 from collections.abc import Iterable
 from types import ModuleType
 
-from amp_fx.kernels import reference
 from torch import Tensor
+
+from amp_fx.kernels import reference
 
 if importlib.util.find_spec("triton") is not None:
     from amp_fx.kernels import triton_ops

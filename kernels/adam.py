@@ -36,15 +36,18 @@ from collections.abc import Sequence
 
 import triton
 import triton.language as tl
+from torch import Tensor
+
 from amp_fx.kernels.arguments import check_update, log_beta
 from amp_fx.kernels.pointer_table import LaunchConfig, group_by_dtype, pointer_table, triton_dtype
 from amp_fx.kernels.reference import check_adam_hyperparameters
 from amp_fx.kernels.rounding import round_to_dtype
-from torch import Tensor
 
-# 1024 elements per iteration, 8 per thread with 4 warps: 16-byte loads of fp16 and 2 x 16-byte
-# loads of fp32. Tuned on an H200 (benchmarks/NOTES_optimizer.md).
-LAUNCH = LaunchConfig(block_size=1024, chunk_size=16 * 1024, num_warps=4)
+# 4 elements per thread (1024 per iteration, 8 warps): one 16-byte load per fp32 operand and one
+# layout for every operand (8 per thread would suit fp16 but costs a shared-memory layout change
+# for the fp32 ones); 4 iterations per program. Fastest of the settings tried on an H200
+# (benchmarks/NOTES_optimizer.md).
+LAUNCH = LaunchConfig(block_size=1024, chunk_size=4 * 1024, num_warps=8)
 
 
 @triton.jit

@@ -50,7 +50,9 @@ def _check_scalar_tensor(name: str, value: Tensor | None, device: torch.device) 
         )
 
 
-def _check_tensor_list(name: str, tensors: Sequence[Tensor], allowed_dtypes: tuple[torch.dtype, ...]) -> None:
+def _check_tensor_list(
+    name: str, tensors: Sequence[Tensor], allowed_dtypes: tuple[torch.dtype, ...], check_dense: bool = True
+) -> None:
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{name} must be a list of tensors, got {type(tensors).__name__}")
     for i, tensor in enumerate(tensors):
@@ -59,22 +61,21 @@ def _check_tensor_list(name: str, tensors: Sequence[Tensor], allowed_dtypes: tup
         if tensor.dtype not in allowed_dtypes:
             allowed = ", ".join(str(d) for d in allowed_dtypes)
             raise ValueError(f"{name}[{i}] has dtype {tensor.dtype}; supported dtypes are {allowed}")
-        if not is_dense(tensor):
+        if check_dense and not is_dense(tensor):
             raise ValueError(
                 f"{name}[{i}] is not dense (strides {tensor.stride()} for shape {tuple(tensor.shape)}); "
                 "pass a contiguous tensor (.contiguous())"
             )
 
 
-def _check_matches(name: str, i: int, tensor: Tensor, param: Tensor) -> None:
-    if tensor.shape != param.shape or tensor.stride() != param.stride():
-        raise ValueError(
-            f"{name}[{i}] has shape {tuple(tensor.shape)} and strides {tensor.stride()} but params[{i}] has "
-            f"shape {tuple(param.shape)} and strides {param.stride()}; "
-            "create it with torch.zeros_like(param) or param.detach().clone()"
-        )
+def _raise_mismatch(name: str, i: int, tensor: Tensor, param: Tensor) -> None:
     if tensor.device != param.device:
         raise ValueError(f"{name}[{i}] is on {tensor.device} but params[{i}] is on {param.device}")
+    raise ValueError(
+        f"{name}[{i}] has shape {tuple(tensor.shape)} and strides {tensor.stride()} but params[{i}] has "
+        f"shape {tuple(param.shape)} and strides {param.stride()}; "
+        "create it with torch.zeros_like(param) or param.detach().clone()"
+    )
 
 
 def check_grads(
@@ -114,34 +115,40 @@ def check_update(
     tensors or None (that param is updated in place, in its own dtype, with fp32 arithmetic).
     ``states`` maps a name (``"exp_avgs"``) to a list of float32 tensors, or None when unused.
     """
+    if step is None:
+        raise TypeError("step must be a float32 tensor of one element (steps already taken)")
+    # Only the params are checked for density: every other tensor must have its param's shape and
+    # strides, hence its layout. This runs every step, so it reads each tensor's metadata once.
     _check_tensor_list("params", params, PARAM_DTYPES)
-    _check_tensor_list("grads", grads, PARAM_DTYPES)
+    _check_tensor_list("grads", grads, PARAM_DTYPES, check_dense=False)
     if len(grads) != len(params):
         raise ValueError(f"got {len(params)} params but {len(grads)} grads; pass one grad per param")
+    matched = {"grads": grads}
     if masters is not None:
         if len(masters) != len(params):
             raise ValueError(
                 f"got {len(params)} params but {len(masters)} masters; pass one per param (or None)"
             )
-        _check_tensor_list("masters", [m for m in masters if m is not None], (torch.float32,))
+        _check_tensor_list(
+            "masters", [m for m in masters if m is not None], (torch.float32,), check_dense=False
+        )
+        matched["masters"] = masters
     for name, tensors in states.items():
         if tensors is None:
             continue
-        _check_tensor_list(name, tensors, (torch.float32,))
+        _check_tensor_list(name, tensors, (torch.float32,), check_dense=False)
         if len(tensors) != len(params):
             raise ValueError(f"got {len(params)} params but {len(tensors)} {name}; pass one per param")
+        matched[name] = tensors
     for i, param in enumerate(params):
-        _check_matches("grads", i, grads[i], param)
-        if masters is not None and masters[i] is not None:
-            _check_matches("masters", i, masters[i], param)
-        for name, tensors in states.items():
-            if tensors is not None:
-                _check_matches(name, i, tensors[i], param)
+        layout = (param.shape, param.stride(), param.device)
+        for name, tensors in matched.items():
+            tensor = tensors[i]
+            if tensor is not None and (tensor.shape, tensor.stride(), tensor.device) != layout:
+                _raise_mismatch(name, i, tensor, param)
     device = params[0].device if params else step.device
     for name, value in (("step", step), ("grad_multiplier", grad_multiplier), ("found_inf", found_inf)):
         _check_scalar_tensor(name, value, device)
-    if step is None:
-        raise TypeError("step must be a float32 tensor of one element (steps already taken)")
     for name, value in hyperparameters.items():
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
             raise TypeError(f"{name} must be a finite Python float, got {value!r}")

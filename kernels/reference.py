@@ -49,8 +49,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from amp_fx.kernels.arguments import check_grads, check_range, check_update, log_beta
 from torch import Tensor
+
+from amp_fx.kernels.arguments import check_grads, check_range, check_update, log_beta
 
 __all__ = ["check_finite_and_norm_", "adam_step_", "sgd_step_", "advance_step_"]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from amp_fx.kernels.pointer_table import LaunchConfig, group_by_dtype, pointer_table
 
 

@@ -15,10 +15,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from amp_fx.kernels import adam, overflow_check, reference, sgd, triton_ops
-from amp_fx.kernels.pointer_table import LaunchConfig
 from hypothesis import given
 from hypothesis import strategies as st
+
+from amp_fx.kernels import adam, overflow_check, reference, sgd, triton_ops
+from amp_fx.kernels.pointer_table import LaunchConfig
 
 # Per-dtype tolerances for Triton vs reference, both computing in fp32 (FMA contraction and the
 # order of a few operations differ). Defined here once until amp_fx.testing.tolerances exists.
