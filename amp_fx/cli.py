@@ -20,6 +20,7 @@ import importlib
 import importlib.util
 import inspect as pyinspect
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -37,9 +38,9 @@ class ModelSpecError(ValueError):
 
 def parse_shape(text: str) -> tuple[int, ...]:
     """Parse "1,3,224,224" (or "1x3x224x224") into a shape tuple."""
-    parts = text.replace("x", ",").split(",")
+    parts = re.split(r"[,x]", text.strip())
     try:
-        shape = tuple(int(part) for part in parts if part.strip())
+        shape = tuple(int(part) for part in parts)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"input shape must be integers like 1,3,224,224, got {text!r}"
@@ -209,11 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    # Imported from their modules: `amp_fx.report` the attribute is shadowed by the submodule of
-    # the same name once anything imports that submodule directly.
-    from amp_fx.convert import convert
+    # Through the package: importing the amp_fx.convert / amp_fx.report submodules directly would
+    # leave those modules, not the functions, under the package's names.
+    import amp_fx
     from amp_fx.dot import write_dot
-    from amp_fx.report import report as make_report
 
     model = load_model(args.model).eval()
     shape = args.input_shape or default_input_shape(args.model)
@@ -230,7 +230,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         )
         example_inputs = (example,)
     try:
-        gm = convert(
+        gm = amp_fx.convert(
             model,
             args.opt_level,
             dtype=DTYPES[args.dtype],
@@ -239,7 +239,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         )
     except (TypeError, ValueError, RuntimeError) as error:
         raise ModelSpecError(f"converting {args.model} failed: {error}") from error
-    report = make_report(gm)
+    report = amp_fx.report(gm)
     print(report)
     if args.diff:
         print(report.diff())

@@ -14,12 +14,14 @@ Render with ``dot -Tsvg out.dot -o out.svg``.
 from __future__ import annotations
 
 import os
+import sys
+import types
 
 import torch
 import torch.fx
 
+import amp_fx
 from amp_fx.node_info import META_KEY
-from amp_fx.report import short_dtype as dtype_name
 
 # Fill colour per rule name (the `Rule` enum's member names); casts override the rule's colour.
 RULE_COLOURS = {
@@ -31,6 +33,15 @@ RULE_COLOURS = {
 }
 CAST_COLOUR = "#fb6a4a"  # red: a cast amp_fx inserted
 IO_COLOUR = "#f0f0f0"
+
+
+def dtype_name(dtype: torch.dtype | None) -> str:
+    """The report's short dtype name ("fp16", "bf16", "-" for unknown)."""
+    # Resolve `amp_fx.report` through the package: importing the amp_fx.report submodule directly
+    # would leave the module, not the function, under that name.
+    report = amp_fx.report
+    module = report if isinstance(report, types.ModuleType) else sys.modules[report.__module__]
+    return module.short_dtype(dtype)
 
 
 def _quote(text: str) -> str:

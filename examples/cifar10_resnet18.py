@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # show amp's messages, as Apex printed them
     torch.manual_seed(0)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = {"auto": torch.float16 if device.type == "cuda" else torch.bfloat16,
-             "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]  # fmt: skip
+    auto = torch.float16 if device.type == "cuda" else torch.bfloat16
+    dtype = {"auto": auto, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
 
     if args.batch_size is None:
         args.batch_size = 128 if device.type == "cuda" else 32

@@ -43,7 +43,7 @@ from amp_fx.amp._registry import (
     registered_functions,
 )
 from amp_fx.amp._scale_loss import scale_loss
-from amp_fx.amp._state import current_session, require_session
+from amp_fx.amp._state import require_session
 
 __all__ = [
     "initialize",
@@ -72,9 +72,10 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
     Example:
         >>> import torch
         >>> from amp_fx import amp
-        >>> model, optimizer = amp.initialize(torch.nn.Linear(2, 2), torch.optim.SGD(
-        ...     torch.nn.Linear(2, 2).parameters(), lr=0.1), opt_level="O2", verbosity=0)  # doctest: +SKIP
-        >>> [p.dtype for p in amp.master_params(optimizer)]  # doctest: +SKIP
+        >>> model = torch.nn.Linear(2, 2)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+        >>> [p.dtype for p in amp.master_params(optimizer)]
         [torch.float32, torch.float32]
     """
     amp_optimizer = getattr(optimizer, "_amp_fx", None)
@@ -101,8 +102,3 @@ def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
 def load_state_dict(state_dict: dict[str, Any]) -> None:
     """Load loss-scaler state saved by `state_dict` (or by Apex) into the latest `initialize`'s scalers."""
     require_session("amp.load_state_dict()").load_state_dict(state_dict)
-
-
-def _current_properties() -> Properties | None:
-    session = current_session()
-    return None if session is None else session.properties

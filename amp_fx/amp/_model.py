@@ -29,9 +29,9 @@ import torch
 import torch.fx
 from torch import Tensor, nn
 
+import amp_fx
 from amp_fx.amp._properties import LOW_PRECISION_DTYPES, Properties
 from amp_fx.amp._registry import apply_registered_functions
-from amp_fx.convert import convert
 from amp_fx.node_info import META_KEY
 from amp_fx.passes.autocast_island import AutocastIsland
 from amp_fx.policy import preset
@@ -97,7 +97,7 @@ def convert_model(
         cast_model_outputs=cast_model_outputs,
     )
     apply_registered_functions(policy)
-    return convert(model, level, policy=policy)
+    return amp_fx.convert(model, level, policy=policy)
 
 
 # --------------------------------------------------------------------------------------------

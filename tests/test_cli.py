@@ -1,0 +1,132 @@
+"""The amp-fx command line and its Graphviz output (amp_fx/cli.py, amp_fx/dot.py)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.fx
+
+from amp_fx.cli import main, parse_shape
+from amp_fx.dot import CAST_COLOUR, RULE_COLOURS, to_dot
+
+MODEL_FILE = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+
+    class Attention(nn.Module):
+        def __init__(self, width: int = 16):
+            super().__init__()
+            self.qkv = nn.Linear(width, 3 * width)
+            self.out = nn.Linear(width, width)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            return self.out(torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v)
+
+
+    class NeedsArguments(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+    """
+)
+
+
+RUN = dict(capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    path = tmp_path / "my_models.py"
+    path.write_text(MODEL_FILE)
+    return str(path)
+
+
+def _dot_graph(text: str) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """(node name -> fill colour, edges) of DOT text written by to_dot (legend left out)."""
+    nodes = dict(re.findall(r'^  "([^"]+)" \[label=.*fillcolor="(#[0-9a-f]+)"', text, flags=re.M))
+    edges = re.findall(r'^  "([^"]+)" -> "([^"]+)";', text, flags=re.M)
+    return nodes, edges
+
+
+def test_inspect_a_torchvision_model(tmp_path, capsys):
+    dot = tmp_path / "resnet18.dot"
+    args = ["--opt-level", "O2", "--dtype", "bf16", "--input-shape", "1,3,32,32", "--dot", str(dot)]
+    assert main(["inspect", "torchvision:resnet18", *args]) == 0
+    out = capsys.readouterr().out
+    assert "amp_fx report: O2, torch.bfloat16" in out
+    assert re.search(r"conv1\s+conv2d\s+lower\s+bf16", out)
+    assert re.search(r"\d+ casts inserted", out)
+    nodes, edges = _dot_graph(dot.read_text())
+    assert nodes["x_to_bfloat16"] == CAST_COLOUR and nodes["conv1"] == RULE_COLOURS["LOWER"]
+    assert ("x", "x_to_bfloat16") in edges and ("x_to_bfloat16", "conv1") in edges
+
+
+def test_inspect_a_model_from_a_file_shows_fp32_islands(model_file, tmp_path, capsys):
+    dot = tmp_path / "attention.dot"
+    assert main(["inspect", f"{model_file}:Attention", "--input-shape", "2,5,16", "--dot", str(dot)]) == 0
+    out = capsys.readouterr().out
+    assert "stayed FP32" in out and "softmax" in out
+    nodes, _ = _dot_graph(dot.read_text())
+    assert nodes["softmax"] == RULE_COLOURS["FP32"]
+    assert CAST_COLOUR in nodes.values()
+
+
+def test_inspect_o1_without_an_input_shape(model_file, capsys):
+    assert main(["inspect", f"{model_file}:Attention", "--opt-level", "O1", "--device-type", "cpu"]) == 0
+    assert "amp_fx report: O1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("torchvision:resnet1", "torchvision has no model 'resnet1'; did you mean resnet18"),
+        ("missing_dir/missing.py:Net", "no file 'missing_dir/missing.py'"),
+        ("{file}:Atention", "'Atention' is not defined in .*; nn.Module classes there: Attention"),
+        ("{file}:NeedsArguments", "could not build .*NeedsArguments with no arguments"),
+        ("{file}:torch", "'torch' is not a torch.nn.Module class"),
+        ("resnet18", "must be torchvision:NAME, path/to/file.py:ClassName"),
+        ("no_such_package_xyz:Net", "cannot import 'no_such_package_xyz'"),
+    ],
+)
+def test_a_model_that_cannot_be_found_or_built_is_one_clear_line(spec, message, model_file, capsys):
+    assert main(["inspect", spec.format(file=model_file)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("amp-fx: error: ")
+    assert re.search(message, err)
+
+
+def test_bad_arguments_exit_with_status_2(capsys):
+    for shape in ("1,x", "1,,3", "0,3", ""):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["inspect", "torchvision:resnet18", "--input-shape", shape])
+        assert exit_info.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["inspect", "torchvision:resnet18", "--opt-level", "o2"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_parse_shape():
+    assert parse_shape("1,3,224,224") == parse_shape("1x3x224x224") == (1, 3, 224, 224)
+
+
+def test_python_dash_m(model_file):
+    command = [sys.executable, "-m", "amp_fx", "inspect"]
+    result = subprocess.run([*command, f"{model_file}:Attention", "--input-shape", "1,4,16"], **RUN)
+    assert result.returncode == 0, result.stderr
+    assert "amp_fx report: O2" in result.stdout
+
+
+def test_dot_of_a_plain_fx_graph():
+    gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()))
+    text = to_dot(gm)
+    nodes, edges = _dot_graph(text)
+    assert text.startswith("digraph amp_fx {") and text.rstrip().endswith("}")
+    assert set(nodes) == {n.name for n in gm.graph.nodes}
+    assert len(edges) == sum(len(n.all_input_nodes) for n in gm.graph.nodes)
