@@ -162,11 +162,11 @@ def build_resnet50(device: torch.device, small: bool = False, batch_size: int | 
     """torchvision ResNet-50 (weights=None) on 256 random 224x224 images, channels_last.
 
     ``small=True`` builds the same Bottleneck ResNet with one block per stage and narrow bottlenecks
-    on 32x32 images: ResNet-50 itself takes seconds per step on a CPU.
+    on 16x16 images: ResNet-50 itself takes seconds per step on a CPU.
     """
     if small:
         model: nn.Module = ResNet(Bottleneck, [1, 1, 1, 1], num_classes=10, width_per_group=16)
-        batch, size, classes = batch_size or 2, 32, 10
+        batch, size, classes = batch_size or 2, 16, 10
     else:
         model = torchvision.models.resnet50(weights=None)
         batch, size, classes = batch_size or 256, 224, 1000
