@@ -45,9 +45,9 @@ from amp_fx.kernels.rounding import round_to_dtype
 
 # 4 elements per thread (1024 per iteration, 8 warps): one 16-byte load per fp32 operand and one
 # layout for every operand (8 per thread would suit fp16 but costs a shared-memory layout change
-# for the fp32 ones); 4 iterations per program. Fastest of the settings tried on an H200
+# for the fp32 ones); 2 iterations per program. Fastest of the settings tried on an H200
 # (benchmarks/NOTES_optimizer.md).
-LAUNCH = LaunchConfig(block_size=1024, chunk_size=4 * 1024, num_warps=8)
+LAUNCH = LaunchConfig(block_size=1024, chunk_size=2 * 1024, num_warps=8)
 
 
 @triton.jit

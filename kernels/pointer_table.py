@@ -78,16 +78,53 @@ class PointerTable:
     aligned: bool
 
 
-_cache: OrderedDict[tuple, PointerTable] = OrderedDict()
+class _LRU(OrderedDict):
+    def lookup(self, key: tuple) -> object | None:
+        value = self.get(key)
+        if value is not None:
+            self.move_to_end(key)
+        return value
+
+    def store(self, key: tuple, value: object) -> None:
+        self[key] = value
+        if len(self) > _CACHE_SIZE:
+            self.popitem(last=False)
 
 
-def _to_device(rows: list[list[int]], device: torch.device) -> Tensor:
-    host = torch.tensor(rows, dtype=torch.int64)
+# Chunk tables depend only on the sizes, pointer rows also on the addresses: kept apart, so that
+# tensors that move (grads freed by zero_grad(set_to_none=True) and allocated elsewhere) rebuild
+# only the small [T, K + 1] table, never the [C, 2] one (640k rows for 1.3B params in 2048-chunks).
+_chunk_cache = _LRU()
+_row_cache = _LRU()
+
+
+def clear_cache() -> None:
+    """Forget every cached table (they are rebuilt on the next launch)."""
+    _chunk_cache.clear()
+    _row_cache.clear()
+
+
+def _to_device(host: Tensor, device: torch.device) -> Tensor:
     if device.type != "cuda":
         return host.to(device)
     # A pinned source lets the copy run asynchronously: no host synchronization, also under
     # torch.cuda.set_sync_debug_mode("error").
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def _chunk_table(numels: tuple[int, ...], chunk_size: int, device: torch.device) -> tuple[Tensor, int]:
+    key = (device, chunk_size, numels)
+    cached = _chunk_cache.lookup(key)
+    if cached is None:
+        sizes = torch.tensor(numels, dtype=torch.int64)
+        counts = (sizes + chunk_size - 1) // chunk_size
+        tensor_index = torch.repeat_interleave(torch.arange(len(numels)), counts)
+        first_chunk_of_tensor = torch.cumsum(counts, 0) - counts
+        start = (torch.arange(len(tensor_index)) - first_chunk_of_tensor[tensor_index]) * chunk_size
+        chunks = torch.stack([tensor_index, start], dim=1)
+        cached = (_to_device(chunks, device), len(tensor_index))
+        _chunk_cache.store(key, cached)
+    return cached
 
 
 def pointer_table(columns: Sequence[Sequence[Tensor | None]], chunk_size: int) -> PointerTable:
@@ -103,34 +140,20 @@ def pointer_table(columns: Sequence[Sequence[Tensor | None]], chunk_size: int) -
     device = first[0].device
     pointers = tuple(0 if t is None else t.data_ptr() for column in columns for t in column)
     numels = tuple(t.numel() for t in first)
-    key = (device, chunk_size, len(columns), pointers, numels)
-    table = _cache.get(key)
-    if table is not None:
-        _cache.move_to_end(key)
-        return table
-
-    num_tensors = len(first)
-    rows = [
-        [pointers[k * num_tensors + i] for k in range(len(columns))] + [numels[i]] for i in range(num_tensors)
-    ]
-    chunks = [[i, start] for i, numel in enumerate(numels) for start in range(0, numel, chunk_size)]
-    aligned = all(p % ALIGNMENT_BYTES == 0 for p in pointers)
-    if not chunks:  # only empty tensors: the kernels are not launched, but keep the table well formed
-        chunks = [[0, 0]]
-    table = PointerTable(
-        tensors=_to_device(rows, device),
-        chunks=_to_device(chunks, device),
-        num_chunks=sum(-(-n // chunk_size) for n in numels),
-        aligned=aligned,
-    )
-    if not aligned:
-        logger.info(
-            "pointer table for %d tensors is not 16-byte aligned: kernels use narrow loads", num_tensors
-        )
-    _cache[key] = table
-    if len(_cache) > _CACHE_SIZE:
-        _cache.popitem(last=False)
-    return table
+    chunks, num_chunks = _chunk_table(numels, chunk_size, device)
+    key = (device, len(columns), pointers, numels)
+    rows = _row_cache.lookup(key)
+    if rows is None:
+        num_tensors = len(first)
+        host_rows = torch.tensor(pointers + numels, dtype=torch.int64).view(len(columns) + 1, num_tensors)
+        aligned = all(p % ALIGNMENT_BYTES == 0 for p in pointers)
+        if not aligned:
+            logger.info(
+                "pointer table for %d tensors is not 16-byte aligned: kernels use narrow loads", num_tensors
+            )
+        rows = (_to_device(host_rows.t().contiguous(), device), aligned)
+        _row_cache.store(key, rows)
+    return PointerTable(tensors=rows[0], chunks=chunks, num_chunks=num_chunks, aligned=rows[1])
 
 
 def group_by_dtype(*keys: Sequence[object]) -> dict[tuple, list[int]]:

@@ -35,9 +35,9 @@ from amp_fx.kernels.pointer_table import LaunchConfig, group_by_dtype, pointer_t
 from amp_fx.kernels.reference import check_sgd_hyperparameters
 from amp_fx.kernels.rounding import round_to_dtype
 
-# As for Adam (adam.py): 4 elements per thread, one layout, 4 iterations per program; fastest of the
+# As for Adam (adam.py): 4 elements per thread, one layout, 2 iterations per program; fastest of the
 # settings tried on an H200 (benchmarks/NOTES_optimizer.md).
-LAUNCH = LaunchConfig(block_size=1024, chunk_size=4 * 1024, num_warps=8)
+LAUNCH = LaunchConfig(block_size=1024, chunk_size=2 * 1024, num_warps=8)
 
 
 @triton.jit

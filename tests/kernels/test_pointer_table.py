@@ -27,13 +27,22 @@ def test_empty_tensors_get_no_chunks() -> None:
     assert table.chunks.tolist() == [[1, 0]]
 
 
-def test_cache_returns_the_same_table_while_pointers_repeat() -> None:
+def test_cache_reuses_tables_while_pointers_repeat() -> None:
     tensors = [torch.zeros(5), torch.zeros(9)]
     first = pointer_table([tensors], chunk_size=16)
-    assert pointer_table([tensors], chunk_size=16) is first
-    assert pointer_table([tensors], chunk_size=32) is not first
-    moved = [tensors[0], torch.zeros(9)]
-    assert pointer_table([moved], chunk_size=16).tensors[1, 0].item() == moved[1].data_ptr()
+    again = pointer_table([tensors], chunk_size=16)
+    assert again.tensors is first.tensors and again.chunks is first.chunks
+    assert pointer_table([tensors], chunk_size=32).chunks is not first.chunks
+
+
+def test_moved_tensors_rebuild_only_the_pointer_rows() -> None:
+    tensors = [torch.zeros(6), torch.zeros(10)]
+    first = pointer_table([tensors], chunk_size=4)
+    moved = [tensors[0], torch.zeros(10)]
+    table = pointer_table([moved], chunk_size=4)
+    assert table.chunks is first.chunks  # same sizes: the chunk table is shared
+    assert table.tensors[1, 0].item() == moved[1].data_ptr()
+    assert first.tensors[1, 0].item() == tensors[1].data_ptr()
 
 
 def test_unaligned_view_clears_the_aligned_flag() -> None:

@@ -447,3 +447,57 @@ def test_bad_input_is_refused_like_the_reference(device) -> None:
             implementation.check_finite_and_norm_(
                 [torch.ones(4, 4, device=device)[:, ::2]], scalar(0.0, device)
             )
+
+
+def _o2_adam_step(problem: dict[str, list], step, found_inf, sq_norm, grad_multiplier) -> None:
+    """One O2 step as the optimizers run it: check (+ norm), update, advance; all on the device."""
+    found_inf.zero_()
+    sq_norm.zero_()
+    triton_ops.check_finite_and_norm_(
+        problem["grads"], found_inf, grad_multiplier=grad_multiplier, sq_norm_out=sq_norm
+    )
+    hyperparameters = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adam_w_mode=True)
+    triton_ops.adam_step_(
+        *problem.values(), step, grad_multiplier=grad_multiplier, found_inf=found_inf, **hyperparameters
+    )
+    triton_ops.advance_step_(step, found_inf)
+
+
+@pytest.mark.gpu
+def test_step_never_syncs_with_the_host() -> None:
+    problem = make_problem([3000, 17, 1], [torch.float16, torch.bfloat16, torch.float32], "cuda", 0,
+                           ("exp_avgs", "exp_avg_sqs"))  # fmt: skip
+    step, found_inf, sq_norm, multiplier = (scalar(v, "cuda") for v in (0.0, 0.0, 0.0, 0.5))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):  # the first builds and uploads the tables, the second reuses them
+            _o2_adam_step(problem, step, found_inf, sq_norm, multiplier)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert step.item() == 2.0
+
+
+@pytest.mark.gpu
+def test_step_replays_in_a_cuda_graph() -> None:
+    shapes_dtypes = ([3000, 17, 1], [torch.float16, torch.bfloat16, torch.float32])
+    graphed = make_problem(*shapes_dtypes, "cuda", 0, ("exp_avgs", "exp_avg_sqs"))
+    eager = clone_problem(graphed)
+    # (step, found_inf, sq_norm, grad_multiplier) for the graphed and the eager run
+    scalars = [[scalar(v, "cuda") for v in (0.0, 0.0, 0.0, 0.5)] for _ in range(2)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the graph: compiles kernels, caches tables
+        _o2_adam_step(graphed, *scalars[0])
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _o2_adam_step(graphed, *scalars[0])
+    graph.replay()
+    graph.replay()
+    for _ in range(3):
+        _o2_adam_step(eager, *scalars[1])
+    for mine, theirs in zip(all_tensors(graphed), all_tensors(eager), strict=True):
+        assert torch.equal(bits(mine), bits(theirs))
+    assert scalars[0][0].item() == scalars[1][0].item() == 3.0
+    assert scalars[0][2].item() == scalars[1][2].item() > 0.0
