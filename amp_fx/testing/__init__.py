@@ -23,6 +23,8 @@ Example, a property test of your own::
 
 from __future__ import annotations
 
+from typing import Any
+
 from amp_fx.testing.dtype_tolerances import grad_tolerances, tolerances
 from amp_fx.testing.equivalence import (
     Mismatch,
@@ -31,9 +33,24 @@ from amp_fx.testing.equivalence import (
     compare_tensors,
     infer_dtype,
     normwise_error,
+    with_autocast,
 )
 
+# The strategies need hypothesis (a test dependency); import them on first use so that
+# `tolerances` and `assert_equivalent` work without it.
+_STRATEGY_EXPORTS = ("models_and_inputs", "FAMILIES", "SEQUENCE_LAYERS", "SPATIAL_LAYERS")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _STRATEGY_EXPORTS:
+        from amp_fx.testing import strategies
+
+        return getattr(strategies, name)
+    raise AttributeError(f"module 'amp_fx.testing' has no attribute {name!r}")
+
+
 __all__ = [
+    *_STRATEGY_EXPORTS,
     "Mismatch",
     "assert_close_normwise",
     "assert_equivalent",
@@ -42,4 +59,5 @@ __all__ = [
     "infer_dtype",
     "normwise_error",
     "tolerances",
+    "with_autocast",
 ]

@@ -13,6 +13,7 @@ the norm-wise measure and the dtype's tolerances from `amp_fx.testing.tolerances
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -53,9 +54,21 @@ def normwise_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def compare_tensors(
-    actual: torch.Tensor, expected: torch.Tensor, *, rtol: float, atol: float, name: str = "tensor"
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    rtol: float,
+    atol: float,
+    scale: float = 0.0,
+    name: str = "tensor",
 ) -> Mismatch | None:
-    """Check ``‖actual − expected‖₂ ≤ rtol·‖expected‖₂ + atol·√numel``; return what failed or None.
+    """Check ``‖actual − expected‖₂ ≤ rtol·(‖expected‖₂ + scale·√n) + atol·√n``; return what failed or None.
+
+    ``n`` is the number of elements. ``scale`` (default 0) is the typical magnitude of the values
+    ``expected`` was summed from: a gradient that cancels to nearly zero (the bias of a layer
+    followed by a normalization, whose exact gradient is 0) carries rounding error relative to
+    the gradients it is a sum of, not to its own near-zero value; `assert_equivalent` passes the
+    root-mean-square of all the original model's gradients.
 
     Shapes must match; integer and bool tensors must be equal; where ``expected`` is inf or NaN
     ``actual`` must be the same, and ``actual`` may be non-finite nowhere else (an overflow in
@@ -87,7 +100,7 @@ def compare_tensors(
         return None
     diff = (a - e).norm().item()
     ref = e.norm().item()
-    bound = rtol * ref + atol * math.sqrt(a.numel())
+    bound = rtol * (ref + scale * math.sqrt(a.numel())) + atol * math.sqrt(a.numel())
     if diff <= bound:
         return None
     abs_err = (a - e).abs()
@@ -95,7 +108,7 @@ def compare_tensors(
     return Mismatch(
         name,
         f"norm-wise error ‖a−e‖/‖e‖ = {diff / ref if ref else math.inf:.3g} exceeds rtol {rtol:g} "
-        f"(‖a−e‖ = {diff:.3g} > bound {bound:.3g} with atol {atol:g}); "
+        f"(‖a−e‖ = {diff:.3g} > bound {bound:.3g} with atol {atol:g}, scale {scale:.3g}); "
         f"max abs error {abs_err.max().item():.3g} "
         f"at flat index {worst} (actual {a[worst].item():.6g}, expected {e[worst].item():.6g}); "
         f"shape {tuple(actual.shape)}, actual dtype {actual.dtype}",
@@ -103,13 +116,19 @@ def compare_tensors(
 
 
 def assert_close_normwise(
-    actual: torch.Tensor, expected: torch.Tensor, *, rtol: float, atol: float, name: str = "tensor"
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    rtol: float,
+    atol: float,
+    scale: float = 0.0,
+    name: str = "tensor",
 ) -> None:
     """`compare_tensors`, raising AssertionError with the message when the tensors disagree.
 
     >>> assert_close_normwise(torch.ones(3), torch.ones(3), rtol=1e-5, atol=0.0)
     """
-    mismatch = compare_tensors(actual, expected, rtol=rtol, atol=atol, name=name)
+    mismatch = compare_tensors(actual, expected, rtol=rtol, atol=atol, scale=scale, name=name)
     if mismatch is not None:
         raise AssertionError(f"{mismatch.name}: {mismatch.message}")
 
@@ -118,7 +137,7 @@ def infer_dtype(converted: torch.nn.Module) -> torch.dtype:
     """The precision a converted model computes in: the policy's dtype (FP32 for O0), else the
     lowest-precision floating dtype among its parameters and buffers, else torch.float32."""
     policy = (
-        getattr(converted, "meta", {}).get("amp_fx_policy")
+        getattr(converted, "meta", {}).get("amp_fx_policy")  # amp_fx.convert's POLICY_KEY
         if isinstance(converted, torch.fx.GraphModule)
         else None
     )
@@ -128,6 +147,13 @@ def infer_dtype(converted: torch.nn.Module) -> torch.dtype:
         if tensor.dtype in _LOW_PRECISION:
             return tensor.dtype
     return torch.float32
+
+
+def _rms(tensors: list[torch.Tensor]) -> float:
+    values = [t.detach().to(torch.float64).flatten() for t in tensors if t.is_floating_point()]
+    flat = torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)
+    flat = flat[torch.isfinite(flat)]
+    return flat.square().mean().sqrt().item() if flat.numel() else 0.0
 
 
 def _copy_inputs(inputs: Sequence[Any]) -> tuple[Any, ...]:
@@ -210,6 +236,7 @@ def assert_equivalent(
     *,
     dtype: torch.dtype | None = None,
     check_grads: bool = True,
+    exact: bool = False,
 ) -> None:
     """Assert that ``converted`` computes ``original``'s outputs and gradients within tolerance.
 
@@ -219,10 +246,14 @@ def assert_equivalent(
     scalar loss, Σ⟨output, W⟩ in FP32 with fixed random W, is backpropagated through both and
     the gradients of floating inputs and of parameters (matched by name; converted parameters
     may be fp16/bf16, compared in FP32) are compared with `grad_tolerances(dtype)`, outputs
-    with `tolerances(dtype)`, using the norm-wise measure of `compare_tensors`.
+    with `tolerances(dtype)`, using the norm-wise measure of `compare_tensors`; for gradients
+    its ``scale`` is the RMS of all the original's gradients, so a gradient that cancels to ~0
+    is held to the accuracy of the gradients it is summed from.
 
     ``dtype`` is the low precision the model was converted to; by default it is read from the
-    GraphModule's policy (``gm.meta["amp_fx_policy"]``) or its parameters.
+    GraphModule's policy (``gm.meta["amp_fx_policy"]``) or its parameters. ``exact=True``
+    demands bit-identical outputs and gradients instead (O0 against the original, O1 against
+    `with_autocast`).
 
     Raises AssertionError listing every tensor that disagreed, with its norm-wise error, largest
     absolute error and where it occurred.
@@ -242,8 +273,8 @@ def assert_equivalent(
         )
     if dtype is None:
         dtype = infer_dtype(converted) if isinstance(converted, torch.nn.Module) else torch.float32
-    out_rtol, out_atol = tolerances(dtype)
-    grad_rtol, grad_atol = grad_tolerances(dtype)
+    out_rtol, out_atol = (0.0, 0.0) if exact else tolerances(dtype)
+    grad_rtol, grad_atol = (0.0, 0.0) if exact else grad_tolerances(dtype)
     expected = _run(_as_module(original), inputs, check_grads)
     actual = _run(_as_module(converted), inputs, check_grads)
 
@@ -263,32 +294,63 @@ def assert_equivalent(
         if mismatch is not None:
             mismatches.append(mismatch)
     if check_grads:
-        for i, (a, e) in enumerate(zip(actual.input_grads, expected.input_grads, strict=True)):
-            if e is None and a is None:
-                continue
-            name = f"grad of input[{i}]"
-            if a is None or e is None:
-                which = "converted" if a is None else "original"
-                mismatches.append(Mismatch(name, f"the {which} model produced no gradient"))
-            elif (m := compare_tensors(a, e, rtol=grad_rtol, atol=grad_atol, name=name)) is not None:
-                mismatches.append(m)
-        for param_name, e in expected.param_grads.items():
-            name = f"grad of parameter {param_name!r}"
-            a = actual.param_grads.get(param_name)
-            if a is None:
-                converted_names = (
-                    dict(converted.named_parameters()) if isinstance(converted, torch.nn.Module) else {}
-                )
-                why = "has no gradient" if param_name in converted_names else "has no parameter of that name"
-                mismatches.append(Mismatch(name, f"the converted model {why}"))
-            elif (m := compare_tensors(a, e, rtol=grad_rtol, atol=grad_atol, name=name)) is not None:
-                mismatches.append(m)
+        mismatches += _compare_gradients(actual, expected, converted, rtol=grad_rtol, atol=grad_atol)
     if mismatches:
         lines = "\n".join(f"  {m.name}: {m.message}" for m in mismatches)
-        raise AssertionError(
-            f"converted model disagrees with the original ({dtype} tolerances: outputs rtol/atol "
-            f"{out_rtol:g}/{out_atol:g}, gradients {grad_rtol:g}/{grad_atol:g}):\n{lines}"
+        demand = (
+            "bit-identical results"
+            if exact
+            else f"{dtype} tolerances: outputs rtol/atol {out_rtol:g}/{out_atol:g}, "
+            f"gradients {grad_rtol:g}/{grad_atol:g}"
         )
+        raise AssertionError(f"converted model disagrees with the original ({demand}):\n{lines}")
+
+
+def with_autocast(model: torch.nn.Module, device_type: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A deep copy of ``model`` whose forward runs under ``torch.autocast(device_type, dtype)``.
+
+    Parameter names are the model's own, so it is a reference for `assert_equivalent`: an O1
+    conversion on CPU must match it bit for bit.
+
+        >>> reference = with_autocast(torch.nn.Linear(4, 2), "cpu", torch.bfloat16)
+        >>> reference(torch.randn(3, 4)).dtype
+        torch.bfloat16
+    """
+    copied = copy.deepcopy(model)
+    forward = copied.forward
+
+    def autocast_forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type, dtype=dtype):
+            return forward(*args, **kwargs)
+
+    copied.forward = autocast_forward
+    return copied
+
+
+def _compare_gradients(
+    actual: _Run, expected: _Run, converted: Any, *, rtol: float, atol: float
+) -> list[Mismatch]:
+    scale = _rms([g for g in [*expected.input_grads, *expected.param_grads.values()] if g is not None])
+    mismatches: list[Mismatch] = []
+    for i, (a, e) in enumerate(zip(actual.input_grads, expected.input_grads, strict=True)):
+        name = f"grad of input[{i}]"
+        if e is None and a is None:
+            continue
+        if a is None or e is None:
+            which = "converted" if a is None else "original"
+            mismatches.append(Mismatch(name, f"the {which} model produced no gradient"))
+        elif (m := compare_tensors(a, e, rtol=rtol, atol=atol, scale=scale, name=name)) is not None:
+            mismatches.append(m)
+    converted_params = dict(converted.named_parameters()) if isinstance(converted, torch.nn.Module) else {}
+    for param_name, e in expected.param_grads.items():
+        name = f"grad of parameter {param_name!r}"
+        a = actual.param_grads.get(param_name)
+        if a is None:
+            why = "has no gradient" if param_name in converted_params else "has no parameter of that name"
+            mismatches.append(Mismatch(name, f"the converted model {why}"))
+        elif (m := compare_tensors(a, e, rtol=rtol, atol=atol, scale=scale, name=name)) is not None:
+            mismatches.append(m)
+    return mismatches
 
 
 class _FunctionModule(torch.nn.Module):

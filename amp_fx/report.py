@@ -1,0 +1,378 @@
+"""`amp_fx.report(gm)`: what convert decided for every node, and why, as a table and as data.
+
+    >>> import torch, amp_fx
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Softmax(-1))
+    >>> gm = amp_fx.convert(model, "O2", device_type="cpu")
+    >>> rep = amp_fx.report(gm)
+    >>> rep.casts_inserted, dict(rep.rule_counts)
+    (2, {'lower': 1, 'passthrough': 1, 'fp32': 1})
+    >>> print(rep)  # doctest: +SKIP
+    amp_fx report: O2, torch.float16, cpu
+    node                op          rule         in    out   reason
+    input_1             -           -            -     fp32  input
+    input_1_to_float16  to          cast         fp32  fp16  LOWER linear: input cast to float16
+    _0                  linear      lower        fp16  fp16  O2: linear is on autocast's lower_precision ...
+    _1                  layer_norm  passthrough  fp16  fp16  O2: layer_norm runs on low-precision input ...
+    _1_to_float32       to          cast         fp16  fp32  FP32 softmax: input cast to float32
+    _2                  softmax     fp32         fp32  fp32  O2 FP32 island: softmax is unstable in ...
+    <BLANKLINE>
+    3 ops, 2 casts inserted
+    ops per rule: fp32 1 (softmax×1), lower 1 (linear×1), passthrough 1 (layer_norm×1)
+    parameters and buffers: fp16 2 tensors (72 elements), fp32 2 tensors (16 elements)
+    stayed FP32:
+      _2 (softmax): O2 FP32 island: softmax is unstable in low precision (...)
+    >>> print(rep.diff())  # doctest: +SKIP
+    --- traced
+    +++ converted
+    ...
+    -    _0 = getattr(self, "0")(input_1);  input_1 = None
+    +    input_1_to_float16 = amp_fx_passes_insert_casts_cast_if_floating(input_1, torch.float16);  ...
+    +    _0 = getattr(self, "0")(input_1_to_float16);  input_1_to_float16 = None
+
+The report reads only ``node.meta["amp_fx"]`` (`amp_fx.node_info.NodeInfo`, written by the passes),
+the converted module's parameters, and ``gm.meta`` (the policy and the traced code before casts).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+
+from amp_fx.node_info import META_KEY, NodeInfo
+
+__all__ = ["NodeRow", "Report", "report"]
+
+# Keys of GraphModule.meta that amp_fx.convert writes (its POLICY_KEY and ORIGINAL_CODE_KEY).
+# Spelled out rather than imported: importing the submodule amp_fx.convert binds the package
+# attribute `amp_fx.convert` to the module, hiding the function of the same name.
+POLICY_KEY = "amp_fx_policy"
+ORIGINAL_CODE_KEY = "amp_fx_original_code"
+
+_SHORT_DTYPE = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float64: "fp64",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "bool",
+}
+# The table's "rule" column for amp_fx's own casts, which are PASSTHROUGH nodes to the passes.
+_CAST = "cast"
+
+
+def short_dtype(dtype: torch.dtype | None) -> str:
+    """``torch.bfloat16`` -> ``"bf16"``; None (not a tensor, or unknown) -> ``"-"``.
+
+    >>> short_dtype(torch.float16), short_dtype(None)
+    ('fp16', '-')
+    """
+    if dtype is None:
+        return "-"
+    return _SHORT_DTYPE.get(dtype, str(dtype).removeprefix("torch."))
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    """One node of the converted graph as the report shows it."""
+
+    name: str
+    # fx's node kind: placeholder, get_attr, call_function, call_method, call_module, output.
+    kind: str
+    target: str
+    # Canonical op ("linear", "softmax", "to" for casts); None for placeholders, get_attr, output.
+    op: str | None
+    # The rule's value ("lower", "fp32", "promote", "passthrough", "opaque"), or None.
+    rule: str | None
+    reason: str
+    in_dtypes: tuple[torch.dtype | None, ...]
+    out_dtype: torch.dtype | None
+    is_cast: bool
+    cast_reason: str
+    opaque_reason: str | None
+    notes: tuple[str, ...]
+
+    @property
+    def why(self) -> str:
+        """The reason column: the cast's reason for casts, the rule's reason plus opaque reason otherwise."""
+        if self.is_cast:
+            return self.cast_reason or self.reason
+        if self.opaque_reason:
+            return (
+                f"{self.reason} [opaque: {self.opaque_reason}]"
+                if self.reason
+                else f"opaque: {self.opaque_reason}"
+            )
+        if self.kind == "placeholder":
+            return self.reason or "input"
+        return self.reason
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "target": self.target,
+            "op": self.op,
+            "rule": self.rule,
+            "reason": self.reason,
+            "in_dtypes": [_dtype_str(d) for d in self.in_dtypes],
+            "out_dtype": _dtype_str(self.out_dtype),
+            "is_cast": self.is_cast,
+            "cast_reason": self.cast_reason,
+            "opaque_reason": self.opaque_reason,
+            "notes": list(self.notes),
+        }
+
+
+@dataclass(frozen=True)
+class ParameterRow:
+    """A parameter or buffer of the converted module and the dtype it is stored in."""
+
+    name: str
+    dtype: torch.dtype
+    numel: int
+    is_buffer: bool
+
+
+@dataclass
+class Report:
+    """The decisions recorded on a converted GraphModule; `report(gm)` builds it.
+
+    ``str(report)`` is an aligned table (one line per node) followed by a summary; `diff` is the
+    code before and after the casts; `to_dict` is the same content as plain data for tools.
+    """
+
+    rows: list[NodeRow]
+    parameters: list[ParameterRow]
+    code: str
+    original_code: str | None = None
+    policy: Any = None
+    _header: str = field(default="", repr=False)
+
+    # --- counts -------------------------------------------------------------------------------
+    @property
+    def casts(self) -> list[NodeRow]:
+        """The casts amp_fx inserted (at op inputs, the model entry and its outputs)."""
+        return [r for r in self.rows if r.is_cast]
+
+    @property
+    def casts_inserted(self) -> int:
+        return len(self.casts)
+
+    @property
+    def ops(self) -> list[NodeRow]:
+        """The model's own operations: call nodes that are not amp_fx's casts."""
+        return [r for r in self.rows if r.kind.startswith("call_") and not r.is_cast]
+
+    @property
+    def rule_counts(self) -> Counter[str]:
+        """Number of ops (casts excluded) per rule value, e.g. ``{"lower": 4, "fp32": 1}``."""
+        return Counter(r.rule or "unclassified" for r in self.ops)
+
+    @property
+    def ops_by_rule(self) -> dict[str, Counter[str]]:
+        """For each rule, how many times each canonical op got it: ``{"lower": {"linear": 2}}``."""
+        table: dict[str, Counter[str]] = {}
+        for r in self.ops:
+            table.setdefault(r.rule or "unclassified", Counter())[r.op or r.target] += 1
+        return table
+
+    @property
+    def params_by_dtype(self) -> dict[torch.dtype, tuple[int, int]]:
+        """Storage dtype -> (tensors, elements), over parameters and floating buffers."""
+        table: dict[torch.dtype, list[int]] = {}
+        for p in self.parameters:
+            counts = table.setdefault(p.dtype, [0, 0])
+            counts[0] += 1
+            counts[1] += p.numel
+        return {dtype: (n, numel) for dtype, (n, numel) in table.items()}
+
+    @property
+    def fp32_ops(self) -> list[NodeRow]:
+        """Ops the policy keeps in FP32 (rule FP32), with the reason each one stayed there."""
+        return [r for r in self.ops if r.rule == "fp32"]
+
+    @property
+    def opaque(self) -> list[NodeRow]:
+        """Nodes amp_fx could not trace into, and why (leaf_modules, fx.wrap, untraceable line)."""
+        return [r for r in self.rows if r.opaque_reason or r.rule == "opaque"]
+
+    # --- views --------------------------------------------------------------------------------
+    def diff(self, context: int = 3) -> str:
+        """Unified diff from the traced code before conversion to the converted ``gm.code``.
+
+        Returns an empty string when the code did not change (O0), and raises ValueError when
+        the GraphModule was not produced by `amp_fx.convert` (no original code recorded).
+        """
+        if self.original_code is None:
+            raise ValueError(
+                "this GraphModule has no gm.meta['amp_fx_original_code']; the diff needs a module "
+                "returned by amp_fx.convert"
+            )
+        return "".join(
+            difflib.unified_diff(
+                self.original_code.splitlines(keepends=True),
+                self.code.splitlines(keepends=True),
+                fromfile="traced",
+                tofile="converted",
+                n=context,
+            )
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (str, int, list, dict; dtypes as "float16"), e.g. for ``json.dumps``."""
+        return {
+            "policy": _policy_summary(self.policy),
+            "nodes": [r.to_dict() for r in self.rows],
+            "summary": {
+                "casts_inserted": self.casts_inserted,
+                "ops_per_rule": dict(self.rule_counts),
+                "ops_by_rule": {rule: dict(ops) for rule, ops in self.ops_by_rule.items()},
+                "params_by_dtype": {
+                    _dtype_str(d): {"tensors": n, "elements": numel}
+                    for d, (n, numel) in self.params_by_dtype.items()
+                },
+                "fp32_ops": [{"name": r.name, "op": r.op, "reason": r.reason} for r in self.fp32_ops],
+                "opaque": [
+                    {"name": r.name, "target": r.target, "reason": r.opaque_reason} for r in self.opaque
+                ],
+            },
+        }
+
+    def table(self) -> str:
+        """The per-node table: node, op, rule, input dtypes, output dtype, reason."""
+        header = ("node", "op", "rule", "in", "out", "reason")
+        cells = [
+            (
+                r.name,
+                r.op or "-",
+                _CAST if r.is_cast else (r.rule or "-"),
+                ", ".join(short_dtype(d) for d in r.in_dtypes) or "-",
+                short_dtype(r.out_dtype),
+                r.why,
+            )
+            for r in self.rows
+            if r.kind != "output"
+        ]
+        widths = [max(len(row[i]) for row in [header, *cells]) for i in range(len(header) - 1)]
+        lines = []
+        for row in [header, *cells]:
+            padded = "  ".join(cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True))
+            lines.append(f"{padded}  {row[-1]}".rstrip())
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        """Counts, the ops kept in FP32 and why, and the opaque nodes."""
+        lines = [f"{len(self.ops)} ops, {self.casts_inserted} casts inserted"]
+        per_rule = ", ".join(
+            f"{rule} {sum(ops.values())} ({', '.join(f'{op}×{n}' for op, n in sorted(ops.items()))})"
+            for rule, ops in sorted(self.ops_by_rule.items())
+        )
+        lines.append(f"ops per rule: {per_rule or 'none'}")
+        params = ", ".join(
+            f"{short_dtype(d)} {n} tensors ({numel:,} elements)"
+            for d, (n, numel) in sorted(self.params_by_dtype.items(), key=lambda item: str(item[0]))
+        )
+        lines.append(f"parameters and buffers: {params or 'none'}")
+        if self.fp32_ops:
+            lines.append("stayed FP32:")
+            lines += [f"  {r.name} ({r.op}): {r.reason}" for r in self.fp32_ops]
+        if self.opaque:
+            lines.append("opaque:")
+            lines += [f"  {r.name} ({r.target}): {r.opaque_reason or r.reason}" for r in self.opaque]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return f"{self._header}\n{self.table()}\n\n{self.summary()}"
+
+
+def _dtype_str(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _policy_summary(policy: Any) -> dict[str, Any] | None:
+    if policy is None:
+        return None
+    return {
+        "opt_level": policy.opt_level,
+        "dtype": _dtype_str(policy.dtype),
+        "device_type": policy.device_type,
+        "keep_batchnorm_fp32": policy.keep_batchnorm_fp32,
+        "cast_model_outputs": _dtype_str(policy.cast_model_outputs),
+    }
+
+
+def _target_name(node: torch.fx.Node) -> str:
+    if isinstance(node.target, str):
+        return node.target
+    module = getattr(node.target, "__module__", None) or ""
+    name = (
+        getattr(node.target, "__qualname__", None)
+        or getattr(node.target, "__name__", None)
+        or str(node.target)
+    )
+    return f"{module}.{name}" if module and not module.startswith("_") else name
+
+
+def _row(node: torch.fx.Node) -> NodeRow:
+    info: NodeInfo = node.meta.get(META_KEY) or NodeInfo()
+    rule = info.rule.value if info.rule is not None else None
+    return NodeRow(
+        name=node.name,
+        kind=node.op,
+        target=_target_name(node),
+        op=info.op,
+        rule=rule,
+        reason=info.reason,
+        in_dtypes=tuple(info.in_dtypes),
+        out_dtype=info.out_dtype,
+        is_cast=info.is_cast,
+        cast_reason=info.cast_reason,
+        opaque_reason=info.opaque_reason,
+        notes=tuple(info.notes),
+    )
+
+
+def report(gm: torch.fx.GraphModule) -> Report:
+    """Build the `Report` of a GraphModule returned by `amp_fx.convert`.
+
+        >>> gm = amp_fx.convert(torch.nn.Linear(4, 2), "O2", device_type="cpu")
+        >>> rep = report(gm)
+        >>> [r.name for r in rep.casts]
+        ['input_1_to_float16', 'linear_to_float32']
+        >>> rep.params_by_dtype[torch.float16]
+        (2, 10)
+
+    Raises TypeError for anything but a GraphModule (convert the model first).
+    """
+    if not isinstance(gm, torch.fx.GraphModule):
+        raise TypeError(
+            f"report expects the torch.fx.GraphModule returned by amp_fx.convert, got {type(gm).__name__}; "
+            "call amp_fx.report(amp_fx.convert(model, opt_level))"
+        )
+    policy = gm.meta.get(POLICY_KEY)
+    parameters = [ParameterRow(name, p.dtype, p.numel(), False) for name, p in gm.named_parameters()]
+    parameters += [
+        ParameterRow(name, b.dtype, b.numel(), True)
+        for name, b in gm.named_buffers()
+        if b.is_floating_point()
+    ]
+    header = "amp_fx report"
+    if policy is not None:
+        header += f": {policy.opt_level}, {policy.dtype}, {policy.device_type}"
+    return Report(
+        rows=[_row(node) for node in gm.graph.nodes],
+        parameters=parameters,
+        code=gm.code,
+        original_code=gm.meta.get(ORIGINAL_CODE_KEY),
+        policy=policy,
+        _header=header,
+    )

@@ -1,0 +1,216 @@
+"""Tests of amp_fx.report: the per-node table, counts, FP32/opaque listings, diff and to_dict.
+
+The report must say exactly what the graph holds: every check compares it with the converted
+GraphModule itself (its nodes' `node_info`, its parameters, its code) or with the O0 conversion
+of the same model (the graph before any cast), never with hard-coded numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import torch.fx
+from torch import nn
+
+import amp_fx
+from amp_fx.node_info import node_info
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn(self.conv(x))).mean((2, 3))
+        h = self.norm(h + self.fc(h))
+        return self.head(h).softmax(-1)
+
+
+class Gate(nn.Module):
+    """A submodule fx cannot trace: its forward branches on a tensor's value."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return x
+        return -x
+
+
+class WithOpaque(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.gate = Gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return self.gate(self.attention(h, h, h, need_weights=False)[0])
+
+
+def _convert(model: nn.Module, level: str, dtype: torch.dtype = torch.float16) -> torch.fx.GraphModule:
+    return amp_fx.convert(model, level, dtype=dtype, device_type="cpu")
+
+
+def _calls(gm: torch.fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op.startswith("call_"))
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_rows_are_the_graph_nodes_and_their_info(level: str) -> None:
+    gm = _convert(Block(), level)
+    rep = amp_fx.report(gm)
+    nodes = list(gm.graph.nodes)
+    assert [r.name for r in rep.rows] == [n.name for n in nodes]
+    for row, node in zip(rep.rows, nodes, strict=True):
+        info = node_info(node)
+        assert row.kind == node.op
+        assert (row.op, row.reason, row.is_cast, row.cast_reason) == (
+            info.op,
+            info.reason,
+            info.is_cast,
+            info.cast_reason,
+        )
+        assert row.rule == (info.rule.value if info.rule is not None else None)
+        assert row.in_dtypes == tuple(info.in_dtypes) and row.out_dtype == info.out_dtype
+        assert row.opaque_reason == info.opaque_reason
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_counts_match_the_graph(level: str, dtype: torch.dtype) -> None:
+    model = Block()
+    gm = _convert(model, level, dtype)
+    rep = amp_fx.report(gm)
+    # Converting only adds casts: the call nodes beyond the untouched (O0) graph's are the casts.
+    assert rep.casts_inserted == _calls(gm) - _calls(_convert(model, "O0")) > 0
+    assert rep.casts_inserted == sum(1 for n in gm.graph.nodes if node_info(n).is_cast)
+    assert sum(rep.rule_counts.values()) == len(rep.ops) == _calls(gm) - rep.casts_inserted
+    for rule, ops in rep.ops_by_rule.items():
+        assert sum(ops.values()) == rep.rule_counts[rule]
+    assert rep.rule_counts["lower"] >= 3  # conv, two linears
+    by_dtype = {}
+    for tensor in [*gm.parameters(), *(b for b in gm.buffers() if b.is_floating_point())]:
+        tensors, elements = by_dtype.get(tensor.dtype, (0, 0))
+        by_dtype[tensor.dtype] = (tensors + 1, elements + tensor.numel())
+    assert rep.params_by_dtype == by_dtype
+
+
+def test_o2_lists_fp32_islands_and_low_precision_parameters() -> None:
+    gm = _convert(Block(), "O2")
+    rep = amp_fx.report(gm)
+    fp32 = {r.name for r in rep.fp32_ops}
+    assert fp32 == {n.name for n in gm.graph.nodes if node_info(n).rule is amp_fx.Rule.FP32}
+    assert all(r.reason for r in rep.fp32_ops)
+    # Apex O2: conv/linear weights in fp16, BatchNorm kept fp32.
+    assert gm.get_parameter("conv.weight").dtype == torch.float16
+    assert gm.get_parameter("bn.weight").dtype == torch.float32
+    assert torch.float16 in rep.params_by_dtype and torch.float32 in rep.params_by_dtype
+    text = str(rep)
+    if rep.fp32_ops:
+        assert "stayed FP32:" in text
+        for r in rep.fp32_ops:
+            assert f"  {r.name} ({r.op}): {r.reason}" in text
+
+
+def test_o0_has_no_casts_and_an_empty_diff() -> None:
+    gm = _convert(Block(), "O0")
+    rep = amp_fx.report(gm)
+    assert rep.casts_inserted == 0 and rep.casts == []
+    assert rep.diff() == ""
+    assert "0 casts inserted" in str(rep)
+
+
+def test_opaque_nodes_are_named_with_their_reason() -> None:
+    gm = _convert(WithOpaque(), "O1")
+    rep = amp_fx.report(gm)
+    by_name = {r.name: r for r in rep.opaque}
+    assert set(by_name) == {"attention", "gate"}
+    assert "MultiheadAttention" in by_name["attention"].opaque_reason
+    # The line that stopped the tracer is named.
+    assert by_name["gate"].opaque_reason.startswith("untraceable:")
+    assert "if x.sum() > 0:" in by_name["gate"].opaque_reason
+    text = str(rep)
+    assert "opaque:" in text
+    for r in rep.opaque:
+        assert r.opaque_reason in text
+    data = rep.to_dict()["summary"]["opaque"]
+    assert {d["name"] for d in data} == {"attention", "gate"}
+
+
+def test_table_is_aligned_and_complete() -> None:
+    gm = _convert(Block(), "O1", torch.bfloat16)
+    rep = amp_fx.report(gm)
+    table = rep.table().splitlines()
+    header = table[0]
+    assert header.split() == ["node", "op", "rule", "in", "out", "reason"]
+    columns = [header.index(name) for name in (" op ", " rule ", " in ", " out ", " reason")]
+    body = table[1:]
+    names = [n.name for n in gm.graph.nodes if n.op != "output"]
+    assert [line.split()[0] for line in body] == names
+    for line in body:
+        # Every column starts where its header does: the cell before it ends with padding.
+        for col in columns:
+            assert len(line) <= col or line[col] == " ", line
+    for row, line in zip([r for r in rep.rows if r.kind != "output"], body, strict=True):
+        cells = re.split(r"\s{2,}", line, maxsplit=5)
+        expected_rule = "cast" if row.is_cast else (row.rule or "-")
+        assert cells[2] == expected_rule
+    summary = rep.summary()
+    assert f"{len(rep.ops)} ops, {rep.casts_inserted} casts inserted" in summary
+    assert "ops per rule: " in summary and "parameters and buffers: " in summary
+    assert "bf16" in str(rep) and "amp_fx report: O1, torch.bfloat16, cpu" in str(rep)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_diff_shows_every_inserted_cast(level: str) -> None:
+    gm = _convert(Block(), level)
+    rep = amp_fx.report(gm)
+    diff = rep.diff()
+    assert diff.startswith("--- traced\n+++ converted\n")
+    added = [line for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++")]
+    for cast in rep.casts:
+        assert any(line.lstrip("+ ").startswith(f"{cast.name} = ") for line in added), cast.name
+    # The "before" side is the traced model as convert recorded it.
+    assert gm.meta["amp_fx_original_code"] == rep.original_code
+
+
+def test_to_dict_is_plain_data() -> None:
+    gm = _convert(Block(), "O2", torch.bfloat16)
+    rep = amp_fx.report(gm)
+    data = json.loads(json.dumps(rep.to_dict()))
+    assert data["policy"]["opt_level"] == "O2" and data["policy"]["dtype"] == "bfloat16"
+    assert len(data["nodes"]) == len(rep.rows)
+    assert data["summary"]["casts_inserted"] == rep.casts_inserted
+    assert data["summary"]["ops_per_rule"] == dict(rep.rule_counts)
+    elements = sum(v["elements"] for v in data["summary"]["params_by_dtype"].values())
+    assert elements == sum(p.numel for p in rep.parameters)
+    cast_rows = [n for n in data["nodes"] if n["is_cast"]]
+    assert all(n["out_dtype"] in ("bfloat16", "float32") for n in cast_rows)
+
+
+def test_plain_graph_module_without_amp_fx_meta() -> None:
+    gm = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+    rep = amp_fx.report(gm)
+    assert rep.casts_inserted == 0 and rep.policy is None
+    assert str(rep).startswith("amp_fx report\n")
+    with pytest.raises(ValueError, match="amp_fx_original_code"):
+        rep.diff()
+
+
+def test_report_rejects_a_plain_module() -> None:
+    with pytest.raises(TypeError, match="amp_fx.convert"):
+        amp_fx.report(nn.Linear(2, 2))
+
+
+def test_public_names() -> None:
+    rep = amp_fx.report(_convert(nn.Linear(2, 2), "O2"))
+    assert isinstance(rep, amp_fx.Report)
+    assert type(rep).__module__ == "amp_fx.report"
