@@ -311,7 +311,9 @@ class AmpOptimizer:
                     continue
                 device = param.grad.device
                 if device not in multipliers:
-                    multipliers[device] = self.optimizer._amp_pending(device)[0]
+                    pending = self.optimizer._amp_pending(device)[0]
+                    # 0-dim, so that it scales 0-dim grads (scalar parameters) in place too.
+                    multipliers[device] = None if pending is None else pending.reshape(())
                 multiplier = multipliers[device]
                 master = self._fused_master(param)
                 if master is param:
