@@ -3,7 +3,8 @@
 As in Apex, O2/O3 return float32 outputs by default (the loss is then computed in float32);
 O0/O1 return outputs as computed. `propagate_dtypes` records, on the output node, the dtype
 each returned value must have; this pass inserts the casts, through any nesting of tuples,
-lists, dicts and namedtuples (each returned tensor is one input of the output node). Integer
+lists, dicts and namedtuples (each returned tensor is an input of the output node, or of a
+tuple/namedtuple/dict constructor that only builds the return value). Integer
 outputs (indices, labels) are never cast; outputs of unknown dtype get `cast_if_floating`.
 
 Example (O2, fp16)::
@@ -20,7 +21,7 @@ import logging
 
 import torch.fx
 
-from amp_fx.passes.insert_casts import CastCache, insert_input_casts
+from amp_fx.passes.insert_casts import CastCache, insert_input_casts, is_output_structure
 from amp_fx.policy import Policy
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ def cast_outputs(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModu
     """
     cache: CastCache = {}
     created = 0
-    for node in gm.graph.find_nodes(op="output"):
-        created += insert_input_casts(gm, node, cache)
+    for node in list(gm.graph.nodes):
+        if node.op == "output" or is_output_structure(node):
+            created += insert_input_casts(gm, node, cache)
     logger.debug("cast_outputs %s: %d casts to %s", policy.opt_level, created, policy.cast_model_outputs)
     return gm

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,7 +50,14 @@ from amp_fx.policy import Policy, Rule
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["insert_casts", "cast_if_floating", "insert_input_casts", "make_cast", "dtype_name"]
+__all__ = [
+    "insert_casts",
+    "cast_if_floating",
+    "insert_input_casts",
+    "is_output_structure",
+    "make_cast",
+    "dtype_name",
+]
 
 
 def cast_if_floating(value: Any, dtype: torch.dtype) -> Any:
@@ -103,7 +111,7 @@ _META_KEY = "amp_fx"
 def _cast_reason(node: torch.fx.Node, dtype: torch.dtype, value: torch.fx.Node) -> str:
     info = node_info(node)
     what = info.op or str(node.target)
-    if node.op == "output":
+    if node.op == "output" or is_output_structure(node):
         return f"model output cast to {dtype_name(dtype)} (cast_model_outputs)"
     if value.op == "placeholder" and info.rule in (Rule.PASSTHROUGH, None):
         return f"model input cast to {dtype_name(dtype)} at entry"
@@ -112,6 +120,25 @@ def _cast_reason(node: torch.fx.Node, dtype: torch.dtype, value: torch.fx.Node) 
 
 
 CastCache = dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node]
+
+
+def is_output_structure(node: torch.fx.Node) -> bool:
+    """True for a node that only builds the model's return value: a tuple, list, dict or
+    namedtuple constructed from the results and read by nothing but the output (or by another
+    such node). Its inputs are model outputs, cast by `cast_outputs`.
+
+    >>> gm = torch.fx.symbolic_trace(lambda x: collections.namedtuple("Out", "y")(x * 2))
+    >>> [is_output_structure(n) for n in gm.graph.nodes]
+    [False, False, True, False]
+    """
+    target = node.target
+    if (
+        node.op != "call_function"
+        or not isinstance(target, type)
+        or not issubclass(target, (tuple, list, dict))
+    ):
+        return False
+    return all(user.op == "output" or is_output_structure(user) for user in node.users)
 
 
 def insert_input_casts(gm: torch.fx.GraphModule, node: torch.fx.Node, cache: CastCache) -> int:
@@ -157,56 +184,107 @@ def _module_input(node: torch.fx.Node, position: int, keyword: str) -> Any:
     return node.kwargs.get(keyword)
 
 
+class _Param(str):
+    """A parameter of the module in a functional form's argument template (not a str argument
+    such as ``padding="same"``)."""
+
+
+@dataclass(frozen=True)
+class _Pad:
+    """The explicit ``F.pad`` a convolution with a non-zero padding_mode applies to its input."""
+
+    padding: tuple[int, ...]
+    mode: str
+    input: Any
+
+
+_WEIGHT, _BIAS = _Param("weight"), _Param("bias")
+
+
 def _functional_form(module: nn.Module, node: torch.fx.Node) -> tuple[Callable[..., Any], list[Any]] | None:
-    """(function, args with parameter names as str placeholders) equivalent to ``module(...)``,
-    or None where no exact functional form is known."""
+    """(function, argument template) equivalent to ``module(...)`` as its forward computes it,
+    parameters as `_Param`; None where no exact functional form is known (a subclass with its own
+    forward, extra arguments such as ConvTranspose's output_size)."""
     cls = type(module)
-    extra = len(node.args) + len(node.kwargs)
-    if isinstance(module, nn.Linear) and cls.forward is nn.Linear.forward and extra == 1:
-        return F.linear, [_module_input(node, 0, "input"), "weight", "bias"]
-    if isinstance(module, nn.Bilinear) and cls.forward is nn.Bilinear.forward and extra == 2:
+    arguments = len(node.args) + len(node.kwargs)
+    if isinstance(module, nn.Linear) and cls.forward is nn.Linear.forward and arguments == 1:
+        return F.linear, [_module_input(node, 0, "input"), _WEIGHT, _BIAS]
+    if isinstance(module, nn.Bilinear) and cls.forward is nn.Bilinear.forward and arguments == 2:
         return F.bilinear, [
             _module_input(node, 0, "input1"),
             _module_input(node, 1, "input2"),
-            "weight",
-            "bias",
+            _WEIGHT,
+            _BIAS,
         ]
-    if isinstance(module, nn.PReLU) and cls.forward is nn.PReLU.forward and extra == 1:
-        return F.prelu, [_module_input(node, 0, "input"), "weight"]
+    if isinstance(module, nn.PReLU) and cls.forward is nn.PReLU.forward and arguments == 1:
+        return F.prelu, [_module_input(node, 0, "input"), _WEIGHT]
     for base, function in _CONV.items():
-        if isinstance(module, base) and cls.forward is base.forward and extra == 1:
+        if isinstance(module, base) and cls.forward is base.forward and arguments == 1:
             x = _module_input(node, 0, "input")
-            if module.padding_mode != "zeros":
-                # As _ConvNd._conv_forward: explicit pad, then a convolution without padding.
-                zero = (0,) * len(module.kernel_size)
-                pad = ("pad", module._reversed_padding_repeated_twice, module.padding_mode, x)
-                return function, [pad, "weight", "bias", module.stride, zero, module.dilation, module.groups]
-            return function, [
-                x,
-                "weight",
-                "bias",
-                module.stride,
-                module.padding,
-                module.dilation,
-                module.groups,
-            ]
+            if module.padding_mode == "zeros":
+                return function, [
+                    x,
+                    _WEIGHT,
+                    _BIAS,
+                    module.stride,
+                    module.padding,
+                    module.dilation,
+                    module.groups,
+                ]
+            # As _ConvNd._conv_forward: explicit pad, then a convolution without padding.
+            pad = _Pad(module._reversed_padding_repeated_twice, module.padding_mode, x)
+            zero = (0,) * len(module.kernel_size)
+            return function, [pad, _WEIGHT, _BIAS, module.stride, zero, module.dilation, module.groups]
     for base, function in _CONV_TRANSPOSE.items():
-        if (
-            isinstance(module, base)
-            and cls.forward is base.forward
-            and extra == 1
-            and module.padding_mode == "zeros"
-        ):
+        if isinstance(module, base) and cls.forward is base.forward and arguments == 1:
+            # ConvTranspose raises for padding modes other than zeros; without output_size its
+            # output_padding is the module's.
             x = _module_input(node, 0, "input")
-            return function, [x, "weight", "bias", module.stride, module.padding, module.output_padding,
-                              module.groups, module.dilation]  # fmt: skip
+            template = [x, _WEIGHT, _BIAS, module.stride, module.padding, module.output_padding]
+            return function, [*template, module.groups, module.dilation]
     return None
 
 
-def _get_attr(gm: torch.fx.GraphModule, target: str, dtype: torch.dtype) -> torch.fx.Node:
-    node = gm.graph.get_attr(target)
-    node.meta[_META_KEY] = NodeInfo(out_dtype=dtype)
-    return node
+def _get_attr(
+    gm: torch.fx.GraphModule, target: str, dtype: torch.dtype, attributes: dict[str, torch.fx.Node]
+) -> torch.fx.Node:
+    # One get_attr per parameter, shared by every functional form that reads it (a module called
+    # twice), so that its cast is shared too. The first is created before the first reader.
+    if target not in attributes:
+        node = gm.graph.get_attr(target)
+        node.meta[_META_KEY] = NodeInfo(out_dtype=dtype)
+        attributes[target] = node
+    return attributes[target]
+
+
+def _pad_op(mode: str, spatial_dims: int) -> str:
+    # The aten op F.pad dispatches to: CPU autocast runs reflection/replication pads in float32.
+    if mode == "reflect":
+        return f"reflection_pad{spatial_dims}d"
+    if mode == "replicate":
+        return f"replication_pad{spatial_dims}d"
+    return "pad"
+
+
+def _explicit_pad(
+    gm: torch.fx.GraphModule, pad: _Pad, node: torch.fx.Node, module: nn.Module, policy: Policy
+) -> torch.fx.Node:
+    """The F.pad node of a padded convolution's functional form, with its own rule and casts."""
+    op = _pad_op(pad.mode, len(pad.padding) // 2)
+    decision = policy.decide(op, module_name=node.target, module_type=type(module))
+    have = node_info(pad.input).out_dtype
+    want = {Rule.FP32: torch.float32, Rule.LOWER: policy.dtype}.get(decision.rule)
+    eligible = have is None or (have.is_floating_point and have != torch.float64)
+    seen = want if want is not None and eligible else have
+    pad_node = gm.graph.call_function(F.pad, (pad.input, pad.padding), {"mode": pad.mode})
+    pad_node.meta[_META_KEY] = NodeInfo(
+        op=op,
+        rule=decision.rule,
+        reason=f"{decision.reason} (padding_mode={pad.mode!r} of {node.target})",
+        in_dtypes=(seen,),
+        out_dtype=seen,
+    )
+    return pad_node
 
 
 def _functionalize(
@@ -215,6 +293,8 @@ def _functionalize(
     module: nn.Module,
     target: torch.dtype,
     plan: dict[str, torch.dtype],
+    attributes: dict[str, torch.fx.Node],
+    policy: Policy,
 ) -> bool:
     """Rewrite ``call_module`` `node` in place into its functional form; False if none is known."""
     form = _functional_form(module, node)
@@ -226,22 +306,16 @@ def _functionalize(
     args: list[Any] = []
     with gm.graph.inserting_before(node):
         for item in template:
-            if isinstance(item, str):  # a parameter of the module
+            if isinstance(item, _Param):
                 tensor = getattr(module, item)
                 if tensor is None:
                     args.append(None)
                     continue
                 qualified = f"{node.target}.{item}"
-                args.append(_get_attr(gm, qualified, plan.get(qualified, tensor.dtype)))
-            elif isinstance(item, tuple) and item and item[0] == "pad":
-                _, padding, mode, x = item
-                pad = gm.graph.call_function(F.pad, (x, padding), {"mode": mode})
-                x_dtype = node_info(x).out_dtype if isinstance(x, torch.fx.Node) else None
-                pad.meta[_META_KEY] = NodeInfo(
-                    op="pad", rule=Rule.PASSTHROUGH, reason=f"padding_mode={mode!r} of {node.target}",
-                    in_dtypes=(x_dtype,), out_dtype=x_dtype,
-                )  # fmt: skip
-                activation_dtypes[pad] = activation_dtypes.get(x) if isinstance(x, torch.fx.Node) else None
+                args.append(_get_attr(gm, qualified, plan.get(qualified, tensor.dtype), attributes))
+            elif isinstance(item, _Pad):
+                pad = _explicit_pad(gm, item, node, module, policy)
+                activation_dtypes[pad] = activation_dtypes.get(item.input)
                 args.append(pad)
             else:
                 args.append(item)
@@ -331,13 +405,16 @@ def insert_casts(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModu
     """
     plan = planned_parameter_dtypes(gm, policy)
     cache: CastCache = {}
+    attributes: dict[str, torch.fx.Node] = {}
     created = functional = islands = 0
-    for node in list(gm.graph.nodes):
+    nodes = list(gm.graph.nodes)
+    seen_nodes = set(nodes)
+    for node in nodes:
         if node.op in ("placeholder", "get_attr", "output"):
             continue
         info = node_info(node)
-        if info.is_cast:
-            continue
+        if info.is_cast or is_output_structure(node):
+            continue  # output structures get their casts from cast_outputs
         if info.rule is Rule.OPAQUE and policy.autocast_opaque:
             was_island = node.op == "call_module" and isinstance(
                 gm.get_submodule(node.target), AutocastIsland
@@ -349,8 +426,11 @@ def insert_casts(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModu
             module = gm.get_submodule(node.target)
             target = _rule_target(info, policy)
             if target is not None and _needs_parameter_casts(module, node.target, target, plan):
-                if _functionalize(gm, node, module, target, plan):
+                if _functionalize(gm, node, module, target, plan, attributes, policy):
                     functional += 1
+                    for pad in node.all_input_nodes:
+                        if pad.target is F.pad and pad not in seen_nodes:
+                            created += insert_input_casts(gm, pad, cache)
                 else:
                     # No exact functional form: autocast itself applies the rule to the weights.
                     _make_island(gm, node, policy, module, node.target)

@@ -48,7 +48,7 @@ from torch.fx.node import map_aggregate, map_arg
 from amp_fx.node_info import node_info
 from amp_fx.passes.autocast_island import AutocastIsland
 from amp_fx.passes.cast_parameters import planned_parameter_dtypes
-from amp_fx.passes.insert_casts import cast_if_floating
+from amp_fx.passes.insert_casts import cast_if_floating, is_output_structure
 from amp_fx.policy import Policy, Rule
 
 logger = logging.getLogger(__name__)
@@ -160,6 +160,11 @@ def _abstract(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return tuple(_abstract(v) for v in value)
     return NOT_TENSOR
+
+
+def _abstract_structure(structure: Any) -> Any:
+    """A returned tuple/namedtuple of static values keeps its elements (for getitem); others are unknown."""
+    return tuple(structure) if isinstance(structure, tuple) else UNKNOWN
 
 
 def _seen_dtype(value: Any, target: torch.dtype | None) -> torch.dtype | None:
@@ -488,21 +493,28 @@ class _Propagation:
         self.example_inputs = list(example_inputs) if example_inputs is not None else []
         # node -> the value its users see: a dtype/marker/tuple (static) or a fake tensor (exact).
         self.env: dict[torch.fx.Node, Any] = {}
+        # In exact mode, the nodes whose value is static all the same (fake tensors could not run
+        # them or an input); the static rules continue from there.
+        self.static_nodes: set[torch.fx.Node] = set()
         self.fake_mode: Any = None
 
     # -- values ---------------------------------------------------------------------------------
+    def is_static(self, node: torch.fx.Node) -> bool:
+        """Whether `node`'s value is a static one (a dtype or marker) rather than a fake tensor."""
+        return not self.exact or node in self.static_nodes
+
     def abstract(self, node: torch.fx.Node) -> Any:
         value = self.env[node]
-        return _abstract(value) if self.exact else value
+        return value if self.is_static(node) else _abstract(value)
 
-    def cast_value(self, value: Any, dtype: torch.dtype | None) -> Any:
+    def cast_value(self, value: Any, dtype: torch.dtype | None, static: bool) -> Any:
         if dtype is None:
             return value
-        if self.exact:
-            if isinstance(value, torch.Tensor) and is_eligible(value.dtype) and value.dtype != dtype:
-                return value.to(dtype)
-            return value
-        return dtype if is_eligible(value) is not False else value
+        if static:
+            return dtype if is_eligible(value) is not False else value
+        if isinstance(value, torch.Tensor) and is_eligible(value.dtype) and value.dtype != dtype:
+            return value.to(dtype)
+        return value
 
     # -- per node -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -525,7 +537,7 @@ class _Propagation:
                 info.in_dtypes = ()
                 info.out_dtype = self._dtype_of(raw)
                 # Users of a model input see it cast to the entry dtype (O2/O3).
-                self.env[node] = self.cast_value(raw, self.policy.cast_inputs_dtype)
+                self.env[node] = self.cast_value(raw, self.policy.cast_inputs_dtype, not self.exact)
                 continue
             if node.op == "get_attr":
                 self.env[node] = self._get_attr_value(node)
@@ -534,27 +546,58 @@ class _Propagation:
                 continue
             inputs = node.all_input_nodes
             values = [self.abstract(a) for a in inputs]
-            if node.op == "output":
+            # Downstream of a value fake tensors could not compute, the static rules take over.
+            static = any(self.is_static(a) for a in inputs) or not self.exact
+            returned = node.op == "output" or is_output_structure(node)
+            if returned:
+                # The returned values: seen in the cast_model_outputs dtype.
+                rule, params = None, {}
                 target = self.policy.cast_model_outputs
-                info.in_dtypes = tuple(_seen_dtype(v, target) for v in values)
+            else:
+                rule, params = info.rule, self._params(node)
+                target = rule_cast_dtype(rule, self.policy, [*values, *params.values()], node)
+            info.in_dtypes = tuple(_seen_dtype(v, target) for v in values)
+            if node.op == "output":
                 info.out_dtype = None
                 continue
-            rule = info.rule
-            params = self._params(node)
-            target = rule_cast_dtype(rule, self.policy, [*values, *params.values()], node)
-            info.in_dtypes = tuple(_seen_dtype(v, target) for v in values)
-            seen = {a: self.cast_value(self.env[a], target) for a in inputs}
-            args = map_arg(node.args, seen.__getitem__)
-            kwargs = map_arg(node.kwargs, seen.__getitem__)
-            if self.exact:
-                out = self._run_fake(node, rule, target, args, kwargs)
-            else:
-                out = _static_output(node, rule, target, args, kwargs, self.gm, params)
+            if not static:
+                seen = {a: self.cast_value(self.env[a], target, False) for a in inputs}
+                try:
+                    out = (
+                        self._run_returned(node, seen)
+                        if returned
+                        else self._run_fake(node, rule, target, seen)
+                    )
+                except Exception as error:  # e.g. data-dependent control flow in untraced code
+                    logger.info(
+                        "fake tensors cannot run %s (%s: %s); its dtypes and those downstream of it "
+                        "come from the static rules",
+                        node.name,
+                        type(error).__name__,
+                        error,
+                    )
+                    static = True
+            if static:
+                seen = {a: self.cast_value(v, target, True) for a, v in zip(inputs, values, strict=True)}
+                if returned:
+                    out = _abstract_structure(self._run_returned(node, seen))
+                else:
+                    args, kwargs = (
+                        map_arg(node.args, seen.__getitem__),
+                        map_arg(node.kwargs, seen.__getitem__),
+                    )
+                    out = _static_output(node, rule, target, args, kwargs, self.gm, params)
+                if self.exact:
+                    self.static_nodes.add(node)
             self.env[node] = out
-            info.out_dtype = self._dtype_of(out)
+            info.out_dtype = None if returned else self._dtype_of(_abstract(out) if not static else out)
+
+    def _run_returned(self, node: torch.fx.Node, seen: dict[torch.fx.Node, Any]) -> Any:
+        """Build the returned tuple/namedtuple/dict from the values its constructor sees."""
+        return node.target(*map_arg(node.args, seen.__getitem__), **map_arg(node.kwargs, seen.__getitem__))
 
     def _dtype_of(self, value: Any) -> torch.dtype | None:
-        value = _abstract(value) if self.exact else value
+        value = _abstract(value) if isinstance(value, torch.Tensor) else value
         return value if isinstance(value, torch.dtype) else None
 
     def check_example_inputs(self) -> None:
@@ -607,8 +650,13 @@ class _Propagation:
         return _module_state(module, path, self.plan)
 
     def _run_fake(
-        self, node: torch.fx.Node, rule: Rule | None, target: torch.dtype | None, args: Any, kwargs: Any
+        self,
+        node: torch.fx.Node,
+        rule: Rule | None,
+        target: torch.dtype | None,
+        seen: dict[torch.fx.Node, Any],
     ) -> Any:
+        args, kwargs = map_arg(node.args, seen.__getitem__), map_arg(node.kwargs, seen.__getitem__)
         if node.op == "call_function":
             if rule is Rule.OPAQUE and self._autocast_applies():
                 with torch.autocast(self.policy.device_type, dtype=self.policy.dtype):
@@ -685,7 +733,7 @@ def propagate_dtypes(
         return gm
     try:
         propagation.run()
-    except Exception as error:  # an op fake tensors cannot run: the static rules still apply
+    except Exception as error:  # e.g. an example input fake tensors cannot copy: all static
         logger.warning(
             "exact dtype propagation with example_inputs failed (%s: %s); using the static rules",
             type(error).__name__,

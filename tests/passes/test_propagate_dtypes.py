@@ -153,15 +153,19 @@ def test_rule_cast_dtype_and_eligibility():
 
 
 class DataDependent(nn.Module):
-    def forward(self, x):
-        return torch.nonzero(x).float() @ torch.ones(2, 2)
+    def forward(self, x, y):
+        return torch.nonzero(x).float() @ torch.ones(2, 2), y.to(torch.float64) + 1
 
 
-def test_exact_propagation_falls_back_to_static_rules(caplog):
-    with caplog.at_level(logging.WARNING, logger="amp_fx.passes.propagate_dtypes"):
-        dtypes = _propagated(DataDependent(), preset("O1", BF16, "cpu"), (torch.randn(3, 2),))
-    assert "using the static rules" in caplog.text
+def test_exact_propagation_continues_with_static_rules_where_fake_tensors_cannot_run(caplog):
+    examples = (torch.randn(3, 2), torch.randn(2, dtype=F16))
+    with caplog.at_level(logging.INFO, logger="amp_fx.passes.propagate_dtypes"):
+        dtypes = _propagated(DataDependent(), preset("O1", BF16, "cpu"), examples)
+    assert "fake tensors cannot run nonzero" in caplog.text
+    assert dtypes["nonzero"][1] == torch.int64  # from the static rules, and so on downstream
     assert dtypes["matmul"] == ((BF16, BF16), BF16)
+    assert dtypes["y"] == ((), F16)  # elsewhere the dtypes stay exact
+    assert dtypes["add"] == ((torch.float64,), torch.float64)
 
 
 def test_example_inputs_must_match_the_forward():

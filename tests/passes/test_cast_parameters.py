@@ -1,0 +1,122 @@
+"""Tests for `amp_fx.passes.cast_parameters`: parameter storage dtypes per the policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+from amp_fx.passes.cast_parameters import cast_parameters, planned_parameter_dtypes
+from amp_fx.passes.classify import classify
+from amp_fx.passes.normalize_ops import normalize_ops
+from amp_fx.passes.trace import trace
+from amp_fx.policy import Rule, preset
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def _cast(model: nn.Module, policy) -> torch.fx.GraphModule:
+    return cast_parameters(classify(normalize_ops(trace(model)), policy), policy)
+
+
+def _dtypes(module: nn.Module) -> dict[str, torch.dtype]:
+    return {name: t.dtype for name, t in [*module.named_parameters(), *module.named_buffers()]}
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.norm = nn.LayerNorm(4)
+        self.fc = nn.Linear(4, 2)
+        self.register_buffer("scale", torch.ones(1))
+        self.register_buffer("positions", torch.arange(2))
+
+    def forward(self, x):
+        h = self.bn(self.conv(x)).mean((2, 3))
+        return self.fc(self.norm(h)) * self.scale + self.positions
+
+
+def test_o2_low_except_batchnorm_and_norm_affine():
+    gm = _cast(ConvNet(), preset("O2", BF16, "cpu"))
+    dtypes = _dtypes(gm)
+    for name in ("conv.weight", "conv.bias", "fc.weight", "fc.bias", "scale"):
+        assert dtypes[name] == BF16, name
+    for name in ("bn.weight", "bn.bias", "bn.running_mean", "bn.running_var", "norm.weight", "norm.bias"):
+        assert dtypes[name] == F32, name
+    assert dtypes["bn.num_batches_tracked"] == torch.int64
+    assert dtypes["positions"] == torch.int64
+
+
+def test_o3_casts_batchnorm_unless_kept():
+    assert _dtypes(_cast(ConvNet(), preset("O3", F16, "cpu")))["bn.weight"] == F16
+    assert _dtypes(_cast(ConvNet(), preset("O3", F16, "cpu")))["norm.weight"] == F16
+    kept = _dtypes(_cast(ConvNet(), preset("O3", F16, "cpu", keep_batchnorm_fp32=True)))
+    assert kept["bn.weight"] == F32 and kept["bn.running_var"] == F32 and kept["conv.weight"] == F16
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O1"])
+def test_o0_o1_leave_parameters_alone(opt_level):
+    model = ConvNet()
+    gm = _cast(model, preset(opt_level, F16, "cpu"))
+    assert _dtypes(gm) == _dtypes(model)
+    assert planned_parameter_dtypes(gm, preset(opt_level, F16, "cpu")) == {}
+
+
+def test_the_input_model_is_untouched():
+    model = ConvNet()
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    _cast(model, preset("O2", F16, "cpu"))
+    after = model.state_dict()
+    assert all(
+        torch.equal(before[name], after[name]) and before[name].dtype == after[name].dtype for name in before
+    )
+
+
+def test_fp32_module_override_keeps_its_parameters_fp32():
+    policy = preset("O2", F16, "cpu").set_module_name("fc", Rule.FP32)
+    dtypes = _dtypes(_cast(ConvNet(), policy))
+    assert dtypes["fc.weight"] == F32 and dtypes["conv.weight"] == F16
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+        self.gamma = nn.Parameter(torch.ones(4))
+        self.beta = nn.Parameter(torch.zeros(4))
+
+    def forward(self, ids):
+        h = F.layer_norm(self.emb(ids), (4,), self.gamma, self.beta)
+        return self.head(h)
+
+
+def test_tied_weights_stay_tied_and_get_attr_params_follow_their_op():
+    gm = _cast(Tied(), preset("O2", BF16, "cpu"))
+    assert gm.get_submodule("emb").weight is gm.get_submodule("head").weight
+    assert gm.get_submodule("emb").weight.dtype == BF16
+    # gamma/beta are read by F.layer_norm, whose affine parameters O2 keeps float32.
+    assert gm.gamma.dtype == F32 and gm.beta.dtype == F32
+
+
+def test_gradients_flow_to_low_precision_parameters():
+    gm = _cast(nn.Sequential(nn.Linear(4, 4)), preset("O3", BF16, "cpu"))
+    gm(torch.randn(2, 4, dtype=BF16)).float().sum().backward()
+    weight = gm.get_parameter("0.weight")
+    assert weight.dtype == BF16 and weight.grad is not None and weight.grad.dtype == BF16
+
+
+def test_existing_gradients_are_cast_with_their_parameter():
+    policy = preset("O2", F16, "cpu")
+    gm = classify(normalize_ops(trace(nn.Sequential(nn.Linear(4, 4)))), policy)
+    gm(torch.randn(2, 4)).sum().backward()
+    grad = gm.get_parameter("0.weight").grad.clone()
+    cast_parameters(gm, policy)
+    weight = gm.get_parameter("0.weight")
+    assert weight.dtype == F16 and weight.grad.dtype == F16
+    assert torch.equal(weight.grad, grad.to(F16))

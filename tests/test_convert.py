@@ -1,0 +1,453 @@
+"""Tests for `amp_fx.convert`: the API, its errors, and the properties every conversion keeps.
+
+References: the original model (O0 bit for bit), ``torch.autocast("cpu")`` (O1 bit for bit), the
+FP32 model within `amp_fx.testing`'s tolerances (O2/O3), and a `torch.fx.Interpreter` that
+records the dtypes each node receives.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+import amp_fx
+from amp_fx.convert import convert
+from amp_fx.node_info import node_info
+from amp_fx.passes.autocast_island import AutocastIsland
+from amp_fx.passes.trace import TraceError
+from amp_fx.policy import Rule, preset
+from amp_fx.testing import assert_equivalent
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+LOW = [BF16, F16]
+
+
+# ------------------------------------------------------------------------------------------
+# Small hand-written models covering the op families of real ones.
+# ------------------------------------------------------------------------------------------
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect")
+        self.bn2 = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, x):
+        h = torch.relu(self.bn1(self.conv1(x)))
+        h = h + self.bn2(self.conv2(h))
+        h = torch.cat([F.max_pool2d(h, 2), F.avg_pool2d(h, 2)], dim=1)
+        return self.fc(F.adaptive_avg_pool2d(h, 1).flatten(1))
+
+
+class Block(nn.Module):
+    """A GPT block written by hand: LayerNorm, attention with matmul/softmax, MLP, residuals."""
+
+    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        scores = (q @ k.transpose(-2, -1)) * (d // self.heads) ** -0.5
+        attn = torch.softmax(scores, dim=-1) @ v
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class Gpt(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.ln = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 32, bias=False)
+
+    def forward(self, ids):
+        x = self.wte(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+class Opaque(nn.Module):
+    """MultiheadAttention (an opaque leaf), einsum (a CPU autocast composite), an SDPA call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        a = self.attn(x, x, x, need_weights=False)[0]
+        s = torch.einsum("btd,bsd->bts", self.fc(a), x)
+        return F.scaled_dot_product_attention(x, x, x) + s.softmax(-1) @ x
+
+
+class Gate(nn.Module):
+    """Data-dependent control flow: untraceable, becomes an opaque node of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.fc(x) if x.sum() > 0 else -self.fc(x)
+
+
+class WithGate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = Gate()
+        self.norm = nn.LayerNorm(16)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc(self.norm(self.gate(x)))
+
+
+def _seeded(cls):
+    torch.manual_seed(0)
+    return cls().eval()
+
+
+MODELS = {
+    "mlp": (Mlp, lambda: (torch.randn(4, 8),)),
+    "convnet": (ConvNet, lambda: (torch.randn(2, 3, 8, 8),)),
+    "block": (Block, lambda: (torch.randn(2, 5, 16),)),
+    "gpt": (Gpt, lambda: (torch.randint(0, 32, (2, 6)),)),
+    "opaque": (Opaque, lambda: (torch.randn(2, 5, 16),)),
+    "with_gate": (WithGate, lambda: (torch.randn(2, 5, 16),)),
+}
+
+
+def _model_and_inputs(name: str):
+    cls, make_inputs = MODELS[name]
+    model = _seeded(cls)
+    torch.manual_seed(1)
+    return model, make_inputs()
+
+
+def _casts(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if node_info(n).is_cast]
+
+
+def _assert_same_gradients(gm: nn.Module, out: torch.Tensor, model: nn.Module, ref: torch.Tensor) -> None:
+    # Parameters matched by name: a GraphModule orders its submodules as the graph uses them.
+    names = [name for name, _ in model.named_parameters()]
+    grads = torch.autograd.grad(out.float().sum(), [gm.get_parameter(name) for name in names])
+    ref_grads = torch.autograd.grad(ref.float().sum(), [model.get_parameter(name) for name in names])
+    for name, a, b in zip(names, grads, ref_grads, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+def _leaves(out):
+    return torch.utils._pytree.tree_leaves(out)
+
+
+# ------------------------------------------------------------------------------------------
+# API
+# ------------------------------------------------------------------------------------------
+def test_convert_returns_a_graph_module_and_leaves_the_model_untouched():
+    model, inputs = _model_and_inputs("convnet")
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    gm = amp_fx.convert(model, "O2", dtype=BF16, device_type="cpu")
+    assert isinstance(gm, torch.fx.GraphModule)
+    assert gm.training
+    after = model.state_dict()
+    assert all(before[k].dtype == after[k].dtype and torch.equal(before[k], after[k]) for k in before)
+    assert isinstance(gm.meta["amp_fx_policy"], amp_fx.Policy) and gm.meta["amp_fx_policy"].opt_level == "O2"
+    original = gm.meta["amp_fx_original_code"]
+    assert isinstance(original, str) and "self.conv1(" in original and "bfloat16" not in original
+    assert "bfloat16" in gm.code
+    assert sorted(gm.state_dict()) == sorted(model.state_dict())
+
+
+def test_device_type_defaults_to_the_parameters_device():
+    gm = convert(_seeded(Mlp), "O1", dtype=BF16)
+    assert gm.meta["amp_fx_policy"].device_type == "cpu"
+    empty = convert(nn.Sequential(nn.ReLU()), "O1", dtype=BF16)
+    assert empty.meta["amp_fx_policy"].device_type == "cpu"
+
+
+def test_policy_overrides_the_preset():
+    model, inputs = _model_and_inputs("mlp")
+    policy = preset("O2", BF16, "cpu").set_module_name("fc2", Rule.FP32)
+    gm = convert(model, "O2", policy=policy)
+    assert gm.meta["amp_fx_policy"] is policy
+    assert gm.get_submodule("fc2").weight.dtype == F32 and gm.get_submodule("fc1").weight.dtype == BF16
+    assert gm(*inputs).dtype == F32
+
+
+# ------------------------------------------------------------------------------------------
+# Errors: clear, naming the fix, raised before anything changes
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("opt_level", ["o2", "02", "O4", "", "O2 "])
+def test_unknown_opt_level(opt_level):
+    with pytest.raises(ValueError, match="opt_level"):
+        convert(_seeded(Mlp), opt_level)
+
+
+def test_lowercase_opt_level_suggests_the_fix():
+    with pytest.raises(ValueError, match="did you mean 'O2'"):
+        convert(_seeded(Mlp), "o2")
+
+
+def test_dtype_must_be_low_precision():
+    with pytest.raises(ValueError, match="torch.float16 or torch.bfloat16"):
+        convert(_seeded(Mlp), "O2", dtype=torch.float32)
+
+
+def test_not_a_module():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        convert(lambda x: x * 2, "O1")
+
+
+def test_data_parallel_wrappers_name_the_fix():
+    with pytest.raises(TypeError, match=r"convert model.module, then wrap the result in DataParallel"):
+        convert(nn.DataParallel(_seeded(Mlp)), "O2")
+    # DDP needs a process group to construct; isinstance is all convert looks at.
+    ddp = nn.parallel.DistributedDataParallel.__new__(nn.parallel.DistributedDataParallel)
+    with pytest.raises(
+        TypeError, match=r"convert model.module, then wrap the result in DistributedDataParallel"
+    ):
+        convert(ddp, "O2")
+
+
+class Untraceable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.fc(x)
+        return x
+
+
+def test_untraceable_top_level_forward_names_the_line_and_concrete_args():
+    with pytest.raises(TraceError, match="concrete_args") as error:
+        convert(Untraceable(), "O1")
+    assert "if x.sum() > 0" in str(error.value)
+    assert isinstance(error.value, TypeError)
+
+
+def test_arguments_are_validated_before_tracing():
+    # A bad opt level is reported even though the model could not be traced either.
+    with pytest.raises(ValueError, match="opt_level"):
+        convert(Untraceable(), "O5")
+    with pytest.raises(TypeError, match="example_inputs"):
+        convert(Untraceable(), "O1", example_inputs=torch.randn(4))
+
+
+def test_policy_naming_an_unknown_op():
+    with pytest.raises(ValueError, match="unknown op 'sofmax'.*'softmax'"):
+        convert(_seeded(Mlp), "O1", policy=preset("O1", BF16, "cpu").set_op("sofmax", Rule.FP32))
+
+
+@pytest.mark.parametrize("bad", [torch.randn(4, 8), {"x": torch.randn(4, 8)}, 3])
+def test_example_inputs_of_the_wrong_type(bad):
+    with pytest.raises(TypeError, match=r"example_inputs=\(x,\)"):
+        convert(_seeded(Mlp), "O1", example_inputs=bad)
+
+
+def test_example_inputs_of_the_wrong_length():
+    with pytest.raises(ValueError, match="one example per forward argument"):
+        convert(_seeded(Mlp), "O1", example_inputs=(torch.randn(4, 8), torch.randn(4, 8)))
+
+
+def test_policy_of_the_wrong_type_or_contradicting_the_arguments():
+    with pytest.raises(TypeError, match="amp_fx.Policy"):
+        convert(_seeded(Mlp), "O2", policy={"opt_level": "O2"})
+    with pytest.raises(ValueError, match="disagree.*opt_level 'O1'"):
+        convert(_seeded(Mlp), "O1", policy=preset("O2", BF16, "cpu"))
+    with pytest.raises(ValueError, match="disagree.*device_type"):
+        convert(_seeded(Mlp), "O2", device_type="cuda", policy=preset("O2", BF16, "cpu"))
+
+
+# ------------------------------------------------------------------------------------------
+# O0: the identity
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_o0_is_bit_identical(name):
+    model, inputs = _model_and_inputs(name)
+    gm = convert(model, "O0")
+    assert _casts(gm) == [] and not any(isinstance(m, AutocastIsland) for m in gm.modules())
+    floating = [x.clone().requires_grad_() if x.is_floating_point() else x for x in inputs]
+    out, ref = gm(*floating), model(*floating)
+    assert torch.equal(out, ref)
+    _assert_same_gradients(gm, out, model, ref)
+
+
+# ------------------------------------------------------------------------------------------
+# O1 on CPU: an oracle, torch.autocast itself
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_o1_cpu_is_bit_identical_to_autocast(name, dtype):
+    model, inputs = _model_and_inputs(name)
+    gm = convert(model, "O1", dtype=dtype, device_type="cpu")
+    floating = [x.clone().requires_grad_() if x.is_floating_point() else x for x in inputs]
+    out = gm(*floating)
+    with torch.autocast("cpu", dtype=dtype):
+        ref = model(*floating)
+    assert out.dtype == ref.dtype and torch.equal(out, ref)
+    # Gradients too: the casts are the same ops autocast records.
+    _assert_same_gradients(gm, out, model, ref)
+    assert all(p.dtype == F32 for p in gm.parameters())
+
+
+def test_o1_untraceable_submodule_and_leaf_modules_run_in_islands():
+    model, inputs = _model_and_inputs("with_gate")
+    gm = convert(model, "O1", dtype=BF16, device_type="cpu", leaf_modules=(nn.LayerNorm,))
+    calls = [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    islands = sorted(name for name in calls if isinstance(gm.get_submodule(name), AutocastIsland))
+    assert islands == ["gate_autocast", "norm_autocast"]
+    with torch.autocast("cpu", dtype=BF16):
+        assert torch.equal(gm(*inputs), model(*inputs))
+
+
+# ------------------------------------------------------------------------------------------
+# O2 / O3: storage dtypes, outputs, equivalence with FP32
+# ------------------------------------------------------------------------------------------
+def _param_dtypes(gm):
+    return {name: t.dtype for name, t in [*gm.named_parameters(), *gm.named_buffers()]}
+
+
+def test_o2_keeps_batchnorm_fp32_and_o3_does_not():
+    model, _ = _model_and_inputs("convnet")
+    o2 = _param_dtypes(convert(model, "O2", dtype=F16, device_type="cpu"))
+    assert o2["conv1.weight"] == F16 and o2["fc.weight"] == F16
+    assert o2["bn1.weight"] == F32 and o2["bn1.running_var"] == F32
+    assert o2["bn1.num_batches_tracked"] == torch.int64
+    o3 = _param_dtypes(convert(model, "O3", dtype=F16, device_type="cpu"))
+    assert o3["bn1.weight"] == F16 and o3["bn1.running_mean"] == F16
+    kept = _param_dtypes(convert(model, "O3", dtype=F16, device_type="cpu", keep_batchnorm_fp32=True))
+    assert kept["bn1.weight"] == F32 and kept["conv1.weight"] == F16
+    not_kept = _param_dtypes(convert(model, "O2", dtype=F16, device_type="cpu", keep_batchnorm_fp32=False))
+    assert not_kept["bn1.weight"] == F16
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O3"])
+def test_outputs_follow_cast_model_outputs(opt_level):
+    model, inputs = _model_and_inputs("block")
+    assert convert(model, opt_level, dtype=BF16, device_type="cpu")(*inputs).dtype == F32
+    low = convert(model, opt_level, dtype=BF16, device_type="cpu", cast_model_outputs=BF16)
+    assert low(*inputs).dtype == BF16
+    mlp, mlp_inputs = _model_and_inputs("mlp")
+    assert convert(mlp, "O1", dtype=BF16, device_type="cpu")(*mlp_inputs).dtype == BF16
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("name", ["convnet", "gpt", "opaque", "with_gate"])
+def test_outputs_and_gradients_agree_with_fp32(name, opt_level):
+    model, inputs = _model_and_inputs(name)
+    gm = convert(model, opt_level, dtype=BF16, device_type="cpu")
+    assert_equivalent(model, gm, inputs)
+
+
+def test_o2_trains_low_precision_parameters_in_train_and_eval_mode():
+    model, inputs = _model_and_inputs("convnet")
+    gm = convert(model.train(), "O2", dtype=BF16, device_type="cpu")
+    running = gm.get_submodule("bn1").running_mean.clone()
+    gm(*inputs).sum().backward()
+    assert gm.get_submodule("conv1").weight.grad.dtype == BF16
+    assert not torch.equal(running, gm.get_submodule("bn1").running_mean)  # train mode updates stats
+    gm.eval()
+    running = gm.get_submodule("bn1").running_mean.clone()
+    gm(*inputs)
+    assert torch.equal(running, gm.get_submodule("bn1").running_mean)
+
+
+# ------------------------------------------------------------------------------------------
+# Properties: idempotence, dtypes every node receives, no cast is a no-op
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_converting_twice_inserts_nothing(name, opt_level):
+    model, inputs = _model_and_inputs(name)
+    once = convert(model, opt_level, dtype=F16, device_type="cpu")
+    twice = convert(once, opt_level, dtype=F16, device_type="cpu")
+    assert len(_casts(twice)) == len(_casts(once))
+    assert twice.code == once.code
+    with torch.no_grad():
+        assert all(
+            torch.equal(a, b) for a, b in zip(_leaves(twice(*inputs)), _leaves(once(*inputs)), strict=True)
+        )
+
+
+class DtypeRecorder(torch.fx.Interpreter):
+    """Runs a converted graph and records, per node, the dtypes of the tensors it receives."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.received: dict[torch.fx.Node, list[torch.dtype]] = {}
+        self.produced: dict[torch.fx.Node, object] = {}
+
+    def run_node(self, node: torch.fx.Node):
+        values = [self.env[a] for a in node.all_input_nodes]
+        self.received[node] = [v.dtype for v in values if isinstance(v, torch.Tensor)]
+        out = super().run_node(node)
+        self.produced[node] = out
+        return out
+
+
+def _check_received_dtypes(gm: torch.fx.GraphModule, inputs, *, strict_casts: bool) -> None:
+    """LOWER ops receive the low dtype, FP32 ops float32; with `strict_casts`, no cast is a no-op
+    (where the dtypes are known: example_inputs, and no untraced code fake tensors cannot run)."""
+    policy = gm.meta["amp_fx_policy"]
+    recorder = DtypeRecorder(gm)
+    with torch.no_grad():
+        recorder.run(*inputs)
+    for node, received in recorder.received.items():
+        info = node_info(node)
+        floating = [d for d in received if d.is_floating_point and d != torch.float64]
+        if info.rule is Rule.LOWER:
+            assert all(d == policy.dtype for d in floating), (node.name, received)
+        elif info.rule is Rule.FP32 and not any(isinstance(a, torch.dtype) for a in node.args):
+            assert all(d == F32 for d in floating), (node.name, received)
+        if info.is_cast and strict_casts:
+            source = recorder.produced[node.args[0]]
+            assert not isinstance(source, torch.Tensor) or source.dtype != recorder.produced[node].dtype, (
+                f"{node.name} is a no-op cast"
+            )
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_op_receives_its_rules_dtype_and_no_cast_is_a_no_op(name, opt_level):
+    model, inputs = _model_and_inputs(name)
+    for device_type in ("cpu", "cuda"):  # the CUDA lists have FP32 ops (softmax, layer_norm)
+        exact = convert(model, opt_level, dtype=F16, device_type=device_type, example_inputs=inputs)
+        if device_type == "cpu" or not any(isinstance(m, AutocastIsland) for m in exact.modules()):
+            strict = device_type == "cpu" and name != "with_gate"  # Gate branches on data: unknown
+            _check_received_dtypes(exact, inputs, strict_casts=strict)
+        static = convert(model, opt_level, dtype=F16, device_type="cpu")
+        _check_received_dtypes(static, inputs, strict_casts=False)
+
+
+def test_exact_dtypes_leave_integer_inputs_uncast():
+    model, inputs = _model_and_inputs("gpt")
+    gm = convert(model, "O2", dtype=F16, device_type="cpu", example_inputs=inputs)
+    (ids,) = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert not any(node_info(user).is_cast for user in ids.users)
+    assert gm(*inputs).dtype == F32
