@@ -218,7 +218,7 @@ def test_captured_step_gives_the_weights_of_eager_steps(max_grad_norm: float | N
     graph_step = CudaGraphStep(
         graphed.loss_fn, graphed.optimizer, graphed.scaler, max_grad_norm=max_grad_norm
     )
-    # 2 warm-up steps, the capture step, 5 replays; growth_interval=3 makes the scale grow twice.
+    # 3 warm-up steps, the capture step, 4 replays; growth_interval=3 makes the scale grow twice.
     for inputs, targets in make_batches(8, "cuda"):
         expected_loss = eager_step(inputs, targets)
         loss = graph_step(inputs, targets)
