@@ -18,19 +18,22 @@ variant trains the same freshly seeded model on the same batch:
 each eager and under torch.compile (the forward and the loss compiled; the optimizer step runs
 eagerly, as a fused kernel in every variant). Per variant it reports the median step time over
 ``--steps`` steps after ``--warmup`` steps, the ratio to autocast_fp16 in the same mode, and peak
-memory (``torch.cuda.max_memory_allocated``, reset before the model is built, so it counts
-weights, optimizer state and activations). A variant that fails is reported in the table and the
-run goes on.
+memory (``torch.cuda.max_memory_allocated``, reset once the step is built and the unconverted
+model freed, so it counts weights, optimizer state, grads and activations). A variant that fails
+is reported in the table and the run goes on.
 
-GPU runs (each model fits one ~9-minute invocation on an H200, compiles included)::
+GPU runs, one per model (eager ~1-2 min, then ~10 compiles of 20-50 s each; ``--time-budget``
+skips, and reports, the variants that would start after it, least telling last)::
 
-    python benchmarks/bench_train.py --model gpt --markdown BENCHMARKS.md
-    python benchmarks/bench_train.py --model resnet50 --markdown BENCHMARKS.md
+    python benchmarks/bench_train.py --model gpt --markdown BENCHMARKS.md --time-budget 480
+    python benchmarks/bench_train.py --model resnet50 --markdown BENCHMARKS.md --time-budget 480
 
-CPU check that every variant runs (tiny models, Dynamo capture without Inductor; about a
-minute on one core)::
+Where a variant's time goes: ``--variants o2_fp16,autocast_fp16 --modes eager --profile 25``.
 
-    python benchmarks/bench_train.py --small --model all
+CPU check that every variant runs (tiny models, Dynamo capture without Inductor; 1-2 minutes
+on one core)::
+
+    python benchmarks/bench_train.py --small
 """
 
 from __future__ import annotations
@@ -122,6 +125,7 @@ class Result:
     peak_gib: float | None = None
     setup_s: float = 0.0
     error: str | None = None
+    profile: str | None = None  # --profile: the ops that took the time
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,6 +248,21 @@ def time_steps(step: Callable[[], torch.Tensor], device: torch.device, warmup: i
     return statistics.median(events[i].elapsed_time(events[i + 1]) for i in range(steps))
 
 
+def profile_steps(step: Callable[[], torch.Tensor], device: torch.device, rows: int) -> str:
+    """Three more steps under torch.profiler: the ops with the most self time on the device."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    sort_by = "self_cpu_time_total"
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        sort_by = "self_device_time_total"
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(3):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return profiler.key_averages().table(sort_by=sort_by, row_limit=rows)
+
+
 def release_memory(device: torch.device) -> None:
     """Drop everything the previous variant left: compiled graphs, cached blocks, peak counters."""
     torch._dynamo.reset()
@@ -285,6 +304,8 @@ def run_variant(
         result.median_ms = time_steps(step, device, warmup, args.steps)
         if device.type == "cuda":
             result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+        if args.profile:
+            result.profile = profile_steps(step, device, args.profile)
     except Exception as exc:  # a failing variant is a row of the table, not the end of the run
         logger.exception("%s %s %s failed", model_name, variant.name, mode)
         result.error = short_error(exc)
@@ -396,6 +417,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--markdown", default=None, help="append the tables to this file (e.g. BENCHMARKS.md)"
     )
     parser.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="ROWS",
+        help="after timing, profile 3 steps of each variant and print its top ROWS ops by self device "
+        "time (use with --variants: where a variant's time goes)",
+    )
     args = parser.parse_args(argv)
 
     args.modes = [m for m in args.modes.split(",") if m]
@@ -447,10 +476,11 @@ def benchmark_model(model_name: str, args: argparse.Namespace, deadline: float |
             status = result.error or f"{result.median_ms:.2f} ms/step" + (
                 f", peak {result.peak_gib:.2f} GiB" if result.peak_gib is not None else ""
             )
-            print(
-                f"  {model_name} {mode:7s} {variant.name:14s} {status} ({result.setup_s:.0f} s)", flush=True
-            )
-    ordered = [v for v in args.variants]
+            line = f"  {model_name} {mode:7s} {variant.name:18s} {status} ({result.setup_s:.0f} s)"
+            print(line, flush=True)
+            if result.profile:
+                print(result.profile, flush=True)
+    ordered = list(args.variants)
     title = (
         f"Training step: {workload_description(model_name, args.small, args.batch_size)} - "
         f"{environment_line(args.device, args.compile_backend)}"
