@@ -235,6 +235,8 @@ class CudaGraphStep:
                     f"captured with {tuple(static.shape)} and {static.dtype}: a CUDA graph replays fixed "
                     "shapes. Pad the batch (or use drop_last=True), or call reset_graph() to capture again"
                 )
+        # Copied only once all inputs passed the checks: a refused batch leaves the buffers as they were.
+        for static, value in zip(self._static_inputs, batch, strict=True):
             static.copy_(value, non_blocking=True)
         self._graph.replay()
         return self._static_loss.clone()

@@ -20,6 +20,7 @@ Without a GPU it says so and runs the same step eagerly.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -31,7 +32,7 @@ from amp_fx.optim import master_params
 from amp_fx.training_step import CudaGraphStep
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -48,7 +49,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--n-layer", type=int, default=2)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--log-every", type=int, default=10)
-    return parser.parse_args()
+    parser.add_argument("--corpus-bytes", type=int, default=500_000)
+    return parser.parse_args(argv)
 
 
 def train(
@@ -69,7 +71,7 @@ def train(
         loss_fn, optimizer, scaler, warmup_steps=args.warmup_steps, max_grad_norm=1.0, enabled=graph
     )
     # Batches made up front, on the device: the loop then measures the training step alone.
-    batches = Batches(stdlib_corpus(500_000), args.block_size, args.batch_size, device, seed=0)
+    batches = Batches(stdlib_corpus(args.corpus_bytes), args.block_size, args.batch_size, device, seed=0)
     data = [batches.get("train") for _ in range(args.steps)]
 
     timed_from = args.warmup_steps + 1  # warm-up and capture are not steady state
@@ -91,8 +93,9 @@ def train(
     }
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> dict[str, dict[str, object]]:
+    """Train as the flags say; return {"eager" and/or "cuda_graph": {"ms_per_step", "masters"}}."""
+    args = parse_args(argv)
     if args.steps <= args.warmup_steps + 1:
         raise SystemExit(f"--steps must exceed --warmup-steps + 1 = {args.warmup_steps + 1}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -109,11 +112,12 @@ def main() -> None:
     modes = [False, True] if args.compare and use_graph else [use_graph]
     results = {}
     for graph in modes:
-        print("CUDA graph:" if graph else "eager:")
-        results[graph] = train(args, device, dtype, graph)
-        print(f"  {results[graph]['ms_per_step']:.2f} ms/step")
+        name = "cuda_graph" if graph else "eager"
+        print(f"{name}:")
+        results[name] = train(args, device, dtype, graph)
+        print(f"  {results[name]['ms_per_step']:.2f} ms/step")
     if len(results) == 2:
-        eager, graphed = results[False], results[True]
+        eager, graphed = results["eager"], results["cuda_graph"]
         difference = max(
             (a - b).abs().max().item() for a, b in zip(eager["masters"], graphed["masters"], strict=True)
         )
@@ -121,7 +125,8 @@ def main() -> None:
         print(
             f"graph vs eager: {speedup:.2f}x faster; largest FP32 master weight difference {difference:.3g}"
         )
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

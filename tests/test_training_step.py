@@ -8,6 +8,10 @@ path against the hand-written loop and its argument errors.
 from __future__ import annotations
 
 import copy
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -301,3 +305,42 @@ def test_snapshot_covers_every_written_tensor() -> None:
     after = trainer.snapshot()
     changed = {name for name in before if not torch.equal(before[name], after[name])}
     assert {"param.0.weight", "master.0", "exp_avg.0", "exp_avg_sq.0", "step.0"} <= changed
+
+
+# ---------------------------------------------------------------------------------------------
+# examples/cuda_graph_step.py
+# ---------------------------------------------------------------------------------------------
+
+EXAMPLE_ARGS = ["--steps", "6", "--warmup-steps", "2", "--n-layer", "1", "--batch-size", "2"]
+EXAMPLE_ARGS += ["--block-size", "16", "--corpus-bytes", "20000", "--log-every", "5"]
+
+
+def load_cuda_graph_example() -> ModuleType:
+    """examples/cuda_graph_step.py as a module; it imports examples/gpt.py from beside it."""
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    if str(examples) not in sys.path:
+        sys.path.insert(0, str(examples))
+    spec = importlib.util.spec_from_file_location(
+        "amp_fx_example_cuda_graph_step", examples / "cuda_graph_step.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without a GPU prints")
+def test_cuda_graph_example_runs_eagerly_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    results = load_cuda_graph_example().main(["--cuda-graph", *EXAMPLE_ARGS])
+    assert "CUDA graphs need a CUDA GPU" in capsys.readouterr().out
+    assert list(results) == ["eager"]
+    assert all(torch.isfinite(m).all() for m in results["eager"]["masters"])
+
+
+@pytest.mark.gpu
+def test_cuda_graph_example_trains_like_eager() -> None:
+    results = load_cuda_graph_example().main(["--compare", *EXAMPLE_ARGS])
+    assert list(results) == ["eager", "cuda_graph"]
+    rtol, atol = tolerances(torch.float32)
+    pairs = zip(results["cuda_graph"]["masters"], results["eager"]["masters"], strict=True)
+    for i, (graphed, eager) in enumerate(pairs):
+        assert_close_normwise(graphed, eager, rtol=rtol, atol=atol, name=f"master {i}")
