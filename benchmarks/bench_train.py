@@ -345,6 +345,7 @@ def format_table(
     modes: list[str],
     results: dict[tuple[str, str], Result],
     title: str,
+    check_targets: bool = True,
 ) -> str:
     header = ["variant"]
     for mode in modes:
@@ -371,7 +372,41 @@ def format_table(
         lines.append("| " + " | ".join(cells) + " |")
     if errors:
         lines += ["", "Not measured:", *errors]
+    checks = target_checks(model_name, modes, results) if check_targets else []
+    if checks:
+        lines += ["", "Targets (issue 5):", *checks]
     return "\n".join(lines) + "\n"
+
+
+# O2 fp16's step time as a fraction of autocast fp16's in the same run (DESIGN.md, Performance).
+TIME_TARGETS = {
+    ("gpt", "eager"): 0.85,
+    ("gpt", "compile"): 0.90,
+    ("resnet50", "eager"): 0.95,
+    ("resnet50", "compile"): 0.90,
+}
+
+
+def target_checks(model_name: str, modes: list[str], results: dict[tuple[str, str], Result]) -> list[str]:
+    """One line per target: o2_fp16's time ratio and peak memory against autocast_fp16's."""
+    checks = []
+    for mode in modes:
+        o2, baseline = results.get(("o2_fp16", mode)), results.get((BASELINE, mode))
+        if o2 is None or baseline is None or o2.median_ms is None or baseline.median_ms is None:
+            continue
+        target = TIME_TARGETS[(model_name, mode)]
+        ratio = o2.median_ms / baseline.median_ms
+        verdict = "met" if ratio <= target else "missed"
+        checks.append(
+            f"- {mode}: o2_fp16 takes {ratio:.2f}x autocast_fp16's time (target <= {target}): {verdict}"
+        )
+        if o2.peak_gib is not None and baseline.peak_gib is not None:
+            verdict = "met" if o2.peak_gib <= baseline.peak_gib else "missed"
+            checks.append(
+                f"- {mode}: o2_fp16 peak {o2.peak_gib:.2f} GiB vs autocast_fp16 {baseline.peak_gib:.2f} GiB "
+                f"(target <=): {verdict}"
+            )
+    return checks
 
 
 def workload_description(model_name: str, small: bool, batch_size: int | None) -> str:
@@ -485,7 +520,8 @@ def benchmark_model(model_name: str, args: argparse.Namespace, deadline: float |
         f"Training step: {workload_description(model_name, args.small, args.batch_size)} - "
         f"{environment_line(args.device, args.compile_backend)}"
     )
-    return format_table(model_name, ordered, args.modes, results, title)
+    # The targets are about the full-size models on a GPU; a --small run only checks the code.
+    return format_table(model_name, ordered, args.modes, results, title, check_targets=not args.small)
 
 
 def main(argv: list[str] | None = None) -> None:
