@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from amp_fx.distributed import agree_on_overflow_
 from amp_fx.optim._fused_base import is_fused_optimizer
 
 logger = logging.getLogger(__name__)
@@ -142,6 +143,9 @@ class LossScaler:
         min_scale: lower bound of the scale (None: none).
         max_scale: upper bound of the scale (None: none; 2**24 by default).
         enabled: False makes the scaler a pass-through.
+        process_group: the data-parallel group whose ranks must agree on skipping a step (an
+            overflow on one rank skips it on all); None means the default group when
+            torch.distributed is initialised. See `amp_fx.distributed`.
 
     Example:
         >>> import torch, amp_fx
@@ -166,6 +170,7 @@ class LossScaler:
         min_scale: float | None = None,
         max_scale: float | None = 2.0**24,
         enabled: bool = True,
+        process_group: Any = None,
     ) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be True or False, got {enabled!r}")
@@ -173,6 +178,7 @@ class LossScaler:
             init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale
         )
         self._enabled = enabled
+        self._process_group = process_group
         self._init_scale = float(init_scale)
         self._growth_factor = float(growth_factor)
         self._backoff_factor = float(backoff_factor)
@@ -272,6 +278,7 @@ class LossScaler:
         else:
             found_zero = torch.zeros((), dtype=torch.float32, device=scale.device)
             found_infs = self._unscale_in_place(optimizer, inv_scale, found_zero, allow_fp16=False)
+        agree_on_overflow_(found_infs, self._process_group)
         state.update(stage=_Stage.UNSCALED, found_inf_per_device=found_infs, optimizer=optimizer)
 
     def _unscale_in_place(
@@ -350,6 +357,7 @@ class LossScaler:
             dummy_inv_scale = torch.ones((), dtype=torch.float32, device=scale.device)
             found_zero = torch.zeros((), dtype=torch.float32, device=scale.device)
             infs = self._unscale_in_place(optimizer, dummy_inv_scale, found_zero, allow_fp16=True)
+            agree_on_overflow_(infs, self._process_group)
             state.update(found_inf_per_device=infs, optimizer=optimizer)
         self._require_inf_checks(state)
         found_inf = sum(f.to(scale.device, non_blocking=True) for f in state["found_inf_per_device"].values())
@@ -652,6 +660,7 @@ class LossScaler:
             state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
             state["_scale"] = state["_growth_tracker"] = state["_hysteresis_tracker"] = None
         state["_per_optimizer_states"] = {}
+        state["_process_group"] = None  # a process group does not survive pickling; pass it again
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
