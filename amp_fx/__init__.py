@@ -12,21 +12,23 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-# Public names and the module that defines each. Imported lazily so that `import amp_fx`
-# stays cheap and so that the Triton kernels are only compiled when an optimizer is used.
+# `convert` and `report` share their names with the modules that define them, so they are bound
+# eagerly: importing the submodule first would otherwise leave `amp_fx.convert` bound to the module.
+from amp_fx.convert import convert
+from amp_fx.report import Report, report
+
+# Other public names and the module that defines each, imported lazily so that the optimizers'
+# Triton kernels are only loaded when an optimizer is used.
 _EXPORTS = {
-    "convert": "amp_fx.convert",
     "Policy": "amp_fx.policy",
     "Rule": "amp_fx.policy",
     "preset": "amp_fx.policy",
-    "report": "amp_fx.report",
-    "Report": "amp_fx.report",
     "LossScaler": "amp_fx.loss_scaler",
     "clip_grad_norm_": "amp_fx.clip_grad",
 }
 _SUBMODULES = {"optim", "testing", "amp", "passes", "kernels"}
 
-__all__ = [*_EXPORTS, *_SUBMODULES]
+__all__ = ["convert", "report", "Report", *_EXPORTS, *_SUBMODULES]
 
 
 def __getattr__(name: str) -> Any:
