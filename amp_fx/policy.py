@@ -139,11 +139,14 @@ O2_FP32_ISLANDS: dict[str, str] = {
     "renorm": "the norms it computes overflow fp16",
 }
 
-# Ops whose parameters O2 keeps fp32 while the op runs on low-precision input (mixed input works
-# for these on CPU and CUDA: fp16/bf16 input with fp32 weight returns the input dtype), so they
-# need no casts at all. ResNet-50 has 53 BatchNorms: casts around each would cost real time.
+# batch_norm under keep_batchnorm_fp32 keeps fp32 params while it runs on low-precision input
+# (cuDNN and the CPU kernel take fp16/bf16 input with fp32 weight and return the input dtype), so
+# it needs no casts at all. ResNet-50 has 53 BatchNorms: casts around each would cost real time.
 _BATCH_NORM_OPS = frozenset({"batch_norm"})
-_O2_FP32_PARAM_NORM_OPS = frozenset({"layer_norm", "group_norm"})
+# layer_norm and group_norm run in the low dtype with low params at O2, as in Apex's O2: their
+# kernels accumulate in fp32 anyway, the FP32 masters live in the optimizer, and CUDA's layer_norm
+# refuses fp32 params on fp16 input (seen on an H200, torch 2.11), so mixed storage is no option.
+_O2_LOW_PARAM_NORM_OPS = frozenset({"layer_norm", "group_norm"})
 
 # Ops that are matrix products in disguise: O2/O3 lower them on every device, although the CPU
 # autocast lists only lower them through the ops they call.
@@ -345,9 +348,9 @@ def _low_op_rules(opt_level: str, keep_batchnorm_fp32: bool) -> dict[str, OpRule
     if opt_level == "O2":
         for op, why in O2_FP32_ISLANDS.items():
             rules[op] = OpRule(Rule.FP32, f"O2 FP32 island: {why}")
-        for op in _O2_FP32_PARAM_NORM_OPS:
+        for op in _O2_LOW_PARAM_NORM_OPS:
             rules[op] = OpRule(
-                Rule.PASSTHROUGH, f"O2: {op} runs on low-precision input with fp32 affine params, no casts"
+                Rule.PASSTHROUGH, f"O2: {op} runs in the low dtype (its kernel accumulates in fp32), no casts"
             )
         rules[OPAQUE_OP] = OpRule(Rule.OPAQUE, "O2: untraced code runs inside an autocast island")
     else:
@@ -379,9 +382,9 @@ class Policy:
       autocast island (OPAQUE), so O1 on CPU matches ``torch.autocast("cpu")`` bit for bit.
     - O2: parameters stored low, inputs cast low at the model entry, matmul/conv ops LOWER, promote
       ops PROMOTE, the FP32 islands of `O2_FP32_ISLANDS` (softmax, losses, exp/log/pow, sums, norms)
-      FP32, everything else PASSTHROUGH. batch_norm (``keep_batchnorm_fp32``, default True),
-      layer_norm and group_norm keep fp32 params and run PASSTHROUGH on low input (mixed input
-      works on CPU and CUDA), so they need no casts.
+      FP32, everything else PASSTHROUGH. batch_norm (``keep_batchnorm_fp32``, default True) keeps
+      fp32 params and runs on low input (mixed input works in cuDNN and on CPU), so it needs no
+      casts; layer_norm and group_norm run in the low dtype, as in Apex's O2.
     - O3: parameters low (BatchNorm too unless ``keep_batchnorm_fp32=True``), no FP32 islands.
 
     >>> policy = preset("O1", device_type="cpu", dtype=torch.bfloat16)
@@ -496,10 +499,9 @@ class Policy:
 
         `module_name`/`module_type` describe the module whose forward is this call (call_module
         nodes); leave them None for functions and methods. ``param_dtype`` is None at O0/O1; at
-        O2/O3 it is the low dtype, except float32 for modules whose rule is FP32, for batch_norm
-        under keep_batchnorm_fp32, and at O2 for layer_norm/group_norm running PASSTHROUGH. Those
-        norms take low-precision input with fp32 weight on CPU and CUDA and return the input dtype,
-        so at O2 they need no casts around them at all (ResNet-50 has 53 BatchNorms).
+        O2/O3 it is the low dtype, except float32 for modules whose rule is FP32 and for batch_norm
+        under keep_batchnorm_fp32. BatchNorm takes low-precision input with fp32 weight on CPU and
+        CUDA and returns the input dtype, so it needs no casts around it (ResNet-50 has 53).
 
         >>> preset("O2", device_type="cpu").decide("batch_norm", "bn1").param_dtype
         torch.float32
@@ -544,8 +546,6 @@ class Policy:
         if rule is Rule.FP32:
             return torch.float32
         if op in _BATCH_NORM_OPS and self.keep_batchnorm_fp32:
-            return torch.float32
-        if self.opt_level == "O2" and op in _O2_FP32_PARAM_NORM_OPS and rule is Rule.PASSTHROUGH:
             return torch.float32
         return self.dtype
 

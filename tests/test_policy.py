@@ -102,10 +102,12 @@ def test_o2_rules_and_param_dtypes(device: str, dtype: torch.dtype) -> None:
         decision = policy.decide(op)
         assert decision.rule is Rule.FP32 and decision.param_dtype == torch.float32, op
         assert decision.reason == f"O2 FP32 island: {why}"
-    # Norms: no casts, fp32 params (mixed low input + fp32 params works on CPU and CUDA).
-    for op in ("batch_norm", "layer_norm", "group_norm"):
+    # Norms: no casts; BatchNorm keeps fp32 params (mixed input works), the others run low.
+    decision = policy.decide("batch_norm", module_name="norm")
+    assert (decision.rule, decision.param_dtype) == (Rule.PASSTHROUGH, torch.float32)
+    for op in ("layer_norm", "group_norm"):
         decision = policy.decide(op, module_name="norm")
-        assert (decision.rule, decision.param_dtype) == (Rule.PASSTHROUGH, torch.float32), op
+        assert (decision.rule, decision.param_dtype) == (Rule.PASSTHROUGH, dtype), op
     assert "keep_batchnorm_fp32" in policy.decide("batch_norm").reason
     for op in ("relu", "add", "getitem", "max_pool2d", "embedding"):
         assert policy.decide(op) == Decision(Rule.PASSTHROUGH, policy.decide(op).reason, dtype), op
@@ -115,7 +117,7 @@ def test_o2_rules_and_param_dtypes(device: str, dtype: torch.dtype) -> None:
 def test_o2_without_keep_batchnorm_fp32_stores_batchnorm_low() -> None:
     policy = preset("O2", keep_batchnorm_fp32=False)
     assert policy.decide("batch_norm").param_dtype == torch.float16
-    assert policy.decide("layer_norm").param_dtype == torch.float32
+    assert policy.decide("layer_norm").param_dtype == torch.float16
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
