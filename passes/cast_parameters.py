@@ -169,14 +169,14 @@ def _note_storage(gm: torch.fx.GraphModule, plan: dict[str, torch.dtype]) -> Non
     for node in gm.graph.nodes:
         if node.op != "call_module":
             continue
-        prefix = node.target + "."
-        kept = sorted(
-            name[len(prefix) :]
-            for name, dtype in plan.items()
-            if name.startswith(prefix) and dtype == torch.float32
-        )
+        module = gm.get_submodule(node.target)
+        kept = [
+            name.removeprefix(node.target + ".")
+            for name, _ in _module_tensors(module, node.target)
+            if plan.get(name) == torch.float32
+        ]
         if kept:
-            note = f"parameters kept float32: {', '.join(kept)}"
+            note = f"parameters kept float32: {', '.join(sorted(kept))}"
             info = node_info(node)
             if note not in info.notes:
                 info.notes.append(note)

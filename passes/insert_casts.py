@@ -28,7 +28,8 @@ Example (O1, CPU, bf16)::
 
 A cast of a value whose dtype is known is ``x.to(dtype)``, never a no-op. A cast of a value whose
 dtype is not known statically (a model input without ``example_inputs``, the output of untraced
-code) is `cast_if_floating`, which like autocast leaves integer, bool and float64 tensors alone.
+code) is `cast_if_floating`, which like autocast leaves integer, bool and float64 tensors alone
+(and is a no-op where the value already has the dtype).
 """
 
 from __future__ import annotations
@@ -121,6 +122,15 @@ def _cast_reason(node: torch.fx.Node, dtype: torch.dtype, value: torch.fx.Node) 
 
 CastCache = dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node]
 
+# The note `propagate_dtypes` leaves on a model input whose dtype it assumed (no example_inputs).
+ASSUMED_DTYPE_NOTE = "dtype assumed float32 (no example_inputs)"
+
+
+def dtype_is_assumed(node: torch.fx.Node) -> bool:
+    """True for a model input whose recorded dtype is an assumption, not a fact: it may be an
+    integer tensor, so its casts must be guarded and are never no-ops to remove."""
+    return ASSUMED_DTYPE_NOTE in node_info(node).notes
+
 
 def is_output_structure(node: torch.fx.Node) -> bool:
     """True for a node that only builds the model's return value: a tuple, list, dict or
@@ -157,7 +167,7 @@ def insert_input_casts(gm: torch.fx.GraphModule, node: torch.fx.Node, cache: Cas
         cast = cache.get((value, want))
         if cast is None:
             with gm.graph.inserting_before(node):
-                guarded = have is None or value.op == "placeholder"
+                guarded = have is None or dtype_is_assumed(value)
                 cast = make_cast(
                     gm.graph, value, want, guarded=guarded, reason=_cast_reason(node, want, value)
                 )

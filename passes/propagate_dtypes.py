@@ -48,7 +48,7 @@ from torch.fx.node import map_aggregate, map_arg
 from amp_fx.node_info import node_info
 from amp_fx.passes.autocast_island import AutocastIsland
 from amp_fx.passes.cast_parameters import planned_parameter_dtypes
-from amp_fx.passes.insert_casts import cast_if_floating, is_output_structure
+from amp_fx.passes.insert_casts import ASSUMED_DTYPE_NOTE, cast_if_floating, is_output_structure
 from amp_fx.policy import Policy, Rule
 
 logger = logging.getLogger(__name__)
@@ -534,6 +534,10 @@ class _Propagation:
             if node.op == "placeholder":
                 raw = self._placeholder_value(node, placeholder_index)
                 placeholder_index += 1
+                if self.exact and ASSUMED_DTYPE_NOTE in info.notes:
+                    info.notes.remove(ASSUMED_DTYPE_NOTE)
+                elif not self.exact and raw is torch.float32 and ASSUMED_DTYPE_NOTE not in info.notes:
+                    info.notes.append(ASSUMED_DTYPE_NOTE)
                 info.in_dtypes = ()
                 info.out_dtype = self._dtype_of(raw)
                 # Users of a model input see it cast to the entry dtype (O2/O3).

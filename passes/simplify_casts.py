@@ -4,8 +4,8 @@ Works on amp_fx's own cast nodes (``node_info(n).is_cast``) only; casts the user
 left as written. Reads the dtypes recorded by `propagate_dtypes` and `insert_casts` (run
 `propagate_dtypes` again first on a graph changed by other means), then:
 
-- removes a cast whose input already has the target dtype (a no-op; a model input's dtype is
-  only assumed without ``example_inputs``, so casts of model inputs are kept);
+- removes a cast whose input already has the target dtype (a no-op; without ``example_inputs``
+  a model input's dtype is only assumed, so its casts are kept);
 - merges casts of one value to one dtype into the first of them (one cast feeding every user);
 - cancels a round trip ``a -> wide -> a`` where it is exact: float16/bfloat16 -> float32 ->
   back returns the same bits, so users of the second cast read ``a`` itself. ``float32 ->
@@ -32,6 +32,7 @@ import torch
 import torch.fx
 
 from amp_fx.node_info import node_info
+from amp_fx.passes.insert_casts import dtype_is_assumed
 from amp_fx.policy import Policy
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ def simplify_casts(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphMo
         source, dtype = parts
         source_dtype = node_info(source).out_dtype
         replacement, why = None, None
-        if source_dtype == dtype and source.op != "placeholder":
+        if source_dtype == dtype and not dtype_is_assumed(source):
             replacement, why = source, "no-op"
         else:
             inner = _cast_parts(source)
@@ -102,7 +103,7 @@ def simplify_casts(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphMo
                 origin_dtype = node_info(origin).out_dtype
                 if (
                     origin_dtype == dtype
-                    and origin.op != "placeholder"
+                    and not dtype_is_assumed(origin)
                     and is_exact_widening(dtype, inner[1])
                 ):
                     replacement, why = origin, "round trip"

@@ -8,6 +8,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from amp_fx.node_info import node_info
 from amp_fx.passes.cast_parameters import cast_parameters, planned_parameter_dtypes
 from amp_fx.passes.classify import classify
 from amp_fx.passes.normalize_ops import normalize_ops
@@ -51,6 +52,9 @@ def test_o2_low_except_batchnorm_and_norm_affine():
     assert dtypes["norm.weight"] == BF16 and dtypes["norm.bias"] == BF16
     assert dtypes["bn.num_batches_tracked"] == torch.int64
     assert dtypes["positions"] == torch.int64
+    # The report learns where parameters stay float32.
+    bn = next(n for n in gm.graph.nodes if n.name == "bn")
+    assert "parameters kept float32: bias, running_mean, running_var, weight" in node_info(bn).notes
 
 
 def test_o3_casts_batchnorm_unless_kept():

@@ -160,9 +160,12 @@ def test_model_input_casts_are_guarded_and_leave_integer_inputs_alone():
     gm.get_submodule("0").half()
     gm.get_submodule("1").half()
     assert gm(torch.tensor([[1, 2]])).dtype == F16  # the ids went through unchanged
-    # With example inputs the dtype is known: an int64 input gets no cast at all.
+    # With example inputs the dtype is known: an int64 input gets no cast at all, a float32 one
+    # a plain x.to(dtype).
     exact = _inserted(model, preset("O2", F16, "cpu"), (torch.tensor([[1, 2]]),))
     assert not _casts(exact) or all(n.args[0].op != "placeholder" for n in _casts(exact))
+    floating = _inserted(nn.Sequential(nn.Linear(4, 2)), preset("O2", F16, "cpu"), (torch.randn(2, 4),))
+    assert "input_1_to_float16 = input_1.to(torch.float16)" in floating.code
 
 
 def test_cast_if_floating_follows_autocast_eligibility():

@@ -12,6 +12,7 @@ from torch import nn
 
 from amp_fx.node_info import node_info
 from amp_fx.passes.classify import classify
+from amp_fx.passes.insert_casts import ASSUMED_DTYPE_NOTE
 from amp_fx.passes.normalize_ops import normalize_ops
 from amp_fx.passes.propagate_dtypes import UNKNOWN, is_eligible, propagate_dtypes, rule_cast_dtype
 from amp_fx.passes.trace import trace
@@ -121,6 +122,16 @@ def test_exact_low_precision_input_at_o1():
     dtypes = _propagated(Mlp(), preset("O1", BF16, "cpu"), (torch.randn(2, 4, dtype=BF16),))
     assert dtypes["x"] == ((), BF16)
     assert dtypes["fc"] == ((BF16,), BF16)
+
+
+def test_an_assumed_input_dtype_is_noted_and_a_known_one_is_not():
+    policy = preset("O1", BF16, "cpu")
+    gm = classify(normalize_ops(trace(Mlp())), policy)
+    (x,) = gm.graph.find_nodes(op="placeholder")
+    propagate_dtypes(gm, policy)
+    assert ASSUMED_DTYPE_NOTE in node_info(x).notes
+    propagate_dtypes(gm, policy, (torch.randn(2, 4),))
+    assert ASSUMED_DTYPE_NOTE not in node_info(x).notes and node_info(x).out_dtype == F32
 
 
 class ExplicitDtype(nn.Module):

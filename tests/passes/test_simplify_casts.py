@@ -7,7 +7,7 @@ import torch.fx
 from torch import nn
 
 from amp_fx.node_info import node_info
-from amp_fx.passes.insert_casts import make_cast
+from amp_fx.passes.insert_casts import ASSUMED_DTYPE_NOTE, make_cast
 from amp_fx.passes.simplify_casts import is_exact_widening, simplify_casts
 from amp_fx.policy import preset
 
@@ -35,6 +35,7 @@ def _build() -> torch.fx.GraphModule:
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     node_info(x).out_dtype = F16
+    node_info(x).notes.append(ASSUMED_DTYPE_NOTE)  # no example_inputs: the dtype is a guess
     a = _node(graph, torch.relu, (x,), F16)
     up = _cast(graph, a, F32)  # a float16 value, widened for an FP32 op
     soft = _node(graph, torch.softmax, (up, -1), F32)
@@ -47,7 +48,7 @@ def _build() -> torch.fx.GraphModule:
     lossy = _cast(graph, down, F32)  # ... -> float32 must stay
     user_cast = graph.call_method("to", (a, F16))  # written by the user: not amp_fx's
     node_info(user_cast).out_dtype = F16
-    entry = _cast(graph, x, F16)  # a model input's dtype is only assumed: kept
+    entry = _cast(graph, x, F16)  # the input's dtype is only assumed: kept
     graph.output((soft, prod, logsoft, noop, lossy, user_cast, entry))
     return torch.fx.GraphModule(nn.Module(), graph)
 
