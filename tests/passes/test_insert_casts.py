@@ -195,3 +195,35 @@ def test_converting_again_inserts_nothing():
     before = len(_casts(gm))
     again = insert_casts(propagate_dtypes(classify(normalize_ops(gm), policy), policy), policy)
     assert len(_casts(again)) == before
+
+
+def test_lower_module_without_a_functional_form_runs_in_an_island():
+    class Upsample(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.ConvTranspose2d(2, 2, 3, stride=2, padding=1)
+
+        def forward(self, x):
+            return self.up(x, output_size=[8, 8])  # output_size: not in the functional form
+
+    model = Upsample()
+    gm = _inserted(model, preset("O1", BF16, "cpu"))
+    (call,) = [n for n in gm.graph.nodes if n.op == "call_module"]
+    assert isinstance(gm.get_submodule(call.target), AutocastIsland) and node_info(call).rule is Rule.OPAQUE
+    _assert_matches_autocast(model, gm, (torch.randn(1, 2, 4, 4),), BF16)
+
+
+def test_opaque_method_call_runs_the_tensor_method_in_an_island():
+    class MatMul(nn.Module):
+        def forward(self, x, w):
+            return x.matmul(w)
+
+    policy = preset("O1", BF16, "cpu").set_op("matmul", Rule.OPAQUE)
+    gm = _inserted(MatMul(), policy)
+    (call,) = [n for n in gm.graph.nodes if n.op == "call_module"]
+    island = gm.get_submodule(call.target)
+    assert island.wrapped is torch.Tensor.matmul and "Tensor.matmul" in repr(island)
+    x, w = torch.randn(3, 4), torch.randn(4, 2)
+    with torch.autocast("cpu", dtype=BF16):
+        expected = x.matmul(w)
+    assert torch.equal(gm(x, w), expected)
