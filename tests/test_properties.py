@@ -3,12 +3,14 @@
 What must hold for every model hypothesis draws:
 - O0 is the identity: outputs and gradients bit-identical to the original.
 - O1/O2/O3, fp16 and bf16: outputs and gradients agree with FP32 within `amp_fx.testing`'s
-  tolerances (with the CPU and the CUDA op lists; both run on this CPU).
+  tolerances (with the CPU and the CUDA op lists; both run on this CPU); for models with
+  kinked activations (relu, ...) outputs only, their gradients being discontinuous.
 - Dtype discipline, observed by running the converted graph with a recording `fx.Interpreter`:
   every LOWER op receives low-precision floating inputs, every FP32 op fp32 inputs, and no cast
   node is a no-op (its input dtype differs from its output dtype).
 - Idempotence: converting a converted graph inserts nothing and computes the same bits.
 - The O1 oracle: on CPU, O1 is bit-identical to running the model under ``torch.autocast``.
+- The O3 oracle: O3 is bit-identical to Apex's O3, the model cast to fp16/bf16 (``model.half()``).
 
 The CI profile (tests/conftest.py) bounds each test to 15 examples.
 """
@@ -30,8 +32,10 @@ from amp_fx.node_info import node_info
 from amp_fx.policy import Rule
 from amp_fx.testing import (
     SEQUENCE_LAYERS,
+    SMOOTH_ACTIVATIONS,
     SPATIAL_LAYERS,
     assert_equivalent,
+    low_precision_copy,
     models_and_inputs,
     with_autocast,
 )
@@ -42,14 +46,20 @@ LOW_LEVELS = ("O1", "O2", "O3")
 random_models = models_and_inputs(max_layers=4)
 # The CUDA op lists are checked on this CPU too, except for opaque nodes: their autocast islands
 # are torch.autocast("cuda"), which does nothing without a CUDA device.
-_traceable_models = models_and_inputs(
-    max_layers=4, layers=[k for k in (*SEQUENCE_LAYERS, *SPATIAL_LAYERS) if k != "multihead_attention"]
-)
-models_and_device_types = st.sampled_from(["cpu", "cuda"]).flatmap(
-    lambda device_type: st.tuples(
-        random_models if device_type == "cpu" else _traceable_models, st.just(device_type)
+_TRACEABLE_LAYERS = [k for k in (*SEQUENCE_LAYERS, *SPATIAL_LAYERS) if k != "multihead_attention"]
+
+
+def _with_device_types(**kwargs: Any) -> st.SearchStrategy:
+    return st.one_of(
+        st.tuples(models_and_inputs(max_layers=4, **kwargs), st.just("cpu")),
+        st.tuples(models_and_inputs(max_layers=4, layers=_TRACEABLE_LAYERS, **kwargs), st.just("cuda")),
     )
-)
+
+
+models_and_device_types = _with_device_types()
+# Gradients are compared with FP32 only for models without kinks (relu, leaky_relu, hardswish):
+# at a kink, a rounding error that moves an input across it changes the gradient by O(1).
+smooth_models_and_device_types = _with_device_types(activations=SMOOTH_ACTIVATIONS)
 
 
 def _casts(gm: torch.fx.GraphModule) -> int:
@@ -131,13 +141,25 @@ def test_o0_is_bit_identical(model_and_inputs) -> None:
     assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
 
 
-@given(models_and_device_types)
+@given(smooth_models_and_device_types)
 def test_converted_models_agree_with_fp32(model_inputs_device) -> None:
     (model, inputs), device_type = model_inputs_device
     for level in LOW_LEVELS:
         for dtype in LOW_DTYPES:
             gm = amp_fx.convert(model, level, dtype=dtype, device_type=device_type)
             assert_equivalent(model, gm, inputs, dtype=dtype)
+
+
+# CPU op lists only until the O2 + CUDA-lists bug that test_o2_cuda_lists_group_norm_after_promotion
+# reproduces is fixed; then draw from models_and_device_types here again.
+@given(random_models)
+def test_converted_models_with_kinks_agree_with_fp32_in_outputs(model_and_inputs) -> None:
+    model, inputs = model_and_inputs
+    device_type = "cpu"
+    for level in LOW_LEVELS:
+        for dtype in LOW_DTYPES:
+            gm = amp_fx.convert(model, level, dtype=dtype, device_type=device_type)
+            assert_equivalent(model, gm, inputs, dtype=dtype, check_grads=False)
 
 
 @given(random_models, st.sampled_from(LOW_LEVELS), st.sampled_from(["cpu", "cuda"]), st.booleans())
@@ -179,3 +201,41 @@ def test_o1_on_cpu_is_bit_identical_to_autocast(model_and_inputs, dtype: torch.d
         expected = _floating_dtypes(reference(*copy.deepcopy(inputs)))
         actual = _floating_dtypes(gm(*copy.deepcopy(inputs)))
     assert actual == expected, "O1 outputs must come back in autocast's dtypes"
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES, ids=["fp16", "bf16"])
+@given(model_and_inputs=random_models)
+def test_o3_is_bit_identical_to_the_model_cast_to_low_precision(model_and_inputs, dtype: torch.dtype) -> None:
+    model, inputs = model_and_inputs
+    gm = amp_fx.convert(model, "O3", dtype=dtype, device_type="cpu")
+    assert_equivalent(low_precision_copy(model, dtype), gm, inputs, exact=True)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason="convert bug (passes, O2 with the CUDA op lists): GroupNorm's parameters are cast to the low "
+    "dtype (PASSTHROUGH 'runs in the low dtype'), but its input is fp32 when a promoting op (mul of an "
+    "fp16 value and an FP32-island output) precedes it, and no cast is inserted: F.group_norm raises "
+    "'mixed dtype'",
+)
+@pytest.mark.parametrize("dtype", LOW_DTYPES, ids=["fp16", "bf16"])
+def test_o2_cuda_lists_group_norm_after_promotion(dtype: torch.dtype) -> None:
+    class Gate(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * (0.5 + x.softmax(-1))  # softmax is an FP32 island at O2: mul promotes to fp32
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = torch.nn.Embedding(8, 4)
+            self.gate = Gate()
+            self.norm = torch.nn.GroupNorm(1, 4)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.norm(self.gate(self.embedding(tokens)).transpose(1, 2))
+
+    torch.manual_seed(0)
+    model, tokens = Model(), torch.tensor([[7, 1, 3]])
+    gm = amp_fx.convert(model, "O2", dtype=dtype, device_type="cuda")
+    assert_equivalent(model, gm, (tokens,), dtype=dtype)

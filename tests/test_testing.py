@@ -1,39 +1,51 @@
 """Tests of amp_fx.testing: the tolerances, the comparison and `assert_equivalent` itself.
 
 The reference for "a low-precision model within tolerance" is the same model run in pure
-fp16/bf16 (`_low_precision_copy`: parameters and inputs cast, outputs back to FP32), the
-strictest thing mixed precision can do; it must pass, and a deliberately wrong model must not.
+fp16/bf16 (`low_precision_copy`: parameters and inputs cast, outputs back to FP32), the least
+accurate thing mixed precision does; it must pass, and a deliberately wrong model must not.
 """
 
 from __future__ import annotations
 
 import copy
 
+import hypothesis
 import pytest
 import torch
+import torch.fx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from amp_fx.testing import (
+    ACTIVATIONS,
+    FAMILIES,
+    SEQUENCE_LAYERS,
+    SMOOTH_ACTIVATIONS,
+    SPATIAL_LAYERS,
     assert_close_normwise,
     assert_equivalent,
     compare_tensors,
+    forward_backward,
     grad_tolerances,
     infer_dtype,
+    low_precision_copy,
+    models_and_inputs,
     normwise_error,
     tolerances,
+    with_autocast,
+)
+from amp_fx.testing.random_models import (
+    Activation,
+    ChannelsFirst,
+    Concat,
+    RandomModel,
+    Reduction,
+    Residual,
+    SoftmaxGate,
 )
 
 LOW_DTYPES = [torch.float16, torch.bfloat16]
-
-
-def _low_precision_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """`model` in pure ``dtype`` with the same parameter names: inputs cast in, outputs cast out."""
-    low = copy.deepcopy(model).to(dtype)
-    low.register_forward_pre_hook(
-        lambda _m, args: tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
-    )
-    low.register_forward_hook(lambda _m, _args, out: out.float())
-    return low
 
 
 def _mlp(seed: int = 0) -> nn.Module:
@@ -67,16 +79,14 @@ def test_tolerances_reject_unknown_dtypes(fn) -> None:
 def test_pure_low_precision_model_is_within_tolerance(dtype: torch.dtype, seed: int) -> None:
     model = _mlp(seed)
     x = torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(seed))
-    assert_equivalent(model, _low_precision_copy(model, dtype), (x,), dtype=dtype)
+    assert_equivalent(model, low_precision_copy(model, dtype), (x,), dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
 def test_fp32_tolerance_rejects_low_precision_rounding(dtype: torch.dtype) -> None:
     model = _mlp()
     with pytest.raises(AssertionError, match="norm-wise error"):
-        assert_equivalent(
-            model, _low_precision_copy(model, dtype), (torch.randn(3, 16),), dtype=torch.float32
-        )
+        assert_equivalent(model, low_precision_copy(model, dtype), (torch.randn(3, 16),), dtype=torch.float32)
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
@@ -124,7 +134,7 @@ def test_overflow_is_a_failure_not_averaged_away() -> None:
         model.bias.zero_()
     x = torch.full((2, 4), 3.0)  # 1.2e5 overflows float16 (max 65504)
     with pytest.raises(AssertionError, match="inf/NaN"):
-        assert_equivalent(model, _low_precision_copy(model, torch.float16), (x,), dtype=torch.float16)
+        assert_equivalent(model, low_precision_copy(model, torch.float16), (x,), dtype=torch.float16)
 
 
 def test_output_structure_must_match() -> None:
@@ -201,3 +211,143 @@ def test_infer_dtype_from_parameters() -> None:
 def test_bad_arguments() -> None:
     with pytest.raises(TypeError, match="tuple of positional arguments"):
         assert_equivalent(nn.Identity(), nn.Identity(), torch.randn(2))
+
+
+# --- the strategies ---------------------------------------------------------------------------
+
+_BLOCK_TYPES = {
+    "linear": nn.Linear,
+    "layer_norm": nn.LayerNorm,
+    "group_norm": (ChannelsFirst, nn.GroupNorm),
+    "activation": Activation,
+    "residual_mlp": Residual,
+    "sdpa_attention": Residual,
+    "softmax_attention": Residual,
+    "multihead_attention": Residual,
+    "concat": Concat,
+    "softmax": SoftmaxGate,
+    "reduction": Reduction,
+    "conv": (nn.Conv1d, nn.Conv2d),
+    "residual_conv": Residual,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(set(SEQUENCE_LAYERS) | set(SPATIAL_LAYERS)))
+@settings(max_examples=5)
+@given(data=st.data())
+def test_each_layer_kind_is_drawn_and_runs(kind: str, data: st.DataObject) -> None:
+    families = [
+        f for f in FAMILIES if kind in (SPATIAL_LAYERS if f in ("image", "signal") else SEQUENCE_LAYERS)
+    ]
+    model, inputs = data.draw(models_and_inputs(max_layers=2, families=families, layers=[kind]))
+    expected = _BLOCK_TYPES.get(kind)
+    for block in model.blocks:
+        if kind == "batch_norm":
+            # Train-mode BatchNorm over too few values is replaced by GroupNorm (ill-conditioned).
+            assert isinstance(block, ChannelsFirst | nn.modules.batchnorm._BatchNorm | nn.GroupNorm)
+        else:
+            assert isinstance(block, expected), (kind, block)
+    if kind == "multihead_attention":
+        assert any(isinstance(m, nn.MultiheadAttention) for m in model.modules())
+    out = model(*inputs)
+    logits = out[0] if isinstance(out, tuple) else out
+    assert logits.shape[0] == inputs[0].shape[0]
+    # Numerically tame: O(1) activations, finite, and a gradient reaches every parameter.
+    assert torch.isfinite(logits).all() and logits.abs().max() < 1e3
+    logits.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@settings(max_examples=10)
+@given(models_and_inputs(max_layers=3))
+def test_drawn_models_trace_with_torch_fx(model_and_inputs) -> None:
+    model, inputs = model_and_inputs
+    assert isinstance(model, RandomModel) and model.family in FAMILIES
+    gm = torch.fx.GraphModule(model, _LeafMultiheadAttention().trace(model))
+    expected, actual = model(*inputs), gm(*inputs)
+    for a, e in zip(
+        torch.utils._pytree.tree_leaves(actual), torch.utils._pytree.tree_leaves(expected), strict=True
+    ):
+        assert torch.equal(a, e)
+
+
+class _LeafMultiheadAttention(torch.fx.Tracer):
+    def is_leaf_module(self, m: nn.Module, qualified_name: str) -> bool:
+        return isinstance(m, nn.MultiheadAttention) or super().is_leaf_module(m, qualified_name)
+
+
+def test_a_hypothesis_seed_rebuilds_the_same_models() -> None:
+    def draw_models() -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        drawn = []
+
+        @hypothesis.seed(1234)
+        @settings(max_examples=5, database=None, derandomize=False)
+        @given(models_and_inputs(max_layers=3))
+        def collect(model_and_inputs) -> None:
+            model, (x,) = model_and_inputs
+            drawn.append((model.state_dict(), x))
+
+        collect()
+        return drawn
+
+    rng_before = torch.get_rng_state()
+    first, second = draw_models(), draw_models()
+    assert torch.equal(torch.get_rng_state(), rng_before), "drawing models must not touch torch's global RNG"
+    assert len(first) == len(second) > 0
+    for (state_a, x_a), (state_b, x_b) in zip(first, second, strict=True):
+        assert torch.equal(x_a, x_b)
+        assert state_a.keys() == state_b.keys()
+        assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_layers": 0}, "max_layers"),
+        ({"families": ("audio",)}, "families"),
+        ({"layers": ("lstm",)}, "unknown layers"),
+        ({"activations": ("swish",)}, "activations"),
+    ],
+)
+def test_strategy_rejects_bad_arguments(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        models_and_inputs(**kwargs).example()
+
+
+def test_smooth_activations_have_no_kinks() -> None:
+    assert set(SMOOTH_ACTIVATIONS) < set(ACTIVATIONS)
+    x = torch.linspace(-4, 4, 8001, dtype=torch.float64, requires_grad=True)
+    for kind in SMOOTH_ACTIVATIONS:
+        (grad,) = torch.autograd.grad(Activation(kind)(x).sum(), x)
+        assert grad.diff().abs().max() < 1e-2, kind  # the derivative is continuous: no jump
+
+
+# --- the references ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_references_keep_parameter_names(dtype: torch.dtype) -> None:
+    model = _mlp()
+    x = torch.randn(3, 16)
+    autocast = with_autocast(model, "cpu", dtype)
+    low = low_precision_copy(model, dtype)
+    names = [n for n, _ in model.named_parameters()]
+    assert [n for n, _ in autocast.named_parameters()] == names == [n for n, _ in low.named_parameters()]
+    assert all(p.dtype == torch.float32 for p in autocast.parameters())
+    assert all(p.dtype == dtype for p in low.parameters())
+    with torch.no_grad():
+        assert autocast(x).dtype == dtype  # the last op, a Linear, runs in low precision
+        assert low(x).dtype == torch.float32
+        assert low_precision_copy(model, dtype, output_dtype=None)(x).dtype == dtype
+        with torch.autocast("cpu", dtype=dtype):
+            assert torch.equal(autocast(x), model(x))
+    assert next(model.parameters()).dtype == torch.float32  # the model itself is untouched
+
+
+def test_forward_backward_reports_outputs_and_gradients() -> None:
+    model = _mlp()
+    x = torch.randn(3, 16)
+    run = forward_backward(model, (x,))
+    assert set(run.param_grads) == {n for n, _ in model.named_parameters()}
+    assert run.input_grads[0].shape == x.shape and torch.equal(run.outputs[0], model(x).detach())
+    assert forward_backward(model, (x,), check_grads=False).param_grads == {}

@@ -4,7 +4,9 @@
   converted to fp16/bf16, compared with FP32 by norm-wise relative error (the one place these
   numbers are written).
 - `assert_equivalent(original, converted, inputs)`: forward and backward through both models,
-  outputs and input/parameter gradients compared within those tolerances.
+  outputs and input/parameter gradients compared within those tolerances (or bit for bit).
+- `with_autocast(model, device_type, dtype)` and `low_precision_copy(model, dtype)`: the
+  references an O1 (torch.autocast) and an O3 (Apex's ``model.half()``) conversion must match.
 - `models_and_inputs()`: a hypothesis strategy for random models (linear, conv, norms,
   activations, attention, residual adds, concatenation, reductions, softmax, embedding) with
   matching inputs.
@@ -27,18 +29,28 @@ from typing import Any
 
 from amp_fx.testing.dtype_tolerances import grad_tolerances, tolerances
 from amp_fx.testing.equivalence import (
+    ForwardBackward,
     Mismatch,
     assert_close_normwise,
     assert_equivalent,
     compare_tensors,
+    forward_backward,
     infer_dtype,
+    low_precision_copy,
     normwise_error,
     with_autocast,
 )
 
 # The strategies need hypothesis (a test dependency); import them on first use so that
 # `tolerances` and `assert_equivalent` work without it.
-_STRATEGY_EXPORTS = ("models_and_inputs", "FAMILIES", "SEQUENCE_LAYERS", "SPATIAL_LAYERS")
+_STRATEGY_EXPORTS = (
+    "models_and_inputs",
+    "ACTIVATIONS",
+    "SMOOTH_ACTIVATIONS",
+    "FAMILIES",
+    "SEQUENCE_LAYERS",
+    "SPATIAL_LAYERS",
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -51,12 +63,15 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     *_STRATEGY_EXPORTS,
+    "ForwardBackward",
     "Mismatch",
     "assert_close_normwise",
     "assert_equivalent",
     "compare_tensors",
+    "forward_backward",
     "grad_tolerances",
     "infer_dtype",
+    "low_precision_copy",
     "normwise_error",
     "tolerances",
     "with_autocast",

@@ -180,14 +180,27 @@ def _loss_weights(outputs: list[Any]) -> list[torch.Tensor | None]:
 
 
 @dataclass
-class _Run:
+class ForwardBackward:
+    """What `forward_backward` observed: flattened outputs, their structure, and the gradients."""
+
     outputs: list[Any]
     spec: Any
     input_grads: list[torch.Tensor | None]
     param_grads: dict[str, torch.Tensor]
 
 
-def _run(model: torch.nn.Module, inputs: Sequence[Any], check_grads: bool) -> _Run:
+def forward_backward(
+    model: torch.nn.Module, inputs: Sequence[Any], check_grads: bool = True
+) -> ForwardBackward:
+    """Run ``model`` forward (and backward) the way `assert_equivalent` does, leaving it as it was.
+
+    The inputs are copied (floating ones with ``requires_grad``); the loss is Σ⟨output, W⟩ in FP32
+    with fixed random W; the model's ``.grad`` fields and buffers are restored afterwards.
+
+        >>> run = forward_backward(torch.nn.Linear(3, 2), (torch.randn(4, 3),))
+        >>> sorted(run.param_grads), run.input_grads[0].shape
+        (['bias', 'weight'], torch.Size([4, 3]))
+    """
     params = dict(model.named_parameters())
     saved_grads = {name: p.grad for name, p in params.items()}
     saved_buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
@@ -214,7 +227,7 @@ def _run(model: torch.nn.Module, inputs: Sequence[Any], check_grads: bool) -> _R
                 a.grad if isinstance(a, torch.Tensor) else None for a in pytree.tree_leaves(list(args))
             ]
             param_grads = {name: p.grad for name, p in params.items() if p.grad is not None}
-        return _Run(
+        return ForwardBackward(
             [o.detach() if isinstance(o, torch.Tensor) else o for o in outputs],
             spec,
             input_grads,
@@ -275,8 +288,8 @@ def assert_equivalent(
         dtype = infer_dtype(converted) if isinstance(converted, torch.nn.Module) else torch.float32
     out_rtol, out_atol = (0.0, 0.0) if exact else tolerances(dtype)
     grad_rtol, grad_atol = (0.0, 0.0) if exact else grad_tolerances(dtype)
-    expected = _run(_as_module(original), inputs, check_grads)
-    actual = _run(_as_module(converted), inputs, check_grads)
+    expected = forward_backward(_as_module(original), inputs, check_grads)
+    actual = forward_backward(_as_module(converted), inputs, check_grads)
 
     mismatches: list[Mismatch] = []
     if actual.spec != expected.spec:
@@ -327,8 +340,37 @@ def with_autocast(model: torch.nn.Module, device_type: str, dtype: torch.dtype) 
     return copied
 
 
+def low_precision_copy(
+    model: torch.nn.Module, dtype: torch.dtype, output_dtype: torch.dtype | None = torch.float32
+) -> torch.nn.Module:
+    """A deep copy of ``model`` in pure ``dtype``: parameters, buffers and floating inputs cast.
+
+    Floating outputs are cast to ``output_dtype`` (None: left in ``dtype``). This is Apex's O3
+    (``model.half()``), so an O3 conversion must match it bit for bit; parameter names are the
+    model's own, for `assert_equivalent`.
+
+        >>> low = low_precision_copy(torch.nn.Linear(4, 2), torch.float16)
+        >>> low.weight.dtype, low(torch.randn(3, 4)).dtype
+        (torch.float16, torch.float32)
+    """
+    copied = copy.deepcopy(model).to(dtype)
+    forward = copied.forward
+
+    def cast(value: Any, to: torch.dtype | None) -> Any:
+        if to is not None and isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(to)
+        return value
+
+    def low_precision_forward(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = pytree.tree_map(lambda v: cast(v, dtype), (args, kwargs))
+        return pytree.tree_map(lambda v: cast(v, output_dtype), forward(*args, **kwargs))
+
+    copied.forward = low_precision_forward
+    return copied
+
+
 def _compare_gradients(
-    actual: _Run, expected: _Run, converted: Any, *, rtol: float, atol: float
+    actual: ForwardBackward, expected: ForwardBackward, converted: Any, *, rtol: float, atol: float
 ) -> list[Mismatch]:
     scale = _rms([g for g in [*expected.input_grads, *expected.param_grads.values()] if g is not None])
     mismatches: list[Mismatch] = []

@@ -47,6 +47,8 @@ from amp_fx.testing.random_models import (
 )
 
 FAMILIES = ("tokens", "sequence", "image", "signal")
+# Activations whose gradient is continuous (no kink), see `models_and_inputs`.
+SMOOTH_ACTIVATIONS = tuple(a for a in ACTIVATIONS if a not in ("relu", "leaky_relu", "hardswish"))
 SEQUENCE_LAYERS = (
     "linear",
     "layer_norm",
@@ -90,11 +92,13 @@ def _group_norm(draw: st.DrawFn, channels: int, positions: int) -> nn.GroupNorm:
     return nn.GroupNorm(draw(st.sampled_from(groups or [1])), channels)
 
 
-def _activation(draw: st.DrawFn) -> Activation:
-    return Activation(draw(st.sampled_from(ACTIVATIONS)), draw(st.sampled_from(SPELLINGS)))
+def _activation(draw: st.DrawFn, activations: Sequence[str]) -> Activation:
+    return Activation(draw(st.sampled_from(tuple(activations))), draw(st.sampled_from(SPELLINGS)))
 
 
-def _sequence_layer(draw: st.DrawFn, kind: str, width: int, tokens: int) -> tuple[nn.Module, int]:
+def _sequence_layer(
+    draw: st.DrawFn, kind: str, width: int, tokens: int, activations: Sequence[str]
+) -> tuple[nn.Module, int]:
     """One block for (batch, tokens, width) activations; returns it and its output width."""
     if kind == "linear":
         out = draw(st.sampled_from(_WIDTHS))
@@ -106,11 +110,14 @@ def _sequence_layer(draw: st.DrawFn, kind: str, width: int, tokens: int) -> tupl
     if kind == "batch_norm":
         return ChannelsFirst(nn.BatchNorm1d(width)), width
     if kind == "activation":
-        return _activation(draw), width
+        return _activation(draw, activations), width
     if kind == "residual_mlp":
         hidden = draw(st.sampled_from(_WIDTHS))
         body = nn.Sequential(
-            nn.LayerNorm(width), nn.Linear(width, hidden), _activation(draw), nn.Linear(hidden, width)
+            nn.LayerNorm(width),
+            nn.Linear(width, hidden),
+            _activation(draw, activations),
+            nn.Linear(hidden, width),
         )
         return Residual(body, draw(st.sampled_from(("operator", "function")))), width
     if kind == "sdpa_attention":
@@ -125,7 +132,9 @@ def _sequence_layer(draw: st.DrawFn, kind: str, width: int, tokens: int) -> tupl
         return Residual(nn.Sequential(nn.LayerNorm(width), MultiheadSelfAttention(width, heads))), width
     if kind == "concat":
         extra = draw(st.sampled_from(_WIDTHS))
-        return Concat(nn.Sequential(nn.Linear(width, extra), _activation(draw)), dim=-1), width + extra
+        return Concat(
+            nn.Sequential(nn.Linear(width, extra), _activation(draw, activations)), dim=-1
+        ), width + extra
     if kind == "softmax":
         return SoftmaxGate(-1, draw(st.sampled_from(_SOFTMAX_SPELLINGS))), width
     if kind == "reduction":
@@ -134,7 +143,12 @@ def _sequence_layer(draw: st.DrawFn, kind: str, width: int, tokens: int) -> tupl
 
 
 def _spatial_layer(
-    draw: st.DrawFn, kind: str, channels: int, spatial_shape: tuple[int, ...], batch_norm_ok: bool
+    draw: st.DrawFn,
+    kind: str,
+    channels: int,
+    spatial_shape: tuple[int, ...],
+    batch_norm_ok: bool,
+    activations: Sequence[str],
 ) -> tuple[nn.Module, int]:
     """One block for (batch, channels, *spatial) activations; returns it and its output channels."""
     spatial_dims = len(spatial_shape)
@@ -155,13 +169,17 @@ def _spatial_layer(
     if kind == "group_norm":
         return _group_norm(draw, channels, math.prod(spatial_shape)), channels
     if kind == "activation":
-        return _activation(draw), channels
+        return _activation(draw, activations), channels
     if kind == "residual_conv":
-        body = nn.Sequential(batch_norm(channels), _activation(draw), conv(channels, channels, 3, padding=1))
+        body = nn.Sequential(
+            batch_norm(channels), _activation(draw, activations), conv(channels, channels, 3, padding=1)
+        )
         return Residual(body, draw(st.sampled_from(("operator", "function")))), channels
     if kind == "concat":
         extra = draw(st.sampled_from(_WIDTHS))
-        return Concat(nn.Sequential(conv(channels, extra, 1), _activation(draw)), dim=1), channels + extra
+        return Concat(
+            nn.Sequential(conv(channels, extra, 1), _activation(draw, activations)), dim=1
+        ), channels + extra
     if kind == "softmax":
         return SoftmaxGate(1, draw(st.sampled_from(_SOFTMAX_SPELLINGS))), channels
     if kind == "reduction":
@@ -177,6 +195,7 @@ def models_and_inputs(
     *,
     families: Sequence[str] = FAMILIES,
     layers: Sequence[str] | None = None,
+    activations: Sequence[str] = ACTIVATIONS,
     allow_train_mode: bool = True,
 ) -> tuple[nn.Module, tuple[Any, ...]]:
     """Draw ``(model, inputs)``: a random `RandomModel` and a tuple of inputs it accepts.
@@ -184,7 +203,11 @@ def models_and_inputs(
     ``max_layers`` bounds the number of blocks (1..max_layers) between the stem and the head;
     ``families`` restricts the input kinds (`FAMILIES`); ``layers`` restricts the block kinds
     (names from `SEQUENCE_LAYERS` and `SPATIAL_LAYERS`; e.g. leave out
-    ``"multihead_attention"`` for models without opaque nodes). The model is in train mode
+    ``"multihead_attention"`` for models without opaque nodes); ``activations`` restricts the
+    activation functions (`ACTIVATIONS`; `SMOOTH_ACTIVATIONS` leaves out relu, leaky_relu and
+    hardswish, whose gradient jumps at a kink: there a rounding error that moves an input across
+    the kink changes the gradient by O(1), so gradients of such models match FP32 only in norm
+    and only as closely as the kinks allow). The model is in train mode
     (BatchNorm uses batch statistics) or eval mode, drawn unless ``allow_train_mode`` is False.
     It has no dropout, so both modes are deterministic.
 
@@ -197,6 +220,8 @@ def models_and_inputs(
     if unknown or not families:
         raise ValueError(f"families must be a non-empty subset of {FAMILIES}, got {tuple(families)}")
     allowed = set(SEQUENCE_LAYERS) | set(SPATIAL_LAYERS) if layers is None else set(layers)
+    if not activations or set(activations) - set(ACTIVATIONS):
+        raise ValueError(f"activations must be a non-empty subset of {ACTIVATIONS}, got {tuple(activations)}")
     if unknown_layers := allowed - set(SEQUENCE_LAYERS) - set(SPATIAL_LAYERS):
         raise ValueError(
             f"unknown layers {sorted(unknown_layers)}; use names from SEQUENCE_LAYERS and SPATIAL_LAYERS"
@@ -205,14 +230,19 @@ def models_and_inputs(
     # Module constructors draw their default init from torch's global RNG; fork it so that drawing
     # a model leaves the caller's RNG as it was (initialize_ then overwrites every value anyway).
     with torch.random.fork_rng(devices=[]):
-        model, make_input = _draw_model(draw, max_layers, families, allowed, allow_train_mode)
+        model, make_input = _draw_model(draw, max_layers, families, allowed, activations, allow_train_mode)
     generator = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1), label="seed"))
     initialize_(model, generator)
     return model, (make_input(generator),)
 
 
 def _draw_model(
-    draw: st.DrawFn, max_layers: int, families: Sequence[str], allowed: set[str], allow_train_mode: bool
+    draw: st.DrawFn,
+    max_layers: int,
+    families: Sequence[str],
+    allowed: set[str],
+    activations: Sequence[str],
+    allow_train_mode: bool,
 ) -> tuple[RandomModel, Callable[[torch.Generator], torch.Tensor]]:
     """The model (its ``training`` flag drawn) and a function drawing its input from a generator."""
     family = draw(st.sampled_from(tuple(families)))
@@ -230,7 +260,7 @@ def _draw_model(
             return torch.randn(shape, generator=generator)
 
     elif family == "tokens":
-        vocab = draw(st.integers(2, 16), label="vocab")
+        vocab = draw(st.integers(8, 32), label="vocab")
         shape = (batch, draw(st.integers(1, 6), label="tokens"))
         stem = nn.Embedding(vocab, width)
 
@@ -252,12 +282,22 @@ def _draw_model(
         kinds = [k for k in kinds if k != "batch_norm"]
     blocks: list[nn.Module] = []
     depth = draw(st.integers(1, max_layers), label="depth") if kinds else 0
+    previous = None
     for _ in range(depth):
-        kind = draw(st.sampled_from([k for k in kinds if k != "concat" or width <= _MAX_WIDTH // 2]))
+        # Two activations in a row squeeze the values (sigmoid(sigmoid(x)) spans 0.62-0.73), and a
+        # normalization after them would amplify their rounding error: another ill-conditioned model.
+        choices = [
+            k
+            for k in kinds
+            if (k != "concat" or width <= _MAX_WIDTH // 2) and not (k == "activation" == previous)
+        ]
+        if not choices:  # e.g. only concat allowed and already wide, or only activations
+            break
+        kind = previous = draw(st.sampled_from(choices))
         if spatial_dims:
-            block, width = _spatial_layer(draw, kind, width, shape[2:], batch_norm_ok)
+            block, width = _spatial_layer(draw, kind, width, shape[2:], batch_norm_ok, activations)
         else:
-            block, width = _sequence_layer(draw, kind, width, shape[1])
+            block, width = _sequence_layer(draw, kind, width, shape[1], activations)
         blocks.append(block)
 
     classes = draw(st.integers(1, 5), label="classes")
