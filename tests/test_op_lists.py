@@ -353,4 +353,15 @@ def test_cuda_lists_match_torch_autocast(name: str, low: torch.dtype) -> None:
     category = lists.category(name)
     if category == "composite":
         pytest.skip("composite ops have no autocast kernel of their own")
+    if name in CUDA_LIST_DIFFERENCES_BEFORE_2_14 and TORCH_VERSION < (2, 14):
+        with pytest.raises(AssertionError if name == "trace" else RuntimeError):
+            _check_list_behaviour("cuda", name, low)
+        return
     _check_list_behaviour("cuda", name, low)
+
+
+# The lists follow torch 2.14.1. Seen on an H200 with torch 2.11: CUDA autocast runs `trace` in
+# fp32, and `torch.linalg.cross` on mixed fp16/fp32 inputs is not promoted (it raises). Kept
+# as expectations so that a change on either side shows up.
+CUDA_LIST_DIFFERENCES_BEFORE_2_14 = frozenset({"trace", "cross"})
+TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
