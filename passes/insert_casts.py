@@ -116,6 +116,8 @@ def _cast_reason(node: torch.fx.Node, dtype: torch.dtype, value: torch.fx.Node) 
         return f"model output cast to {dtype_name(dtype)} (cast_model_outputs)"
     if value.op == "placeholder" and info.rule in (Rule.PASSTHROUGH, None):
         return f"model input cast to {dtype_name(dtype)} at entry"
+    if info.rule is Rule.PASSTHROUGH:
+        return f"{what} runs in its parameters' dtype: input cast to {dtype_name(dtype)}"
     rule = info.rule.value.upper() if info.rule is not None else "input"
     return f"{rule} {what}: input cast to {dtype_name(dtype)}"
 

@@ -139,6 +139,31 @@ def rule_cast_dtype(
     return None
 
 
+# Functional norms whose weight and bias must match their input's dtype unless the weights are
+# float32 (batch/layer/group norm accept low-precision input with float32 weights, not the reverse).
+_NORM_OPS = frozenset({"batch_norm", "instance_norm", "layer_norm", "group_norm", "rms_norm"})
+
+
+def _low_parameter_dtype(
+    node: torch.fx.Node, values: Sequence[Any], params: dict[str, Any]
+) -> torch.dtype | None:
+    """The dtype a PASSTHROUGH call must run in because of its parameters, or None.
+
+    A module (or functional norm) whose parameters are stored in a low dtype cannot take a
+    float32 input (an FP32 island's output at O2): "expected scalar type", "mixed dtype (CPU):
+    expect parameter to have scalar type of Float". Its floating inputs are cast to the
+    parameters' dtype; float32 parameters need nothing (low input with fp32 weights works).
+    """
+    if node.op == "call_module":
+        weights = list(params.values())
+    elif (node_info(node).op or "") in _NORM_OPS:
+        weights = values[1:]  # all_input_nodes: the input first, then weight/bias/statistics
+    else:
+        return None
+    low = {d for d in weights if is_eligible(d) and d != torch.float32}
+    return low.pop() if len(low) == 1 else None
+
+
 def _flat_values(value: Any) -> Iterator[Any]:
     """The tensor-like leaves of an argument structure (lists/tuples/dicts of values)."""
     if isinstance(value, (list, tuple)):
@@ -519,6 +544,8 @@ class _Propagation:
     # -- per node -------------------------------------------------------------------------------
     def run(self) -> None:
         if self.exact:
+            # Imported on first use: it pulls in much of torch._dynamo (seconds), which static
+            # propagation never needs.
             from torch._subclasses.fake_tensor import FakeTensorMode
 
             self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -560,6 +587,8 @@ class _Propagation:
             else:
                 rule, params = info.rule, self._params(node)
                 target = rule_cast_dtype(rule, self.policy, [*values, *params.values()], node)
+                if target is None and rule is Rule.PASSTHROUGH:
+                    target = _low_parameter_dtype(node, values, params)
             info.in_dtypes = tuple(_seen_dtype(v, target) for v in values)
             if node.op == "output":
                 info.out_dtype = None
@@ -584,7 +613,10 @@ class _Propagation:
             if static:
                 seen = {a: self.cast_value(v, target, True) for a, v in zip(inputs, values, strict=True)}
                 if returned:
-                    out = _abstract_structure(self._run_returned(node, seen))
+                    try:
+                        out = _abstract_structure(self._run_returned(node, seen))
+                    except TypeError:  # built from an iterable value, e.g. tuple(x.unbind())
+                        out = UNKNOWN
                 else:
                     args, kwargs = (
                         map_arg(node.args, seen.__getitem__),

@@ -14,6 +14,7 @@ from torch import nn
 
 from amp_fx.node_info import node_info
 from amp_fx.passes.autocast_island import AutocastIsland
+from amp_fx.passes.cast_parameters import cast_parameters
 from amp_fx.passes.classify import classify
 from amp_fx.passes.insert_casts import cast_if_floating, insert_casts
 from amp_fx.passes.normalize_ops import normalize_ops
@@ -227,3 +228,28 @@ def test_opaque_method_call_runs_the_tensor_method_in_an_island():
     with torch.autocast("cpu", dtype=BF16):
         expected = x.matmul(w)
     assert torch.equal(gm(x, w), expected)
+
+
+class IslandIntoNorms(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 4)
+        self.gamma = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        h = self.conv(x)
+        h = self.norm(h * torch.softmax(h, 1))  # an FP32 island's output into a low GroupNorm
+        return F.layer_norm(torch.softmax(h.mean((2, 3)), -1), (4,), self.gamma)
+
+
+@pytest.mark.parametrize("example", [False, True])
+def test_o2_norm_with_low_parameters_gets_its_float32_input_cast_down(example):
+    model = IslandIntoNorms()
+    x = torch.randn(2, 1, 4, 4)
+    policy = preset("O2", BF16, "cpu")
+    gm = cast_parameters(_inserted(model, policy, (x,) if example else None), policy)
+    casts = {n.name: node_info(n).cast_reason for n in _casts(gm)}
+    assert "runs in its parameters' dtype" in casts["mul_to_bfloat16"]
+    assert "runs in its parameters' dtype" in casts["softmax_1_to_bfloat16"]
+    assert gm(x).dtype == BF16  # runs: no "mixed dtype" error
