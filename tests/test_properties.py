@@ -211,14 +211,6 @@ def test_o3_is_bit_identical_to_the_model_cast_to_low_precision(model_and_inputs
     assert_equivalent(low_precision_copy(model, dtype), gm, inputs, exact=True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="convert bug (passes, O2 with the CUDA op lists): GroupNorm's parameters are cast to the low "
-    "dtype (PASSTHROUGH 'runs in the low dtype'), but its input is fp32 when a promoting op (mul of an "
-    "fp16 value and an FP32-island output) precedes it, and no cast is inserted: F.group_norm raises "
-    "'mixed dtype'",
-)
 @pytest.mark.parametrize("dtype", LOW_DTYPES, ids=["fp16", "bf16"])
 def test_o2_cuda_lists_group_norm_after_promotion(dtype: torch.dtype) -> None:
     class Gate(torch.nn.Module):
