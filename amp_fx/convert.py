@@ -104,6 +104,8 @@ def _resolve_policy(
             f"got {type(policy).__name__}"
         )
     preset(opt_level)  # validates the opt level, with the same message as without a policy
+    if isinstance(device_type, torch.device):
+        device_type = device_type.type
     conflicts = []
     if opt_level != policy.opt_level:
         conflicts.append(f"opt_level {opt_level!r} vs the policy's {policy.opt_level!r}")
