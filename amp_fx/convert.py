@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import sys
-import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -213,17 +211,3 @@ def convert(
     )
     return gm
 
-
-class _CallableModule(types.ModuleType):
-    """This module, callable as the function it defines.
-
-    ``amp_fx`` exports `convert` lazily, but importing this submodule (``from amp_fx.convert import
-    ...``) makes Python bind the attribute ``amp_fx.convert`` to the module; calling the module
-    then calls the function, so ``amp_fx.convert(model, "O2")`` works in every import order.
-    """
-
-    def __call__(self, *args: Any, **kwargs: Any) -> torch.fx.GraphModule:
-        return convert(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
