@@ -122,10 +122,11 @@ class _PrimitiveLeafTracer(torch.fx.Tracer):
     exception are remembered in `failure` so that `trace` can make it opaque and retry.
     """
 
-    def __init__(self, opaque_types: tuple[type, ...], opaque_names: set[str]) -> None:
+    # Defaults let torch.fx re-create the tracer when it unpickles a GraphModule (torch.load).
+    def __init__(self, opaque_types: tuple[type, ...] = (), opaque_names: set[str] | None = None) -> None:
         super().__init__(autowrap_modules=(math,))
         self.opaque_types = opaque_types
-        self.opaque_names = opaque_names
+        self.opaque_names = set() if opaque_names is None else opaque_names
         # (qualified module name, exception, traceback frames inside that module) of the first failure.
         self.failure: tuple[str, BaseException, list[types.FrameType]] | None = None
 

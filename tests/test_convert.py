@@ -451,3 +451,13 @@ def test_exact_dtypes_leave_integer_inputs_uncast():
     (ids,) = [n for n in gm.graph.nodes if n.op == "placeholder"]
     assert not any(node_info(user).is_cast for user in ids.users)
     assert gm(*inputs).dtype == F32
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+@pytest.mark.parametrize("name", ["convnet", "gpt", "opaque"])
+def test_converted_graph_survives_torch_save_and_load(tmp_path, name: str, opt_level: str) -> None:
+    model, inputs = _model_and_inputs(name)
+    gm = convert(model.eval(), opt_level, dtype=BF16, device_type="cpu")
+    torch.save(gm, tmp_path / "gm.pt")
+    loaded = torch.load(tmp_path / "gm.pt", weights_only=False)
+    assert torch.equal(loaded(*inputs), gm(*inputs))
