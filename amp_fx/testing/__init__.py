@@ -13,14 +13,19 @@
 
 Example, a property test of your own::
 
+    import torch
     from hypothesis import given
     import amp_fx
-    from amp_fx.testing import assert_equivalent, models_and_inputs
+    from amp_fx.testing import SMOOTH_ACTIVATIONS, assert_equivalent, models_and_inputs
 
-    @given(models_and_inputs(max_layers=3))
+    @given(models_and_inputs(max_layers=3, activations=SMOOTH_ACTIVATIONS))
     def test_o2_bf16(model_and_inputs):
         model, inputs = model_and_inputs
         assert_equivalent(model, amp_fx.convert(model, "O2", dtype=torch.bfloat16), inputs)
+
+    # And for your own model: outputs bit for bit against torch.autocast at O1.
+    gm = amp_fx.convert(my_model, "O1", dtype=torch.bfloat16, device_type="cpu")
+    assert_equivalent(with_autocast(my_model, "cpu", torch.bfloat16), gm, (x,), exact=True, check_grads=False)
 """
 
 from __future__ import annotations
