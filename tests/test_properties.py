@@ -150,29 +150,21 @@ def test_converted_models_agree_with_fp32(model_inputs_device) -> None:
             assert_equivalent(model, gm, inputs, dtype=dtype)
 
 
-# CPU op lists only until the O2 + CUDA-lists bug that test_o2_cuda_lists_group_norm_after_promotion
-# reproduces is fixed; then draw from models_and_device_types here again.
-@given(random_models)
-def test_converted_models_with_kinks_agree_with_fp32_in_outputs(model_and_inputs) -> None:
-    model, inputs = model_and_inputs
-    device_type = "cpu"
+@given(models_and_device_types)
+def test_converted_models_with_kinks_agree_with_fp32_in_outputs(model_inputs_device) -> None:
+    (model, inputs), device_type = model_inputs_device
     for level in LOW_LEVELS:
         for dtype in LOW_DTYPES:
             gm = amp_fx.convert(model, level, dtype=dtype, device_type=device_type)
             assert_equivalent(model, gm, inputs, dtype=dtype, check_grads=False)
 
 
-@given(random_models, st.sampled_from(LOW_LEVELS), st.sampled_from(["cpu", "cuda"]), st.booleans())
-def test_dtype_discipline(model_and_inputs, level: str, device_type: str, with_examples: bool) -> None:
-    model, inputs = model_and_inputs
+@given(models_and_device_types, st.sampled_from(LOW_LEVELS), st.booleans())
+def test_dtype_discipline(model_inputs_device, level: str, with_examples: bool) -> None:
+    (model, inputs), device_type = model_inputs_device
+    examples = inputs if with_examples else None
     for dtype in LOW_DTYPES:
-        gm = amp_fx.convert(
-            model,
-            level,
-            dtype=dtype,
-            device_type=device_type,
-            example_inputs=inputs if with_examples else None,
-        )
+        gm = amp_fx.convert(model, level, dtype=dtype, device_type=device_type, example_inputs=examples)
         _check_dtype_discipline(gm, inputs, exact_dtypes=with_examples)
 
 
