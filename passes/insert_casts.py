@@ -1,8 +1,9 @@
 """Pass 5 of convert: insert the casts `propagate_dtypes` decided, as named nodes.
 
 For every input of every node, ``node_info(node).in_dtypes`` says the dtype the node must see;
-where the producer's ``out_dtype`` differs, a cast node is inserted before the node (one cast per
-value and dtype, shared by every later user, as autocast caches its weight casts). Two node
+where the producer's ``out_dtype`` differs, a cast node is inserted before the node: one cast per
+parameter (or model input, or exact widening) and dtype, shared by every later user, as autocast
+caches its weight casts; one per user for activations narrowed to the low dtype (`may_share_cast`). Two node
 rewrites make casts possible where a module call would hide them:
 
 - a LOWER/FP32/PROMOTE leaf module whose parameters are stored in another dtype than its rule
@@ -153,6 +154,39 @@ def is_output_structure(node: torch.fx.Node) -> bool:
     return all(user.op == "output" or is_output_structure(user) for user in node.users)
 
 
+_EXACT_WIDENINGS = {
+    torch.float16: (torch.float32, torch.float64),
+    torch.bfloat16: (torch.float32, torch.float64),
+    torch.float32: (torch.float64,),
+}
+
+
+def is_exact_widening(source: torch.dtype, wide: torch.dtype) -> bool:
+    """True when every `source` value is exactly representable in `wide` (the round trip is exact).
+
+    >>> is_exact_widening(torch.float16, torch.float32), is_exact_widening(torch.float32, torch.float16)
+    (True, False)
+    """
+    return wide in _EXACT_WIDENINGS.get(source, ())
+
+
+def may_share_cast(source: torch.fx.Node, dtype: torch.dtype) -> bool:
+    """True when one cast of `source` to `dtype` may serve every user without changing gradients.
+
+    A shared cast sums its users' gradients in `dtype` before casting them back. That is what
+    autocast does for parameters (it caches their casts) and harmless for model inputs and exact
+    widenings; for an activation narrowed to fp16 it is not: autocast casts once per consumer and
+    sums the gradients in fp32, where an fp16 sum can overflow. So those casts stay one per user.
+
+    Example: ``h`` (float32) feeding two LOWER matmuls gets ``h_to_float16`` and
+    ``h_to_float16_1``, one each, as under autocast; ``fc.weight`` read twice gets one cast.
+    """
+    if source.op in ("get_attr", "placeholder"):
+        return True
+    source_dtype = node_info(source).out_dtype
+    return source_dtype is not None and is_exact_widening(source_dtype, dtype)
+
+
 def insert_input_casts(gm: torch.fx.GraphModule, node: torch.fx.Node, cache: CastCache) -> int:
     """Make `node` see the dtypes of its ``in_dtypes``: cast each input whose producer's
     ``out_dtype`` differs. Returns the number of new cast nodes."""
@@ -166,14 +200,16 @@ def insert_input_casts(gm: torch.fx.GraphModule, node: torch.fx.Node, cache: Cas
         have = node_info(value).out_dtype
         if want is None or want == have:
             continue
-        cast = cache.get((value, want))
+        shared = may_share_cast(value, want)
+        cast = cache.get((value, want)) if shared else None
         if cast is None:
             with gm.graph.inserting_before(node):
                 guarded = have is None or dtype_is_assumed(value)
                 cast = make_cast(
                     gm.graph, value, want, guarded=guarded, reason=_cast_reason(node, want, value)
                 )
-            cache[(value, want)] = cast
+            if shared:
+                cache[(value, want)] = cast
             created += 1
         node.replace_input_with(value, cast)
     return created

@@ -32,27 +32,12 @@ import torch
 import torch.fx
 
 from amp_fx.node_info import node_info
-from amp_fx.passes.insert_casts import dtype_is_assumed
+from amp_fx.passes.insert_casts import dtype_is_assumed, is_exact_widening, may_share_cast
 from amp_fx.policy import Policy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["simplify_casts", "is_exact_widening"]
-
-_EXACT_WIDENINGS = {
-    torch.float16: (torch.float32, torch.float64),
-    torch.bfloat16: (torch.float32, torch.float64),
-    torch.float32: (torch.float64,),
-}
-
-
-def is_exact_widening(source: torch.dtype, wide: torch.dtype) -> bool:
-    """True when every `source` value is exactly representable in `wide` (the round trip is exact).
-
-    >>> is_exact_widening(torch.float16, torch.float32), is_exact_widening(torch.float32, torch.float16)
-    (True, False)
-    """
-    return wide in _EXACT_WIDENINGS.get(source, ())
+__all__ = ["simplify_casts", "is_exact_widening", "may_share_cast"]
 
 
 def _cast_parts(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.dtype] | None:
@@ -107,7 +92,7 @@ def simplify_casts(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphMo
                     and is_exact_widening(dtype, inner[1])
                 ):
                     replacement, why = origin, "round trip"
-            if replacement is None:
+            if replacement is None and may_share_cast(source, dtype):
                 # Same value, same dtype, same kind of cast (x.to vs cast_if_floating): one node.
                 key = (source, dtype, node.target)
                 earlier = first_cast.setdefault(key, node)

@@ -225,13 +225,6 @@ def test_o2_cuda_lists_group_norm_after_promotion(dtype: torch.dtype) -> None:
     assert_equivalent(model, gm, (tokens,), dtype=dtype)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="convert bug (passes/simplify_casts, O1): one cast of an activation feeds all its LOWER "
-    "consumers, so backward sums their fp16 gradients in fp16 before casting back (80000 -> inf here); "
-    "torch.autocast casts per consumer and sums in FP32. Merge duplicate casts of parameters only "
-    "(autocast caches those), not of activations.",
-)
 def test_o1_sums_the_gradients_of_a_shared_activation_like_autocast() -> None:
     class SharedActivation(torch.nn.Module):
         def __init__(self) -> None:
