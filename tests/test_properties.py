@@ -9,7 +9,8 @@ What must hold for every model hypothesis draws:
   every LOWER op receives low-precision floating inputs, every FP32 op fp32 inputs, and no cast
   node is a no-op (its input dtype differs from its output dtype).
 - Idempotence: converting a converted graph inserts nothing and computes the same bits.
-- The O1 oracle: on CPU, O1 is bit-identical to running the model under ``torch.autocast``.
+- The O1 oracle: on CPU, O1 is bit-identical to running the model under ``torch.autocast``
+  (outputs and gradients).
 - The O3 oracle: O3 is bit-identical to Apex's O3, the model cast to fp16/bf16 (``model.half()``).
 
 The CI profile (tests/conftest.py) bounds each test to 15 examples.
@@ -184,11 +185,8 @@ def test_o1_on_cpu_is_bit_identical_to_autocast(model_and_inputs, dtype: torch.d
     model, inputs = model_and_inputs
     gm = amp_fx.convert(model, "O1", dtype=dtype, device_type="cpu")
     reference = with_autocast(model, "cpu", dtype)
-    assert_equivalent(reference, gm, inputs, exact=True, check_grads=False)
-    # Gradients agree within tolerance, not bit for bit: where one activation feeds several LOWER
-    # ops, autocast casts it once per op and sums their gradients in FP32, while the converted
-    # graph casts it once (simplify_casts merges the duplicates) and sums them in low precision.
-    assert_equivalent(reference, gm, inputs, dtype=dtype)
+    # Outputs and gradients: the backward of the same casts and ops is the same computation.
+    assert_equivalent(reference, gm, inputs, exact=True)
     with torch.no_grad():
         expected = _floating_dtypes(reference(*copy.deepcopy(inputs)))
         actual = _floating_dtypes(gm(*copy.deepcopy(inputs)))
