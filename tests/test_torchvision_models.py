@@ -103,6 +103,20 @@ SLOW = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Run each model on one intra-op thread, and restore the setting afterwards.
+
+    The tensors are tiny, so threads only add synchronization; on a busy 2-core machine each op's
+    OpenMP barrier waits for a descheduled thread: shufflenet_v2_x1_0's fp16 forward and backward
+    took 52 s on 2 threads and 0.25 s on one.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _prepare(case: Case) -> tuple[nn.Module, torch.Tensor]:
     """The model in eval mode with calibrated BatchNorm statistics, and its input batch."""
     generator = torch.Generator().manual_seed(0)
