@@ -43,15 +43,11 @@ from typing import Any
 import torch
 import torch.fx
 
+from amp_fx.convert import ORIGINAL_CODE_KEY, POLICY_KEY
 from amp_fx.node_info import META_KEY, NodeInfo
 
 __all__ = ["NodeRow", "Report", "report"]
 
-# Keys of GraphModule.meta that amp_fx.convert writes (its POLICY_KEY and ORIGINAL_CODE_KEY).
-# Spelled out rather than imported: importing the submodule amp_fx.convert binds the package
-# attribute `amp_fx.convert` to the module, hiding the function of the same name.
-POLICY_KEY = "amp_fx_policy"
-ORIGINAL_CODE_KEY = "amp_fx_original_code"
 
 _SHORT_DTYPE = {
     torch.float32: "fp32",

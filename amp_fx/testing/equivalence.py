@@ -23,6 +23,7 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
+from amp_fx.convert import POLICY_KEY
 from amp_fx.testing.dtype_tolerances import grad_tolerances, tolerances
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -136,11 +137,7 @@ def assert_close_normwise(
 def infer_dtype(converted: torch.nn.Module) -> torch.dtype:
     """The precision a converted model computes in: the policy's dtype (FP32 for O0), else the
     lowest-precision floating dtype among its parameters and buffers, else torch.float32."""
-    policy = (
-        getattr(converted, "meta", {}).get("amp_fx_policy")  # amp_fx.convert's POLICY_KEY
-        if isinstance(converted, torch.fx.GraphModule)
-        else None
-    )
+    policy = converted.meta.get(POLICY_KEY) if isinstance(converted, torch.fx.GraphModule) else None
     if policy is not None:
         return torch.float32 if policy.opt_level == "O0" else policy.dtype
     for tensor in [*converted.parameters(), *converted.buffers()]:
