@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.fx
 import torch.nn.functional as F
-from amp_fx.passes.normalize_ops import MODULE_OPS, OPERATOR_OPS, canonical_op, normalize_ops
-from amp_fx.passes.trace import OPAQUE_TORCH_MODULES, trace
 from torch import nn
 
 from amp_fx.node_info import node_info
 from amp_fx.op_lists import OPAQUE_OP, known_ops
+from amp_fx.passes.normalize_ops import MODULE_OPS, OPERATOR_OPS, canonical_op, normalize_ops
+from amp_fx.passes.trace import OPAQUE_TORCH_MODULES, trace
 from amp_fx.policy import Rule
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.fx
 import torch.nn.functional as F
-from amp_fx.passes.trace import TraceError, trace
 from torch import nn
 
 from amp_fx.node_info import node_info
+from amp_fx.passes.trace import TraceError, trace
 from amp_fx.policy import Rule
 
 
