@@ -660,7 +660,7 @@ class LossScaler:
             state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
             state["_scale"] = state["_growth_tracker"] = state["_hysteresis_tracker"] = None
         state["_per_optimizer_states"] = {}
-        state["_process_group"] = None  # a process group does not survive pickling; pass it again
+        state["_process_group"] = None  # process groups do not pickle: a copy agrees over the default group
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
