@@ -59,6 +59,9 @@ __all__ = [
     "is_output_structure",
     "make_cast",
     "dtype_name",
+    "dtype_is_assumed",
+    "ASSUMED_DTYPE_NOTE",
+    "DERIVED_ASSUMED_DTYPE_NOTE",
 ]
 
 
@@ -127,12 +130,17 @@ CastCache = dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node]
 
 # The note `propagate_dtypes` leaves on a model input whose dtype it assumed (no example_inputs).
 ASSUMED_DTYPE_NOTE = "dtype assumed float32 (no example_inputs)"
+# ... and on a value whose dtype follows such an input's through dtype-agnostic ops (a view of
+# integer targets is integer too).
+DERIVED_ASSUMED_DTYPE_NOTE = "dtype follows a model input whose dtype is assumed"
 
 
 def dtype_is_assumed(node: torch.fx.Node) -> bool:
-    """True for a model input whose recorded dtype is an assumption, not a fact: it may be an
-    integer tensor, so its casts must be guarded and are never no-ops to remove."""
-    return ASSUMED_DTYPE_NOTE in node_info(node).notes
+    """True for a value whose recorded dtype is an assumption, not a fact (a model input without
+    ``example_inputs``, or a view of one): it may be an integer tensor, so its casts must be
+    guarded and are never no-ops to remove."""
+    notes = node_info(node).notes
+    return ASSUMED_DTYPE_NOTE in notes or DERIVED_ASSUMED_DTYPE_NOTE in notes
 
 
 def is_output_structure(node: torch.fx.Node) -> bool:

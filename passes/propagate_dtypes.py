@@ -48,7 +48,13 @@ from torch.fx.node import map_aggregate, map_arg
 from amp_fx.node_info import node_info
 from amp_fx.passes.autocast_island import AutocastIsland
 from amp_fx.passes.cast_parameters import planned_parameter_dtypes
-from amp_fx.passes.insert_casts import ASSUMED_DTYPE_NOTE, cast_if_floating, is_output_structure
+from amp_fx.passes.insert_casts import (
+    ASSUMED_DTYPE_NOTE,
+    DERIVED_ASSUMED_DTYPE_NOTE,
+    cast_if_floating,
+    dtype_is_assumed,
+    is_output_structure,
+)
 from amp_fx.policy import Policy, Rule
 
 logger = logging.getLogger(__name__)
@@ -627,6 +633,22 @@ class _Propagation:
                     self.static_nodes.add(node)
             self.env[node] = out
             info.out_dtype = None if returned else self._dtype_of(_abstract(out) if not static else out)
+            self._note_assumed_dtype(node, inputs, static)
+
+    def _note_assumed_dtype(self, node: torch.fx.Node, inputs: list[torch.fx.Node], static: bool) -> None:
+        # A dtype-agnostic op's static dtype is only as certain as its inputs': integer targets
+        # viewed or reshaped stay integer, so the casts of such a value must stay guarded.
+        notes = node_info(node).notes
+        derived = (
+            static
+            and node_info(node).rule in (Rule.PASSTHROUGH, None)
+            and node_info(node).out_dtype is not None
+            and any(dtype_is_assumed(a) for a in inputs)
+        )
+        if derived and DERIVED_ASSUMED_DTYPE_NOTE not in notes:
+            notes.append(DERIVED_ASSUMED_DTYPE_NOTE)
+        elif not derived and DERIVED_ASSUMED_DTYPE_NOTE in notes:
+            notes.remove(DERIVED_ASSUMED_DTYPE_NOTE)
 
     def _run_returned(self, node: torch.fx.Node, seen: dict[torch.fx.Node, Any]) -> Any:
         """Build the returned tuple/namedtuple/dict from the values its constructor sees."""

@@ -88,6 +88,18 @@ class Gpt(nn.Module):
         return self.head(self.ln(x))
 
 
+class GptLoss(nn.Module):
+    """The loss inside the model (as nanoGPT and Hugging Face models do): integer ids and targets in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = Gpt()
+
+    def forward(self, ids, targets):
+        logits = self.gpt(ids)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
 class Opaque(nn.Module):
     """MultiheadAttention (an opaque leaf), einsum (a CPU autocast composite), an SDPA call."""
 
@@ -134,6 +146,7 @@ MODELS = {
     "convnet": (ConvNet, lambda: (torch.randn(2, 3, 8, 8),)),
     "block": (Block, lambda: (torch.randn(2, 5, 16),)),
     "gpt": (Gpt, lambda: (torch.randint(0, 32, (2, 6)),)),
+    "gpt_loss": (GptLoss, lambda: (torch.randint(0, 32, (2, 6)), torch.randint(0, 32, (2, 6)))),
     "opaque": (Opaque, lambda: (torch.randn(2, 5, 16),)),
     "with_gate": (WithGate, lambda: (torch.randn(2, 5, 16),)),
 }
