@@ -30,6 +30,18 @@ SGD (torch.optim.SGD)::
     g  = g + momentum * buf if nesterov else buf     (when momentum != 0)
     w -= lr * g
 
+Cross-entropy over rows (``cross_entropy_forward`` / ``cross_entropy_backward``; the Triton twins
+are in ``amp_fx.kernels.cross_entropy``). For logits x (N, C) in fp16, bf16 or fp32 and int64 class
+indices t (N,), in fp32::
+
+    lse_i  = logsumexp(x_i)                              (returned, and saved for the backward)
+    loss_i = lse_i - x_i,t_i                             (0 where t_i == ignore_index)
+    dx_ij  = g_i * exp(x_ij - lse_i) - g_i * [j == t_i]  (0 where t_i == ignore_index)
+    dx     = dx.to(x.dtype)                              (rounded once)
+
+A target outside [0, C) that is not ``ignore_index`` gives that row a NaN loss and NaN gradients
+(torch raises instead, which would need a host synchronization).
+
 Example:
     >>> import torch
     >>> from amp_fx.kernels import reference
@@ -51,9 +63,16 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from amp_fx.kernels.arguments import check_grads, check_range, check_update, log_beta
+from amp_fx.kernels.arguments import PARAM_DTYPES, check_grads, check_range, check_update, log_beta
 
-__all__ = ["check_finite_and_norm_", "adam_step_", "sgd_step_", "advance_step_"]
+__all__ = [
+    "check_finite_and_norm_",
+    "adam_step_",
+    "sgd_step_",
+    "advance_step_",
+    "cross_entropy_forward",
+    "cross_entropy_backward",
+]
 
 
 def _skip_flag(found_inf: Tensor | None) -> Tensor | None:
@@ -286,3 +305,97 @@ def advance_step_(step: Tensor, found_inf: Tensor | None) -> None:
         step.add_(1.0)
     else:
         step.add_((found_inf.reshape(()) <= 0).to(step.dtype))
+
+
+def check_cross_entropy_arguments(
+    logits: Tensor,
+    target: Tensor,
+    ignore_index: int,
+    *,
+    lse: Tensor | None = None,
+    grad_losses: Tensor | None = None,
+) -> None:
+    """Validate the arguments of ``cross_entropy_forward`` / ``cross_entropy_backward`` (metadata
+    only: never reads a value, so it never synchronizes); raise TypeError/ValueError."""
+    if not isinstance(logits, Tensor) or not isinstance(target, Tensor):
+        raise TypeError("logits and target must be tensors")
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise ValueError(
+            f"logits must be 2-D (rows, classes) with at least one class, got shape {tuple(logits.shape)}; "
+            "flatten the leading dimensions with logits.reshape(-1, logits.shape[-1])"
+        )
+    if logits.dtype not in PARAM_DTYPES:
+        allowed = ", ".join(str(d) for d in PARAM_DTYPES)
+        raise ValueError(f"logits have dtype {logits.dtype}; supported dtypes are {allowed}")
+    num_rows = logits.shape[0]
+    if target.dtype != torch.int64 or tuple(target.shape) != (num_rows,):
+        raise ValueError(
+            f"target must be int64 class indices of shape ({num_rows},), got {target.dtype} of shape "
+            f"{tuple(target.shape)}; pass target.long() with one class index per row of logits"
+        )
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be a Python int, got {ignore_index!r}")
+    for name, value in (("target", target), ("lse", lse), ("grad_losses", grad_losses)):
+        if value is None:
+            continue
+        if value.device != logits.device:
+            raise ValueError(
+                f"{name} is on {value.device} but logits are on {logits.device}; "
+                f"move it with .to({logits.device})"
+            )
+        if name != "target" and (value.dtype != torch.float32 or tuple(value.shape) != (num_rows,)):
+            raise ValueError(
+                f"{name} must be float32 of shape ({num_rows},), got {value.dtype} of shape "
+                f"{tuple(value.shape)}"
+            )
+
+
+def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
+    """Per-row cross-entropy of ``logits`` (N, C; fp16, bf16 or fp32) against class indices
+    ``target`` (N,; int64), in fp32 (module docstring for the math).
+
+    Returns ``(losses, lse)``, both float32 (N,): each row's loss (0 where ``target ==
+    ignore_index``, NaN where the target is outside [0, C)) and its logsumexp.
+
+    Example:
+        >>> logits = torch.tensor([[0.0, 0.0], [1.0, 3.0]], dtype=torch.float16)
+        >>> losses, lse = cross_entropy_forward(logits, torch.tensor([1, -100]), -100)
+        >>> losses, lse
+        (tensor([0.6931, 0.0000]), tensor([0.6931, 3.1269]))
+    """
+    check_cross_entropy_arguments(logits, target, ignore_index)
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=1)
+    in_range = (target >= 0) & (target < x.shape[1])
+    # Out-of-range targets read column 0 and are replaced by NaN: never an out-of-bounds gather.
+    target_logit = x.gather(1, torch.where(in_range, target, 0).unsqueeze(1)).squeeze(1)
+    losses = torch.where(in_range, lse - target_logit, float("nan"))
+    losses = torch.where(target == ignore_index, 0.0, losses)
+    return losses, lse
+
+
+def cross_entropy_backward(
+    grad_losses: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int
+) -> Tensor:
+    """Gradient of the per-row losses w.r.t. ``logits``: ``grad_losses[i] * (softmax(logits[i]) -
+    onehot(target[i]))`` in fp32, rounded once to the logits' dtype; exactly 0 for ignored rows,
+    NaN for rows whose target is out of range. ``lse`` is the forward's.
+
+    Example:
+        >>> logits = torch.tensor([[0.0, 0.0], [1.0, 3.0]], dtype=torch.float16)
+        >>> target = torch.tensor([1, -100])
+        >>> losses, lse = cross_entropy_forward(logits, target, -100)
+        >>> cross_entropy_backward(torch.ones(2), logits, target, lse, -100)
+        tensor([[ 0.5000, -0.5000],
+                [ 0.0000,  0.0000]], dtype=torch.float16)
+    """
+    check_cross_entropy_arguments(logits, target, ignore_index, lse=lse, grad_losses=grad_losses)
+    x = logits.float()
+    in_range = (target >= 0) & (target < x.shape[1])
+    grad_loss = torch.where(in_range, grad_losses, float("nan")).unsqueeze(1)
+    is_target = torch.arange(x.shape[1], device=x.device) == target.unsqueeze(1)
+    # g * p - g at the target, in the order torch's log_softmax backward computes it.
+    grad = grad_loss * torch.exp(x - lse.unsqueeze(1)) - torch.where(is_target, grad_loss, 0.0)
+    grad = torch.where((target == ignore_index).unsqueeze(1), 0.0, grad)
+    # Contiguous whatever the logits' strides, as the Triton kernel and the op's fake allocate it.
+    return grad.to(logits.dtype).contiguous()
