@@ -172,8 +172,8 @@ def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int) -> 
     ``target == ignore_index``, NaN where the target is outside [0, C)) and its logsumexp.
 
     Example:
-        >>> logits = torch.randn(4, 50304, dtype=torch.float16, device="cuda")
-        >>> target = torch.tensor([3, 7, -100, 50303], device="cuda")
+        >>> logits = torch.randn(4, 50304, dtype=torch.float16, device="cuda")  # doctest: +SKIP
+        >>> target = torch.tensor([3, 7, -100, 50303], device="cuda")  # doctest: +SKIP
         >>> losses, lse = cross_entropy_forward(logits, target, -100)  # doctest: +SKIP
     """
     check_cross_entropy_arguments(logits, target, ignore_index)
