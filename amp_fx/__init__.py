@@ -25,6 +25,7 @@ _EXPORTS = {
     "preset": "amp_fx.policy",
     "LossScaler": "amp_fx.loss_scaler",
     "clip_grad_norm_": "amp_fx.clip_grad",
+    "fp32_cross_entropy": "amp_fx.losses",
 }
 _SUBMODULES = {"optim", "testing", "amp", "passes", "kernels"}
 

@@ -13,8 +13,8 @@
         ...
 
 The pipeline (DESIGN.md), one pass a file in `amp_fx.passes`: trace -> normalize_ops -> classify ->
-propagate_dtypes -> insert_casts -> cast_parameters -> simplify_casts -> cast_outputs, then lint
-and recompile. The input model is never modified: `trace` works on a deep copy.
+propagate_dtypes -> insert_casts -> cast_parameters -> simplify_casts -> cast_outputs -> fuse_losses,
+then lint and recompile. The input model is never modified: `trace` works on a deep copy.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from torch import nn
 from amp_fx.passes.cast_outputs import cast_outputs
 from amp_fx.passes.cast_parameters import cast_parameters
 from amp_fx.passes.classify import classify
+from amp_fx.passes.fuse_losses import fuse_losses
 from amp_fx.passes.insert_casts import insert_casts
 from amp_fx.passes.normalize_ops import normalize_ops
 from amp_fx.passes.propagate_dtypes import propagate_dtypes
@@ -197,6 +198,7 @@ def convert(
     cast_parameters(gm, resolved)
     simplify_casts(gm, resolved)
     cast_outputs(gm, resolved)
+    fuse_losses(gm, resolved)
     gm.graph.lint()
     gm.recompile()
     gm.meta[POLICY_KEY] = resolved

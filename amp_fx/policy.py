@@ -228,6 +228,12 @@ def _check_keep_batchnorm_fp32(value: Any) -> bool:
     )
 
 
+def _check_flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def _check_rule(rule: Any) -> Rule:
     if isinstance(rule, Rule):
         return rule
@@ -387,6 +393,10 @@ class Policy:
       casts; layer_norm and group_norm run in the low dtype, as in Apex's O2.
     - O3: parameters low (BatchNorm too unless ``keep_batchnorm_fp32=True``), no FP32 islands.
 
+    ``fused_losses`` (default True at O2 only): an FP32 cross_entropy whose input is a cast of
+    low-precision logits reads them directly (`amp_fx.losses.fp32_cross_entropy`): the same fp32
+    math without a float32 copy of the logits. O1 leaves it off to stay bit-identical to autocast.
+
     >>> policy = preset("O1", device_type="cpu", dtype=torch.bfloat16)
     >>> policy.decide("conv2d")
     Decision(rule=<Rule.LOWER: 'lower'>, reason='autocast cpu lower_precision_fp list', param_dtype=None)
@@ -397,6 +407,7 @@ class Policy:
     device_type: str = "cuda"
     keep_batchnorm_fp32: bool = False
     cast_model_outputs: torch.dtype | None = None
+    fused_losses: bool = False
     op_rules: dict[str, OpRule] = field(default_factory=dict)
     global_rule: Rule = Rule.PASSTHROUGH
     op_overrides: dict[str, Rule] = field(default_factory=dict)
@@ -412,6 +423,7 @@ class Policy:
         self.device_type = _check_device_type(self.device_type)
         self.keep_batchnorm_fp32 = _check_keep_batchnorm_fp32(self.keep_batchnorm_fp32)
         self.cast_model_outputs = _check_output_dtype(self.cast_model_outputs)
+        self.fused_losses = _check_flag("fused_losses", self.fused_losses)
         self.global_rule = _check_rule(self.global_rule)
         self.op_rules = {
             _check_op(op): OpRule(_check_rule(entry.rule), str(entry.reason))
@@ -566,6 +578,7 @@ class Policy:
             "cast_model_outputs": None
             if self.cast_model_outputs is None
             else _dtype_name(self.cast_model_outputs),
+            "fused_losses": self.fused_losses,
             "global": self.global_rule.value,
             "op_rules": {
                 op: {"rule": e.rule.value, "reason": e.reason} for op, e in sorted(self.op_rules.items())
@@ -594,6 +607,7 @@ class Policy:
             device_type=data["device_type"],
             keep_batchnorm_fp32=data.get("keep_batchnorm_fp32", False),
             cast_model_outputs=_check_output_dtype(data.get("cast_model_outputs")),
+            fused_losses=data.get("fused_losses", False),
             op_rules={
                 op: OpRule(_check_rule(entry["rule"]), entry.get("reason", ""))
                 for op, entry in data.get("op_rules", {}).items()
@@ -613,7 +627,8 @@ class Policy:
         outputs = "as computed" if self.cast_model_outputs is None else _dtype_name(self.cast_model_outputs)
         lines = [
             f"Policy {self.opt_level} dtype={_dtype_name(self.dtype)} device_type={self.device_type} "
-            f"keep_batchnorm_fp32={self.keep_batchnorm_fp32} cast_model_outputs={outputs}",
+            f"keep_batchnorm_fp32={self.keep_batchnorm_fp32} cast_model_outputs={outputs} "
+            f"fused_losses={self.fused_losses}",
             f"  cast_parameters={self.cast_parameters} cast_inputs_dtype="
             f"{None if self.cast_inputs_dtype is None else _dtype_name(self.cast_inputs_dtype)} "
             f"autocast_opaque={self.autocast_opaque}",
@@ -651,16 +666,17 @@ def preset(
     device_type: str = "cuda",
     keep_batchnorm_fp32: bool | str | None = None,
     cast_model_outputs: torch.dtype | None = None,
+    fused_losses: bool | None = None,
 ) -> Policy:
     """The policy for an Apex opt level on a device type; see `Policy` for the table.
 
     `keep_batchnorm_fp32` defaults to True for O2 and False otherwise (Apex also accepts the strings
     "True"/"False"); `cast_model_outputs` defaults to float32 for O2/O3 (losses computed in fp32, as
-    in Apex) and None (outputs as computed) for O0/O1.
+    in Apex) and None (outputs as computed) for O0/O1; `fused_losses` defaults to True for O2 only.
 
     >>> p = preset("O2", dtype=torch.bfloat16)
-    >>> p.cast_parameters, p.keep_batchnorm_fp32, p.cast_model_outputs
-    (True, True, torch.float32)
+    >>> p.cast_parameters, p.keep_batchnorm_fp32, p.cast_model_outputs, p.fused_losses
+    (True, True, torch.float32, True)
     """
     level = _check_opt_level(opt_level)
     low = _check_low_dtype(dtype)
@@ -669,6 +685,7 @@ def preset(
         (level == "O2") if keep_batchnorm_fp32 is None else _check_keep_batchnorm_fp32(keep_batchnorm_fp32)
     )
     outputs = _check_output_dtype(cast_model_outputs)
+    fused = (level == "O2") if fused_losses is None else _check_flag("fused_losses", fused_losses)
     if outputs is None and level in ("O2", "O3"):
         outputs = torch.float32
     if level == "O0":
@@ -683,6 +700,7 @@ def preset(
         device_type=device,
         keep_batchnorm_fp32=keep_bn,
         cast_model_outputs=outputs,
+        fused_losses=fused,
         op_rules=op_rules,
     )
     logger.debug("preset %s dtype=%s device_type=%s: %d op rules", level, low, device, len(op_rules))

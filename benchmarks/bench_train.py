@@ -14,6 +14,14 @@ variant trains the same freshly seeded model on the same batch:
     o2_fp16_cuda_graph
                      o2_fp16 with the whole step captured in one CUDA graph and replayed
                      (amp_fx.training_step.CudaGraphStep; eager mode, CUDA only)
+    o2_fp16_loss_outside
+                     o2_fp16 with the loss computed outside the converted model, on its float32
+                     outputs (cast_model_outputs), as a training loop written for Apex does
+
+Every variant trains ``WithLoss(model, loss_fn)``: the model and its loss as one module (the loss
+under autocast for the autocast variants, as before). amp_fx converts that module, so at O2 the
+cross-entropy reads the low-precision logits directly (``amp_fx.losses.fp32_cross_entropy``: float32
+math without a float32 copy of the logits); ``o2_fp16_loss_outside`` shows the cost of the copy.
 
 each eager and under torch.compile (the forward and the loss compiled; the optimizer step runs
 eagerly, as a fused kernel in every variant). Per variant it reports the median step time over
@@ -54,7 +62,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import Workload, build_workload  # noqa: E402
+from models import WithLoss, Workload, build_workload  # noqa: E402
 
 logger = logging.getLogger("bench_train")
 
@@ -75,6 +83,8 @@ class Variant:
     opt_level: str | None = None
     # The whole step captured once with amp_fx.training_step.CudaGraphStep and replayed (eager only).
     cuda_graph: bool = False
+    # amp_fx converts the model alone; the loss runs on its float32 outputs.
+    loss_outside: bool = False
 
     @property
     def uses_loss_scaling(self) -> bool:
@@ -98,6 +108,7 @@ VARIANTS: dict[str, Variant] = {
             for short, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16))
         ),
         Variant("o2_fp16_cuda_graph", "amp_fx", torch.float16, opt_level="O2", cuda_graph=True),
+        Variant("o2_fp16_loss_outside", "amp_fx", torch.float16, opt_level="O2", loss_outside=True),
     ]
 }
 BASELINE = "autocast_fp16"
@@ -108,6 +119,7 @@ RUN_ORDER = [
     "o2_bf16",
     "autocast_bf16",
     "o2_fp16_cuda_graph",
+    "o2_fp16_loss_outside",
     "o1_fp16",
     "o3_fp16",
     "o1_bf16",
@@ -160,26 +172,31 @@ def make_scaler(variant: Variant, device: torch.device) -> object | None:
 
 
 def prepare_model(variant: Variant, work: Workload) -> nn.Module:
-    """The model as the variant trains it: as is, `.half()`-ed, or amp_fx-converted."""
+    """What the variant trains, ``(inputs, targets) -> loss``: the model with its loss as is,
+    `.half()`-ed, or amp_fx-converted (with the loss, or without it for ``loss_outside``)."""
     if variant.framework == "amp_fx":
         import amp_fx
 
-        return amp_fx.convert(work.model, variant.opt_level, dtype=variant.dtype)
+        if variant.loss_outside:
+            converted = amp_fx.convert(work.model, variant.opt_level, dtype=variant.dtype)
+            return WithLoss(converted, work.loss_fn)
+        return amp_fx.convert(WithLoss(work.model, work.loss_fn), variant.opt_level, dtype=variant.dtype)
+    model = WithLoss(work.model, work.loss_fn)
     if not variant.autocast and variant.dtype != torch.float32:
-        return work.model.to(variant.dtype)
-    return work.model
+        return model.to(variant.dtype)
+    return model
 
 
 def make_forward_loss(
-    variant: Variant, model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    variant: Variant, model: nn.Module
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """forward + loss as one function, the region torch.compile compiles."""
 
     def forward_loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if variant.autocast:
             with torch.autocast(inputs.device.type, dtype=variant.dtype):
-                return loss_fn(model(inputs), targets)
-        return loss_fn(model(inputs), targets)
+                return model(inputs, targets)
+        return model(inputs, targets)
 
     return forward_loss
 
@@ -192,7 +209,7 @@ def build_step(
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(variant, work, params)
     scaler = make_scaler(variant, work.inputs.device)
-    forward_loss = make_forward_loss(variant, model, work.loss_fn)
+    forward_loss = make_forward_loss(variant, model)
     if mode == "compile":
         forward_loss = torch.compile(forward_loss, backend=compile_backend)
     inputs = work.inputs

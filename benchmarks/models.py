@@ -122,6 +122,24 @@ def classification_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
     return F.cross_entropy(logits, targets)
 
 
+class WithLoss(nn.Module):
+    """``model`` and its loss as one module: ``WithLoss(model, loss_fn)(inputs, targets)`` is the loss.
+
+    This is how amp_fx sees the whole forward: converted at O2, the loss reads the model's
+    low-precision logits (amp_fx.losses.fp32_cross_entropy) instead of a float32 copy of them.
+    """
+
+    def __init__(
+        self, model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(self.model(inputs), targets)
+
+
 @dataclass
 class Workload:
     """One benchmark model with a fixed batch: ``loss_fn(model(inputs), targets)`` is a training loss."""

@@ -1,0 +1,147 @@
+"""Pass 9 of convert (O2): FP32 losses that read low-precision logits without a float32 copy.
+
+At O2 ``cross_entropy`` is an FP32 island, so `insert_casts` gives it ``logits.to(float32)``. For a
+language model that cast is the most expensive op of the step: GPT-2 at 16 x 1024 tokens writes
+3.3 GB of float32 logits, runs log_softmax over them in float32, and does the same again backward.
+`amp_fx.losses.fp32_cross_entropy` computes the same float32 math straight from the low-precision
+logits (one read forward; the gradient rounded once to their dtype backward, as the cast's
+backward rounds it), so this pass points the loss at the cast's source and drops the cast when
+nothing else reads it. It runs only where ``policy.fused_losses`` (default: O2), and only on calls
+whose arguments the fused kernel computes (no class weights, no label smoothing, no legacy
+``size_average``/``reduce``); `fp32_cross_entropy` itself falls back to the cast for input ranks
+and target kinds that are only known at run time.
+
+Example (O2, fp16)::
+
+    before                                          after
+    logits = linear(h, weight)        (float16)     logits = linear(h, weight)
+    logits_to_float32 = logits.to(torch.float32)
+    loss = F.cross_entropy(logits_to_float32, t)    loss = fp32_cross_entropy(logits, t)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+from amp_fx.losses import fp32_cross_entropy
+from amp_fx.node_info import node_info
+from amp_fx.passes.insert_casts import dtype_name
+from amp_fx.policy import Policy, Rule
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["fuse_losses", "FUSED_LOSS_FUNCTIONS"]
+
+# The functions a fused loss node may call: torch's and amp_fx's (a converted graph converted again).
+FUSED_LOSS_FUNCTIONS = (F.cross_entropy, fp32_cross_entropy)
+_CROSS_ENTROPY_DEFAULTS = {
+    "weight": None,
+    "size_average": None,
+    "ignore_index": -100,
+    "reduce": None,
+    "reduction": "mean",
+    "label_smoothing": 0.0,
+}
+_CROSS_ENTROPY_PARAMETERS = ("input", "target", *_CROSS_ENTROPY_DEFAULTS)
+
+
+def _cross_entropy_arguments(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict[str, Any] | None:
+    """The call's arguments by name (defaults filled in), or None where it is not one we can read:
+    a subclass of nn.CrossEntropyLoss with its own forward, or arguments the signature lacks."""
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if type(module).forward is not nn.CrossEntropyLoss.forward or len(node.args) + len(node.kwargs) != 2:
+            return None
+        inputs = dict(zip(("input", "target"), node.args, strict=False)) | dict(node.kwargs)
+        return inputs | {
+            "weight": module.weight,
+            "size_average": None,
+            "ignore_index": module.ignore_index,
+            "reduce": None,
+            "reduction": module.reduction,
+            "label_smoothing": module.label_smoothing,
+        }
+    if node.op != "call_function" or node.target not in FUSED_LOSS_FUNCTIONS:
+        return None
+    if len(node.args) > len(_CROSS_ENTROPY_PARAMETERS) or not set(node.kwargs) <= set(
+        _CROSS_ENTROPY_PARAMETERS
+    ):
+        return None
+    arguments = dict(zip(_CROSS_ENTROPY_PARAMETERS, node.args, strict=False)) | dict(node.kwargs)
+    return _CROSS_ENTROPY_DEFAULTS | arguments
+
+
+def _is_fusable(arguments: dict[str, Any]) -> bool:
+    # What the fused kernel computes; anything else keeps the cast and torch's float32 loss.
+    return (
+        isinstance(arguments.get("input"), torch.fx.Node)
+        and "target" in arguments
+        and arguments["weight"] is None
+        and arguments["size_average"] is None
+        and arguments["reduce"] is None
+        and arguments["label_smoothing"] == 0.0
+        and arguments["reduction"] in ("mean", "sum", "none")
+        and isinstance(arguments["ignore_index"], int)
+    )
+
+
+def _low_precision_source(cast: torch.fx.Node) -> torch.fx.Node | None:
+    """The low-precision value `cast` widens to float32 (an exact cast), or None."""
+    info = node_info(cast)
+    if not info.is_cast or info.out_dtype != torch.float32 or not cast.args:
+        return None
+    source = cast.args[0]
+    if not isinstance(source, torch.fx.Node):
+        return None
+    # Only a known low dtype: a guarded cast of a value of unknown dtype may hold float64.
+    return source if node_info(source).out_dtype in (torch.float16, torch.bfloat16) else None
+
+
+def fuse_losses(gm: torch.fx.GraphModule, policy: Policy) -> int:
+    """Point FP32 cross-entropy losses at their low-precision logits; returns how many.
+
+    Example::
+
+        >>> gm = convert(GptWithLoss(), "O2")      # calls this pass; doctest: +SKIP
+        >>> [n.target.__name__ for n in gm.graph.nodes if "cross_entropy" in n.name]
+        ['fp32_cross_entropy']
+    """
+    if not policy.fused_losses:
+        return 0
+    fused = 0
+    for node in list(gm.graph.nodes):
+        info = node_info(node)
+        if info.op != "cross_entropy_loss" or info.rule is not Rule.FP32:
+            continue
+        arguments = _cross_entropy_arguments(gm, node)
+        if arguments is None or not _is_fusable(arguments):
+            continue
+        cast = arguments["input"]
+        source = _low_precision_source(cast)
+        if source is None:
+            continue
+        seen = dict(zip(node.all_input_nodes, info.in_dtypes, strict=False))
+        rest = {name: arguments[name] for name in _CROSS_ENTROPY_PARAMETERS[1:]}
+        node.op, node.target = "call_function", fp32_cross_entropy
+        node.args, node.kwargs = (source,), rest
+        # Recorded as one call if the graph is traced again (its checks read tensor ranks).
+        node.meta["is_wrapped"] = True
+        seen[source] = node_info(source).out_dtype
+        info.in_dtypes = tuple(seen.get(n) for n in node.all_input_nodes)
+        low = dtype_name(node_info(source).out_dtype)
+        note = f"fused: reads the {low} logits, computes in float32 (no float32 copy)"
+        if note not in info.notes:
+            info.notes.append(note)
+        if not cast.users:
+            gm.graph.erase_node(cast)
+        fused += 1
+    if fused:
+        gm.recompile()
+    logger.debug("fuse_losses %s: %d cross-entropy losses read low-precision logits", policy.opt_level, fused)
+    return fused

@@ -1,0 +1,165 @@
+"""fuse_losses: at O2 the cross-entropy reads the low-precision logits instead of a float32 copy.
+
+Reference: the same conversion with ``fused_losses=False`` (the cast and torch's float32
+cross-entropy, what torch.autocast computes): losses agree to float32 rounding, gradients to the
+low dtype's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import amp_fx
+from amp_fx.losses import fp32_cross_entropy
+from amp_fx.node_info import node_info
+from amp_fx.passes.fuse_losses import fuse_losses
+from amp_fx.passes.insert_casts import dtype_is_assumed
+from amp_fx.policy import preset
+from amp_fx.testing import grad_tolerances, tolerances
+
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+VOCAB = 37
+
+
+class LanguageModel(nn.Module):
+    """Embedding -> MLP -> logits, with the loss in forward (nanoGPT / Hugging Face style)."""
+
+    def __init__(self, loss: nn.Module | None = None, return_logits: bool = False, **loss_kwargs) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.fc = nn.Linear(16, 16)
+        self.head = nn.Linear(16, VOCAB)
+        self.loss = loss
+        self.loss_kwargs = loss_kwargs
+        self.return_logits = return_logits
+
+    def forward(self, ids, targets):
+        logits = self.head(torch.relu(self.fc(self.embed(ids))))
+        flat, flat_targets = logits.view(-1, logits.size(-1)), targets.view(-1)
+        if self.loss is not None:
+            loss = self.loss(flat, flat_targets)
+        else:
+            loss = F.cross_entropy(flat, flat_targets, **self.loss_kwargs)
+        return (logits, loss) if self.return_logits else loss
+
+
+def _batch():
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (3, 5), generator=generator)
+    targets = torch.randint(0, VOCAB, (3, 5), generator=generator)
+    targets[0, :2] = 0  # ignored where ignore_index=0
+    return ids, targets
+
+
+def _seeded(**kwargs) -> LanguageModel:
+    torch.manual_seed(0)
+    return LanguageModel(**kwargs)
+
+
+def _loss_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if node_info(n).op == "cross_entropy_loss"]
+
+
+def _float32_casts_of_logits(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    # Guarded casts of values derived from the (integer) targets, whose dtype is unknown, aside.
+    return [
+        n
+        for n in gm.graph.nodes
+        if node_info(n).is_cast
+        and node_info(n).out_dtype == F32
+        and node_info(n).in_dtypes[0] in (F16, BF16)
+        and not dtype_is_assumed(n.args[0])
+    ]
+
+
+def _convert(model: nn.Module, dtype: torch.dtype, fused: bool, level: str = "O2") -> torch.fx.GraphModule:
+    policy = preset(level, dtype=dtype, device_type="cpu", fused_losses=fused)
+    return amp_fx.convert(model, level, policy=policy)
+
+
+def _loss_and_grads(gm: nn.Module, *inputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    out = gm(*inputs)
+    loss = out[1] if isinstance(out, tuple) else out
+    params = [p for p in gm.parameters() if p.requires_grad]
+    return loss, list(torch.autograd.grad(loss.sum(), params))
+
+
+def _assert_same_training_signal(model_kwargs: dict, dtype: torch.dtype) -> torch.fx.GraphModule:
+    inputs = _batch()
+    fused = _convert(_seeded(**model_kwargs), dtype, fused=True)
+    cast = _convert(_seeded(**model_kwargs), dtype, fused=False)
+    loss, grads = _loss_and_grads(fused, *inputs)
+    ref_loss, ref_grads = _loss_and_grads(cast, *inputs)
+    assert loss.dtype == ref_loss.dtype == F32
+    torch.testing.assert_close(loss, ref_loss, **dict(zip(("rtol", "atol"), tolerances(F32), strict=True)))
+    rtol, atol = grad_tolerances(dtype)
+    for grad, ref in zip(grads, ref_grads, strict=True):
+        assert grad.dtype == ref.dtype
+        torch.testing.assert_close(grad, ref, rtol=rtol, atol=atol)
+    return fused
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_o2_cross_entropy_reads_the_low_precision_logits(dtype):
+    gm = _assert_same_training_signal({}, dtype)
+    (loss,) = _loss_nodes(gm)
+    assert loss.target is fp32_cross_entropy
+    assert node_info(loss.args[0]).out_dtype == dtype
+    assert node_info(loss).in_dtypes[0] == dtype
+    assert any("fused" in note for note in node_info(loss).notes)
+    assert not _float32_casts_of_logits(gm)
+    assert "fp32_cross_entropy" in gm.code
+
+
+@pytest.mark.parametrize(
+    "model_kwargs",
+    [
+        {"loss": nn.CrossEntropyLoss(ignore_index=0, reduction="sum")},
+        {"ignore_index": 0, "reduction": "none"},
+    ],
+    ids=["module", "functional_none"],
+)
+def test_loss_arguments_carry_over(model_kwargs):
+    gm = _assert_same_training_signal(model_kwargs, F16)
+    (loss,) = _loss_nodes(gm)
+    assert loss.target is fp32_cross_entropy
+
+
+@pytest.mark.parametrize(
+    "model_kwargs",
+    [{"label_smoothing": 0.1}, {"loss": nn.CrossEntropyLoss(weight=torch.rand(VOCAB))}],
+    ids=["label_smoothing", "class_weights"],
+)
+def test_losses_the_kernel_does_not_compute_keep_the_cast(model_kwargs):
+    gm = _convert(_seeded(**model_kwargs), F16, fused=True)
+    assert len(_float32_casts_of_logits(gm)) == 1
+    assert all(n.target is not fp32_cross_entropy for n in _loss_nodes(gm))
+
+
+def test_logits_also_returned_keep_their_output_cast():
+    gm = _assert_same_training_signal({"return_logits": True}, F16)
+    (loss,) = _loss_nodes(gm)
+    assert loss.target is fp32_cross_entropy and node_info(loss.args[0]).out_dtype == F16
+    logits, _ = gm(*_batch())
+    assert logits.dtype == F32  # cast_model_outputs
+
+
+def test_only_o2_fuses_by_default():
+    assert preset("O2").fused_losses and not preset("O1").fused_losses and not preset("O3").fused_losses
+    gm = amp_fx.convert(_seeded(), "O1", dtype=F16, device_type="cuda")
+    assert all(n.target is not fp32_cross_entropy for n in _loss_nodes(gm))
+
+
+def test_converting_twice_changes_nothing():
+    gm = _convert(_seeded(), F16, fused=True)
+    again = amp_fx.convert(gm, "O2", policy=gm.meta["amp_fx_policy"])
+    assert again.code == gm.code
+    assert fuse_losses(again, gm.meta["amp_fx_policy"]) == 0
+
+
+def test_fused_losses_must_be_a_bool():
+    with pytest.raises(TypeError, match="fused_losses must be True or False"):
+        preset("O2", fused_losses="yes")
