@@ -24,16 +24,25 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["fp32_cross_entropy", "cross_entropy_rows", "cross_entropy_rows_backward"]
+__all__ = [
+    "fp32_cross_entropy",
+    "cross_entropy_rows",
+    "cross_entropy_rows_backward",
+    "cross_entropy_rows_backward_",
+]
 
 _FUSED_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FUSED_REDUCTIONS = ("mean", "sum", "none")
 
 
 @torch.library.custom_op("amp_fx::cross_entropy_rows", mutates_args=())
-def cross_entropy_rows(logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
+def cross_entropy_rows(
+    logits: Tensor, target: Tensor, ignore_index: int, grad_into_logits: bool = False
+) -> tuple[Tensor, Tensor]:
     """Per-row FP32 cross-entropy of 2-D ``logits`` (fp16, bf16 or fp32) against int64 class
-    indices: ``(losses, lse)``, both float32 (N,); see ``amp_fx.kernels.reference``."""
+    indices: ``(losses, lse)``, both float32 (N,); see ``amp_fx.kernels.reference``. With
+    ``grad_into_logits`` (and contiguous logits) the backward writes the gradient over the logits
+    (`cross_entropy_rows_backward_`) instead of into a new tensor."""
     # Imported on first use: convert imports this module, and Triton need not load until a loss runs.
     from amp_fx.kernels import implementation_for
 
@@ -41,7 +50,9 @@ def cross_entropy_rows(logits: Tensor, target: Tensor, ignore_index: int) -> tup
 
 
 @cross_entropy_rows.register_fake
-def _cross_entropy_rows_fake(logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
+def _cross_entropy_rows_fake(
+    logits: Tensor, target: Tensor, ignore_index: int, grad_into_logits: bool = False
+) -> tuple[Tensor, Tensor]:
     num_rows = logits.shape[0]
     return (
         logits.new_empty((num_rows,), dtype=torch.float32),
@@ -67,21 +78,46 @@ def _cross_entropy_rows_backward_fake(
     return logits.new_empty(logits.shape)
 
 
-def _setup_context(ctx, inputs: tuple[Tensor, Tensor, int], output: tuple[Tensor, Tensor]) -> None:
-    logits, target, ignore_index = inputs
+@torch.library.custom_op("amp_fx::cross_entropy_rows_backward_", mutates_args=("logits",))
+def cross_entropy_rows_backward_(
+    grad_losses: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int
+) -> None:
+    """`cross_entropy_rows_backward` written over the (contiguous) logits: no logits-sized buffer."""
+    from amp_fx.kernels import implementation_for
+
+    implementation_for([logits]).cross_entropy_backward(
+        grad_losses, logits, target, lse, ignore_index, out=logits
+    )
+
+
+@cross_entropy_rows_backward_.register_fake
+def _cross_entropy_rows_backward_fake_(
+    grad_losses: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int
+) -> None:
+    return None
+
+
+def _setup_context(ctx, inputs: tuple[Tensor, Tensor, int, bool], output: tuple[Tensor, Tensor]) -> None:
+    logits, target, ignore_index, grad_into_logits = inputs
     _, lse = output
     ctx.save_for_backward(logits, target, lse)
     ctx.ignore_index = ignore_index
+    ctx.grad_into_logits = grad_into_logits
     # lse is saved for the backward, not a loss: nothing differentiates through it.
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, grad_losses: Tensor, grad_lse: Tensor | None) -> tuple[Tensor | None, None, None]:
+def _backward(ctx, grad_losses: Tensor, grad_lse: Tensor | None) -> tuple[Tensor | None, None, None, None]:
     logits, target, lse = ctx.saved_tensors
     if not ctx.needs_input_grad[0]:
-        return None, None, None
+        return None, None, None, None
+    if ctx.grad_into_logits and logits.is_contiguous():
+        # Safe only because the caller promised nothing reads the logits after the loss; a second
+        # backward through this graph (retain_graph) fails autograd's version check in eager mode.
+        cross_entropy_rows_backward_(grad_losses, logits, target, lse, ctx.ignore_index)
+        return logits, None, None, None
     grad_logits = cross_entropy_rows_backward(grad_losses, logits, target, lse, ctx.ignore_index)
-    return grad_logits, None, None
+    return grad_logits, None, None, None
 
 
 cross_entropy_rows.register_autograd(_backward, setup_context=_setup_context)
@@ -130,9 +166,16 @@ def fp32_cross_entropy(
     reduce: bool | None = None,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
+    *,
+    grad_into_input: bool = False,
 ) -> Tensor:
     """``F.cross_entropy(input.float(), target, ...)`` (what torch.autocast computes), without the
     float32 copy of ``input``: same signature as ``F.cross_entropy``, a float32 loss.
+
+    ``grad_into_input=True`` lets a fused backward write the gradient over ``input``'s memory,
+    saving a logits-sized buffer at the memory peak of a language model's step. Only for logits
+    that nothing reads after the loss (not returned, not saved by the op that made them, as a
+    linear layer's output is not); `amp_fx.convert` sets it where the graph shows that.
 
     Fused (one read of the logits, float32 math, the gradient written in ``input``'s dtype) when
     ``input`` is 2-D (rows, classes) fp16, bf16 or fp32, ``target`` holds int64 class indices (N,),
@@ -167,7 +210,7 @@ def fp32_cross_entropy(
             reduction=reduction,
             label_smoothing=label_smoothing,
         )
-    losses, _ = cross_entropy_rows(input, target, ignore_index)
+    losses, _ = cross_entropy_rows(input, target, ignore_index, grad_into_input)
     if reduction == "none":
         return losses
     if reduction == "sum":

@@ -201,22 +201,29 @@ def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int) -> 
 
 
 def cross_entropy_backward(
-    grad_losses: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int
+    grad_losses: Tensor,
+    logits: Tensor,
+    target: Tensor,
+    lse: Tensor,
+    ignore_index: int,
+    out: Tensor | None = None,
 ) -> Tensor:
     """Gradient of the per-row losses w.r.t. ``logits``, in the logits' dtype; same contract as
     ``amp_fx.kernels.reference.cross_entropy_backward``.
 
     ``grad_losses[i] * (softmax(logits[i]) - onehot(target[i]))`` in fp32, rounded once; exactly 0
-    for ignored rows, NaN for rows whose target is out of range. ``lse`` is the forward's.
+    for ignored rows, NaN for rows whose target is out of range. ``lse`` is the forward's. Written
+    to ``out`` when given (contiguous, the logits' shape and dtype; ``out=logits`` overwrites the
+    logits: each element is read before it is written, by the same program).
 
     Example:
         >>> grad_losses = torch.ones_like(losses)  # doctest: +SKIP
         >>> grad = cross_entropy_backward(grad_losses, logits, target, lse, -100)  # doctest: +SKIP
     """
-    check_cross_entropy_arguments(logits, target, ignore_index, lse=lse, grad_losses=grad_losses)
+    check_cross_entropy_arguments(logits, target, ignore_index, lse=lse, grad_losses=grad_losses, out=out)
     logits = _rows_contiguous(logits)
     num_rows, num_classes = logits.shape
-    grad_logits = torch.empty((num_rows, num_classes), dtype=logits.dtype, device=logits.device)
+    grad_logits = out if out is not None else torch.empty_like(logits, memory_format=torch.contiguous_format)
     if num_rows == 0:
         return grad_logits
     block_size, num_warps = _launch_shape(num_classes)

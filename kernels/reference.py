@@ -314,6 +314,7 @@ def check_cross_entropy_arguments(
     *,
     lse: Tensor | None = None,
     grad_losses: Tensor | None = None,
+    out: Tensor | None = None,
 ) -> None:
     """Validate the arguments of ``cross_entropy_forward`` / ``cross_entropy_backward`` (metadata
     only: never reads a value, so it never synchronizes); raise TypeError/ValueError."""
@@ -348,6 +349,17 @@ def check_cross_entropy_arguments(
                 f"{name} must be float32 of shape ({num_rows},), got {value.dtype} of shape "
                 f"{tuple(value.shape)}"
             )
+    if out is not None and (
+        out.dtype != logits.dtype
+        or tuple(out.shape) != tuple(logits.shape)
+        or out.device != logits.device
+        or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"out must be a contiguous {logits.dtype} tensor of the logits' shape {tuple(logits.shape)} on "
+            f"{logits.device}, got {out.dtype} {tuple(out.shape)} on {out.device}"
+            f"{'' if out.is_contiguous() else ' (not contiguous)'}; leave out=None to allocate the gradient"
+        )
 
 
 def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
@@ -375,11 +387,17 @@ def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int) -> 
 
 
 def cross_entropy_backward(
-    grad_losses: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int
+    grad_losses: Tensor,
+    logits: Tensor,
+    target: Tensor,
+    lse: Tensor,
+    ignore_index: int,
+    out: Tensor | None = None,
 ) -> Tensor:
     """Gradient of the per-row losses w.r.t. ``logits``: ``grad_losses[i] * (softmax(logits[i]) -
     onehot(target[i]))`` in fp32, rounded once to the logits' dtype; exactly 0 for ignored rows,
-    NaN for rows whose target is out of range. ``lse`` is the forward's.
+    NaN for rows whose target is out of range. ``lse`` is the forward's. Written to ``out`` when
+    given (contiguous, the logits' shape and dtype; ``out=logits`` overwrites the logits).
 
     Example:
         >>> logits = torch.tensor([[0.0, 0.0], [1.0, 3.0]], dtype=torch.float16)
@@ -389,7 +407,7 @@ def cross_entropy_backward(
         tensor([[ 0.5000, -0.5000],
                 [ 0.0000,  0.0000]], dtype=torch.float16)
     """
-    check_cross_entropy_arguments(logits, target, ignore_index, lse=lse, grad_losses=grad_losses)
+    check_cross_entropy_arguments(logits, target, ignore_index, lse=lse, grad_losses=grad_losses, out=out)
     x = logits.float()
     in_range = (target >= 0) & (target < x.shape[1])
     grad_loss = torch.where(in_range, grad_losses, float("nan")).unsqueeze(1)
@@ -397,5 +415,7 @@ def cross_entropy_backward(
     # g * p - g at the target, in the order torch's log_softmax backward computes it.
     grad = grad_loss * torch.exp(x - lse.unsqueeze(1)) - torch.where(is_target, grad_loss, 0.0)
     grad = torch.where((target == ignore_index).unsqueeze(1), 0.0, grad)
+    if out is not None:
+        return out.copy_(grad)
     # Contiguous whatever the logits' strides, as the Triton kernel and the op's fake allocate it.
     return grad.to(logits.dtype).contiguous()

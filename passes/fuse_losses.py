@@ -11,12 +11,18 @@ whose arguments the fused kernel computes (no class weights, no label smoothing,
 ``size_average``/``reduce``); `fp32_cross_entropy` itself falls back to the cast for input ranks
 and target kinds that are only known at run time.
 
+Where the graph shows that nothing reads the logits after the loss (they come, through views
+only, from a linear layer or matmul whose backward does not need its output, and have no other
+user), the call also gets ``grad_into_input=True``: its backward writes the gradient over the
+logits instead of allocating another logits-sized tensor at the step's memory peak.
+
 Example (O2, fp16)::
 
     before                                          after
     logits = linear(h, weight)        (float16)     logits = linear(h, weight)
     logits_to_float32 = logits.to(torch.float32)
-    loss = F.cross_entropy(logits_to_float32, t)    loss = fp32_cross_entropy(logits, t)
+    loss = F.cross_entropy(logits_to_float32, t)    loss = fp32_cross_entropy(logits, t,
+                                                        ..., grad_into_input=True)
 """
 
 from __future__ import annotations
@@ -69,12 +75,39 @@ def _cross_entropy_arguments(gm: torch.fx.GraphModule, node: torch.fx.Node) -> d
         }
     if node.op != "call_function" or node.target not in FUSED_LOSS_FUNCTIONS:
         return None
-    if len(node.args) > len(_CROSS_ENTROPY_PARAMETERS) or not set(node.kwargs) <= set(
-        _CROSS_ENTROPY_PARAMETERS
-    ):
+    # A graph converted before: this pass decides grad_into_input again.
+    kwargs = {k: v for k, v in node.kwargs.items() if k != "grad_into_input"}
+    if len(node.args) > len(_CROSS_ENTROPY_PARAMETERS) or not set(kwargs) <= set(_CROSS_ENTROPY_PARAMETERS):
         return None
-    arguments = dict(zip(_CROSS_ENTROPY_PARAMETERS, node.args, strict=False)) | dict(node.kwargs)
+    arguments = dict(zip(_CROSS_ENTROPY_PARAMETERS, node.args, strict=False)) | kwargs
     return _CROSS_ENTROPY_DEFAULTS | arguments
+
+
+# Ops whose autograd backward reads their inputs, never their output: the output may be overwritten
+# once nothing else reads it.
+_OUTPUT_NOT_SAVED_OPS = frozenset({"linear", "matmul", "mm", "bmm", "addmm"})
+# Ops whose output is a view or copy of their first argument, with the same values.
+_VIEW_OPS = frozenset({"view", "reshape", "flatten", "contiguous"})
+# Users that read a tensor's metadata, never its values (``logits.view(-1, logits.size(-1))``).
+_METADATA_OPS = frozenset({"size", "shape", "dim", "ndim", "numel", "stride", "dtype", "device"})
+
+
+def _value_users(node: torch.fx.Node) -> list[torch.fx.Node]:
+    return [user for user in node.users if node_info(user).op not in _METADATA_OPS]
+
+
+def _only_the_loss_reads(logits: torch.fx.Node) -> bool:
+    """True when `logits` and everything it is a view of have one user each, back to a producer
+    whose backward does not read its output: the loss may then overwrite them."""
+    node = logits
+    while len(_value_users(node)) == 1 and node.op in ("call_function", "call_method", "call_module"):
+        op = node_info(node).op
+        if op in _OUTPUT_NOT_SAVED_OPS:
+            return True
+        if op not in _VIEW_OPS or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            return False
+        node = node.args[0]
+    return False
 
 
 def _is_fusable(arguments: dict[str, Any]) -> bool:
@@ -140,6 +173,8 @@ def fuse_losses(gm: torch.fx.GraphModule, policy: Policy) -> int:
             info.notes.append(note)
         if not cast.users:
             gm.graph.erase_node(cast)
+        if _only_the_loss_reads(source):
+            node.kwargs = {**node.kwargs, "grad_into_input": True}
         fused += 1
     if fused:
         gm.recompile()

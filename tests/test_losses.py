@@ -15,7 +15,12 @@ import torch.nn.functional as F
 
 from amp_fx import losses as losses_module
 from amp_fx.kernels import reference
-from amp_fx.losses import cross_entropy_rows, cross_entropy_rows_backward, fp32_cross_entropy
+from amp_fx.losses import (
+    cross_entropy_rows,
+    cross_entropy_rows_backward,
+    cross_entropy_rows_backward_,
+    fp32_cross_entropy,
+)
 from amp_fx.testing import tolerances
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -216,6 +221,36 @@ def test_compiles_without_graph_breaks() -> None:
     assert_rounded_once_close(grad, expected_grad)
 
 
+def test_grad_into_input_overwrites_the_logits_with_the_same_gradient(fused_calls) -> None:
+    logits = make_logits((5, 23), torch.float16, seed=3)
+    target = make_target(5, 23, seed=3)
+    expected_loss, expected_grad = loss_and_grad(fp32_cross_entropy, logits, target)
+    # A non-leaf input, as a model's logits are: the gradient is written over its memory.
+    leaf = logits.detach().clone().requires_grad_(True)
+    consumed = leaf * 1
+    loss = fp32_cross_entropy(consumed, target, grad_into_input=True)
+    (grad,) = torch.autograd.grad(loss, consumed, retain_graph=True)
+    assert grad.data_ptr() == consumed.data_ptr()
+    assert_loss_close(loss, expected_loss)
+    assert_rounded_once_close(grad, expected_grad)
+    # The logits are gone: a second backward through the graph is refused, not silently wrong.
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(loss, consumed)
+
+
+def test_grad_into_input_compiles() -> None:
+    def loss_fn(logits, target):
+        return fp32_cross_entropy(logits * 1, target, grad_into_input=True)
+
+    logits = make_logits((4, 11), torch.float16, seed=2)
+    target = torch.tensor([1, -100, 10, 0])
+    compiled = torch.compile(loss_fn, backend="aot_eager", fullgraph=True)
+    loss, grad = loss_and_grad(compiled, logits, target)
+    expected_loss, expected_grad = loss_and_grad(fp32_cross_entropy, logits, target)
+    assert_loss_close(loss, expected_loss)
+    assert_rounded_once_close(grad, expected_grad)
+
+
 def test_opcheck() -> None:
     opcheck = getattr(torch.library, "opcheck", None)
     if opcheck is None:
@@ -225,6 +260,7 @@ def test_opcheck() -> None:
     opcheck(cross_entropy_rows, (logits, target, -100))
     _, lse = reference.cross_entropy_forward(logits.detach(), target, -100)
     opcheck(cross_entropy_rows_backward, (torch.rand(3), logits.detach(), target, lse, -100))
+    opcheck(cross_entropy_rows_backward_, (torch.rand(3), logits.detach().clone(), target, lse, -100))
 
 
 @pytest.mark.gpu

@@ -128,6 +128,35 @@ def test_production_launch_and_wide_rows(device) -> None:
     assert_matches((losses, lse, grad), (ref_losses, ref_lse, ref_grad))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_over_the_logits(device, dtype) -> None:
+    # out=logits: the gradient overwrites the logits, each element read before it is written.
+    logits, target, grad_losses = make_rows(3, 40, dtype, seed=5, device=device)
+    target[1] = IGNORE_INDEX
+    _, lse = reference.cross_entropy_forward(logits, target, IGNORE_INDEX)
+    expected = reference.cross_entropy_backward(grad_losses, logits, target, lse, IGNORE_INDEX)
+    for implementation in (reference, triton_ops):
+        overwritten = logits.clone()
+        with launch_config(SMALL):
+            grad = implementation.cross_entropy_backward(
+                grad_losses, overwritten, target, lse, IGNORE_INDEX, out=overwritten
+            )
+        assert grad.data_ptr() == overwritten.data_ptr()
+        assert_rounded_once_close(overwritten, expected)
+
+
+def test_backward_out_must_match_the_logits() -> None:
+    logits, target, grad_losses = make_rows(2, 5, torch.float16, seed=1, device="cpu")
+    _, lse = reference.cross_entropy_forward(logits, target, IGNORE_INDEX)
+    with pytest.raises(ValueError, match="out must be a contiguous torch.float16 tensor"):
+        reference.cross_entropy_backward(grad_losses, logits, target, lse, IGNORE_INDEX, out=logits.float())
+    with pytest.raises(ValueError, match="not contiguous"):
+        reference.cross_entropy_backward(
+            grad_losses, logits, target, lse, IGNORE_INDEX, out=torch.empty(5, 2, dtype=torch.float16).t()
+        )
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_out_of_range_target_gives_a_nan_row(device) -> None:
     logits, _, grad_losses = make_rows(5, 17, torch.float16, 1, device)

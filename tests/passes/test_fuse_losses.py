@@ -147,6 +147,36 @@ def test_logits_also_returned_keep_their_output_cast():
     assert logits.dtype == F32  # cast_model_outputs
 
 
+class ScaledLogits(LanguageModel):
+    """Logits from a multiply after the head (tanh soft-capping and the like)."""
+
+    def forward(self, ids, targets):
+        logits = self.head(torch.relu(self.fc(self.embed(ids)))) * 0.5
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def _grad_into_input(gm: torch.fx.GraphModule) -> bool:
+    (loss,) = _loss_nodes(gm)
+    return loss.kwargs.get("grad_into_input", False)
+
+
+def test_logits_only_the_loss_reads_take_the_gradient_in_place():
+    # head (a linear layer: its backward needs its input, not its output) -> view -> loss.
+    assert _grad_into_input(_convert(_seeded(), F16, fused=True))
+    gm = _convert(_seeded(return_logits=True), F16, fused=True)
+    assert not _grad_into_input(gm)  # also returned: the caller reads them
+    torch.manual_seed(0)
+    assert not _grad_into_input(_convert(ScaledLogits(), F16, fused=True))  # not a known producer
+
+
+def test_a_second_backward_through_overwritten_logits_is_refused():
+    gm = _convert(_seeded(), F16, fused=True)
+    loss = gm(*_batch())
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_only_o2_fuses_by_default():
     assert preset("O2").fused_losses and not preset("O1").fused_losses and not preset("O3").fused_losses
     gm = amp_fx.convert(_seeded(), "O1", dtype=F16, device_type="cuda")
