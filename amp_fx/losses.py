@@ -23,6 +23,7 @@ synchronization.
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 __all__ = [
     "fp32_cross_entropy",
@@ -111,6 +112,15 @@ def _backward(ctx, grad_losses: Tensor, grad_lse: Tensor | None) -> tuple[Tensor
     logits, target, lse = ctx.saved_tensors
     if not ctx.needs_input_grad[0]:
         return None, None, None, None
+    # torch.compile traces this backward with functional tensors (is_compiling() is False then on
+    # torch 2.11): there it is plain torch math, which Inductor fuses into one pass over the logits
+    # and writes over their buffer when nothing else reads them (a donated saved tensor). A
+    # mutating op here would make Inductor copy the logits first.
+    if torch.compiler.is_compiling() or isinstance(logits, FunctionalTensor):
+        from amp_fx.kernels import reference
+
+        grad_logits = reference.cross_entropy_backward(grad_losses, logits, target, lse, ctx.ignore_index)
+        return grad_logits, None, None, None
     if ctx.grad_into_logits and logits.is_contiguous():
         # Safe only because the caller promised nothing reads the logits after the loss; a second
         # backward through this graph (retain_graph) fails autograd's version check in eager mode.
@@ -175,7 +185,9 @@ def fp32_cross_entropy(
     ``grad_into_input=True`` lets a fused backward write the gradient over ``input``'s memory,
     saving a logits-sized buffer at the memory peak of a language model's step. Only for logits
     that nothing reads after the loss (not returned, not saved by the op that made them, as a
-    linear layer's output is not); `amp_fx.convert` sets it where the graph shows that.
+    linear layer's output is not); `amp_fx.convert` sets it where the graph shows that. Under
+    torch.compile the flag is not needed: the backward is traced as torch math and Inductor reuses
+    the logits' buffer by itself when they are dead.
 
     Fused (one read of the logits, float32 math, the gradient written in ``input``'s dtype) when
     ``input`` is 2-D (rows, classes) fp16, bf16 or fp32, ``target`` holds int64 class indices (N,),

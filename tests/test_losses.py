@@ -251,6 +251,36 @@ def test_grad_into_input_compiles() -> None:
     assert_rounded_once_close(grad, expected_grad)
 
 
+def test_compiled_backward_is_plain_math_for_inductor_to_fuse() -> None:
+    # Under torch.compile the backward is traced as torch ops (Inductor fuses them into one pass
+    # and reuses the logits' buffer): no custom op, mutating or not, in the backward graph.
+    from torch._dynamo.backends.common import aot_autograd
+
+    backward_code: list[str] = []
+
+    def keep_forward(gm, example_inputs):
+        return gm
+
+    def record_backward(gm, example_inputs):
+        backward_code.append(gm.code)
+        return gm
+
+    backend = aot_autograd(fw_compiler=keep_forward, bw_compiler=record_backward)
+
+    def loss_fn(logits, target):
+        return fp32_cross_entropy(logits * 1, target, grad_into_input=True)
+
+    torch._dynamo.reset()
+    logits = make_logits((4, 11), torch.float16, seed=2)
+    target = torch.tensor([1, -100, 10, 0])
+    loss, grad = loss_and_grad(torch.compile(loss_fn, backend=backend, fullgraph=True), logits, target)
+    expected_loss, expected_grad = loss_and_grad(fp32_cross_entropy, logits, target)
+    assert_loss_close(loss, expected_loss)
+    assert_rounded_once_close(grad, expected_grad)
+    (code,) = backward_code
+    assert "amp_fx" not in code and "exp" in code
+
+
 def test_opcheck() -> None:
     opcheck = getattr(torch.library, "opcheck", None)
     if opcheck is None:
