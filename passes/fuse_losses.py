@@ -37,7 +37,7 @@ from torch import nn
 
 from amp_fx.losses import fp32_cross_entropy
 from amp_fx.node_info import node_info
-from amp_fx.passes.insert_casts import dtype_name
+from amp_fx.passes.insert_casts import dtype_is_assumed, dtype_name
 from amp_fx.policy import Policy, Rule
 
 logger = logging.getLogger(__name__)
@@ -132,8 +132,11 @@ def _low_precision_source(cast: torch.fx.Node) -> torch.fx.Node | None:
     source = cast.args[0]
     if not isinstance(source, torch.fx.Node):
         return None
-    # Only a known low dtype: a guarded cast of a value of unknown dtype may hold float64.
-    return source if node_info(source).out_dtype in (torch.float16, torch.bfloat16) else None
+    # Only a known low dtype: a value of unknown or assumed dtype (a model input without
+    # example_inputs) may hold float64, which autocast and the guarded cast leave as it is.
+    if dtype_is_assumed(source) or node_info(source).out_dtype not in (torch.float16, torch.bfloat16):
+        return None
+    return source
 
 
 def fuse_losses(gm: torch.fx.GraphModule, policy: Policy) -> int:

@@ -177,6 +177,25 @@ def test_a_second_backward_through_overwritten_logits_is_refused():
         loss.backward()
 
 
+class LossOnly(nn.Module):
+    def forward(self, logits, targets):
+        return F.cross_entropy(logits, targets)
+
+
+def test_logits_of_an_assumed_dtype_keep_the_guarded_cast():
+    # A model input's dtype is only assumed without example_inputs: float64 logits must reach
+    # torch's loss as float64, as under autocast, so nothing is fused.
+    gm = _convert(LossOnly(), F16, fused=True)
+    assert all(n.target is not fp32_cross_entropy for n in _loss_nodes(gm))
+    logits, targets = torch.randn(4, 7, dtype=torch.float64), torch.tensor([0, 6, 2, 3])
+    torch.testing.assert_close(gm(logits, targets), F.cross_entropy(logits, targets))
+    exact = amp_fx.convert(
+        LossOnly(), "O2", policy=preset("O2", F16, "cpu"), example_inputs=(logits.half(), targets)
+    )
+    (loss,) = _loss_nodes(exact)
+    assert loss.target is fp32_cross_entropy  # known float16 logits: read as they are
+
+
 def test_only_o2_fuses_by_default():
     assert preset("O2").fused_losses and not preset("O1").fused_losses and not preset("O3").fused_losses
     gm = amp_fx.convert(_seeded(), "O1", dtype=F16, device_type="cuda")
