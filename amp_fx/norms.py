@@ -18,8 +18,6 @@ Under torch.compile `batch_norm_act` is plain torch (``F.batch_norm`` + add + ``
 Inductor fuses those itself, and an opaque op would stop it.
 """
 
-from __future__ import annotations
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
