@@ -21,22 +21,16 @@ from amp_fx.losses import (
     cross_entropy_rows_backward_,
     fp32_cross_entropy,
 )
-from amp_fx.testing import tolerances
+from amp_fx.testing import rounding_tolerances, tolerances
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 REDUCTIONS = ["mean", "sum", "none"]
 
 
 def assert_rounded_once_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Gradients in the input's dtype, each side rounded once from fp32 math: one unit in the last
-    place of that dtype (eps, relative), plus fp32's absolute tolerance for entries near 0, whose
-    fp32 error is absolute (g * p - g with p close to 1 cancels). fp32 gradients: fp32 tolerance.
-    The same rule as tests/kernels/test_cross_entropy.py (amp_fx.testing has no rounding
-    tolerance yet)."""
+    """Gradients in the input's dtype, each side rounded once from fp32 math."""
     assert actual.dtype == expected.dtype
-    rtol, atol = tolerances(torch.float32)
-    if actual.dtype != torch.float32:
-        rtol = torch.finfo(actual.dtype).eps
+    rtol, atol = rounding_tolerances(actual.dtype)
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True)
 
 

@@ -2,7 +2,8 @@
 
 - `tolerances(dtype)` / `grad_tolerances(dtype)`: (rtol, atol) for outputs and gradients of a model
   converted to fp16/bf16, compared with FP32 by norm-wise relative error (the one place these
-  numbers are written).
+  numbers are written); `rounding_tolerances(dtype)` for a fused kernel against its reference
+  (the same float32 math, each rounded once).
 - `assert_equivalent(original, converted, inputs)`: forward and backward through both models,
   outputs and input/parameter gradients compared within those tolerances (or bit for bit).
 - `with_autocast(model, device_type, dtype)` and `low_precision_copy(model, dtype)`: the
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from amp_fx.testing.dtype_tolerances import grad_tolerances, tolerances
+from amp_fx.testing.dtype_tolerances import grad_tolerances, rounding_tolerances, tolerances
 from amp_fx.testing.equivalence import (
     ForwardBackward,
     Mismatch,
@@ -78,6 +79,7 @@ __all__ = [
     "infer_dtype",
     "low_precision_copy",
     "normwise_error",
+    "rounding_tolerances",
     "tolerances",
     "with_autocast",
 ]

@@ -87,3 +87,18 @@ def grad_tolerances(dtype: torch.dtype) -> tuple[float, float]:
         (0.16, 0.008)
     """
     return _lookup(_GRAD_TOLERANCES, dtype, "grad_tolerances")
+
+
+def rounding_tolerances(dtype: torch.dtype) -> tuple[float, float]:
+    """(rtol, atol) for two results of the same float32 math, each rounded once to ``dtype``
+    (a fused kernel against its torch reference), compared element-wise.
+
+    One unit in the last place of ``dtype`` (its eps, relative), plus float32's absolute floor:
+    an entry near 0 that is a difference of O(1) terms (``g * p - g`` with p close to 1) carries
+    float32's absolute error. For float32 results, float32's tolerances.
+
+        >>> rounding_tolerances(torch.bfloat16)
+        (0.0078125, 1e-06)
+    """
+    rtol, atol = tolerances(torch.float32)
+    return (rtol, atol) if dtype == torch.float32 else (torch.finfo(dtype).eps, atol)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from amp_fx.kernels import cross_entropy, reference, triton_ops
 from amp_fx.kernels.cross_entropy import CrossEntropyLaunch
-from amp_fx.testing import tolerances
+from amp_fx.testing import rounding_tolerances, tolerances
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 SMALL = CrossEntropyLaunch(block_size=16, num_warps=1)
@@ -56,15 +56,9 @@ def assert_losses_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 def assert_rounded_once_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Gradients in the logits' dtype, each side rounded once from fp32 math (or float64): one
-    unit in the last place of that dtype (eps, relative), plus fp32's absolute tolerance for
-    entries near 0, whose fp32 error is absolute (g * p - g with p close to 1 cancels; the
-    upstream gradients here are O(1)). fp32 gradients: fp32 tolerance. The same rule as
-    tests/test_losses.py (amp_fx.testing has no rounding tolerance yet)."""
+    """Gradients in the logits' dtype, each side rounded once from fp32 math (or float64)."""
     assert actual.dtype == expected.dtype
-    rtol, atol = tolerances(torch.float32)
-    if actual.dtype != torch.float32:
-        rtol = torch.finfo(actual.dtype).eps
+    rtol, atol = rounding_tolerances(actual.dtype)
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True)
 
 
