@@ -470,7 +470,7 @@ def test_exact_dtypes_leave_integer_inputs_uncast():
 
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
-@pytest.mark.parametrize("name", ["convnet", "gpt", "opaque"])
+@pytest.mark.parametrize("name", ["convnet", "gpt", "gpt_loss", "opaque"])
 def test_converted_graph_survives_torch_save_and_load(tmp_path, name: str, opt_level: str) -> None:
     model, inputs = _model_and_inputs(name)
     gm = convert(model.eval(), opt_level, dtype=BF16, device_type="cpu")
