@@ -9,7 +9,6 @@ dozen classes cross block boundaries, with some widths not a multiple of the blo
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -26,16 +25,6 @@ SMALL = CrossEntropyLaunch(block_size=16, num_warps=1)
 # Widths around the small block (16): one column, inside one block, on and across block boundaries.
 NUM_CLASSES = [1, 5, 16, 17, 40]
 IGNORE_INDEX = -100
-
-DEVICES = [
-    pytest.param(
-        "cpu",
-        marks=pytest.mark.skipif(
-            os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1"
-        ),
-    ),
-    pytest.param("cuda", marks=pytest.mark.gpu),
-]
 
 
 @contextlib.contextmanager
@@ -93,7 +82,6 @@ def assert_matches(ours: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor,
     assert_rounded_once_close(grad, ref_grad)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @given(
     dtype=st.sampled_from(DTYPES),
     num_rows=st.integers(1, 4),
@@ -111,7 +99,6 @@ def test_triton_matches_reference(device, dtype, num_rows, num_classes, ignored,
     assert torch.all(ours[2][ignored_rows] == 0)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_production_launch_and_wide_rows(device) -> None:
     # The production configuration: a 300-class row is one masked block of 512.
     logits, target, grad_losses = make_rows(3, 300, torch.float16, 0, device)
@@ -123,7 +110,6 @@ def test_production_launch_and_wide_rows(device) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("device", DEVICES)
 def test_backward_over_the_logits(device, dtype) -> None:
     # out=logits: the gradient overwrites the logits, each element read before it is written.
     logits, target, grad_losses = make_rows(3, 40, dtype, seed=5, device=device)
@@ -151,7 +137,6 @@ def test_backward_out_must_match_the_logits() -> None:
         )
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_out_of_range_target_gives_a_nan_row(device) -> None:
     logits, _, grad_losses = make_rows(5, 17, torch.float16, 1, device)
     # Past the end, negative, far past the end, a valid one, and a valid class used as ignore_index.
@@ -166,7 +151,6 @@ def test_out_of_range_target_gives_a_nan_row(device) -> None:
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on -inf - -inf
-@pytest.mark.parametrize("device", DEVICES)
 def test_non_finite_logits(device) -> None:
     logits, target, grad_losses = make_rows(4, 20, torch.bfloat16, 2, device)
     logits[0, 3] = float("-inf")  # a masked-out class: finite loss, zero gradient there
@@ -186,7 +170,6 @@ def test_non_finite_logits(device) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("device", DEVICES)
 def test_strided_inputs(device, dtype) -> None:
     wide, target, grad_losses = make_rows(3, 40, dtype, 3, device)
     logits = wide[:, 5:22]  # row stride 40, rows contiguous
@@ -202,7 +185,6 @@ def test_strided_inputs(device, dtype) -> None:
         assert ours[2].is_contiguous() and expected[2].is_contiguous()
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_no_rows(device) -> None:
     logits = torch.zeros(0, 7, dtype=torch.float16, device=device)
     target = torch.zeros(0, dtype=torch.int64, device=device)

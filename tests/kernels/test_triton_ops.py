@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -26,16 +25,6 @@ PARAM_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 SMALL = LaunchConfig(block_size=16, chunk_size=32, num_warps=1)
 # Sizes around the small configuration's block (16) and chunk (32) boundaries.
 SMALL_SIZES = [1, 2, 3, 7, 15, 16, 17, 31, 32, 33, 47, 64, 65]
-
-DEVICES = [
-    pytest.param(
-        "cpu",
-        marks=pytest.mark.skipif(
-            os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1"
-        ),
-    ),
-    pytest.param("cuda", marks=pytest.mark.gpu),
-]
 
 
 @contextlib.contextmanager
@@ -139,7 +128,6 @@ def scalar(value: float, device: str) -> torch.Tensor:
     return torch.full((1,), value, dtype=torch.float32, device=device)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @given(
     sizes=sizes_strategy,
     data=st.data(),
@@ -191,7 +179,6 @@ def test_adam_matches_reference(
     assert step.item() == step_value
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @given(
     sizes=sizes_strategy,
     data=st.data(),
@@ -229,7 +216,6 @@ def test_sgd_matches_reference(
     assert_matches_reference(ours, expected)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @given(
     sizes=sizes_strategy,
     dtype=st.sampled_from(PARAM_DTYPES),
@@ -253,7 +239,6 @@ def test_squared_norm_matches_float64(device, sizes, dtype, multiplier, scale, s
     assert sq_norm.item() == pytest.approx(expected, rel=1e-5)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @given(
     sizes=sizes_strategy,
     data=st.data(),
@@ -306,14 +291,12 @@ def test_overflow_skips_everything(device, sizes, data, bad_value, optimizer, se
     assert all(torch.isfinite(m).all() for m in problem["masters"] if m is not None)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_found_inf_is_never_cleared(device) -> None:
     found_inf = scalar(1.0, device)
     triton_ops.check_finite_and_norm_([torch.ones(5, device=device)], found_inf)
     assert found_inf.item() == 1.0
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_production_configuration_across_block_and_chunk_boundaries(device) -> None:
     block, chunk = adam.LAUNCH.block_size, adam.LAUNCH.chunk_size
     sizes = [1, block - 1, block + 1, chunk + 1]
@@ -347,7 +330,6 @@ def test_production_configuration_across_block_and_chunk_boundaries(device) -> N
         assert_matches_reference(ours, expected)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_unaligned_views_are_updated_correctly(device) -> None:
     """Tensors at odd offsets: the table is marked unaligned and the kernels must not assume 16 bytes."""
     storage = torch.randn(4, 70, device=device)
@@ -377,7 +359,6 @@ class CountingLauncher:
         return self.kernel[grid]
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("num_tensors", [1, 3, 16])
 def test_launch_count_does_not_grow_with_tensor_count(device, num_tensors, monkeypatch) -> None:
     launchers = {}
@@ -428,7 +409,6 @@ def test_launch_count_does_not_grow_with_tensor_count(device, num_tensors, monke
         }
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_bad_input_is_refused_like_the_reference(device) -> None:
     p = torch.ones(3, device=device)
     for implementation in (reference, triton_ops):
