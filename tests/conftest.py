@@ -1,4 +1,4 @@
-"""Shared test setup: hypothesis profiles and the `gpu` marker."""
+"""Shared test setup: hypothesis profiles, the `gpu` marker and the `device` Triton kernels run on."""
 
 from __future__ import annotations
 
@@ -25,3 +25,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# Where Triton kernels are tested: the CPU under TRITON_INTERPRET=1 (as `make test` and CI run
+# them) and CUDA (marked `gpu`, skipped without a GPU). A test that parametrizes "device" itself
+# overrides this fixture.
+KERNEL_DEVICES = [
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(
+            os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1"
+        ),
+    ),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture(scope="module", params=KERNEL_DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    # Module scope: hypothesis tests may use it (it refuses function-scoped fixtures).
+    return request.param

@@ -6,8 +6,6 @@ launch count, which must not grow with the number of parameters.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -16,15 +14,6 @@ from amp_fx.kernels import FORCE_TRITON_ENV, triton_ops
 from amp_fx.optim import FusedAdam, FusedSGD, master_params
 from amp_fx.testing import tolerances
 
-DEVICES = [
-    pytest.param(
-        "cpu",
-        marks=pytest.mark.skipif(
-            os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1"
-        ),
-    ),
-    pytest.param("cuda", marks=pytest.mark.gpu),
-]
 SHAPES = ((33,), (5, 7), (1,), (4, 4), (17,))
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float16, torch.bfloat16)
 
@@ -60,7 +49,6 @@ def _set_grads(params, copies, generator, scale: float) -> None:
         param.grad = (grad.float() * scale).to(param.dtype)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["adam", "sgd"])
 def test_scaled_clipped_steps_match_torch_with_one_launch_per_step(triton_calls, device, name) -> None:
     params, copies, generator = _problem(device, seed=71)
@@ -90,7 +78,6 @@ def test_scaled_clipped_steps_match_torch_with_one_launch_per_step(triton_calls,
     assert triton_calls == {kernel: steps, "check_finite_and_norm_": 2 * steps}
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_overflow_skips_bit_identically(triton_calls, optimizer_snapshot, device) -> None:
     snapshot, assert_unchanged = optimizer_snapshot
     params, copies, generator = _problem(device, seed=73)
