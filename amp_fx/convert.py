@@ -13,8 +13,8 @@
         ...
 
 The pipeline (DESIGN.md), one pass a file in `amp_fx.passes`: trace -> normalize_ops -> classify ->
-propagate_dtypes -> insert_casts -> cast_parameters -> simplify_casts -> cast_outputs -> fuse_losses,
-then lint and recompile. The input model is never modified: `trace` works on a deep copy.
+propagate_dtypes -> insert_casts -> cast_parameters -> simplify_casts -> cast_outputs -> fuse_losses ->
+fuse_batch_norm, then lint and recompile. The input model is never modified: `trace` works on a deep copy.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from torch import nn
 from amp_fx.passes.cast_outputs import cast_outputs
 from amp_fx.passes.cast_parameters import cast_parameters
 from amp_fx.passes.classify import classify
+from amp_fx.passes.fuse_batch_norm import fuse_batch_norm
 from amp_fx.passes.fuse_losses import fuse_losses
 from amp_fx.passes.insert_casts import insert_casts
 from amp_fx.passes.normalize_ops import normalize_ops
@@ -199,6 +200,7 @@ def convert(
     simplify_casts(gm, resolved)
     cast_outputs(gm, resolved)
     fuse_losses(gm, resolved)
+    fuse_batch_norm(gm, resolved)
     gm.graph.lint()
     gm.recompile()
     gm.meta[POLICY_KEY] = resolved
@@ -212,4 +214,3 @@ def convert(
         sum(1 for n in gm.graph.nodes if n.meta.get("amp_fx") is not None and n.meta["amp_fx"].is_cast),
     )
     return gm
-

@@ -374,32 +374,34 @@ def _low_op_rules(opt_level: str, keep_batchnorm_fp32: bool) -> dict[str, OpRule
 class Policy:
     """An opt-level policy: presets per op plus QConfigMapping-style user overrides.
 
-    Build one with `preset`; override with the chainable ``set_global``, ``set_op``,
-    ``set_module_type``, ``set_module_name_regex`` and ``set_module_name``. Precedence, lowest first:
-    global < preset op rule < op override < module-type override < module-name regex (first
-    matching pattern wins) < exact module name.
+        Build one with `preset`; override with the chainable ``set_global``, ``set_op``,
+        ``set_module_type``, ``set_module_name_regex`` and ``set_module_name``. Precedence, lowest first:
+        global < preset op rule < op override < module-type override < module-name regex (first
+        matching pattern wins) < exact module name.
 
-    Opt levels (Apex's property table):
+        Opt levels (Apex's property table):
 
-    - O0: everything PASSTHROUGH, no casts: the identity.
-    - O1: torch.autocast's lists for `device_type` (lower -> LOWER, fp32/fp32_set_opt_dtype -> FP32,
-      promote -> PROMOTE, the rest PASSTHROUGH); parameters untouched. Ops that autocast changes
-      although no list names them (``einsum`` on CPU calls ``bmm``) and untraced code run in an
-      autocast island (OPAQUE), so O1 on CPU matches ``torch.autocast("cpu")`` bit for bit.
-    - O2: parameters stored low, inputs cast low at the model entry, matmul/conv ops LOWER, promote
-      ops PROMOTE, the FP32 islands of `O2_FP32_ISLANDS` (softmax, losses, exp/log/pow, sums, norms)
-      FP32, everything else PASSTHROUGH. batch_norm (``keep_batchnorm_fp32``, default True) keeps
-      fp32 params and runs on low input (mixed input works in cuDNN and on CPU), so it needs no
-      casts; layer_norm and group_norm run in the low dtype, as in Apex's O2.
-    - O3: parameters low (BatchNorm too unless ``keep_batchnorm_fp32=True``), no FP32 islands.
+        - O0: everything PASSTHROUGH, no casts: the identity.
+        - O1: torch.autocast's lists for `device_type` (lower -> LOWER, fp32/fp32_set_opt_dtype -> FP32,
+          promote -> PROMOTE, the rest PASSTHROUGH); parameters untouched. Ops that autocast changes
+          although no list names them (``einsum`` on CPU calls ``bmm``) and untraced code run in an
+          autocast island (OPAQUE), so O1 on CPU matches ``torch.autocast("cpu")`` bit for bit.
+        - O2: parameters stored low, inputs cast low at the model entry, matmul/conv ops LOWER, promote
+          ops PROMOTE, the FP32 islands of `O2_FP32_ISLANDS` (softmax, losses, exp/log/pow, sums, norms)
+          FP32, everything else PASSTHROUGH. batch_norm (``keep_batchnorm_fp32``, default True) keeps
+          fp32 params and runs on low input (mixed input works in cuDNN and on CPU), so it needs no
+          casts; layer_norm and group_norm run in the low dtype, as in Apex's O2.
+        - O3: parameters low (BatchNorm too unless ``keep_batchnorm_fp32=True``), no FP32 islands.
 
-    ``fused_losses`` (default True at O2 only): an FP32 cross_entropy whose input is a cast of
-    low-precision logits reads them directly (`amp_fx.losses.fp32_cross_entropy`): the same fp32
-    math without a float32 copy of the logits. O1 leaves it off to stay bit-identical to autocast.
+        ``fused_losses`` (default True at O2 only): an FP32 cross_entropy whose input is a cast of
+        low-precision logits reads them directly (`amp_fx.losses.fp32_cross_entropy`): the same fp32
+        math without a float32 copy of the logits. O1 leaves it off to stay bit-identical to autocast.
+    ``fused_batch_norm`` (default True at O2 only): BatchNorm2d followed by ReLU (or by a residual add
+    and ReLU) runs as one call (`amp_fx.fused_batch_norm.FusedBatchNormAct`).
 
-    >>> policy = preset("O1", device_type="cpu", dtype=torch.bfloat16)
-    >>> policy.decide("conv2d")
-    Decision(rule=<Rule.LOWER: 'lower'>, reason='autocast cpu lower_precision_fp list', param_dtype=None)
+        >>> policy = preset("O1", device_type="cpu", dtype=torch.bfloat16)
+        >>> policy.decide("conv2d")
+        Decision(rule=<Rule.LOWER: 'lower'>, reason='autocast cpu lower_precision_fp list', param_dtype=None)
     """
 
     opt_level: str
@@ -408,6 +410,7 @@ class Policy:
     keep_batchnorm_fp32: bool = False
     cast_model_outputs: torch.dtype | None = None
     fused_losses: bool = False
+    fused_batch_norm: bool = False
     op_rules: dict[str, OpRule] = field(default_factory=dict)
     global_rule: Rule = Rule.PASSTHROUGH
     op_overrides: dict[str, Rule] = field(default_factory=dict)
@@ -424,6 +427,7 @@ class Policy:
         self.keep_batchnorm_fp32 = _check_keep_batchnorm_fp32(self.keep_batchnorm_fp32)
         self.cast_model_outputs = _check_output_dtype(self.cast_model_outputs)
         self.fused_losses = _check_flag("fused_losses", self.fused_losses)
+        self.fused_batch_norm = _check_flag("fused_batch_norm", self.fused_batch_norm)
         self.global_rule = _check_rule(self.global_rule)
         self.op_rules = {
             _check_op(op): OpRule(_check_rule(entry.rule), str(entry.reason))
@@ -579,6 +583,7 @@ class Policy:
             if self.cast_model_outputs is None
             else _dtype_name(self.cast_model_outputs),
             "fused_losses": self.fused_losses,
+            "fused_batch_norm": self.fused_batch_norm,
             "global": self.global_rule.value,
             "op_rules": {
                 op: {"rule": e.rule.value, "reason": e.reason} for op, e in sorted(self.op_rules.items())
@@ -608,6 +613,7 @@ class Policy:
             keep_batchnorm_fp32=data.get("keep_batchnorm_fp32", False),
             cast_model_outputs=_check_output_dtype(data.get("cast_model_outputs")),
             fused_losses=data.get("fused_losses", False),
+            fused_batch_norm=data.get("fused_batch_norm", False),
             op_rules={
                 op: OpRule(_check_rule(entry["rule"]), entry.get("reason", ""))
                 for op, entry in data.get("op_rules", {}).items()
@@ -628,7 +634,7 @@ class Policy:
         lines = [
             f"Policy {self.opt_level} dtype={_dtype_name(self.dtype)} device_type={self.device_type} "
             f"keep_batchnorm_fp32={self.keep_batchnorm_fp32} cast_model_outputs={outputs} "
-            f"fused_losses={self.fused_losses}",
+            f"fused_losses={self.fused_losses} fused_batch_norm={self.fused_batch_norm}",
             f"  cast_parameters={self.cast_parameters} cast_inputs_dtype="
             f"{None if self.cast_inputs_dtype is None else _dtype_name(self.cast_inputs_dtype)} "
             f"autocast_opaque={self.autocast_opaque}",
@@ -667,12 +673,14 @@ def preset(
     keep_batchnorm_fp32: bool | str | None = None,
     cast_model_outputs: torch.dtype | None = None,
     fused_losses: bool | None = None,
+    fused_batch_norm: bool | None = None,
 ) -> Policy:
     """The policy for an Apex opt level on a device type; see `Policy` for the table.
 
     `keep_batchnorm_fp32` defaults to True for O2 and False otherwise (Apex also accepts the strings
     "True"/"False"); `cast_model_outputs` defaults to float32 for O2/O3 (losses computed in fp32, as
-    in Apex) and None (outputs as computed) for O0/O1; `fused_losses` defaults to True for O2 only.
+    in Apex) and None (outputs as computed) for O0/O1; `fused_losses` and
+    `fused_batch_norm` default to True for O2 only.
 
     >>> p = preset("O2", dtype=torch.bfloat16)
     >>> p.cast_parameters, p.keep_batchnorm_fp32, p.cast_model_outputs, p.fused_losses
@@ -686,6 +694,9 @@ def preset(
     )
     outputs = _check_output_dtype(cast_model_outputs)
     fused = (level == "O2") if fused_losses is None else _check_flag("fused_losses", fused_losses)
+    fused_bn = (
+        (level == "O2") if fused_batch_norm is None else _check_flag("fused_batch_norm", fused_batch_norm)
+    )
     if outputs is None and level in ("O2", "O3"):
         outputs = torch.float32
     if level == "O0":
@@ -701,6 +712,7 @@ def preset(
         keep_batchnorm_fp32=keep_bn,
         cast_model_outputs=outputs,
         fused_losses=fused,
+        fused_batch_norm=fused_bn,
         op_rules=op_rules,
     )
     logger.debug("preset %s dtype=%s device_type=%s: %d op rules", level, low, device, len(op_rules))

@@ -17,6 +17,9 @@ variant trains the same freshly seeded model on the same batch:
     o2_fp16_loss_outside
                      o2_fp16 with the loss computed outside the converted model, on its float32
                      outputs (cast_model_outputs), as a training loop written for Apex does
+    o2_fp16_unfused_bn
+                     o2_fp16 without fused BatchNorm + [add] + ReLU (``fused_batch_norm=False``:
+                     cuDNN's BatchNorm and separate add and ReLU kernels, as autocast runs them)
 
 Every variant trains ``WithLoss(model, loss_fn)``: the model and its loss as one module (the loss
 under autocast for the autocast variants, as before). amp_fx converts that module, so at O2 the
@@ -85,6 +88,8 @@ class Variant:
     cuda_graph: bool = False
     # amp_fx converts the model alone; the loss runs on its float32 outputs.
     loss_outside: bool = False
+    # amp_fx's BatchNorm + [add] + ReLU fusion (the O2 default); False runs them as torch ops.
+    fused_batch_norm: bool = True
 
     @property
     def uses_loss_scaling(self) -> bool:
@@ -109,6 +114,7 @@ VARIANTS: dict[str, Variant] = {
         ),
         Variant("o2_fp16_cuda_graph", "amp_fx", torch.float16, opt_level="O2", cuda_graph=True),
         Variant("o2_fp16_loss_outside", "amp_fx", torch.float16, opt_level="O2", loss_outside=True),
+        Variant("o2_fp16_unfused_bn", "amp_fx", torch.float16, opt_level="O2", fused_batch_norm=False),
     ]
 }
 BASELINE = "autocast_fp16"
@@ -120,6 +126,7 @@ RUN_ORDER = [
     "autocast_bf16",
     "o2_fp16_cuda_graph",
     "o2_fp16_loss_outside",
+    "o2_fp16_unfused_bn",
     "o1_fp16",
     "o3_fp16",
     "o1_bf16",
@@ -177,10 +184,12 @@ def prepare_model(variant: Variant, work: Workload) -> nn.Module:
     if variant.framework == "amp_fx":
         import amp_fx
 
+        device_type = work.inputs.device.type
+        policy = amp_fx.preset(variant.opt_level, variant.dtype, device_type)
+        policy.fused_batch_norm = policy.fused_batch_norm and variant.fused_batch_norm
         if variant.loss_outside:
-            converted = amp_fx.convert(work.model, variant.opt_level, dtype=variant.dtype)
-            return WithLoss(converted, work.loss_fn)
-        return amp_fx.convert(WithLoss(work.model, work.loss_fn), variant.opt_level, dtype=variant.dtype)
+            return WithLoss(amp_fx.convert(work.model, variant.opt_level, policy=policy), work.loss_fn)
+        return amp_fx.convert(WithLoss(work.model, work.loss_fn), variant.opt_level, policy=policy)
     model = WithLoss(work.model, work.loss_fn)
     if not variant.autocast and variant.dtype != torch.float32:
         return model.to(variant.dtype)

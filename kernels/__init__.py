@@ -2,9 +2,11 @@
 `amp_fx.kernels`.
 
 Two modules implement one contract (see ``reference``'s docstring for the math): the optimizer
-kernels ``check_finite_and_norm_``, ``adam_step_``, ``sgd_step_``, ``advance_step_``, and the loss
+kernels ``check_finite_and_norm_``, ``adam_step_``, ``sgd_step_``, ``advance_step_``, the loss
 kernels ``cross_entropy_forward`` / ``cross_entropy_backward`` (fp32 cross-entropy over rows of
-fp16/bf16/fp32 logits, behind ``amp_fx.losses.fp32_cross_entropy``):
+fp16/bf16/fp32 logits, behind ``amp_fx.losses.fp32_cross_entropy``), and the normalization kernels
+``batch_norm_act_forward`` / ``batch_norm_act_backward`` (training-mode BatchNorm + residual add +
+ReLU over channels_last activations, behind ``amp_fx.norms.batch_norm_act``):
 
 - ``reference``: plain torch; runs on any device and is what the optimizers use without CUDA.
 - ``triton_ops``: Triton kernels, one launch per dtype group; run on CUDA tensors, or on CPU

@@ -42,6 +42,28 @@ indices t (N,), in fp32::
 A target outside [0, C) that is not ``ignore_index`` gives that row a NaN loss and NaN gradients
 (torch raises instead, which would need a host synchronization).
 
+Training-mode BatchNorm + residual add + ReLU (``batch_norm_act_forward`` /
+``batch_norm_act_backward``; the Triton twins are in ``amp_fx.kernels.batch_norm``). For an input
+x (N, C, ...) in fp16, bf16 or fp32, statistics per channel c over the M = N * H * W values of that
+channel, in fp32; w = 1 and b = 0 when weight / bias are None::
+
+    mean_c   = sum(x) / M                  var_c = sum((x - mean_c)^2) / M     (biased)
+    invstd_c = 1 / sqrt(var_c + eps)       scale_c = w_c * invstd_c
+    y        = (x - mean_c) * scale_c + b_c (+ residual)                       (fp32)
+    out      = relu(y).to(x.dtype)                                             (rounded once)
+
+and, with dy the upstream gradient and a kept element one whose output is not <= 0 (torch's ReLU
+backward; every element without ReLU), dy' = dy where kept, else 0::
+
+    grad_bias_c   = sum(dy')               grad_weight_c = invstd_c * sum(dy' * (x - mean_c))
+    grad_input    = scale_c * (dy' - grad_bias_c / M - (x - mean_c) * invstd_c * grad_weight_c / M)
+    grad_residual = dy'
+
+grad_input and grad_residual in x's dtype (rounded once), grad_weight / grad_bias in the
+parameters' dtype (float32 when a parameter is None). Without a residual the ReLU mask is
+recomputed from x and the statistics, as ``((x - mean_c) * scale_c + b_c).to(x.dtype) <= 0``: the
+same test as on the stored output, without reading it.
+
 Example:
     >>> import torch
     >>> from amp_fx.kernels import reference
@@ -72,6 +94,8 @@ __all__ = [
     "advance_step_",
     "cross_entropy_forward",
     "cross_entropy_backward",
+    "batch_norm_act_forward",
+    "batch_norm_act_backward",
 ]
 
 
@@ -419,3 +443,174 @@ def cross_entropy_backward(
         return out.copy_(grad)
     # Contiguous whatever the logits' strides, as the Triton kernel and the op's fake allocate it.
     return grad.to(logits.dtype).contiguous()
+
+
+def check_batch_norm_act_arguments(
+    input: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    residual: Tensor | None,
+    *,
+    grad_out: Tensor | None = None,
+    mean: Tensor | None = None,
+    invstd: Tensor | None = None,
+    out: Tensor | None = None,
+) -> None:
+    """Validate the arguments of ``batch_norm_act_forward`` / ``batch_norm_act_backward`` (metadata
+    only: never reads a value, so it never synchronizes); raise TypeError/ValueError."""
+    if not isinstance(input, Tensor):
+        raise TypeError(f"input must be a tensor, got {type(input).__name__}")
+    if input.dim() < 2 or input.shape[1] == 0:
+        raise ValueError(
+            f"input must be (N, C, ...) with at least one channel, got shape {tuple(input.shape)}"
+        )
+    if input.dtype not in PARAM_DTYPES:
+        allowed = ", ".join(str(d) for d in PARAM_DTYPES)
+        raise ValueError(f"input has dtype {input.dtype}; supported dtypes are {allowed}")
+    num_channels = input.shape[1]
+    if input.numel() // num_channels == 0:
+        raise ValueError(f"input of shape {tuple(input.shape)} has no values per channel")
+    for name, param in (("weight", weight), ("bias", bias)):
+        if param is None:
+            continue
+        if not isinstance(param, Tensor):
+            raise TypeError(f"{name} must be a tensor or None, got {type(param).__name__}")
+        if tuple(param.shape) != (num_channels,) or param.dtype not in PARAM_DTYPES:
+            raise ValueError(
+                f"{name} must be a 1-D float tensor of {num_channels} channels, got {param.dtype} of "
+                f"shape {tuple(param.shape)}"
+            )
+        if param.device != input.device:
+            raise ValueError(f"{name} is on {param.device} but input is on {input.device}; move it")
+    for name, value in (("residual", residual), ("grad_out", grad_out), ("out", out)):
+        if value is None:
+            continue
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{name} must be a tensor or None, got {type(value).__name__}")
+        if value.shape != input.shape or value.dtype != input.dtype or value.device != input.device:
+            raise ValueError(
+                f"{name} must match input ({input.dtype} {tuple(input.shape)} on {input.device}), got "
+                f"{value.dtype} {tuple(value.shape)} on {value.device}"
+            )
+    for name, value in (("mean", mean), ("invstd", invstd)):
+        if value is None:
+            continue
+        if (
+            value.dtype != torch.float32
+            or tuple(value.shape) != (num_channels,)
+            or value.device != input.device
+        ):
+            raise ValueError(
+                f"{name} must be float32 of shape ({num_channels},) on {input.device}, got {value.dtype} of "
+                f"shape {tuple(value.shape)} on {value.device}; pass the forward's statistics"
+            )
+
+
+def _per_channel(values: Tensor, input: Tensor) -> Tensor:
+    """A (C,) vector shaped to broadcast along dim 1 of ``input``."""
+    return values.reshape((1, -1) + (1,) * (input.dim() - 2))
+
+
+def _batch_norm_scale_and_bias(
+    weight: Tensor | None, bias: Tensor | None, invstd: Tensor
+) -> tuple[Tensor, Tensor]:
+    """fp32 (C,) scale = weight * invstd and bias (zeros when None)."""
+    scale = invstd if weight is None else weight.float() * invstd
+    shift = torch.zeros_like(invstd) if bias is None else bias.float()
+    return scale, shift
+
+
+def _like_input(values: Tensor, input: Tensor) -> Tensor:
+    """``values`` in input's dtype and strides (channels_last stays channels_last), rounded once."""
+    return torch.empty_like(input).copy_(values)
+
+
+def batch_norm_act_forward(
+    input: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    residual: Tensor | None,
+    eps: float,
+    relu: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Training-mode BatchNorm over dim 1 of ``input`` (N, C, ...), then ``+ residual``, then ReLU
+    (module docstring for the math).
+
+    Returns ``(out, mean, invstd, var)``: ``out`` in input's dtype and strides; the batch mean,
+    ``1 / sqrt(var + eps)`` and the biased variance, float32 (C,).
+
+    Example:
+        >>> x = torch.tensor([[1.0], [3.0]], dtype=torch.float16)
+        >>> out, mean, invstd, var = batch_norm_act_forward(x, None, None, None, 0.0, relu=True)
+        >>> out.flatten(), mean, var
+        (tensor([0., 1.], dtype=torch.float16), tensor([2.]), tensor([1.]))
+    """
+    check_batch_norm_act_arguments(input, weight, bias, residual)
+    x = input.float()
+    dims = [d for d in range(input.dim()) if d != 1]
+    var, mean = torch.var_mean(x, dim=dims, correction=0)
+    invstd = torch.rsqrt(var + eps)
+    scale, shift = _batch_norm_scale_and_bias(weight, bias, invstd)
+    y = (x - _per_channel(mean, input)) * _per_channel(scale, input) + _per_channel(shift, input)
+    if residual is not None:
+        y = y + residual.float()
+    if relu:
+        # Not torch.clamp_min(y, 0): NaN stays NaN, as torch.relu keeps it.
+        y = torch.where(y < 0, 0.0, y)
+    return _like_input(y, input), mean, invstd, var
+
+
+def batch_norm_act_backward(
+    grad_out: Tensor,
+    input: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    mean: Tensor,
+    invstd: Tensor,
+    out: Tensor | None,
+    has_residual: bool,
+    relu: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of ``batch_norm_act_forward`` (module docstring for the math).
+
+    ``mean`` and ``invstd`` are the forward's. ``out`` is the forward's output, needed only with a
+    residual and ReLU (the mask then depends on the residual); else None and the mask is
+    recomputed. Returns ``(grad_input, grad_weight, grad_bias, grad_residual)``: grad_input in
+    input's dtype and strides, grad_weight / grad_bias in weight's / bias's dtype (float32 when
+    None), grad_residual like grad_input when ``has_residual``, else an empty tensor.
+
+    Example:
+        >>> x = torch.tensor([[1.0], [3.0]])
+        >>> out, mean, invstd, _ = batch_norm_act_forward(x, None, None, None, 0.0, relu=False)
+        >>> grads = batch_norm_act_backward(torch.tensor([[1.0], [2.0]]), x, None, None, mean, invstd,
+        ...                                 None, has_residual=False, relu=False)
+        >>> grads[0].flatten(), grads[1], grads[2]
+        (tensor([0., 0.]), tensor([1.]), tensor([3.]))
+    """
+    check_batch_norm_act_arguments(
+        input, weight, bias, None, grad_out=grad_out, mean=mean, invstd=invstd, out=out
+    )
+    if relu and has_residual and out is None:
+        raise ValueError("with a residual and relu=True the backward needs the forward's output (out)")
+    x = input.float()
+    dims = [d for d in range(input.dim()) if d != 1]
+    num_values = input.numel() // input.shape[1]
+    scale, shift = _batch_norm_scale_and_bias(weight, bias, invstd)
+    centered = x - _per_channel(mean, input)
+    dy = grad_out.float()
+    if relu:
+        if out is None:
+            out = (centered * _per_channel(scale, input) + _per_channel(shift, input)).to(input.dtype)
+        dy = torch.where(out <= 0, 0.0, dy)
+    sum_dy = dy.sum(dims)
+    sum_dy_centered = (dy * centered).sum(dims)
+    grad_weight = invstd * sum_dy_centered
+    correction = centered * _per_channel(invstd * grad_weight / num_values, input)
+    grad_input = (dy - _per_channel(sum_dy / num_values, input) - correction) * _per_channel(scale, input)
+    grad_residual = _like_input(dy, input) if has_residual else input.new_empty((0,))
+    return (
+        _like_input(grad_input, input),
+        grad_weight.to(torch.float32 if weight is None else weight.dtype),
+        sum_dy.to(torch.float32 if bias is None else bias.dtype),
+        grad_residual,
+    )

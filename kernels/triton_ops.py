@@ -1,18 +1,20 @@
 """The Triton implementation of the kernel contract, one function per kernel.
 
 Same names, signatures and semantics as ``amp_fx.kernels.reference``; each optimizer kernel
-launches once per dtype group (never once per tensor), each cross-entropy kernel once per call.
+launches once per dtype group (never once per tensor), each cross-entropy kernel once per call,
+the BatchNorm kernels twice per forward and twice per backward.
 ``advance_step_`` is a single elementwise op on a one-element tensor, so both implementations
 share the reference's.
 
 Example:
     >>> from amp_fx.kernels import triton_ops
     >>> sorted(triton_ops.__all__)  # doctest: +NORMALIZE_WHITESPACE
-    ['adam_step_', 'advance_step_', 'check_finite_and_norm_', 'cross_entropy_backward',
-     'cross_entropy_forward', 'sgd_step_']
+    ['adam_step_', 'advance_step_', 'batch_norm_act_backward', 'batch_norm_act_forward',
+     'check_finite_and_norm_', 'cross_entropy_backward', 'cross_entropy_forward', 'sgd_step_']
 """
 
 from amp_fx.kernels.adam import adam_step_
+from amp_fx.kernels.batch_norm import batch_norm_act_backward, batch_norm_act_forward
 from amp_fx.kernels.cross_entropy import cross_entropy_backward, cross_entropy_forward
 from amp_fx.kernels.overflow_check import check_finite_and_norm_
 from amp_fx.kernels.reference import advance_step_
@@ -25,4 +27,6 @@ __all__ = [
     "advance_step_",
     "cross_entropy_forward",
     "cross_entropy_backward",
+    "batch_norm_act_forward",
+    "batch_norm_act_backward",
 ]

@@ -28,6 +28,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from amp_fx.fused_batch_norm import FusedBatchNormAct
 from amp_fx.node_info import node_info
 from amp_fx.passes.autocast_island import AutocastIsland
 from amp_fx.passes.classify import decide_node
@@ -93,6 +94,8 @@ def planned_parameter_dtypes(gm: torch.fx.GraphModule, policy: Policy) -> dict[s
                 if not isinstance(module.wrapped, nn.Module):
                     continue
                 module, path = module.wrapped, module.name
+            elif isinstance(module, FusedBatchNormAct):
+                module, path = module.batch_norm, module.batch_norm_name
             decision = decide_node(node, gm, policy)
             for name, tensor in _module_tensors(module, path):
                 want(name, tensor, decision.param_dtype if decision is not None else None)

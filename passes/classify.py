@@ -34,6 +34,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from amp_fx.fused_batch_norm import FusedBatchNormAct
 from amp_fx.node_info import node_info
 from amp_fx.op_lists import OPAQUE_OP
 from amp_fx.passes.autocast_island import AutocastIsland
@@ -109,6 +110,9 @@ def decide_node(node: torch.fx.Node, gm: torch.fx.GraphModule, policy: Policy) -
         return Decision(Rule.PASSTHROUGH, info.cast_reason or "amp_fx cast", None)
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
+        if isinstance(module, FusedBatchNormAct):  # asked about the BatchNorm it calls
+            batch_norm = module.batch_norm
+            return policy.decide("batch_norm", module.batch_norm_name, type(batch_norm))
         if isinstance(module, AutocastIsland):
             wrapped = module.wrapped
             decision = policy.decide(

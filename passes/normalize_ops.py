@@ -49,6 +49,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from amp_fx.fused_batch_norm import FusedBatchNormAct
 from amp_fx.node_info import node_info
 from amp_fx.op_lists import OPAQUE_OP, canonical_op_name, is_known_op
 from amp_fx.policy import Rule
@@ -71,6 +72,7 @@ MODULE_OPS: dict[type[nn.Module], str] = {
     nn.ConvTranspose2d: "conv_transpose2d",
     nn.ConvTranspose3d: "conv_transpose3d",
     nn.modules.batchnorm._BatchNorm: "batch_norm",
+    FusedBatchNormAct: "batch_norm",  # amp_fx's BatchNorm + [add] + ReLU (a converted graph)
     nn.modules.instancenorm._InstanceNorm: "instance_norm",
     nn.LayerNorm: "layer_norm",
     nn.GroupNorm: "group_norm",

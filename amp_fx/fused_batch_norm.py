@@ -1,0 +1,86 @@
+"""`FusedBatchNormAct`: a BatchNorm2d call, the residual add after it and the ReLU, as one module.
+
+`amp_fx.passes.fuse_batch_norm` puts one in place of ``relu(bn(x))`` or ``relu(bn(x) + identity)``
+(ResNet's pattern). It owns no parameters: it calls the BatchNorm module it replaces, which stays
+where it was in the model (same state_dict keys, same train/eval switch, same buffers). In training
+mode on a channels_last input it runs `amp_fx.norms.batch_norm_act` (Triton kernels: fewer passes
+over the activations than cuDNN's BatchNorm followed by separate add and ReLU kernels); otherwise,
+and for everything `batch_norm_act` does not fuse, exactly what the three calls computed.
+
+    >>> bn = torch.nn.BatchNorm2d(8)
+    >>> fused = FusedBatchNormAct(bn, "bn")
+    >>> x = torch.randn(2, 8, 4, 4).to(memory_format=torch.channels_last)
+    >>> torch.allclose(fused(x), torch.relu(torch.nn.BatchNorm2d(8)(x)), atol=1e-6)
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["FusedBatchNormAct", "is_fusable_batch_norm"]
+
+
+def is_fusable_batch_norm(module: nn.Module) -> bool:
+    """True for a plain BatchNorm2d (not a subclass with its own forward, not SyncBatchNorm)."""
+    return isinstance(module, nn.BatchNorm2d) and type(module).forward is nn.BatchNorm2d.forward
+
+
+class FusedBatchNormAct(nn.Module):
+    """``relu(batch_norm(x) [+ residual])`` through the BatchNorm2d module `batch_norm`.
+
+    Args:
+        batch_norm: the BatchNorm2d module; referenced, not registered (its owner keeps it).
+        name: its qualified name in the model (for passes that plan its parameters' dtype).
+        relu: apply ReLU after the (optional) residual add.
+    """
+
+    def __init__(self, batch_norm: nn.BatchNorm2d, name: str, relu: bool = True) -> None:
+        super().__init__()
+        if not is_fusable_batch_norm(batch_norm):
+            raise TypeError(
+                f"FusedBatchNormAct needs an nn.BatchNorm2d with torch's forward, got "
+                f"{type(batch_norm).__name__}; leave other norms unfused"
+            )
+        # A tuple hides the module from nn.Module's registration: no duplicate state_dict keys.
+        self._batch_norm = (batch_norm,)
+        self.batch_norm_name = name
+        self.relu = relu
+
+    @property
+    def batch_norm(self) -> nn.BatchNorm2d:
+        return self._batch_norm[0]
+
+    def extra_repr(self) -> str:
+        return f"{self.batch_norm_name}: {self.batch_norm.extra_repr()}, relu={self.relu}"
+
+    def _momentum(self) -> float:
+        # nn.BatchNorm2d.forward's exponential_average_factor, counting the batch as it does.
+        bn = self.batch_norm
+        if not (bn.training and bn.track_running_stats) or bn.num_batches_tracked is None:
+            return 0.0 if bn.momentum is None else bn.momentum
+        bn.num_batches_tracked.add_(1)
+        if bn.momentum is None:  # cumulative moving average (a host read, as in torch)
+            return 1.0 / float(bn.num_batches_tracked)
+        return bn.momentum
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        bn = self.batch_norm
+        bn._check_input_dim(x)
+        momentum = self._momentum()
+        uses_batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
+        tracked = not bn.training or bn.track_running_stats
+        running_mean = bn.running_mean if tracked else None
+        running_var = bn.running_var if tracked else None
+        if uses_batch_stats:
+            from amp_fx.norms import batch_norm_act
+
+            return batch_norm_act(
+                x, bn.weight, bn.bias, running_mean, running_var, momentum, bn.eps, residual, self.relu
+            )
+        y = F.batch_norm(x, running_mean, running_var, bn.weight, bn.bias, False, momentum, bn.eps)
+        if residual is not None:
+            y = y + residual
+        return F.relu(y) if self.relu else y

@@ -1,0 +1,130 @@
+"""Pass 10 of convert (O2): BatchNorm2d, the residual add after it and the ReLU as one call.
+
+A ResNet spends most of a step outside its convolutions: training-mode BatchNorm reads its input
+twice and writes it once, the residual add and the ReLU read and write it again, and backward does
+it all once more. `amp_fx.fused_batch_norm.FusedBatchNormAct` runs the three as one BatchNorm with
+an epilogue (`amp_fx.norms.batch_norm_act`: the same fp32 statistics, one write of the output).
+This pass puts it in place of
+
+    relu(bn(x))                  ->  bn_relu(x)
+    relu(bn(x) + identity)       ->  bn_add_relu(x, identity)      (either operand order)
+
+where ``bn`` is an ``nn.BatchNorm2d`` whose output nothing else reads, with the rule the policy
+gives batch_norm at O2 (PASSTHROUGH: fp32 parameters, low-precision input, no casts), and the
+add's other operand has the BatchNorm's dtype. It runs only where ``policy.fused_batch_norm``
+(default: O2). The BatchNorm module stays in the model under its name; the new module, registered
+beside it as ``<name>_relu`` / ``<name>_add_relu``, calls it.
+
+Example (O2, fp16; torchvision's Bottleneck)::
+
+    before                                        after
+    bn3 = self.layer1.0.bn3(conv3)                downsample_1 = ...
+    downsample_1 = ...                            bn3 = self.layer1.0.bn3_add_relu(conv3, downsample_1)
+    add = bn3 + downsample_1
+    relu_2 = self.layer1.0.relu(add)
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+import torch.fx
+
+from amp_fx.fused_batch_norm import FusedBatchNormAct, is_fusable_batch_norm
+from amp_fx.node_info import node_info
+from amp_fx.policy import Policy, Rule
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["fuse_batch_norm"]
+
+_ADD_FUNCTIONS = (operator.add, operator.iadd, torch.add)
+
+
+def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _is_relu(node: torch.fx.Node | None, value: torch.fx.Node) -> bool:
+    """A ReLU of `value` alone (nn.ReLU, F.relu, torch.relu, Tensor.relu, in place or not)."""
+    if (
+        node is None
+        or node_info(node).op != "relu"
+        or node.op not in ("call_module", "call_function", "call_method")
+    ):
+        return False
+    return list(node.args[:1]) == [value] and not node.args[1:] and set(node.kwargs) <= {"inplace"}
+
+
+def _residual(add: torch.fx.Node | None, value: torch.fx.Node) -> torch.fx.Node | None:
+    """The other operand of ``value + other`` (a plain two-tensor add of one dtype), or None."""
+    if add is None or add.op != "call_function" or add.target not in _ADD_FUNCTIONS or add.kwargs:
+        return None
+    if len(add.args) != 2 or value not in add.args or add.args[0] is add.args[1]:
+        return None
+    other = add.args[1] if add.args[0] is value else add.args[0]
+    if not isinstance(other, torch.fx.Node):
+        return None
+    dtype = node_info(value).out_dtype
+    return other if dtype is not None and node_info(other).out_dtype == dtype else None
+
+
+def _fuse(
+    gm: torch.fx.GraphModule, bn: torch.fx.Node, relu: torch.fx.Node, residual: torch.fx.Node | None
+) -> None:
+    suffix = "_add_relu" if residual is not None else "_relu"
+    path = f"{bn.target}{suffix}"
+    gm.add_submodule(path, FusedBatchNormAct(gm.get_submodule(bn.target), bn.target))
+    fused_away = [n for n in relu.args[:1] if n is not bn]  # the add, when there is one
+    inputs = (bn.args[0], residual) if residual is not None else (bn.args[0],)
+    # At the ReLU's place: the residual may be computed after the BatchNorm (a downsample branch).
+    with gm.graph.inserting_before(relu):
+        fused = gm.graph.call_module(path, inputs)
+    info = node_info(bn)
+    fused.meta["amp_fx"] = info
+    info.in_dtypes = tuple(node_info(n).out_dtype for n in fused.all_input_nodes)
+    what = "the residual add and the ReLU" if residual is not None else "the ReLU"
+    info.notes.append(f"fused with {what}: {path} (amp_fx.norms.batch_norm_act)")
+    relu.replace_all_uses_with(fused)
+    for node in (relu, *fused_away, bn):
+        gm.graph.erase_node(node)
+
+
+def fuse_batch_norm(gm: torch.fx.GraphModule, policy: Policy) -> int:
+    """Replace BatchNorm2d -> [add] -> ReLU chains with `FusedBatchNormAct` calls; returns how many.
+
+    Example::
+
+        >>> gm = convert(torchvision.models.resnet50(), "O2")   # calls this pass; doctest: +SKIP
+        >>> sum(isinstance(m, FusedBatchNormAct) for m in gm.modules())
+        49
+    """
+    if not policy.fused_batch_norm:
+        return 0
+    fused = 0
+    for bn in list(gm.graph.nodes):
+        if (
+            bn.op != "call_module"
+            or len(bn.args) != 1
+            or bn.kwargs
+            or node_info(bn).rule is not Rule.PASSTHROUGH
+        ):
+            continue
+        if not is_fusable_batch_norm(gm.get_submodule(bn.target)):
+            continue
+        user = _only_user(bn)
+        if _is_relu(user, bn):
+            _fuse(gm, bn, user, None)
+            fused += 1
+            continue
+        residual = _residual(user, bn)
+        after_add = _only_user(user) if residual is not None else None
+        if residual is not None and _is_relu(after_add, user):
+            _fuse(gm, bn, after_add, residual)
+            fused += 1
+    if fused:
+        gm.recompile()
+    logger.debug("fuse_batch_norm %s: %d BatchNorm2d calls fused", policy.opt_level, fused)
+    return fused

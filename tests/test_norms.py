@@ -1,0 +1,333 @@
+"""batch_norm_act against ``F.relu(F.batch_norm(x, ..., training=True) + residual)``.
+
+The fused path must give the float64 result rounded once (outputs, input and residual gradients),
+the parameter gradients up to fp32 summation order, torch's own low-precision result within the
+mixed-precision tolerances, and running statistics updated as F.batch_norm updates them. Every
+call it does not fuse must give exactly torch's result.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from amp_fx import norms
+from amp_fx.kernels import reference
+from amp_fx.norms import batch_norm_act, batch_norm_act_backward, batch_norm_act_forward
+from amp_fx.testing import assert_close_normwise, grad_tolerances, tolerances
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+PARAMS = ["float32", "input dtype", "none"]
+SHAPE = (3, 6, 3, 4)
+MOMENTUM = 0.1
+EPS = 1e-5
+
+
+def assert_rounded_once_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Results in the input's dtype, each side rounded once from fp32 math (or float64): one unit
+    in the last place of that dtype (eps, relative), plus fp32's absolute tolerance for entries
+    near 0. fp32 results: fp32 tolerance. The rule of tests/test_losses.py (amp_fx.testing has
+    no rounding tolerance yet)."""
+    assert actual.dtype == expected.dtype
+    rtol, atol = tolerances(torch.float32)
+    if actual.dtype != torch.float32:
+        rtol = torch.finfo(actual.dtype).eps
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True)
+
+
+def assert_channel_sums_close(actual: torch.Tensor, expected: torch.Tensor, scale: float) -> None:
+    """Parameter gradients: per-channel fp32 sums whose error is relative to ``scale``, the sum of
+    the magnitudes of their terms (the rule of tests/kernels/test_batch_norm.py)."""
+    rtol, atol = tolerances(torch.float32)
+    if actual.dtype != torch.float32:
+        rtol = torch.finfo(actual.dtype).eps
+    assert_close_normwise(actual, expected, rtol=rtol, atol=atol, scale=scale, name="channel sums")
+
+
+def make_inputs(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    params: str,
+    with_residual: bool,
+    seed: int,
+    device: str = "cpu",
+    memory_format: torch.memory_format = torch.channels_last,
+) -> dict:
+    """Leaf tensors for one call: input, parameters, running statistics (their dtype), residual
+    and the upstream gradient."""
+    generator = torch.Generator().manual_seed(seed)
+    num_channels = shape[1]
+
+    def activation(scale: float, offset: float) -> torch.Tensor:
+        values = (scale * torch.randn(shape, generator=generator) + offset).to(dtype).to(device)
+        if values.dim() == 4:
+            values = values.contiguous(memory_format=memory_format)
+        return values
+
+    param_dtype = dtype if params == "input dtype" else torch.float32
+    return {
+        "input": activation(2.0, 3.0).requires_grad_(True),
+        "weight": None
+        if params == "none"
+        else (torch.rand(num_channels, generator=generator) + 0.5)
+        .to(param_dtype)
+        .to(device)
+        .requires_grad_(),
+        "bias": None
+        if params == "none"
+        else torch.randn(num_channels, generator=generator).to(param_dtype).to(device).requires_grad_(),
+        "running_mean": torch.randn(num_channels, generator=generator).to(param_dtype).to(device),
+        "running_var": (torch.rand(num_channels, generator=generator) + 0.5).to(param_dtype).to(device),
+        "residual": activation(1.0, 0.0).requires_grad_(True) if with_residual else None,
+        "grad_out": activation(1.0, 0.0),
+    }
+
+
+def torch_expression(input, weight, bias, running_mean, running_var, momentum, eps, residual=None, relu=True):
+    out = F.batch_norm(
+        input, running_mean, running_var, weight, bias, training=True, momentum=momentum, eps=eps
+    )
+    if residual is not None:
+        out = out + residual
+    return F.relu(out) if relu else out
+
+
+def run(fn, inputs: dict, relu: bool = True, cast=None) -> dict:
+    """Call ``fn`` like batch_norm_act on copies of ``inputs`` (cast by ``cast`` when given), run
+    the backward; return the output, the leaves' gradients and the running statistics after."""
+
+    def copy(t):
+        if t is None:
+            return None
+        c = t.detach().clone() if cast is None else cast(t.detach())
+        return c.requires_grad_(t.requires_grad)
+
+    args = {k: copy(v) for k, v in inputs.items() if k != "grad_out"}
+    out = fn(
+        args["input"],
+        args["weight"],
+        args["bias"],
+        args["running_mean"],
+        args["running_var"],
+        MOMENTUM,
+        EPS,
+        args["residual"],
+        relu,
+    )
+    out.backward(inputs["grad_out"] if cast is None else cast(inputs["grad_out"]))
+    result = {"out": out.detach(), "running_mean": args["running_mean"], "running_var": args["running_var"]}
+    for name in ("input", "weight", "bias", "residual"):
+        result[f"grad_{name}"] = None if args[name] is None else args[name].grad
+    return result
+
+
+@pytest.fixture
+def fused_calls(monkeypatch) -> list[int]:
+    """Counts the calls of the fused forward op that batch_norm_act makes."""
+    calls: list[int] = []
+
+    def counted(*args):
+        calls.append(1)
+        return batch_norm_act_forward(*args)
+
+    monkeypatch.setattr(norms, "batch_norm_act_forward", counted)
+    return calls
+
+
+def to_float64(t: torch.Tensor) -> torch.Tensor:
+    return t.double()
+
+
+def assert_matches_float64(ours: dict, inputs: dict, relu: bool) -> None:
+    dtype = inputs["input"].dtype
+    expected = run(torch_expression, inputs, relu=relu, cast=to_float64)
+    assert ours["out"].dtype == dtype
+    assert ours["out"].is_contiguous(memory_format=torch.channels_last)
+    assert_rounded_once_close(ours["out"], expected["out"].to(dtype))
+    assert_rounded_once_close(ours["grad_input"], expected["grad_input"].to(dtype))
+    if inputs["residual"] is not None:
+        assert torch.equal(ours["grad_residual"], expected["grad_residual"].to(dtype))
+    grad_out = inputs["grad_out"].double()
+    magnitude = (4 * grad_out.abs()).sum(dim=(0, 2, 3)).max().item()  # |x_hat| < 4 here
+    for name in ("grad_weight", "grad_bias"):
+        if ours[name] is None:
+            assert expected[name] is None
+            continue
+        assert ours[name].dtype == inputs[name.removeprefix("grad_")].dtype
+        assert_channel_sums_close(ours[name], expected[name], magnitude)
+
+
+def assert_running_stats_like_torch(ours: dict, inputs: dict, relu: bool) -> None:
+    """The running statistics after the call equal F.batch_norm's update of copies of them: to
+    fp32 tolerance for fp32 buffers. torch on CPU updates fp16/bf16 buffers with statistics it
+    rounds to their dtype first, so there: one rounding from the float64 update, and torch's
+    result within the mixed-precision tolerances."""
+    expected = run(torch_expression, inputs, relu=relu)
+    x = inputs["input"].detach().double()
+    var, mean = torch.var_mean(x, dim=[d for d in range(x.dim()) if d != 1], correction=1)
+    batch_stats = {"running_mean": mean, "running_var": var}
+    for name in ("running_mean", "running_var"):
+        assert ours[name].dtype == expected[name].dtype
+        assert not torch.equal(ours[name], inputs[name])
+        if ours[name].dtype == torch.float32:
+            rtol, atol = tolerances(torch.float32)
+            torch.testing.assert_close(ours[name], expected[name], rtol=rtol, atol=atol)
+            continue
+        exact = (1 - MOMENTUM) * inputs[name].double() + MOMENTUM * batch_stats[name]
+        assert_rounded_once_close(ours[name], exact.to(ours[name].dtype))
+        rtol, atol = tolerances(ours[name].dtype)
+        torch.testing.assert_close(ours[name], expected[name], rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("relu", [True, False])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("params", PARAMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_float64_and_updates_running_stats(dtype, params, with_residual, relu, fused_calls) -> None:
+    inputs = make_inputs(SHAPE, dtype, params, with_residual, seed=7)
+    ours = run(batch_norm_act, inputs, relu=relu)
+    assert len(fused_calls) == 1
+    assert_matches_float64(ours, inputs, relu)
+    assert_running_stats_like_torch(ours, inputs, relu)
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_close_to_torchs_low_precision_result(dtype, with_residual, fused_calls) -> None:
+    # torch rounds the normalized value before adding the residual; the fused path rounds once.
+    inputs = make_inputs(SHAPE, dtype, "float32", with_residual, seed=11)
+    ours = run(batch_norm_act, inputs)
+    expected = run(torch_expression, inputs)
+    rtol, atol = tolerances(dtype)
+    assert_close_normwise(ours["out"], expected["out"], rtol=rtol, atol=atol, name="out")
+    rtol, atol = grad_tolerances(dtype)
+    for name in ("grad_input", "grad_weight", "grad_bias", "grad_residual"):
+        if expected[name] is not None:
+            assert ours[name].dtype == expected[name].dtype
+            assert_close_normwise(ours[name], expected[name], rtol=rtol, atol=atol, name=name)
+    assert len(fused_calls) == 1
+
+
+def test_without_running_stats(fused_calls) -> None:
+    inputs = make_inputs(SHAPE, torch.float16, "float32", True, seed=3)
+    inputs["running_mean"] = inputs["running_var"] = None
+    ours = run(batch_norm_act, inputs)
+    assert len(fused_calls) == 1
+    assert_matches_float64(ours, inputs, relu=True)
+
+
+def test_only_parameter_gradients(fused_calls) -> None:
+    # An input that needs no gradient (the first layer's): the parameters still get theirs.
+    inputs = make_inputs(SHAPE, torch.bfloat16, "float32", False, seed=4)
+    inputs["input"].requires_grad_(False)
+    ours = run(batch_norm_act, inputs)
+    expected = run(torch_expression, inputs, cast=to_float64)
+    assert ours["grad_input"] is None
+    magnitude = (4 * inputs["grad_out"].double().abs()).sum(dim=(0, 2, 3)).max().item()
+    assert_channel_sums_close(ours["grad_weight"], expected["grad_weight"], magnitude)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1"
+)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_dispatches_to_triton(monkeypatch, with_residual, fused_calls) -> None:
+    # AMP_FX_FORCE_TRITON=1 runs the ops' Triton kernels on CPU tensors, under the interpreter.
+    monkeypatch.setenv("AMP_FX_FORCE_TRITON", "1")
+    inputs = make_inputs((2, 5, 3, 3), torch.float16, "float32", with_residual, seed=5)
+    ours = run(batch_norm_act, inputs)
+    assert len(fused_calls) == 1
+    assert_matches_float64(ours, inputs, relu=True)
+    assert_running_stats_like_torch(ours, inputs, relu=True)
+
+
+FALLBACKS = ["NCHW input", "2-D input", "3-D input", "5-D input", "NCHW residual", "float64 input"]
+
+
+@pytest.mark.parametrize("case", FALLBACKS)
+def test_other_calls_are_exactly_the_torch_expression(case, fused_calls) -> None:
+    shape = {"2-D input": (6, 4), "3-D input": (3, 4, 5), "5-D input": (2, 4, 2, 3, 2)}.get(
+        case, (2, 4, 3, 3)
+    )
+    dtype = torch.float64 if case == "float64 input" else torch.float16
+    memory_format = torch.contiguous_format if case == "NCHW input" else torch.channels_last
+    params = "input dtype" if dtype == torch.float64 else "float32"
+    inputs = make_inputs(shape, dtype, params, True, seed=6, memory_format=memory_format)
+    if case == "NCHW residual":
+        inputs["residual"] = inputs["residual"].detach().contiguous().requires_grad_(True)
+    ours = run(batch_norm_act, inputs)
+    expected = run(torch_expression, inputs)
+    assert not fused_calls
+    for name, value in expected.items():
+        assert torch.equal(ours[name], value), name
+        assert ours[name].stride() == value.stride(), name
+
+
+def test_errors_of_the_torch_expression(fused_calls) -> None:
+    # One value per channel: F.batch_norm's error, not a division by M - 1 = 0.
+    x = torch.randn(1, 3, 1, 1).to(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        batch_norm_act(x, None, None, torch.zeros(3), torch.ones(3), MOMENTUM, EPS)
+    with pytest.raises(RuntimeError):
+        batch_norm_act(torch.randn(2, 3, 2, 2), torch.ones(4), None, None, None, MOMENTUM, EPS)
+    assert not fused_calls
+
+
+def test_compiles_without_graph_breaks(fused_calls) -> None:
+    # Under torch.compile batch_norm_act is the torch expression (Inductor fuses it itself).
+    compiled = torch.compile(batch_norm_act, backend="aot_eager", fullgraph=True)
+    inputs = make_inputs(SHAPE, torch.float16, "float32", True, seed=8)
+    ours = run(compiled, inputs)
+    assert not fused_calls
+    expected = run(torch_expression, inputs)
+    for name, value in expected.items():
+        torch.testing.assert_close(ours[name], value)
+
+
+def test_opcheck() -> None:
+    opcheck = getattr(torch.library, "opcheck", None)
+    if opcheck is None:
+        pytest.skip("torch.library.opcheck needs torch >= 2.4")
+    inputs = make_inputs((2, 5, 2, 3), torch.float16, "float32", True, seed=9)
+    x, weight, bias, residual = (inputs[k].detach() for k in ("input", "weight", "bias", "residual"))
+    for relu in (True, False):
+        opcheck(batch_norm_act_forward, (x, weight.requires_grad_(), bias, residual, EPS, relu))
+        opcheck(batch_norm_act_forward, (x.requires_grad_(), None, None, None, EPS, relu))
+        x = x.detach()
+    out, mean, invstd, _ = reference.batch_norm_act_forward(x, weight.detach(), bias, residual, EPS, True)
+    grad_out = inputs["grad_out"]
+    opcheck(batch_norm_act_backward, (grad_out, x, weight.detach(), bias, mean, invstd, out, True, True))
+    opcheck(batch_norm_act_backward, (grad_out, x, None, None, mean, invstd, None, False, True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_resnet_sized_on_gpu(with_residual, fused_calls) -> None:
+    # ResNet-50's stage 1 BatchNorm at batch 256: 256 x 64 x 56 x 56 fp16 channels_last, fp32 params.
+    inputs = make_inputs((256, 64, 56, 56), torch.float16, "float32", with_residual, seed=10, device="cuda")
+    ours = run(batch_norm_act, inputs)
+    expected = run(torch_expression, inputs)
+    assert len(fused_calls) == 1
+    rtol, atol = tolerances(torch.float16)
+    assert_close_normwise(ours["out"], expected["out"], rtol=rtol, atol=atol, name="out")
+    rtol, atol = grad_tolerances(torch.float16)
+    for name in ("grad_input", "grad_weight", "grad_bias", "grad_residual"):
+        if expected[name] is not None:
+            assert_close_normwise(ours[name], expected[name], rtol=rtol, atol=atol, name=name)
+    for name in ("running_mean", "running_var"):
+        torch.testing.assert_close(ours[name], expected[name], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_no_host_synchronization_on_gpu() -> None:
+    inputs = make_inputs((8, 128, 7, 7), torch.float16, "float32", True, seed=12, device="cuda")
+    run(batch_norm_act, inputs)  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run(batch_norm_act, inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
