@@ -7,12 +7,17 @@ passes forward and two backward (``amp_fx.kernels.batch_norm``): the statistics 
 once, and the output, the normalization's input gradient and the residual's gradient are each
 written once, in the input's dtype, rounded once from fp32 math.
 
-The kernels are wrapped as the custom ops ``amp_fx::batch_norm_act_forward`` (input, weight,
-bias, residual, eps, relu) -> (out, mean, invstd, var) and ``amp_fx::batch_norm_act_backward``,
-with fake implementations and autograd. They are functional: the running statistics are updated
-by `batch_norm_act` itself, with torch ops, from the (mean, var) the forward returns. They run the
-Triton kernels on CUDA tensors and the pure-torch reference elsewhere
-(``amp_fx.kernels.implementation_for``).
+Eager calls go through a ``torch.autograd.Function`` that calls the kernel functions directly
+(``amp_fx.kernels.implementation_for``: the Triton kernels on CUDA tensors, the pure-torch
+reference elsewhere), which also update the running statistics in place: per call, the host does
+one metadata check, one autograd node and three kernel launches each way.
+
+The same kernels are also wrapped as the custom ops ``amp_fx::batch_norm_act_forward`` (input,
+weight, bias, residual, eps, relu) -> (out, mean, invstd, var) and
+``amp_fx::batch_norm_act_backward``, with fake implementations and autograd, for callers that trace
+with functional or fake tensors (torch.export, make_fx, dispatch modes): the ops are functional,
+so on that path `batch_norm_act` updates the running statistics with torch ops from the (mean,
+var) the forward returns.
 
 Under torch.compile `batch_norm_act` is plain torch (``F.batch_norm`` + add + ``F.relu``):
 Inductor fuses those itself, and an opaque op would stop it.
@@ -22,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = ["batch_norm_act", "batch_norm_act_forward", "batch_norm_act_backward"]
 
@@ -144,13 +150,14 @@ def _backward(
 batch_norm_act_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _is_channel_vector(tensor: Tensor | None, input: Tensor) -> bool:
+def _is_channel_vector(tensor: Tensor | None, num_channels: int, device: torch.device) -> bool:
     return (
         isinstance(tensor, Tensor)
         and tensor.dim() == 1
-        and tensor.shape[0] == input.shape[1]
+        and tensor.shape[0] == num_channels
         and tensor.dtype in _FUSED_DTYPES
-        and tensor.device == input.device
+        and tensor.device == device
+        and tensor.is_contiguous()
     )
 
 
@@ -166,33 +173,44 @@ def _runs_fused(
     relu: bool,
 ) -> bool:
     """Whether the fused op computes this call. Reads dtypes, shapes, strides and Python values
-    only (no tensor values, so no host synchronization)."""
+    only (no tensor values, so no host synchronization); every call pays for it, so each property
+    is read once."""
     if not (
         isinstance(input, Tensor)
         and input.dim() == 4
         and input.dtype in _FUSED_DTYPES
-        and input.shape[1] > 0
-        and input.is_contiguous(memory_format=torch.channels_last)
-        and input.numel() // input.shape[1] > 1
         and isinstance(momentum, (int, float))
         and isinstance(eps, (int, float))
         and isinstance(relu, bool)
     ):
         return False
+    num_channels = input.shape[1]
+    if not (
+        num_channels > 0
+        and input.numel() // num_channels > 1
+        and input.is_contiguous(memory_format=torch.channels_last)
+    ):
+        return False
+    device = input.device
     if residual is not None and not (
         isinstance(residual, Tensor)
         and residual.shape == input.shape
         and residual.dtype == input.dtype
-        and residual.device == input.device
+        and residual.device == device
         and residual.is_contiguous(memory_format=torch.channels_last)
     ):
         return False
-    if any(p is not None and not _is_channel_vector(p, input) for p in (weight, bias)):
+    if weight is not None and not _is_channel_vector(weight, num_channels, device):
         return False
-    if (running_mean is None) != (running_var is None):
+    if bias is not None and not _is_channel_vector(bias, num_channels, device):
         return False
-    return running_mean is None or (
-        _is_channel_vector(running_mean, input) and _is_channel_vector(running_var, input)
+    if running_mean is None and running_var is None:
+        return True
+    # The kernels update both buffers in place, with one element type.
+    return (
+        _is_channel_vector(running_mean, num_channels, device)
+        and _is_channel_vector(running_var, num_channels, device)
+        and running_mean.dtype == running_var.dtype
     )
 
 
@@ -216,15 +234,71 @@ def _torch_expression(
     return F.relu(out) if relu else out
 
 
-@torch.no_grad()
-def _update_running_stats(
-    running_mean: Tensor, running_var: Tensor, mean: Tensor, var: Tensor, momentum: float, num_values: int
-) -> None:
-    """F.batch_norm's training update, in fp32: stat = (1 - momentum) * stat + momentum * batch stat,
-    with the variance made unbiased (x M / (M - 1))."""
-    unbiased_var = var * (num_values / (num_values - 1))
-    running_mean.copy_(momentum * mean + (1.0 - momentum) * running_mean.float())
-    running_var.copy_(momentum * unbiased_var + (1.0 - momentum) * running_var.float())
+class _BatchNormAct(torch.autograd.Function):
+    """The eager path: the kernel functions called directly, without the custom ops' dispatch
+    (their schema handling and fake-tensor machinery cost the host more than the kernels cost the
+    GPU at ResNet sizes). Returns ``out`` only; the running statistics are updated in place by
+    the forward kernels."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        input: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        residual: Tensor | None,
+        running_mean: Tensor | None,
+        running_var: Tensor | None,
+        momentum: float,
+        eps: float,
+        relu: bool,
+        kernels,
+    ) -> Tensor:
+        out, mean, invstd, _ = kernels.batch_norm_act_forward(
+            input,
+            weight,
+            bias,
+            residual,
+            eps,
+            relu,
+            running_mean=running_mean,
+            running_var=running_var,
+            momentum=momentum,
+            validate=False,  # _runs_fused checked every argument
+        )
+        ctx.kernels = kernels
+        ctx.has_residual = residual is not None
+        ctx.relu = relu
+        # As in _setup_context: the output is kept only when the ReLU mask depends on a residual.
+        keep_out = relu and residual is not None
+        ctx.save_for_backward(input, weight, bias, mean, invstd, out if keep_out else None)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        input, weight, bias, mean, invstd, out = ctx.saved_tensors
+        grad_input, grad_weight, grad_bias, grad_residual = ctx.kernels.batch_norm_act_backward(
+            grad_out, input, weight, bias, mean, invstd, out, ctx.has_residual, ctx.relu, validate=False
+        )
+        needs = ctx.needs_input_grad
+        return (
+            grad_input if needs[0] else None,
+            grad_weight if needs[1] else None,
+            grad_bias if needs[2] else None,
+            grad_residual if needs[3] else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def _is_eager(input: Tensor) -> bool:
+    """A plain tensor with no dispatch mode active (no FunctionalTensor, fake tensor or tracing
+    mode, which need the custom ops' fake implementations)."""
+    return type(input) is Tensor and _get_current_dispatch_mode() is None
 
 
 def batch_norm_act(
@@ -269,9 +343,16 @@ def batch_norm_act(
     arguments = (input, weight, bias, running_mean, running_var, momentum, eps, residual, relu)
     if torch.compiler.is_compiling() or not _runs_fused(*arguments):
         return _torch_expression(*arguments)
+    # Imported on first use: importing amp_fx must not load Triton.
+    from amp_fx.kernels import implementation_for, reference
+
+    if _is_eager(input):
+        kernels = implementation_for((input,))
+        stats = (running_mean, running_var, float(momentum), float(eps))
+        return _BatchNormAct.apply(input, weight, bias, residual, *stats, relu, kernels)
     out, mean, _, var = batch_norm_act_forward(input, weight, bias, residual, float(eps), relu)
     if running_mean is not None:
-        _update_running_stats(
+        reference.update_batch_norm_running_stats_(
             running_mean, running_var, mean, var, float(momentum), input.numel() // input.shape[1]
         )
     return out

@@ -18,54 +18,79 @@ out) and the backward two (reduce: read x, dy [+ out]; dx: read x, dy [+ out], w
 [+ grad_residual]). Without a residual the ReLU mask is recomputed from x and the statistics, so
 ``out`` is not read again.
 
-How: a channels_last tensor (N, C, H, W) is a row-major [M, C] matrix. Every kernel runs on a grid
-of (row programs, channel blocks); a program walks its share of rows in [BLOCK_M, BLOCK_C] tiles,
-each row of a tile BLOCK_C contiguous channels (16-byte vector loads). The reductions keep a tile
-of fp32 accumulators per program and write one row of partial sums per program ([programs, C]);
-torch ops on the device combine the partials, in float64, so nothing waits for the host. The
-statistics accumulate x - x[0, c] rather than x: shifting by a value of the channel keeps the
+How: a channels_last tensor (N, C, H, W) is a row-major [M, C] matrix (the kernels take the tensor
+itself: no view is made). The pass kernels run on a grid of (row programs, channel blocks); a
+program walks its share of rows in [BLOCK_M, BLOCK_C] tiles, each row of a tile BLOCK_C contiguous
+channels (16-byte vector loads). The reductions keep a tile of fp32 accumulators per program and
+write one row of partial sums per program ([programs, C]); a "finalize" kernel, one program per
+block of channels, combines the partials in float64 and computes every per-channel value the next
+pass needs (forward: mean, invstd, var and the running statistics, updated in place; backward:
+grad_weight and grad_bias in the parameters' dtype and the two coefficients of the input
+gradient), so nothing waits for the host and no torch op runs between the kernels: three launches
+forward (statistics, finalize, apply), three backward (reduce, finalize, input gradient). The
+pass kernels read weight and bias themselves (scale = weight * invstd is computed per program).
+The statistics accumulate x - x[0, c] rather than x: shifting by a value of the channel keeps the
 sum of squares from cancelling when the mean is large against the spread.
+
+The running statistics follow F.batch_norm's training update::
+
+    running_mean = (1 - momentum) * running_mean + momentum * mean_c
+    running_var  = (1 - momentum) * running_var  + momentum * var_c * M / (M - 1)   (unbiased)
+
+computed in float64 from the buffers' values and rounded once to their dtype.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from amp_fx.kernels.pointer_table import triton_dtype
 from amp_fx.kernels.reference import check_batch_norm_act_arguments
 from amp_fx.kernels.rounding import round_to_dtype
 
-__all__ = ["BatchNormLaunch", "LAUNCH", "batch_norm_act_forward", "batch_norm_act_backward"]
+__all__ = [
+    "BatchNormLaunch",
+    "LAUNCH",
+    "batch_norm_act_forward",
+    "batch_norm_act_backward",
+    "finalize_statistics",
+    "finalize_backward",
+]
 
 
 @dataclass(frozen=True)
 class BatchNormLaunch:
     """How the kernels split an [M, C] activation: channels per tile (``block_channels``), elements
     per tile (``tile_elements``: rows per tile = tile_elements // channels per tile), warps per
-    program, and about how many programs one launch has (rows are split to reach it)."""
+    program, and about how many programs one pass launch has (rows are split to reach it). The
+    finalize kernels take ``finalize_block_channels`` channels per program and read the partial
+    sums ``finalize_block_programs`` rows at a time."""
 
     block_channels: int
     tile_elements: int
     num_warps: int
     target_programs: int
+    finalize_block_channels: int = 32
+    finalize_block_programs: int = 32
 
 
 # 128 channels x 32 rows per tile (64 x 64 for C = 64), 4 warps: 32 elements per thread, four
 # 16-byte fp16 loads, and two 32-register fp32 accumulator tiles in the reductions. 1024 programs
 # per launch fit an H200 (132 SMs x up to 16 resident 4-warp programs) in one wave with equal work
-# each, and keep the partial sums small: at most 1024 x C floats against M x C activations.
+# each, and keep the partial sums small: at most 1024 x C floats against M x C activations. The
+# finalize kernels read those partials (at most ~1024 x 128 floats per row of channel blocks) with
+# 32-channel programs: a few programs for C = 64, 64 for C = 2048, each a few microseconds.
 LAUNCH = BatchNormLaunch(block_channels=128, tile_elements=4096, num_warps=4, target_programs=1024)
 
 
-@dataclass(frozen=True)
-class _Grid:
+class _Grid(NamedTuple):
     block_rows: int
     block_channels: int
     tiles_per_program: int
@@ -73,13 +98,21 @@ class _Grid:
     channel_programs: int
 
 
-def _grid(num_rows: int, num_channels: int) -> _Grid:
-    """LAUNCH fitted to an [num_rows, num_channels] activation."""
-    block_channels = min(LAUNCH.block_channels, triton.next_power_of_2(num_channels))
-    block_rows = max(1, LAUNCH.tile_elements // block_channels)
+@functools.lru_cache(maxsize=1024)
+def _fitted_grid(
+    num_rows: int,
+    num_channels: int,
+    block_channels: int,
+    tile_elements: int,
+    target_programs: int,
+) -> _Grid:
+    """A launch configuration fitted to an [num_rows, num_channels] activation (cached: a model
+    has a few dozen distinct shapes, and each call would otherwise redo this arithmetic)."""
+    block_channels = min(block_channels, triton.next_power_of_2(num_channels))
+    block_rows = max(1, tile_elements // block_channels)
     channel_programs = triton.cdiv(num_channels, block_channels)
     row_tiles = triton.cdiv(num_rows, block_rows)
-    wanted = max(1, min(row_tiles, LAUNCH.target_programs // channel_programs))
+    wanted = max(1, min(row_tiles, target_programs // channel_programs))
     tiles_per_program = triton.cdiv(row_tiles, wanted)
     return _Grid(
         block_rows=block_rows,
@@ -87,6 +120,18 @@ def _grid(num_rows: int, num_channels: int) -> _Grid:
         tiles_per_program=tiles_per_program,
         row_programs=triton.cdiv(row_tiles, tiles_per_program),
         channel_programs=channel_programs,
+    )
+
+
+def _grid(num_rows: int, num_channels: int) -> _Grid:
+    """LAUNCH fitted to an [num_rows, num_channels] activation."""
+    launch = LAUNCH
+    return _fitted_grid(
+        num_rows,
+        num_channels,
+        launch.block_channels,
+        launch.tile_elements,
+        launch.target_programs,
     )
 
 
@@ -102,11 +147,56 @@ def _tile(
 
 
 @triton.jit
+def _channel_affine(
+    weight_ptr,
+    bias_ptr,
+    invstd_ptr,
+    channels,
+    channel_mask,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """[1, BLOCK_C] fp32 scale = weight * invstd and bias (weight 1, bias 0 when absent): the same
+    fp32 product in every kernel, so a recomputed ReLU mask is the forward's bit for bit."""
+    invstd = tl.load(invstd_ptr + channels, mask=channel_mask, other=0.0)
+    scale = invstd
+    if HAS_WEIGHT:
+        scale = tl.load(weight_ptr + channels, mask=channel_mask, other=0.0).to(tl.float32) * invstd
+    bias = tl.zeros_like(invstd)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + channels, mask=channel_mask, other=0.0).to(tl.float32)
+    return scale[None, :], bias[None, :]
+
+
+@triton.jit
+def _sum_partials(
+    partials_ptr,
+    num_programs,
+    num_channels,
+    channels,
+    channel_mask,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Column sums, in float64, of the two [P, C] partial-sum matrices stored back to back at
+    ``partials_ptr``, for the BLOCK_C channels ``channels``. P x C stays far below 2**31 (P is
+    at most about LAUNCH.target_programs / channel blocks), so int32 offsets do."""
+    first = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float64)
+    second = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float64)
+    second_ptr = partials_ptr + num_programs * num_channels
+    for start in range(0, num_programs, BLOCK_P):
+        programs = start + tl.arange(0, BLOCK_P)
+        offsets = programs[:, None] * num_channels + channels[None, :]
+        mask = (programs < num_programs)[:, None] & channel_mask[None, :]
+        first += tl.load(partials_ptr + offsets, mask=mask, other=0.0).to(tl.float64)
+        second += tl.load(second_ptr + offsets, mask=mask, other=0.0).to(tl.float64)
+    return tl.sum(first, axis=0), tl.sum(second, axis=0)
+
+
+@triton.jit
 def _statistics_kernel(
-    x_ptr,  # DTYPE* [M, C] row-major: the channels_last input
-    shift_ptr,  # float32* [C]: x[0, c], subtracted before summing
-    partial_sum_ptr,  # float32* [P, C] out: per program, sum of x - shift over its rows
-    partial_sq_ptr,  # float32* [P, C] out: per program, sum of (x - shift)^2
+    x_ptr,  # DTYPE* [M, C] row-major: the channels_last input; row 0 is the shift
+    partials_ptr,  # float32* [2, P, C] out: per program, sums of x - x[0], then of (x - x[0])^2
     num_rows,
     num_channels,
     tiles_per_program,
@@ -116,7 +206,7 @@ def _statistics_kernel(
     pid_rows = tl.program_id(0)
     channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     channel_mask = channels < num_channels
-    shift = tl.load(shift_ptr + channels, mask=channel_mask, other=0.0)
+    shift = tl.load(x_ptr + channels, mask=channel_mask, other=0.0).to(tl.float32)
     sums = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
     squares = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
     for tile in range(0, tiles_per_program):
@@ -128,8 +218,60 @@ def _statistics_kernel(
         sums += shifted
         squares += shifted * shifted
     out = pid_rows.to(tl.int64) * num_channels + channels
-    tl.store(partial_sum_ptr + out, tl.sum(sums, axis=0), mask=channel_mask)
-    tl.store(partial_sq_ptr + out, tl.sum(squares, axis=0), mask=channel_mask)
+    tl.store(partials_ptr + out, tl.sum(sums, axis=0), mask=channel_mask)
+    squares_ptr = partials_ptr + tl.num_programs(0) * num_channels
+    tl.store(squares_ptr + out, tl.sum(squares, axis=0), mask=channel_mask)
+
+
+@triton.jit
+def _statistics_finalize_kernel(
+    x_ptr,  # DTYPE* [M, C]: the input; row 0 is the shift of the partial sums
+    partials_ptr,  # float32* [2, P, C]: the statistics kernel's partial sums
+    mean_ptr,  # float32* [C] out
+    invstd_ptr,  # float32* [C] out: 1 / sqrt(var + eps)
+    var_ptr,  # float32* [C] out: biased variance
+    running_mean_ptr,  # RUNNING_DTYPE* [C] in/out (only when HAS_RUNNING_STATS)
+    running_var_ptr,  # RUNNING_DTYPE* [C] in/out: updated with the unbiased variance
+    num_programs,
+    num_rows,
+    num_channels,
+    eps,
+    momentum,
+    HAS_RUNNING_STATS: tl.constexpr,
+    RUNNING_DTYPE: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    channel_mask = channels < num_channels
+    sums, squares = _sum_partials(
+        partials_ptr, num_programs, num_channels, channels, channel_mask, BLOCK_P, BLOCK_C
+    )
+    shifted_mean = sums / num_rows
+    var = squares / num_rows - shifted_mean * shifted_mean
+    var = tl.where(var < 0.0, 0.0, var)  # rounding can make it slightly negative; NaN stays NaN
+    mean = tl.load(x_ptr + channels, mask=channel_mask, other=0.0).to(tl.float64) + shifted_mean
+    invstd = 1.0 / tl.sqrt(var + eps)
+    tl.store(mean_ptr + channels, mean.to(tl.float32), mask=channel_mask)
+    tl.store(invstd_ptr + channels, invstd.to(tl.float32), mask=channel_mask)
+    tl.store(var_ptr + channels, var.to(tl.float32), mask=channel_mask)
+    if HAS_RUNNING_STATS:
+        keep = 1.0 - momentum
+        running_mean = tl.load(running_mean_ptr + channels, mask=channel_mask, other=0.0).to(tl.float64)
+        running_mean = keep * running_mean + momentum * mean
+        tl.store(
+            running_mean_ptr + channels,
+            round_to_dtype(running_mean.to(tl.float32), RUNNING_DTYPE),
+            mask=channel_mask,
+        )
+        unbiased_var = var * num_rows / (num_rows - 1)
+        running_var = tl.load(running_var_ptr + channels, mask=channel_mask, other=0.0).to(tl.float64)
+        running_var = keep * running_var + momentum * unbiased_var
+        tl.store(
+            running_var_ptr + channels,
+            round_to_dtype(running_var.to(tl.float32), RUNNING_DTYPE),
+            mask=channel_mask,
+        )
 
 
 @triton.jit
@@ -138,11 +280,14 @@ def _apply_kernel(
     residual_ptr,  # DTYPE* [M, C]: added after the normalization (only when HAS_RESIDUAL)
     out_ptr,  # DTYPE* [M, C] out
     mean_ptr,  # float32* [C]
-    scale_ptr,  # float32* [C]: weight * invstd
-    bias_ptr,  # float32* [C]: bias (zeros without one)
+    invstd_ptr,  # float32* [C]
+    weight_ptr,  # [C] fp16/bf16/fp32 (only when HAS_WEIGHT)
+    bias_ptr,  # [C] fp16/bf16/fp32 (only when HAS_BIAS)
     num_rows,
     num_channels,
     tiles_per_program,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     RELU: tl.constexpr,
     DTYPE: tl.constexpr,
@@ -153,8 +298,9 @@ def _apply_kernel(
     channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     channel_mask = channels < num_channels
     mean = tl.load(mean_ptr + channels, mask=channel_mask, other=0.0)[None, :]
-    scale = tl.load(scale_ptr + channels, mask=channel_mask, other=0.0)[None, :]
-    bias = tl.load(bias_ptr + channels, mask=channel_mask, other=0.0)[None, :]
+    scale, bias = _channel_affine(
+        weight_ptr, bias_ptr, invstd_ptr, channels, channel_mask, HAS_WEIGHT, HAS_BIAS
+    )
     for tile in range(0, tiles_per_program):
         offsets, mask = _tile(
             pid_rows, tile, num_rows, num_channels, channels, channel_mask, tiles_per_program, BLOCK_M
@@ -199,13 +345,15 @@ def _backward_reduce_kernel(
     x_ptr,  # DTYPE* [M, C]: the forward's input
     out_ptr,  # DTYPE* [M, C]: the forward's output (only when HAS_OUT: residual and ReLU)
     mean_ptr,  # float32* [C]
-    scale_ptr,  # float32* [C]: weight * invstd
-    bias_ptr,  # float32* [C]
-    partial_dy_ptr,  # float32* [P, C] out: per program, sum of dy'
-    partial_dy_centered_ptr,  # float32* [P, C] out: per program, sum of dy' * (x - mean)
+    invstd_ptr,  # float32* [C]
+    weight_ptr,  # [C] (only when HAS_WEIGHT)
+    bias_ptr,  # [C] (only when HAS_BIAS)
+    partials_ptr,  # float32* [2, P, C] out: per program, sums of dy', then of dy' * (x - mean)
     num_rows,
     num_channels,
     tiles_per_program,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     RELU: tl.constexpr,
     HAS_OUT: tl.constexpr,
     DTYPE: tl.constexpr,
@@ -216,8 +364,9 @@ def _backward_reduce_kernel(
     channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     channel_mask = channels < num_channels
     mean = tl.load(mean_ptr + channels, mask=channel_mask, other=0.0)[None, :]
-    scale = tl.load(scale_ptr + channels, mask=channel_mask, other=0.0)[None, :]
-    bias = tl.load(bias_ptr + channels, mask=channel_mask, other=0.0)[None, :]
+    scale, bias = _channel_affine(
+        weight_ptr, bias_ptr, invstd_ptr, channels, channel_mask, HAS_WEIGHT, HAS_BIAS
+    )
     sum_dy = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
     sum_dy_centered = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
     for tile in range(0, tiles_per_program):
@@ -232,8 +381,40 @@ def _backward_reduce_kernel(
         sum_dy += dy
         sum_dy_centered += tl.where(mask, dy * centered, 0.0)
     out = pid_rows.to(tl.int64) * num_channels + channels
-    tl.store(partial_dy_ptr + out, tl.sum(sum_dy, axis=0), mask=channel_mask)
-    tl.store(partial_dy_centered_ptr + out, tl.sum(sum_dy_centered, axis=0), mask=channel_mask)
+    tl.store(partials_ptr + out, tl.sum(sum_dy, axis=0), mask=channel_mask)
+    centered_ptr = partials_ptr + tl.num_programs(0) * num_channels
+    tl.store(centered_ptr + out, tl.sum(sum_dy_centered, axis=0), mask=channel_mask)
+
+
+@triton.jit
+def _backward_finalize_kernel(
+    partials_ptr,  # float32* [2, P, C]: the reduce kernel's partial sums
+    invstd_ptr,  # float32* [C]
+    grad_weight_ptr,  # WEIGHT_DTYPE* [C] out: invstd * sum(dy' * (x - mean))
+    grad_bias_ptr,  # BIAS_DTYPE* [C] out: sum(dy')
+    coefficients_ptr,  # float32* [2, C] out: grad_bias / M, then invstd * grad_weight / M
+    num_programs,
+    num_rows,
+    num_channels,
+    WEIGHT_DTYPE: tl.constexpr,
+    BIAS_DTYPE: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    channel_mask = channels < num_channels
+    sum_dy, sum_dy_centered = _sum_partials(
+        partials_ptr, num_programs, num_channels, channels, channel_mask, BLOCK_P, BLOCK_C
+    )
+    invstd = tl.load(invstd_ptr + channels, mask=channel_mask, other=0.0).to(tl.float64)
+    grad_weight = invstd * sum_dy_centered
+    grad_weight_rounded = round_to_dtype(grad_weight.to(tl.float32), WEIGHT_DTYPE)
+    tl.store(grad_weight_ptr + channels, grad_weight_rounded, mask=channel_mask)
+    grad_bias_rounded = round_to_dtype(sum_dy.to(tl.float32), BIAS_DTYPE)
+    tl.store(grad_bias_ptr + channels, grad_bias_rounded, mask=channel_mask)
+    tl.store(coefficients_ptr + channels, (sum_dy / num_rows).to(tl.float32), mask=channel_mask)
+    coefficient = invstd * grad_weight / num_rows
+    tl.store(coefficients_ptr + num_channels + channels, coefficient.to(tl.float32), mask=channel_mask)
 
 
 @triton.jit
@@ -242,15 +423,17 @@ def _backward_input_kernel(
     x_ptr,  # DTYPE* [M, C]: the forward's input
     out_ptr,  # DTYPE* [M, C]: the forward's output (only when HAS_OUT)
     mean_ptr,  # float32* [C]
-    scale_ptr,  # float32* [C]: weight * invstd
-    bias_ptr,  # float32* [C]
-    mean_dy_ptr,  # float32* [C]: grad_bias / M
-    centered_coefficient_ptr,  # float32* [C]: invstd * grad_weight / M
+    invstd_ptr,  # float32* [C]
+    weight_ptr,  # [C] (only when HAS_WEIGHT)
+    bias_ptr,  # [C] (only when HAS_BIAS)
+    coefficients_ptr,  # float32* [2, C]: grad_bias / M, then invstd * grad_weight / M
     grad_input_ptr,  # DTYPE* [M, C] out
     grad_residual_ptr,  # DTYPE* [M, C] out: dy' (only when HAS_RESIDUAL)
     num_rows,
     num_channels,
     tiles_per_program,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     RELU: tl.constexpr,
     HAS_OUT: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -262,10 +445,11 @@ def _backward_input_kernel(
     channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     channel_mask = channels < num_channels
     mean = tl.load(mean_ptr + channels, mask=channel_mask, other=0.0)[None, :]
-    scale = tl.load(scale_ptr + channels, mask=channel_mask, other=0.0)[None, :]
-    bias = tl.load(bias_ptr + channels, mask=channel_mask, other=0.0)[None, :]
-    mean_dy = tl.load(mean_dy_ptr + channels, mask=channel_mask, other=0.0)[None, :]
-    coefficient = tl.load(centered_coefficient_ptr + channels, mask=channel_mask, other=0.0)[None, :]
+    scale, bias = _channel_affine(
+        weight_ptr, bias_ptr, invstd_ptr, channels, channel_mask, HAS_WEIGHT, HAS_BIAS
+    )
+    mean_dy = tl.load(coefficients_ptr + channels, mask=channel_mask, other=0.0)[None, :]
+    coefficient = tl.load(coefficients_ptr + num_channels + channels, mask=channel_mask, other=0.0)[None, :]
     for tile in range(0, tiles_per_program):
         offsets, mask = _tile(
             pid_rows, tile, num_rows, num_channels, channels, channel_mask, tiles_per_program, BLOCK_M
@@ -280,34 +464,119 @@ def _backward_input_kernel(
             tl.store(grad_residual_ptr + offsets, round_to_dtype(dy, DTYPE), mask=mask)
 
 
-def _rows(tensor: Tensor) -> Tensor:
-    """The [M, C] row-major view of a channels_last (N, C, H, W) or a contiguous (M, C) tensor."""
-    if tensor.dim() == 2 and tensor.is_contiguous():
-        return tensor
-    if tensor.dim() == 4 and tensor.is_contiguous(memory_format=torch.channels_last):
-        return tensor.permute(0, 2, 3, 1).reshape(-1, tensor.shape[1])
+_TRITON_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def _check_layout(tensor: Tensor, name: str) -> None:
+    """The kernels read a channels_last (N, C, H, W) or a contiguous (M, C) tensor as a row-major
+    [M, C] matrix, through its data pointer."""
+    if tensor.dim() == 4:
+        if tensor.is_contiguous(memory_format=torch.channels_last):
+            return
+    elif tensor.dim() == 2 and tensor.is_contiguous():
+        return
     layout = "contiguous 2-D" if tensor.dim() == 2 else f"{tensor.dim()}-D, strides {tensor.stride()}"
     raise ValueError(
         f"the Triton BatchNorm kernels read (N, C, H, W) tensors in torch.channels_last or contiguous "
-        f"(M, C) tensors, got {layout}; call .contiguous(memory_format=torch.channels_last) or use "
-        f"amp_fx.kernels.reference"
+        f"(M, C) tensors, got {name} {layout}; call .contiguous(memory_format=torch.channels_last) or "
+        f"use amp_fx.kernels.reference"
     )
 
 
-@contextlib.contextmanager
-def _on_device(device: torch.device) -> Iterator[None]:
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
     """Launch on the tensors' GPU, not the current one (Triton launches on the current device)."""
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            yield
-    else:
-        yield
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _scale_and_bias(weight: Tensor | None, bias: Tensor | None, invstd: Tensor) -> tuple[Tensor, Tensor]:
-    scale = invstd if weight is None else weight.float() * invstd
-    shift = torch.zeros_like(invstd) if bias is None else bias.float().contiguous()
-    return scale.contiguous(), shift
+def finalize_statistics(
+    input: Tensor,
+    partials: Tensor,
+    eps: float,
+    running_mean: Tensor | None = None,
+    running_var: Tensor | None = None,
+    momentum: float = 0.1,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One launch: the statistics kernel's partial sums ``partials`` (float32 [2, P, C]: per
+    program, sums of x - x[0, c], then of their squares) -> ``(mean, invstd, var)`` float32 (C,),
+    and the running statistics updated in place when given. ``input`` supplies x[0, c] and M.
+    Launched on the current device (callers wrap it in the input's).
+
+    Example:
+        >>> partials = torch.zeros(2, 1, 3, device="cuda")  # doctest: +SKIP
+        >>> mean, invstd, var = finalize_statistics(x, partials, 1e-5)  # doctest: +SKIP
+    """
+    num_channels = input.shape[1]
+    num_rows = input.numel() // num_channels
+    device = input.device
+    mean = torch.empty(num_channels, dtype=torch.float32, device=device)
+    invstd = torch.empty(num_channels, dtype=torch.float32, device=device)
+    var = torch.empty(num_channels, dtype=torch.float32, device=device)
+    has_running_stats = running_mean is not None
+    launch = LAUNCH
+    _statistics_finalize_kernel[(triton.cdiv(num_channels, launch.finalize_block_channels),)](
+        input,
+        partials,
+        mean,
+        invstd,
+        var,
+        running_mean if has_running_stats else mean,
+        running_var if has_running_stats else var,
+        partials.shape[1],
+        num_rows,
+        num_channels,
+        eps,
+        momentum,
+        HAS_RUNNING_STATS=has_running_stats,
+        RUNNING_DTYPE=_TRITON_DTYPES[running_mean.dtype] if has_running_stats else tl.float32,
+        BLOCK_P=launch.finalize_block_programs,
+        BLOCK_C=launch.finalize_block_channels,
+        num_warps=launch.num_warps,
+    )
+    if has_running_stats:
+        # Written through their data pointers: tell autograd, as an in-place torch op would.
+        torch.autograd.graph.increment_version((running_mean, running_var))
+    return mean, invstd, var
+
+
+def finalize_backward(
+    partials: Tensor,
+    invstd: Tensor,
+    num_rows: int,
+    weight_dtype: torch.dtype,
+    bias_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One launch: the reduce kernel's partial sums ``partials`` (float32 [2, P, C]: per program,
+    sums of dy', then of dy' * (x - mean)) -> ``(grad_weight, grad_bias, coefficients)``:
+    grad_weight = invstd * sum(dy' * (x - mean)) and grad_bias = sum(dy') in the given dtypes,
+    and the input gradient's per-channel coefficients, float32 [2, C]: grad_bias / M, then
+    invstd * grad_weight / M (M = ``num_rows``). Launched on the current device.
+
+    Example:
+        >>> grad_weight, grad_bias, coefficients = finalize_backward(
+        ...     partials, invstd, 98, torch.float32, torch.float32)  # doctest: +SKIP
+    """
+    num_channels = partials.shape[2]
+    device = partials.device
+    grad_weight = torch.empty(num_channels, dtype=weight_dtype, device=device)
+    grad_bias = torch.empty(num_channels, dtype=bias_dtype, device=device)
+    coefficients = torch.empty((2, num_channels), dtype=torch.float32, device=device)
+    launch = LAUNCH
+    _backward_finalize_kernel[(triton.cdiv(num_channels, launch.finalize_block_channels),)](
+        partials,
+        invstd,
+        grad_weight,
+        grad_bias,
+        coefficients,
+        partials.shape[1],
+        num_rows,
+        num_channels,
+        WEIGHT_DTYPE=_TRITON_DTYPES[weight_dtype],
+        BIAS_DTYPE=_TRITON_DTYPES[bias_dtype],
+        BLOCK_P=launch.finalize_block_programs,
+        BLOCK_C=launch.finalize_block_channels,
+        num_warps=launch.num_warps,
+    )
+    return grad_weight, grad_bias, coefficients
 
 
 def batch_norm_act_forward(
@@ -317,29 +586,40 @@ def batch_norm_act_forward(
     residual: Tensor | None,
     eps: float,
     relu: bool,
+    *,
+    running_mean: Tensor | None = None,
+    running_var: Tensor | None = None,
+    momentum: float = 0.1,
+    validate: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Training-mode BatchNorm (+ residual) (+ ReLU) of a channels_last ``input``; same contract as
-    ``amp_fx.kernels.reference.batch_norm_act_forward``: ``(out, mean, invstd, var)``.
+    ``amp_fx.kernels.reference.batch_norm_act_forward``: ``(out, mean, invstd, var)``, and the
+    running statistics updated in place when given. Three launches: statistics, finalize, apply.
+    ``validate=False`` skips the argument checks, for callers that made them (amp_fx.norms).
 
     Example:
         >>> x = torch.randn(8, 64, 7, 7, device="cuda", dtype=torch.float16)  # doctest: +SKIP
         >>> x = x.to(memory_format=torch.channels_last)  # doctest: +SKIP
         >>> out, mean, invstd, var = batch_norm_act_forward(x, None, None, None, 1e-5, True)  # doctest: +SKIP
     """
-    check_batch_norm_act_arguments(input, weight, bias, residual)
-    x = _rows(input)
-    residual_rows = _rows(residual) if residual is not None else None
-    num_rows, num_channels = x.shape
+    if validate:
+        check_batch_norm_act_arguments(
+            input, weight, bias, residual, running_mean=running_mean, running_var=running_var
+        )
+        _check_layout(input, "input")
+        if residual is not None:
+            _check_layout(residual, "residual")
+    num_channels = input.shape[1]
+    num_rows = input.numel() // num_channels
     grid = _grid(num_rows, num_channels)
     launch = (grid.row_programs, grid.channel_programs)
-    partials = torch.empty((2, grid.row_programs, num_channels), dtype=torch.float32, device=input.device)
-    shift = x[0].float().contiguous()
-    with _on_device(input.device):
+    device = input.device
+    partials = torch.empty((2, grid.row_programs, num_channels), dtype=torch.float32, device=device)
+    out = torch.empty_like(input)
+    with _on_device(device):
         _statistics_kernel[launch](
-            x,
-            shift,
-            partials[0],
-            partials[1],
+            input,
+            partials,
             num_rows,
             num_channels,
             grid.tiles_per_program,
@@ -347,27 +627,23 @@ def batch_norm_act_forward(
             BLOCK_C=grid.block_channels,
             num_warps=LAUNCH.num_warps,
         )
-    sums = partials.double().sum(dim=1)
-    shifted_mean = sums[0] / num_rows
-    var = (sums[1] / num_rows - shifted_mean * shifted_mean).clamp_min(0.0).float()
-    mean = (shift.double() + shifted_mean).float()
-    invstd = torch.rsqrt(var + eps)
-    scale, shift_after = _scale_and_bias(weight, bias, invstd)
-    out = torch.empty_like(input)
-    with _on_device(input.device):
+        mean, invstd, var = finalize_statistics(input, partials, eps, running_mean, running_var, momentum)
         _apply_kernel[launch](
-            x,
-            x if residual_rows is None else residual_rows,
-            _rows(out),
+            input,
+            input if residual is None else residual,
+            out,
             mean,
-            scale,
-            shift_after,
+            invstd,
+            mean if weight is None else weight,
+            mean if bias is None else bias,
             num_rows,
             num_channels,
             grid.tiles_per_program,
-            HAS_RESIDUAL=residual_rows is not None,
+            HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None,
+            HAS_RESIDUAL=residual is not None,
             RELU=relu,
-            DTYPE=triton_dtype(input.dtype),
+            DTYPE=_TRITON_DTYPES[input.dtype],
             BLOCK_M=grid.block_rows,
             BLOCK_C=grid.block_channels,
             num_warps=LAUNCH.num_warps,
@@ -385,46 +661,57 @@ def batch_norm_act_backward(
     out: Tensor | None,
     has_residual: bool,
     relu: bool,
+    *,
+    validate: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of `batch_norm_act_forward`; same contract as
     ``amp_fx.kernels.reference.batch_norm_act_backward``: ``(grad_input, grad_weight, grad_bias,
     grad_residual)`` (grad_residual empty without a residual). ``grad_out`` in another layout is
-    copied to channels_last first.
+    copied to channels_last first. Three launches: reduce, finalize, input gradient.
+    ``validate=False`` skips the argument checks, for callers that made them (amp_fx.norms).
 
     Example:
         >>> grads = batch_norm_act_backward(torch.ones_like(out), x, None, None, mean, invstd,
         ...                                 None, False, True)  # doctest: +SKIP
     """
-    check_batch_norm_act_arguments(
-        input, weight, bias, None, grad_out=grad_out, mean=mean, invstd=invstd, out=out
-    )
-    if relu and has_residual and out is None:
-        raise ValueError("with a residual and relu=True the backward needs the forward's output (out)")
-    x = _rows(input)
-    memory_format = torch.channels_last if input.dim() == 4 else torch.contiguous_format
-    dy = _rows(grad_out.contiguous(memory_format=memory_format))
     has_out = relu and out is not None
-    out_rows = _rows(out) if has_out else x
-    num_rows, num_channels = x.shape
+    if validate:
+        check_batch_norm_act_arguments(
+            input, weight, bias, None, grad_out=grad_out, mean=mean, invstd=invstd, out=out
+        )
+        if relu and has_residual and out is None:
+            raise ValueError("with a residual and relu=True the backward needs the forward's output (out)")
+        _check_layout(input, "input")
+        if has_out:
+            _check_layout(out, "out")
+        mean = mean.contiguous()
+        invstd = invstd.contiguous()
+    memory_format = torch.channels_last if input.dim() == 4 else torch.contiguous_format
+    grad_out = grad_out.contiguous(memory_format=memory_format)
+    num_channels = input.shape[1]
+    num_rows = input.numel() // num_channels
     grid = _grid(num_rows, num_channels)
     launch = (grid.row_programs, grid.channel_programs)
-    scale, shift = _scale_and_bias(weight, bias, invstd)
-    mean = mean.contiguous()
-    partials = torch.empty((2, grid.row_programs, num_channels), dtype=torch.float32, device=input.device)
-    dtype = triton_dtype(input.dtype)
-    with _on_device(input.device):
+    device = input.device
+    dtype = _TRITON_DTYPES[input.dtype]
+    partials = torch.empty((2, grid.row_programs, num_channels), dtype=torch.float32, device=device)
+    grad_input = torch.empty_like(input)
+    grad_residual = torch.empty_like(input) if has_residual else input.new_empty((0,))
+    affine = {"HAS_WEIGHT": weight is not None, "HAS_BIAS": bias is not None}
+    with _on_device(device):
         _backward_reduce_kernel[launch](
-            dy,
-            x,
-            out_rows,
+            grad_out,
+            input,
+            out if has_out else input,
             mean,
-            scale,
-            shift,
-            partials[0],
-            partials[1],
+            invstd,
+            mean if weight is None else weight,
+            mean if bias is None else bias,
+            partials,
             num_rows,
             num_channels,
             grid.tiles_per_program,
+            **affine,
             RELU=relu,
             HAS_OUT=has_out,
             DTYPE=dtype,
@@ -432,28 +719,28 @@ def batch_norm_act_backward(
             BLOCK_C=grid.block_channels,
             num_warps=LAUNCH.num_warps,
         )
-    grad_bias = partials[0].double().sum(dim=0).float()
-    sum_dy_centered = partials[1].double().sum(dim=0).float()
-    grad_weight = invstd * sum_dy_centered
-    mean_dy = grad_bias / num_rows
-    centered_coefficient = (invstd * grad_weight / num_rows).contiguous()
-    grad_input = torch.empty_like(input)
-    grad_residual = torch.empty_like(input) if has_residual else input.new_empty((0,))
-    with _on_device(input.device):
+        grad_weight, grad_bias, coefficients = finalize_backward(
+            partials,
+            invstd,
+            num_rows,
+            torch.float32 if weight is None else weight.dtype,
+            torch.float32 if bias is None else bias.dtype,
+        )
         _backward_input_kernel[launch](
-            dy,
-            x,
-            out_rows,
+            grad_out,
+            input,
+            out if has_out else input,
             mean,
-            scale,
-            shift,
-            mean_dy,
-            centered_coefficient,
-            _rows(grad_input),
-            _rows(grad_residual) if has_residual else x,
+            invstd,
+            mean if weight is None else weight,
+            mean if bias is None else bias,
+            coefficients,
+            grad_input,
+            grad_residual if has_residual else input,
             num_rows,
             num_channels,
             grid.tiles_per_program,
+            **affine,
             RELU=relu,
             HAS_OUT=has_out,
             HAS_RESIDUAL=has_residual,
@@ -462,9 +749,4 @@ def batch_norm_act_backward(
             BLOCK_C=grid.block_channels,
             num_warps=LAUNCH.num_warps,
         )
-    return (
-        grad_input,
-        grad_weight.to(torch.float32 if weight is None else weight.dtype),
-        grad_bias.to(torch.float32 if bias is None else bias.dtype),
-        grad_residual,
-    )
+    return grad_input, grad_weight, grad_bias, grad_residual

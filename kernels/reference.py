@@ -62,7 +62,10 @@ backward; every element without ReLU), dy' = dy where kept, else 0::
 grad_input and grad_residual in x's dtype (rounded once), grad_weight / grad_bias in the
 parameters' dtype (float32 when a parameter is None). Without a residual the ReLU mask is
 recomputed from x and the statistics, as ``((x - mean_c) * scale_c + b_c).to(x.dtype) <= 0``: the
-same test as on the stored output, without reading it.
+same test as on the stored output, without reading it. Given ``running_mean`` / ``running_var``,
+the forward also updates them in place as F.batch_norm does::
+
+    running_stat = (1 - momentum) * running_stat + momentum * batch_stat   (var: x M / (M - 1))
 
 Example:
     >>> import torch
@@ -455,6 +458,8 @@ def check_batch_norm_act_arguments(
     mean: Tensor | None = None,
     invstd: Tensor | None = None,
     out: Tensor | None = None,
+    running_mean: Tensor | None = None,
+    running_var: Tensor | None = None,
 ) -> None:
     """Validate the arguments of ``batch_norm_act_forward`` / ``batch_norm_act_backward`` (metadata
     only: never reads a value, so it never synchronizes); raise TypeError/ValueError."""
@@ -492,6 +497,7 @@ def check_batch_norm_act_arguments(
                 f"{name} must match input ({input.dtype} {tuple(input.shape)} on {input.device}), got "
                 f"{value.dtype} {tuple(value.shape)} on {value.device}"
             )
+    _check_running_stats(input, running_mean, running_var)
     for name, value in (("mean", mean), ("invstd", invstd)):
         if value is None:
             continue
@@ -504,6 +510,60 @@ def check_batch_norm_act_arguments(
                 f"{name} must be float32 of shape ({num_channels},) on {input.device}, got {value.dtype} of "
                 f"shape {tuple(value.shape)} on {value.device}; pass the forward's statistics"
             )
+
+
+def _check_running_stats(input: Tensor, running_mean: Tensor | None, running_var: Tensor | None) -> None:
+    """Both running statistics or neither; contiguous (C,) float buffers of one dtype on input's
+    device (the kernels update them in place), and more than one value per channel (the unbiased
+    variance divides by M - 1)."""
+    if running_mean is None and running_var is None:
+        return
+    if running_mean is None or running_var is None:
+        raise ValueError("pass both running_mean and running_var, or neither")
+    num_channels = input.shape[1]
+    for name, value in (("running_mean", running_mean), ("running_var", running_var)):
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{name} must be a tensor or None, got {type(value).__name__}")
+        if (
+            tuple(value.shape) != (num_channels,)
+            or value.dtype not in PARAM_DTYPES
+            or value.device != input.device
+            or not value.is_contiguous()
+        ):
+            raise ValueError(
+                f"{name} must be a contiguous 1-D float tensor of {num_channels} channels on "
+                f"{input.device}, got {value.dtype} of shape {tuple(value.shape)} on {value.device}"
+            )
+    if running_mean.dtype != running_var.dtype:
+        raise ValueError(
+            f"running_mean ({running_mean.dtype}) and running_var ({running_var.dtype}) must have one "
+            f"dtype; convert one of them"
+        )
+    if input.numel() // num_channels < 2:
+        raise ValueError(
+            f"updating the running statistics needs more than 1 value per channel, got input of shape "
+            f"{tuple(input.shape)}"
+        )
+
+
+@torch.no_grad()
+def update_batch_norm_running_stats_(
+    running_mean: Tensor, running_var: Tensor, mean: Tensor, var: Tensor, momentum: float, num_values: int
+) -> None:
+    """F.batch_norm's training update of the running statistics, in place, computed in fp32 and
+    rounded once to the buffers' dtype: stat = (1 - momentum) * stat + momentum * batch stat, with
+    the biased batch variance ``var`` made unbiased (x M / (M - 1), M = ``num_values``).
+
+    Example:
+        >>> running_mean, running_var = torch.zeros(1), torch.ones(1)
+        >>> update_batch_norm_running_stats_(running_mean, running_var, torch.tensor([2.0]),
+        ...                                  torch.tensor([1.0]), 0.5, 2)
+        >>> running_mean, running_var
+        (tensor([1.]), tensor([1.5000]))
+    """
+    unbiased_var = var * (num_values / (num_values - 1))
+    running_mean.copy_(momentum * mean + (1.0 - momentum) * running_mean.float())
+    running_var.copy_(momentum * unbiased_var + (1.0 - momentum) * running_var.float())
 
 
 def _per_channel(values: Tensor, input: Tensor) -> Tensor:
@@ -532,12 +592,20 @@ def batch_norm_act_forward(
     residual: Tensor | None,
     eps: float,
     relu: bool,
+    *,
+    running_mean: Tensor | None = None,
+    running_var: Tensor | None = None,
+    momentum: float = 0.1,
+    validate: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Training-mode BatchNorm over dim 1 of ``input`` (N, C, ...), then ``+ residual``, then ReLU
     (module docstring for the math).
 
     Returns ``(out, mean, invstd, var)``: ``out`` in input's dtype and strides; the batch mean,
-    ``1 / sqrt(var + eps)`` and the biased variance, float32 (C,).
+    ``1 / sqrt(var + eps)`` and the biased variance, float32 (C,). When ``running_mean`` and
+    ``running_var`` are given they are updated in place as F.batch_norm updates them
+    (`update_batch_norm_running_stats_`, with ``momentum``). ``validate=False`` skips the argument
+    checks, for callers that made them (amp_fx.norms).
 
     Example:
         >>> x = torch.tensor([[1.0], [3.0]], dtype=torch.float16)
@@ -545,11 +613,17 @@ def batch_norm_act_forward(
         >>> out.flatten(), mean, var
         (tensor([0., 1.], dtype=torch.float16), tensor([2.]), tensor([1.]))
     """
-    check_batch_norm_act_arguments(input, weight, bias, residual)
+    if validate:
+        check_batch_norm_act_arguments(
+            input, weight, bias, residual, running_mean=running_mean, running_var=running_var
+        )
     x = input.float()
     dims = [d for d in range(input.dim()) if d != 1]
     var, mean = torch.var_mean(x, dim=dims, correction=0)
     invstd = torch.rsqrt(var + eps)
+    if running_mean is not None:
+        num_values = input.numel() // input.shape[1]
+        update_batch_norm_running_stats_(running_mean, running_var, mean, var, momentum, num_values)
     scale, shift = _batch_norm_scale_and_bias(weight, bias, invstd)
     y = (x - _per_channel(mean, input)) * _per_channel(scale, input) + _per_channel(shift, input)
     if residual is not None:
@@ -570,6 +644,8 @@ def batch_norm_act_backward(
     out: Tensor | None,
     has_residual: bool,
     relu: bool,
+    *,
+    validate: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of ``batch_norm_act_forward`` (module docstring for the math).
 
@@ -578,6 +654,7 @@ def batch_norm_act_backward(
     recomputed. Returns ``(grad_input, grad_weight, grad_bias, grad_residual)``: grad_input in
     input's dtype and strides, grad_weight / grad_bias in weight's / bias's dtype (float32 when
     None), grad_residual like grad_input when ``has_residual``, else an empty tensor.
+    ``validate=False`` skips the argument checks.
 
     Example:
         >>> x = torch.tensor([[1.0], [3.0]])
@@ -587,11 +664,12 @@ def batch_norm_act_backward(
         >>> grads[0].flatten(), grads[1], grads[2]
         (tensor([0., 0.]), tensor([1.]), tensor([3.]))
     """
-    check_batch_norm_act_arguments(
-        input, weight, bias, None, grad_out=grad_out, mean=mean, invstd=invstd, out=out
-    )
-    if relu and has_residual and out is None:
-        raise ValueError("with a residual and relu=True the backward needs the forward's output (out)")
+    if validate:
+        check_batch_norm_act_arguments(
+            input, weight, bias, None, grad_out=grad_out, mean=mean, invstd=invstd, out=out
+        )
+        if relu and has_residual and out is None:
+            raise ValueError("with a residual and relu=True the backward needs the forward's output (out)")
     x = input.float()
     dims = [d for d in range(input.dim()) if d != 1]
     num_values = input.numel() // input.shape[1]

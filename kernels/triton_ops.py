@@ -2,7 +2,8 @@
 
 Same names, signatures and semantics as ``amp_fx.kernels.reference``; each optimizer kernel
 launches once per dtype group (never once per tensor), each cross-entropy kernel once per call,
-the BatchNorm kernels twice per forward and twice per backward.
+the BatchNorm kernels three times per forward and three times per backward (two passes over the
+activations and a per-channel finalize between them).
 ``advance_step_`` is a single elementwise op on a one-element tensor, so both implementations
 share the reference's.
 

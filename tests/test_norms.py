@@ -125,15 +125,22 @@ def run(fn, inputs: dict, relu: bool = True, cast=None) -> dict:
 
 
 @pytest.fixture
-def fused_calls(monkeypatch) -> list[int]:
-    """Counts the calls of the fused forward op that batch_norm_act makes."""
-    calls: list[int] = []
+def fused_calls(monkeypatch) -> list[str]:
+    """Records the fused calls batch_norm_act makes: "eager" (the autograd.Function calling the
+    kernels) or "custom op" (the amp_fx::batch_norm_act_forward op, for traced tensors)."""
+    calls: list[str] = []
+    eager_apply = norms._BatchNormAct.apply
 
-    def counted(*args):
-        calls.append(1)
+    def counted_eager(*args):
+        calls.append("eager")
+        return eager_apply(*args)
+
+    def counted_op(*args):
+        calls.append("custom op")
         return batch_norm_act_forward(*args)
 
-    monkeypatch.setattr(norms, "batch_norm_act_forward", counted)
+    monkeypatch.setattr(norms._BatchNormAct, "apply", counted_eager)
+    monkeypatch.setattr(norms, "batch_norm_act_forward", counted_op)
     return calls
 
 
