@@ -9,15 +9,18 @@ Forward + backward, for every distinct BatchNorm shape of a torchvision ResNet-5
     fused  amp_fx.norms.batch_norm_act(x, ..., residual=identity, relu=...)
 
 Per shape: median ms (``triton.testing.do_bench``, gradients of the input, the parameters and the
-residual), the fused path's effective GB/s counting the passes it makes over the activations
-(forward: read x; read x [+ identity], write y. Backward: read x, dy [+ y]; read x, dy [+ y],
-write dx [+ the identity's gradient]; y is read only with a residual and ReLU), and the largest
-differences from torch of the output and the input gradient, and the input gradient's norm-wise
-relative error (torch rounds the normalized value before the add, the fused path once after it,
-so a sum that rounds to the other side of 0 flips one ReLU mask entry: the max difference can be
-O(1) at a few elements while the norm-wise error stays at fp16's rounding). Then the total over ResNet-50's 53
+residual) of eager calls, which include each call's host cost (Python, dispatch, launches: a
+small BatchNorm is host-bound), and of the same forward + backward captured once in a CUDA graph
+and replayed (GPU time only: what the kernels cost when the host keeps up); the fused path's
+effective GB/s in the graph, counting the passes it makes over the activations (forward: read x;
+read x [+ identity], write y. Backward: read x, dy [+ y]; read x, dy [+ y], write dx [+ the
+identity's gradient]; y is read only with a residual and ReLU), and the largest differences from
+torch of the output and the input gradient, and the input gradient's norm-wise relative error
+(torch rounds the normalized value before the add, the fused path once after it, so a sum that
+rounds to the other side of 0 flips one ReLU mask entry: the max difference can be O(1) at a few
+elements while the norm-wise error stays at fp16's rounding). Then the total over ResNet-50's 53
 BatchNorms, each shape weighted by how many of them it has (convolutions and the rest of the step
-not included). GPU only::
+not included), eager and in CUDA graphs. GPU only::
 
     python benchmarks/bench_batchnorm.py --markdown BENCHMARKS.md
 """
@@ -100,6 +103,22 @@ def _forward_backward(fn, shape: BatchNormShape, tensors: dict):
     return run
 
 
+def _captured(run) -> torch.cuda.CUDAGraph:
+    """``run`` captured in a CUDA graph, after warm-up calls on a side stream (compiles the Triton
+    kernels and lets the allocator settle, as torch's CUDA graph notes ask)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    torch.cuda.synchronize()
+    return graph
+
+
 def _passes(shape: BatchNormShape) -> int:
     """Activation-sized reads and writes of the fused forward + backward."""
     reads_out = shape.residual and shape.relu
@@ -127,10 +146,11 @@ def main(argv: list[str] | None = None) -> None:
         f"triton {triton.__version__}, {datetime.date.today().isoformat()}",
         "",
         "| shape (N, C, H, W) | residual | relu | in ResNet-50 | torch ms | fused ms | fused / torch | "
-        "fused GB/s (passes) | max out diff | max dx diff | dx norm-wise error |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "torch graph ms | fused graph ms | graph fused / torch | fused graph GB/s (passes) | "
+        "max out diff | max dx diff | dx norm-wise error |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    total_torch = total_fused = 0.0
+    total_torch = total_fused = total_torch_graph = total_fused_graph = 0.0
     for shape in RESNET50_BATCH_NORMS:
         size = (args.batch, shape.channels, shape.size, shape.size)
 
@@ -158,13 +178,22 @@ def main(argv: list[str] | None = None) -> None:
         del expected, ours
         torch_ms = do_bench(torch_run, warmup=10, rep=50, return_mode="median")
         fused_ms = do_bench(fused_run, warmup=10, rep=50, return_mode="median")
+        graph_ms = []
+        for run in (torch_run, fused_run):
+            graph = _captured(run)
+            graph_ms.append(do_bench(graph.replay, warmup=10, rep=50, return_mode="median"))
+            del graph
+        torch_graph_ms, fused_graph_ms = graph_ms
         total_torch += shape.count * torch_ms
         total_fused += shape.count * fused_ms
+        total_torch_graph += shape.count * torch_graph_ms
+        total_fused_graph += shape.count * fused_graph_ms
         passes = _passes(shape)
-        gbps = passes * tensors["x"].numel() * tensors["x"].element_size() / fused_ms / 1e6
+        gbps = passes * tensors["x"].numel() * tensors["x"].element_size() / fused_graph_ms / 1e6
         lines.append(
             f"| {size} | {'yes' if shape.residual else 'no'} | {'yes' if shape.relu else 'no'} | "
             f"{shape.count} ({shape.where}) | {torch_ms:.3f} | {fused_ms:.3f} | {fused_ms / torch_ms:.2f}x | "
+            f"{torch_graph_ms:.3f} | {fused_graph_ms:.3f} | {fused_graph_ms / torch_graph_ms:.2f}x | "
             f"{gbps:.0f} ({passes}) | {out_diff:.1e} | {dx_diff:.1e} | {dx_error:.1e} |"
         )
         del tensors, torch_run, fused_run
@@ -173,7 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     lines += [
         "",
         f"All {count} BatchNorms of ResNet-50 (each shape x its count above), forward + backward: "
-        f"torch {total_torch:.2f} ms, fused {total_fused:.2f} ms ({total_fused / total_torch:.2f}x).",
+        f"eager torch {total_torch:.2f} ms, fused {total_fused:.2f} ms ({total_fused / total_torch:.2f}x); "
+        f"in CUDA graphs (GPU time) torch {total_torch_graph:.2f} ms, fused {total_fused_graph:.2f} ms "
+        f"({total_fused_graph / total_torch_graph:.2f}x).",
     ]
     text = "\n".join(lines) + "\n"
     print(text)

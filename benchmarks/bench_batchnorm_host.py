@@ -26,7 +26,6 @@ import statistics
 import time
 
 import torch
-import triton
 from torch.profiler import ProfilerActivity, profile
 
 from amp_fx.kernels import batch_norm
@@ -82,9 +81,10 @@ class _CountedLaunches:
 
 
 def _stub_kernels(counter: list[int]) -> None:
-    for name, value in list(vars(batch_norm).items()):
-        if isinstance(value, triton.runtime.JITFunction) and name.endswith("_kernel"):
-            setattr(batch_norm, name, _CountedLaunches(counter))
+    # The launched kernels are the module's *_kernel functions (JITFunction, or the interpreter's
+    # InterpretedFunction under TRITON_INTERPRET=1).
+    for name in [name for name in vars(batch_norm) if name.endswith("_kernel")]:
+        setattr(batch_norm, name, _CountedLaunches(counter))
 
 
 def _make_call(shape: tuple[int, int, int, int], residual: bool):

@@ -25,7 +25,16 @@ from amp_fx.kernels.batch_norm import BatchNormLaunch
 from amp_fx.testing import assert_close_normwise, tolerances
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-SMALL = BatchNormLaunch(block_channels=8, tile_elements=32, num_warps=1, target_programs=4)
+# Finalize programs of 4 channels reading 2 rows of partial sums at a time: several programs, the
+# last one masked, and several masked iterations over the ~4 rows of partials.
+SMALL = BatchNormLaunch(
+    block_channels=8,
+    tile_elements=32,
+    num_warps=1,
+    target_programs=4,
+    finalize_block_channels=4,
+    finalize_block_programs=2,
+)
 # (N, C, H, W): channels below, on and across the small block (8); rows (N*H*W) across tiles.
 SHAPES = [(2, 11, 3, 5), (1, 8, 2, 3), (3, 3, 2, 2), (4, 5, 6, 6), (2, 16, 1, 3)]
 PARAMS = ["float32", "input dtype", "none"]
@@ -222,6 +231,139 @@ def test_recomputed_mask_is_the_stored_outputs_mask(device, dtype) -> None:
             stored = implementation.batch_norm_act_backward(*args, out, False, True)
         for a, b in zip(recomputed, stored, strict=True):
             assert torch.equal(a, b)
+
+
+def chunk_sums(values: torch.Tensor, num_chunks: int) -> torch.Tensor:
+    """fp32 column sums of an [M, C] matrix over ``num_chunks`` row chunks, as the statistics and
+    reduce kernels' programs write them: [num_chunks, C]."""
+    return torch.stack([chunk.sum(dim=0) for chunk in values.float().chunk(num_chunks)])
+
+
+def rows_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The [M, C] view of a channels_last (N, C, H, W) tensor."""
+    return tensor.permute(0, 2, 3, 1).reshape(-1, tensor.shape[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("running_dtype", DTYPES)
+def test_finalize_statistics_matches_reference(device, running_dtype) -> None:
+    # Partial sums of 5 row chunks (3 iterations of 2 rows of partials, the last masked), 11
+    # channels (3 programs of 4, the last masked), around a shift of row 0, as the kernel gets them.
+    case = make_case((3, 11, 3, 4), torch.bfloat16, "none", False, 2, device)
+    x = case["input"]
+    shifted = rows_of(x).float() - rows_of(x)[0].float()
+    partials = torch.stack([chunk_sums(shifted, 5), chunk_sums(shifted * shifted, 5)]).contiguous()
+    generator = torch.Generator().manual_seed(3)
+    running = [
+        (torch.randn(11, generator=generator) + 2.0).to(running_dtype).to(device),
+        (torch.rand(11, generator=generator) + 0.5).to(running_dtype).to(device),
+    ]
+    ours_running = [t.clone() for t in running]
+    expected_running = [t.clone() for t in running]
+    with launch_config(SMALL):
+        mean, invstd, var = batch_norm.finalize_statistics(x, partials, EPS, *ours_running, momentum=0.25)
+    _, ref_mean, ref_invstd, ref_var = reference.batch_norm_act_forward(
+        x,
+        None,
+        None,
+        None,
+        EPS,
+        False,
+        running_mean=expected_running[0],
+        running_var=expected_running[1],
+        momentum=0.25,
+    )
+    for actual, wanted in ((mean, ref_mean), (invstd, ref_invstd), (var, ref_var)):
+        assert_statistics_close(actual, wanted)
+    # The running statistics: float64 from the buffers, rounded once (the reference: fp32 math).
+    batch_var, batch_mean = torch.var_mean(x.double(), dim=(0, 2, 3), correction=1)
+    for actual, wanted, old, batch in zip(
+        ours_running, expected_running, running, (batch_mean, batch_var), strict=True
+    ):
+        assert actual.dtype == running_dtype
+        exact = 0.75 * old.double() + 0.25 * batch
+        assert_rounded_once_close(actual, exact.to(running_dtype))
+        rtol, atol = tolerances(running_dtype)
+        torch.testing.assert_close(actual, wanted, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("params", ["float32", "input dtype", "none"])
+def test_finalize_backward_matches_reference(device, params) -> None:
+    case = make_case((2, 11, 3, 5), torch.float16, params, False, 4, device)
+    x, dy, weight, bias = case["input"], case["grad_out"], case["weight"], case["bias"]
+    _, mean, invstd, _ = reference.batch_norm_act_forward(x, weight, bias, None, EPS, False)
+    centered = rows_of(x).float() - mean
+    partials = torch.stack([chunk_sums(rows_of(dy), 5), chunk_sums(rows_of(dy).float() * centered, 5)])
+    weight_dtype = torch.float32 if weight is None else weight.dtype
+    bias_dtype = torch.float32 if bias is None else bias.dtype
+    with launch_config(SMALL):
+        grad_weight, grad_bias, coefficients = batch_norm.finalize_backward(
+            partials.contiguous(), invstd, 30, weight_dtype, bias_dtype
+        )
+    expected = reference.batch_norm_act_backward(dy, x, weight, bias, mean, invstd, None, False, False)
+    assert grad_weight.dtype == expected[1].dtype and grad_bias.dtype == expected[2].dtype
+    assert_channel_sums_close(grad_weight, expected[1], dy * 4)
+    assert_channel_sums_close(grad_bias, expected[2], dy)
+    # The input gradient's coefficients: grad_bias / M and invstd * grad_weight / M, in fp32.
+    sum_dy = rows_of(dy).double().sum(dim=0)
+    sum_dy_centered = (rows_of(dy).double() * centered.double()).sum(dim=0)
+    assert coefficients.shape == (2, 11) and coefficients.dtype == torch.float32
+    assert_channel_sums_close(coefficients[0], sum_dy / 30, dy / 30)
+    expected_coefficient = invstd.double() ** 2 * sum_dy_centered / 30
+    assert_channel_sums_close(coefficients[1], expected_coefficient, dy * 4 * invstd.max() / 30)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("momentum", [0.1, 1.0])
+def test_forward_updates_running_stats_like_the_reference(device, momentum) -> None:
+    case = make_case((2, 11, 3, 5), torch.float16, "float32", True, 5, device)
+    buffers = {
+        name: [torch.full((11,), 0.5, device=device), torch.full((11,), 2.0, device=device)]
+        for name in ("triton", "reference")
+    }
+    versions = [t._version for t in buffers["triton"]]
+    arguments = (case["input"], case["weight"], case["bias"], case["residual"], EPS, True)
+    with launch_config(SMALL):
+        ours = triton_ops.batch_norm_act_forward(
+            *arguments, running_mean=buffers["triton"][0], running_var=buffers["triton"][1], momentum=momentum
+        )
+    expected = reference.batch_norm_act_forward(
+        *arguments,
+        running_mean=buffers["reference"][0],
+        running_var=buffers["reference"][1],
+        momentum=momentum,
+    )
+    assert_rounded_once_close(ours[0], expected[0])
+    rtol, atol = tolerances(torch.float32)
+    for actual, wanted in zip(buffers["triton"], buffers["reference"], strict=True):
+        torch.testing.assert_close(actual, wanted, rtol=rtol, atol=atol)
+    # Written through data pointers, but autograd sees the in-place update.
+    assert all(t._version > v for t, v in zip(buffers["triton"], versions, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("running", "message"),
+    [
+        ((torch.zeros(3), None), "both running_mean and running_var"),
+        ((torch.zeros(3), torch.ones(3, dtype=torch.float16)), "must have one dtype"),
+        ((torch.zeros(4), torch.ones(4)), "running_mean must be a contiguous 1-D float tensor of 3"),
+        ((torch.zeros(3), torch.ones(6)[::2]), "running_var must be a contiguous"),
+    ],
+)
+def test_bad_running_stats_raise_the_same_errors(running, message) -> None:
+    x = torch.zeros(2, 3, 2, 2).to(memory_format=torch.channels_last)
+    for implementation in (reference, triton_ops):
+        with pytest.raises(ValueError, match=message):
+            implementation.batch_norm_act_forward(
+                x, None, None, None, EPS, True, running_mean=running[0], running_var=running[1]
+            )
+    one_row = torch.zeros(1, 3, 1, 1).to(memory_format=torch.channels_last)
+    for implementation in (reference, triton_ops):
+        with pytest.raises(ValueError, match="more than 1 value per channel"):
+            implementation.batch_norm_act_forward(
+                one_row, None, None, None, EPS, True, running_mean=torch.zeros(3), running_var=torch.ones(3)
+            )
 
 
 @pytest.mark.parametrize("device", DEVICES)
