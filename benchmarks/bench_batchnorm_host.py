@@ -12,7 +12,9 @@ kernel on the GPU. This script measures both where no GPU is needed:
   allocations and metadata ops excluded).
 
 Triton's own launch cost (binding the arguments, the driver call) is not included; count it from
-the launch numbers. Median microseconds over many calls, on a tiny (2, 64, 2, 2) fp16 input::
+the launch numbers. Median microseconds per call over chains of calls (one backward pass per
+chain), on a tiny (2, 64, 2, 2) fp16 input, beside the unfused torch ops (on CPU, which is their
+host cost too: one dispatch each, tiny kernels)::
 
     python benchmarks/bench_batchnorm_host.py
 """
@@ -26,6 +28,7 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from amp_fx.kernels import batch_norm
@@ -87,7 +90,17 @@ def _stub_kernels(counter: list[int]) -> None:
         setattr(batch_norm, name, _CountedLaunches(counter))
 
 
-def _make_call(shape: tuple[int, int, int, int], residual: bool):
+def torch_batch_norm(x, weight, bias, running_mean, running_var, momentum, eps, residual, relu):
+    """The unfused ops, for comparison: their host cost (on GPU, one launch each, cuDNN's two)."""
+    y = F.batch_norm(x, running_mean, running_var, weight, bias, training=True, momentum=momentum, eps=eps)
+    if residual is not None:
+        y = y + residual
+    return F.relu(y) if relu else y
+
+
+def _make_chain(fn, shape: tuple[int, int, int, int], residual: bool, depth: int):
+    """``depth`` calls of ``fn`` in a row (each one's output the next one's input, as in a network,
+    so one backward pass covers them and its fixed cost is shared) and their backward."""
     generator = torch.Generator().manual_seed(0)
 
     def activation() -> torch.Tensor:
@@ -96,16 +109,38 @@ def _make_call(shape: tuple[int, int, int, int], residual: bool):
 
     channels = shape[1]
     x = activation().requires_grad_(True)
-    identity = activation().requires_grad_(True) if residual else None
-    weight = torch.ones(channels, requires_grad=True)
-    bias = torch.zeros(channels, requires_grad=True)
-    running_mean, running_var = torch.zeros(channels), torch.ones(channels)
     grad = activation()
+    # Each call its own parameters, buffers and residual, as each BatchNorm of a network has
+    # (shared ones would add gradient accumulations to the backward).
+    layers = [
+        {
+            "weight": torch.ones(channels, requires_grad=True),
+            "bias": torch.zeros(channels, requires_grad=True),
+            "running_mean": torch.zeros(channels),
+            "running_var": torch.ones(channels),
+            "residual": activation().requires_grad_(True) if residual else None,
+        }
+        for _ in range(depth)
+    ]
 
     def forward() -> torch.Tensor:
-        return batch_norm_act(x, weight, bias, running_mean, running_var, 0.1, 1e-5, identity, True)
+        y = x
+        for layer in layers:
+            y = fn(
+                y,
+                layer["weight"],
+                layer["bias"],
+                layer["running_mean"],
+                layer["running_var"],
+                0.1,
+                1e-5,
+                layer["residual"],
+                True,
+            )
+        return y
 
-    leaves = [x, weight, bias] + ([identity] if residual else [])
+    leaves = [x] + [layer[name] for layer in layers for name in ("weight", "bias")]
+    leaves += [layer["residual"] for layer in layers if residual]
 
     def backward(out: torch.Tensor) -> None:
         # autograd.grad, not .backward(): no accumulation into .grad (an optimizer step's cost).
@@ -140,32 +175,34 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=300, help="timed chains per row")
+    parser.add_argument("--depth", type=int, default=8, help="calls per chain (one backward pass)")
     args = parser.parse_args(argv)
     os.environ["AMP_FX_FORCE_TRITON"] = "1"
     torch.set_num_threads(1)
     launches = [0]
     _stub_kernels(launches)
-    for residual in (False, True):
-        forward, backward, call = _make_call((2, 64, 2, 2), residual)
-        for _ in range(50):
-            call()
-        times = {"forward": [], "forward + backward": []}
-        for _ in range(args.calls):
-            start = time.perf_counter()
-            out = forward()
-            middle = time.perf_counter()
-            backward(out)
-            end = time.perf_counter()
-            times["forward"].append(middle - start)
-            times["forward + backward"].append(end - start)
-        launches[0] = 0
-        ops, names = _kernel_ops(call)
-        timing = ", ".join(f"{k} {statistics.median(v) * 1e6:.0f} us" for k, v in times.items())
-        print(
-            f"residual={residual}: {timing}; per call {launches[0]} Triton launches, "
-            f"{ops} other kernel-launching aten ops ({names})"
-        )
+    for name, fn in (("fused batch_norm_act", batch_norm_act), ("torch bn + add + relu", torch_batch_norm)):
+        for residual in (False, True):
+            forward, backward, call = _make_chain(fn, (2, 64, 2, 2), residual, args.depth)
+            for _ in range(20):
+                call()
+            times = {"forward": [], "forward + backward": []}
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                out = forward()
+                middle = time.perf_counter()
+                backward(out)
+                end = time.perf_counter()
+                times["forward"].append((middle - start) / args.depth)
+                times["forward + backward"].append((end - start) / args.depth)
+            launches[0] = 0
+            ops, names = _kernel_ops(call)
+            timing = ", ".join(f"{k} {statistics.median(v) * 1e6:.0f} us" for k, v in times.items())
+            print(
+                f"{name}, residual={residual}: per call {timing}; {launches[0] / args.depth:g} Triton "
+                f"launches, {ops / args.depth:g} other kernel-launching aten ops ({names})"
+            )
 
 
 if __name__ == "__main__":

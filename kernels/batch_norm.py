@@ -123,6 +123,12 @@ def _fitted_grid(
     )
 
 
+@functools.lru_cache(maxsize=1024)
+def _finalize_grid(num_channels: int, block_channels: int) -> tuple[int]:
+    """One finalize program per block of channels (cached: triton.cdiv costs microseconds)."""
+    return (triton.cdiv(num_channels, block_channels),)
+
+
 def _grid(num_rows: int, num_channels: int) -> _Grid:
     """LAUNCH fitted to an [num_rows, num_channels] activation."""
     launch = LAUNCH
@@ -513,7 +519,7 @@ def finalize_statistics(
     var = torch.empty(num_channels, dtype=torch.float32, device=device)
     has_running_stats = running_mean is not None
     launch = LAUNCH
-    _statistics_finalize_kernel[(triton.cdiv(num_channels, launch.finalize_block_channels),)](
+    _statistics_finalize_kernel[_finalize_grid(num_channels, launch.finalize_block_channels)](
         input,
         partials,
         mean,
@@ -561,7 +567,7 @@ def finalize_backward(
     grad_bias = torch.empty(num_channels, dtype=bias_dtype, device=device)
     coefficients = torch.empty((2, num_channels), dtype=torch.float32, device=device)
     launch = LAUNCH
-    _backward_finalize_kernel[(triton.cdiv(num_channels, launch.finalize_block_channels),)](
+    _backward_finalize_kernel[_finalize_grid(num_channels, launch.finalize_block_channels)](
         partials,
         invstd,
         grad_weight,
