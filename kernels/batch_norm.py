@@ -540,7 +540,8 @@ def finalize_statistics(
     )
     if has_running_stats:
         # Written through their data pointers: tell autograd, as an in-place torch op would.
-        torch.autograd.graph.increment_version((running_mean, running_var))
+        torch.autograd.graph.increment_version(running_mean)
+        torch.autograd.graph.increment_version(running_var)
     return mean, invstd, var
 
 
