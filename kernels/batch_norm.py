@@ -534,8 +534,8 @@ def finalize_statistics(
         partials.shape[1],
         num_rows,
         num_channels,
-        eps,
-        momentum,
+        float(eps),  # an int 1 would be specialized as a constant and typed as an integer
+        float(momentum),
         HAS_RUNNING_STATS=has_running_stats,
         RUNNING_DTYPE=_TRITON_DTYPES[running_mean.dtype] if has_running_stats else tl.float32,
         BLOCK_P=launch.finalize_block_programs,
