@@ -493,6 +493,11 @@ def _check_layout(tensor: Tensor, name: str) -> None:
     )
 
 
+def _contiguous(vector: Tensor | None) -> Tensor | None:
+    """A (C,) parameter the kernels can index by channel (their pointer + c)."""
+    return None if vector is None else vector.contiguous()
+
+
 def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
     """Launch on the tensors' GPU, not the current one (Triton launches on the current device)."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -623,6 +628,7 @@ def batch_norm_act_forward(
         _check_layout(input, "input")
         if residual is not None:
             _check_layout(residual, "residual")
+        weight, bias = _contiguous(weight), _contiguous(bias)
     num_channels = input.shape[1]
     num_rows = input.numel() // num_channels
     grid = _grid(num_rows, num_channels)
@@ -698,8 +704,8 @@ def batch_norm_act_backward(
         _check_layout(input, "input")
         if has_out:
             _check_layout(out, "out")
-        mean = mean.contiguous()
-        invstd = invstd.contiguous()
+        weight, bias = _contiguous(weight), _contiguous(bias)
+        mean, invstd = mean.contiguous(), invstd.contiguous()
     memory_format = torch.channels_last if input.dim() == 4 else torch.contiguous_format
     grad_out = grad_out.contiguous(memory_format=memory_format)
     num_channels = input.shape[1]

@@ -376,6 +376,19 @@ def test_relu_keeps_nan(device) -> None:
         assert out[:, 0].isfinite().all() and out[:, 2].isfinite().all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_parameters(device) -> None:
+    # The kernels index weight and bias by channel: a strided (C,) view must give the same result.
+    case = make_case((2, 5, 3, 3), torch.float16, "float32", False, 9, device)
+    strided = {k: torch.stack([case[k], case[k]], dim=1)[:, 0] for k in ("weight", "bias")}
+    assert not strided["weight"].is_contiguous()
+    with launch_config(SMALL):
+        ours = run(triton_ops, {**case, **strided}, relu=True)
+        expected = run(triton_ops, case, relu=True)
+    for actual, wanted in zip(ours[0] + ours[1], expected[0] + expected[1], strict=True):
+        assert torch.equal(actual, wanted)
+
+
 def test_other_layouts_are_refused_by_the_triton_wrapper() -> None:
     x = torch.randn(2, 3, 4, 4)  # NCHW
     with pytest.raises(ValueError, match="channels_last"):
