@@ -37,7 +37,7 @@ The running statistics follow F.batch_norm's training update::
     running_mean = (1 - momentum) * running_mean + momentum * mean_c
     running_var  = (1 - momentum) * running_var  + momentum * var_c * M / (M - 1)   (unbiased)
 
-computed in float64 from the buffers' values and rounded once to their dtype.
+computed in float64 from the buffers' values, then rounded to their dtype (through fp32).
 """
 
 from __future__ import annotations
