@@ -16,6 +16,7 @@ from torch import nn
 from torchvision.models.resnet import Bottleneck, ResNet
 
 import amp_fx
+from amp_fx import fused_batch_norm
 from amp_fx.fused_batch_norm import FusedBatchNormAct
 from amp_fx.node_info import node_info
 from amp_fx.passes.fuse_batch_norm import fuse_batch_norm
@@ -61,8 +62,30 @@ def test_resnet_patterns_are_fused_and_the_state_dict_is_unchanged():
     assert len(notes) == 13 and sum("residual add" in note for note in notes) == 4
 
 
+@pytest.fixture
+def fuse_every_size(monkeypatch):
+    """Fused calls without a residual at this file's sizes too (by default only large ones)."""
+    monkeypatch.setattr(fused_batch_norm, "MIN_FUSED_ELEMENTS_WITHOUT_RESIDUAL", 0)
+
+
+@pytest.fixture
+def fused_calls(monkeypatch) -> list[bool]:
+    """Records each batch_norm_act call the fused modules make: whether it had a residual."""
+    from amp_fx import norms
+
+    calls: list[bool] = []
+    original = norms.batch_norm_act
+
+    def recorded(*args):
+        calls.append(args[7] is not None)
+        return original(*args)
+
+    monkeypatch.setattr(norms, "batch_norm_act", recorded)
+    return calls
+
+
 @pytest.mark.parametrize("dtype", [F16, BF16])
-def test_training_is_as_accurate_as_the_unfused_ops(dtype):
+def test_training_is_as_accurate_as_the_unfused_ops(dtype, fuse_every_size):
     # Against the float32 model: every gradient of the fused model within twice the unfused
     # model's error, and running statistics too (a tiny ResNet's last stages normalize over few
     # values, where the low dtype's rounding is amplified in both).
@@ -91,6 +114,25 @@ def test_training_is_as_accurate_as_the_unfused_ops(dtype):
             assert error <= 2 * unfused_error + atol, (name, error.item(), unfused_error.item())
         elif "num_batches" in name:
             assert torch.equal(fused.get_buffer(name), exact), name
+
+
+def test_small_calls_without_a_residual_run_torchs_ops(fused_calls, monkeypatch):
+    # Every training call with a residual is fused; one without only from the size threshold up.
+    gm = _convert(_resnet(), True)
+    sizes: list[int] = []
+    for module in _fused_modules(gm):
+        module.register_forward_pre_hook(
+            lambda m, args: sizes.append(args[0].numel()) if len(args) == 1 else None
+        )
+    gm(_images())
+    assert fused_calls == [True] * 4
+    first = sizes[:]  # one forward's calls without a residual
+    threshold = sorted(first)[len(first) // 2]
+    monkeypatch.setattr(fused_batch_norm, "MIN_FUSED_ELEMENTS_WITHOUT_RESIDUAL", threshold)
+    fused_calls.clear()
+    gm(_images())
+    assert fused_calls.count(False) == sum(size >= threshold for size in first) > 0
+    assert fused_calls.count(True) == 4
 
 
 def test_eval_mode_computes_exactly_the_unfused_ops():
