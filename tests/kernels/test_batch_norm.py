@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -39,16 +38,6 @@ SMALL = BatchNormLaunch(
 SHAPES = [(2, 11, 3, 5), (1, 8, 2, 3), (3, 3, 2, 2), (4, 5, 6, 6), (2, 16, 1, 3)]
 PARAMS = ["float32", "input dtype", "none"]
 EPS = 1e-5
-
-DEVICES = [
-    pytest.param(
-        "cpu",
-        marks=pytest.mark.skipif(
-            os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1"
-        ),
-    ),
-    pytest.param("cuda", marks=pytest.mark.gpu),
-]
 
 
 @contextlib.contextmanager
@@ -164,7 +153,6 @@ def assert_matches(ours, expected, case: dict) -> None:
         assert torch.equal(grad_residual, ref_gr)  # dy or 0: exact in any dtype
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @given(
     dtype=st.sampled_from(DTYPES),
     params=st.sampled_from(PARAMS),
@@ -181,7 +169,6 @@ def test_triton_matches_reference(device, dtype, params, with_residual, relu, sh
     assert_matches(ours, expected, case)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", [(2, 200, 3, 3), (3, 64, 4, 4)])
 def test_production_launch(device, shape) -> None:
     # The production configuration: 200 channels are two blocks of 128, the second masked.
@@ -191,7 +178,6 @@ def test_production_launch(device, shape) -> None:
     assert_matches(ours, expected, case)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_rows_of_a_contiguous_matrix(device) -> None:
     # An (M, C) contiguous matrix is the same row-major layout as a channels_last activation.
     case = make_case((24, 11), torch.bfloat16, "float32", True, 3, device)
@@ -201,7 +187,6 @@ def test_rows_of_a_contiguous_matrix(device) -> None:
     assert_matches(ours, expected, case)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_statistics_of_a_large_mean(device) -> None:
     # Values of 1000 +- 1 in fp32: summing x^2 directly would lose the variance to cancellation.
     generator = torch.Generator().manual_seed(4)
@@ -215,7 +200,6 @@ def test_statistics_of_a_large_mean(device) -> None:
     assert_statistics_close(invstd, torch.rsqrt(expected_var + EPS))
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_recomputed_mask_is_the_stored_outputs_mask(device, dtype) -> None:
     # Without a residual the backward recomputes relu's mask from x, rounded to the output's
@@ -244,7 +228,6 @@ def rows_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.permute(0, 2, 3, 1).reshape(-1, tensor.shape[1])
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("running_dtype", DTYPES)
 def test_finalize_statistics_matches_reference(device, running_dtype) -> None:
     # Partial sums of 5 row chunks (3 iterations of 2 rows of partials, the last masked), 11
@@ -287,7 +270,6 @@ def test_finalize_statistics_matches_reference(device, running_dtype) -> None:
         torch.testing.assert_close(actual, wanted, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("params", ["float32", "input dtype", "none"])
 def test_finalize_backward_matches_reference(device, params) -> None:
     case = make_case((2, 11, 3, 5), torch.float16, params, False, 4, device)
@@ -314,7 +296,6 @@ def test_finalize_backward_matches_reference(device, params) -> None:
     assert_channel_sums_close(coefficient, expected_coefficient, dy * 4 * invstd.max() / 30)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("momentum", [0.1, 1.0])
 def test_forward_updates_running_stats_like_the_reference(device, momentum) -> None:
     case = make_case((2, 11, 3, 5), torch.float16, "float32", True, 5, device)
@@ -366,7 +347,6 @@ def test_bad_running_stats_raise_the_same_errors(running, message) -> None:
             )
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_relu_keeps_nan(device) -> None:
     case = make_case((2, 3, 2, 2), torch.float16, "none", False, 1, device)
     case["input"][0, 1, 0, 0] = float("nan")
@@ -376,7 +356,6 @@ def test_relu_keeps_nan(device) -> None:
         assert out[:, 0].isfinite().all() and out[:, 2].isfinite().all()
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_strided_parameters(device) -> None:
     # The kernels index weight and bias by channel: a strided (C,) view must give the same result.
     case = make_case((2, 5, 3, 3), torch.float16, "float32", False, 9, device)
