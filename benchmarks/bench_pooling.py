@@ -10,6 +10,10 @@ each implementation keeps come on top), and the largest differences from torch (
 gradient against torch's float32 backward rounded once). GPU only::
 
     python benchmarks/bench_pooling.py --markdown BENCHMARKS.md
+
+Without a GPU, ``--sm90-compile-check`` compiles every kernel variant of a few windows for sm_90
+(``triton.compile`` with ``GPUTarget("cuda", 90, 32)`` and Triton's bundled ptxas) and prints
+registers and spills per kernel.
 """
 
 from __future__ import annotations
@@ -80,6 +84,100 @@ def _differences(x: torch.Tensor, shape: PoolShape, grad_out: torch.Tensor) -> t
     return out_diff, grad_diff
 
 
+def sm90_compile_check() -> list[str]:
+    """Compile the forward and backward kernels for sm_90 (no GPU needed): one line per variant
+    with ptxas's register and spill counts."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from amp_fx.kernels import max_pool
+    from amp_fx.kernels.pointer_table import triton_dtype
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    windows = {
+        "3x3/2 pad 1": ((3, 3), (2, 2), (1, 1), (1, 1)),
+        "2x2/2": ((2, 2), (2, 2), (0, 0), (1, 1)),
+        "3x3/1 dilation 2": ((3, 3), (1, 1), (1, 1), (2, 2)),
+        "5x5/3 pad 2": ((5, 5), (3, 3), (2, 2), (1, 1)),
+    }
+    sizes = ("channels", "height", "width", "out_height", "out_width")
+    lines = []
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        pointer = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[dtype]
+        block_pixels, block_channels, _ = max_pool._launch_shape(256 * 56 * 56, 64, max_pool.LAUNCH)
+        for label, (kernel, stride, padding, dilation) in windows.items():
+            constants = {
+                **max_pool._window_constants(kernel, stride, padding, dilation),
+                "DTYPE": triton_dtype(dtype),
+                "BLOCK_PIXELS": block_pixels,
+                "BLOCK_CHANNELS": block_channels,
+            }
+            windows_h = max_pool._windows_reaching(kernel[0], stride[0], dilation[0])
+            windows_w = max_pool._windows_reaching(kernel[1], stride[1], dilation[1])
+            backward_constants = {
+                **constants,
+                "WINDOWS_H": windows_h,
+                "WINDOWS_W": windows_w,
+                "UNROLL_ROWS": windows_h * windows_w <= max_pool._MAX_UNROLLED_WINDOWS,
+            }
+            forward_signature = {
+                "x_ptr": pointer,
+                "out_ptr": pointer,
+                "offsets_ptr": "*u8",
+                "num_out_pixels": "i32",
+            }
+            backward_signature = {
+                "grad_out_ptr": pointer,
+                **{f"grad_out_stride_{d}": "i32" for d in "nchw"},
+                "offsets_ptr": "*u8",
+                "grad_in_ptr": pointer,
+                "num_in_pixels": "i32",
+            }
+            kernels = (
+                ("forward", max_pool._max_pool2d_forward_kernel, forward_signature, constants),
+                ("backward", max_pool._max_pool2d_backward_kernel, backward_signature, backward_constants),
+            )
+            for direction, kernel_fn, signature, kernel_constants in kernels:
+                signature = {
+                    **signature,
+                    **dict.fromkeys(sizes, "i32"),
+                    **dict.fromkeys(kernel_constants, "constexpr"),
+                }
+                # Pointers 16-byte aligned and a channel count divisible by 16 (C = 64), as Triton
+                # specializes them at a real launch.
+                attrs = {
+                    (i,): [["tt.divisibility", 16]]
+                    for i, (name, kind) in enumerate(signature.items())
+                    if kind.startswith("*") or name == "channels"
+                }
+                source = ASTSource(
+                    fn=kernel_fn, signature=signature, constexprs=kernel_constants, attrs=attrs
+                )
+                compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+                with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as handle:
+                    handle.write(compiled.asm["ptx"])
+                result = subprocess.run(
+                    [ptxas, "-v", "--gpu-name=sm_90a", handle.name, "-o", os.devnull],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+                os.unlink(handle.name)
+                info = "; ".join(
+                    line.split("info    : ")[-1].strip()
+                    for line in result.stderr.splitlines()
+                    if "registers" in line or "spill" in line
+                )
+                name = str(dtype).removeprefix("torch.")
+                lines.append(f"{name} {label} {direction}: {info}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -88,7 +186,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--shapes", default=None, help="comma-separated indices into SHAPES (default: all), e.g. 0,2"
     )
+    parser.add_argument(
+        "--sm90-compile-check",
+        action="store_true",
+        help="compile every kernel variant for sm_90 (no GPU needed) and print registers and spills",
+    )
     args = parser.parse_args(argv)
+    if args.sm90_compile_check:
+        print("\n".join(sm90_compile_check()))
+        return
     shapes = SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
     if not torch.cuda.is_available():
         raise SystemExit("bench_pooling.py needs a CUDA device")
