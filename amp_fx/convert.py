@@ -14,7 +14,8 @@
 
 The pipeline (DESIGN.md), one pass a file in `amp_fx.passes`: trace -> normalize_ops -> classify ->
 propagate_dtypes -> insert_casts -> cast_parameters -> simplify_casts -> cast_outputs -> fuse_losses ->
-fuse_batch_norm, then lint and recompile. The input model is never modified: `trace` works on a deep copy.
+fuse_batch_norm -> replace_max_pool, then lint and recompile. The input model is never modified: `trace`
+works on a deep copy.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from amp_fx.passes.fuse_losses import fuse_losses
 from amp_fx.passes.insert_casts import insert_casts
 from amp_fx.passes.normalize_ops import normalize_ops
 from amp_fx.passes.propagate_dtypes import propagate_dtypes
+from amp_fx.passes.replace_max_pool import replace_max_pool
 from amp_fx.passes.simplify_casts import simplify_casts
 from amp_fx.passes.trace import trace
 from amp_fx.policy import Policy, preset
@@ -201,6 +203,7 @@ def convert(
     cast_outputs(gm, resolved)
     fuse_losses(gm, resolved)
     fuse_batch_norm(gm, resolved)
+    replace_max_pool(gm, resolved)
     gm.graph.lint()
     gm.recompile()
     gm.meta[POLICY_KEY] = resolved

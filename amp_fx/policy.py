@@ -398,6 +398,8 @@ class Policy:
         math without a float32 copy of the logits. O1 leaves it off to stay bit-identical to autocast.
     ``fused_batch_norm`` (default True at O2 only): BatchNorm2d followed by ReLU (or by a residual add
     and ReLU) runs as one call (`amp_fx.fused_batch_norm.FusedBatchNormAct`).
+    ``fused_max_pool`` (default True at O2 only): 2-D max pooling runs through
+    `amp_fx.pooling.max_pool2d` (1-byte argmax offsets, a one-pass gather backward).
 
         >>> policy = preset("O1", device_type="cpu", dtype=torch.bfloat16)
         >>> policy.decide("conv2d")
@@ -411,6 +413,7 @@ class Policy:
     cast_model_outputs: torch.dtype | None = None
     fused_losses: bool = False
     fused_batch_norm: bool = False
+    fused_max_pool: bool = False
     op_rules: dict[str, OpRule] = field(default_factory=dict)
     global_rule: Rule = Rule.PASSTHROUGH
     op_overrides: dict[str, Rule] = field(default_factory=dict)
@@ -428,6 +431,7 @@ class Policy:
         self.cast_model_outputs = _check_output_dtype(self.cast_model_outputs)
         self.fused_losses = _check_flag("fused_losses", self.fused_losses)
         self.fused_batch_norm = _check_flag("fused_batch_norm", self.fused_batch_norm)
+        self.fused_max_pool = _check_flag("fused_max_pool", self.fused_max_pool)
         self.global_rule = _check_rule(self.global_rule)
         self.op_rules = {
             _check_op(op): OpRule(_check_rule(entry.rule), str(entry.reason))
@@ -584,6 +588,7 @@ class Policy:
             else _dtype_name(self.cast_model_outputs),
             "fused_losses": self.fused_losses,
             "fused_batch_norm": self.fused_batch_norm,
+            "fused_max_pool": self.fused_max_pool,
             "global": self.global_rule.value,
             "op_rules": {
                 op: {"rule": e.rule.value, "reason": e.reason} for op, e in sorted(self.op_rules.items())
@@ -614,6 +619,7 @@ class Policy:
             cast_model_outputs=_check_output_dtype(data.get("cast_model_outputs")),
             fused_losses=data.get("fused_losses", False),
             fused_batch_norm=data.get("fused_batch_norm", False),
+            fused_max_pool=data.get("fused_max_pool", False),
             op_rules={
                 op: OpRule(_check_rule(entry["rule"]), entry.get("reason", ""))
                 for op, entry in data.get("op_rules", {}).items()
@@ -634,7 +640,8 @@ class Policy:
         lines = [
             f"Policy {self.opt_level} dtype={_dtype_name(self.dtype)} device_type={self.device_type} "
             f"keep_batchnorm_fp32={self.keep_batchnorm_fp32} cast_model_outputs={outputs} "
-            f"fused_losses={self.fused_losses} fused_batch_norm={self.fused_batch_norm}",
+            f"fused_losses={self.fused_losses} fused_batch_norm={self.fused_batch_norm} "
+            f"fused_max_pool={self.fused_max_pool}",
             f"  cast_parameters={self.cast_parameters} cast_inputs_dtype="
             f"{None if self.cast_inputs_dtype is None else _dtype_name(self.cast_inputs_dtype)} "
             f"autocast_opaque={self.autocast_opaque}",
@@ -674,13 +681,14 @@ def preset(
     cast_model_outputs: torch.dtype | None = None,
     fused_losses: bool | None = None,
     fused_batch_norm: bool | None = None,
+    fused_max_pool: bool | None = None,
 ) -> Policy:
     """The policy for an Apex opt level on a device type; see `Policy` for the table.
 
     `keep_batchnorm_fp32` defaults to True for O2 and False otherwise (Apex also accepts the strings
     "True"/"False"); `cast_model_outputs` defaults to float32 for O2/O3 (losses computed in fp32, as
-    in Apex) and None (outputs as computed) for O0/O1; `fused_losses` and
-    `fused_batch_norm` default to True for O2 only.
+    in Apex) and None (outputs as computed) for O0/O1; `fused_losses`, `fused_batch_norm` and
+    `fused_max_pool` default to True for O2 only.
 
     >>> p = preset("O2", dtype=torch.bfloat16)
     >>> p.cast_parameters, p.keep_batchnorm_fp32, p.cast_model_outputs, p.fused_losses
@@ -697,6 +705,7 @@ def preset(
     fused_bn = (
         (level == "O2") if fused_batch_norm is None else _check_flag("fused_batch_norm", fused_batch_norm)
     )
+    fused_pool = (level == "O2") if fused_max_pool is None else _check_flag("fused_max_pool", fused_max_pool)
     if outputs is None and level in ("O2", "O3"):
         outputs = torch.float32
     if level == "O0":
@@ -713,6 +722,7 @@ def preset(
         cast_model_outputs=outputs,
         fused_losses=fused,
         fused_batch_norm=fused_bn,
+        fused_max_pool=fused_pool,
         op_rules=op_rules,
     )
     logger.debug("preset %s dtype=%s device_type=%s: %d op rules", level, low, device, len(op_rules))

@@ -305,6 +305,7 @@ def _policy_summary(policy: Any) -> dict[str, Any] | None:
         "cast_model_outputs": _dtype_str(policy.cast_model_outputs),
         "fused_losses": policy.fused_losses,
         "fused_batch_norm": policy.fused_batch_norm,
+        "fused_max_pool": policy.fused_max_pool,
     }
 
 

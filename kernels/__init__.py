@@ -6,7 +6,9 @@ kernels ``check_finite_and_norm_``, ``adam_step_``, ``sgd_step_``, ``advance_ste
 kernels ``cross_entropy_forward`` / ``cross_entropy_backward`` (fp32 cross-entropy over rows of
 fp16/bf16/fp32 logits, behind ``amp_fx.losses.fp32_cross_entropy``), and the normalization kernels
 ``batch_norm_act_forward`` / ``batch_norm_act_backward`` (training-mode BatchNorm + residual add +
-ReLU over channels_last activations, behind ``amp_fx.norms.batch_norm_act``):
+ReLU over channels_last activations, behind ``amp_fx.norms.batch_norm_act``), and the pooling
+kernels ``max_pool2d_forward`` / ``max_pool2d_backward`` (2-D max pooling of channels_last
+activations with 1-byte argmax offsets, behind ``amp_fx.pooling.max_pool2d``):
 
 - ``reference``: plain torch; runs on any device and is what the optimizers use without CUDA.
 - ``triton_ops``: Triton kernels, one launch per dtype group; run on CUDA tensors, or on CPU

@@ -692,3 +692,261 @@ def batch_norm_act_backward(
         sum_dy.to(torch.float32 if bias is None else bias.dtype),
         grad_residual,
     )
+
+
+# Max pooling (``max_pool2d_forward`` / ``max_pool2d_backward``; the Triton twins are in
+# ``amp_fx.kernels.max_pool``). For a 4-D channels_last input x (N, C, H, W) in fp16, bf16 or fp32
+# and a window of KH x KW taps (kernel size, stride, padding, dilation: pairs of ints, as
+# F.max_pool2d normalizes them), output (oh, ow) looks at the taps (kh, kw) at
+#
+#     ih = oh * SH - PH + kh * DH        iw = ow * SW - PW + kw * DW
+#
+# scanning kh outer, kw inner. Padding taps never win. torch's rule picks the tap: the first
+# in-range tap is taken, then a later tap replaces it when ``val > best or isnan(val)`` (so the
+# first maximum wins, and the last NaN when there are NaNs). The forward writes the value and the
+# tap's offset ``kh * KW + kw`` as uint8 (1 byte where torch stores an int64 flat index; windows
+# of at most 256 taps). The backward gathers: each input element sums, in fp32, the gradients of
+# the windows whose winning tap it is, in the order of those windows (oh, then ow, ascending), and
+# is rounded once to x's dtype.
+
+MAX_POOL_MAX_TAPS = 256  # the offsets are uint8
+
+
+def max_pool2d_output_size(
+    size: int, kernel_size: int, stride: int, padding: int, dilation: int, ceil_mode: bool
+) -> int:
+    """One output dimension, by torch's formula (``pooling_output_shape``): with ceil_mode the last
+    window may hang over the end, but it must start inside the input or its left padding.
+
+    Example:
+        >>> max_pool2d_output_size(112, 3, 2, 1, 1, False), max_pool2d_output_size(5, 2, 2, 0, 1, True)
+        (56, 3)
+    """
+    numerator = size + 2 * padding - dilation * (kernel_size - 1) - 1 + (stride - 1 if ceil_mode else 0)
+    out = numerator // stride + 1
+    if ceil_mode and (out - 1) * stride >= size + padding:
+        out -= 1
+    return out
+
+
+def _check_pair(name: str, value: object, minimum: int) -> tuple[int, int]:
+    if (
+        not isinstance(value, (tuple, list))
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
+        raise TypeError(
+            f"{name} must be a pair of ints (height, width), got {value!r}; "
+            "amp_fx.pooling.max_pool2d accepts F.max_pool2d's forms and normalizes them"
+        )
+    if min(value) < minimum:
+        raise ValueError(f"{name} must be >= {minimum} in both dimensions, got {tuple(value)}")
+    return value[0], value[1]
+
+
+def check_max_pool2d_arguments(
+    input_size: Sequence[int],
+    dtype: torch.dtype,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    ceil_mode: bool,
+) -> tuple[int, int]:
+    """Validate a max-pool window for an input of ``input_size`` (N, C, H, W) and ``dtype`` (metadata
+    only); returns the output's (OH, OW). Raises TypeError/ValueError with torch's rules: padding at
+    most half the kernel size, an output of at least one element per dimension, and (for the 1-byte
+    offsets) at most 256 taps per window."""
+    if len(input_size) != 4:
+        raise ValueError(
+            f"max_pool2d kernels take a 4-D (N, C, H, W) input, got {len(input_size)} dimensions; "
+            "add a batch dimension with x.unsqueeze(0)"
+        )
+    if dtype not in PARAM_DTYPES:
+        allowed = ", ".join(str(d) for d in PARAM_DTYPES)
+        raise ValueError(f"max_pool2d input has dtype {dtype}; supported dtypes are {allowed}")
+    kernel = _check_pair("kernel_size", kernel_size, 1)
+    strides = _check_pair("stride", stride, 1)
+    pads = _check_pair("padding", padding, 0)
+    dilations = _check_pair("dilation", dilation, 1)
+    if not isinstance(ceil_mode, bool):
+        raise TypeError(f"ceil_mode must be True or False, got {ceil_mode!r}")
+    if kernel[0] * kernel[1] > MAX_POOL_MAX_TAPS:
+        raise ValueError(
+            f"a {kernel[0]}x{kernel[1]} window has more than {MAX_POOL_MAX_TAPS} taps, too many for "
+            "1-byte offsets; use F.max_pool2d for such windows"
+        )
+    if pads[0] > kernel[0] // 2 or pads[1] > kernel[1] // 2:
+        raise ValueError(f"padding {pads} is more than half the kernel size {kernel}; use a smaller padding")
+    out_size = tuple(
+        max_pool2d_output_size(input_size[2 + i], kernel[i], strides[i], pads[i], dilations[i], ceil_mode)
+        for i in range(2)
+    )
+    if min(out_size) < 1:
+        raise ValueError(
+            f"max_pool2d of an input of spatial size {tuple(input_size[2:])} with kernel {kernel}, "
+            f"dilation {dilations} and padding {pads} has output size {out_size}; "
+            "use a smaller kernel or a larger input"
+        )
+    return out_size
+
+
+def _check_channels_last(name: str, tensor: Tensor) -> None:
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
+    if tensor.dim() != 4 or not tensor.is_contiguous(memory_format=torch.channels_last):
+        raise ValueError(
+            f"{name} must be a 4-D tensor contiguous in channels_last (strides {tensor.stride()} for "
+            f"shape {tuple(tensor.shape)}); convert it with .contiguous(memory_format=torch.channels_last)"
+        )
+
+
+def check_max_pool2d_backward_arguments(
+    grad_out: Tensor,
+    offsets: Tensor,
+    input_size: Sequence[int],
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+) -> None:
+    """Validate the arguments of ``max_pool2d_backward`` (metadata only)."""
+    if not isinstance(grad_out, Tensor):
+        raise TypeError(f"grad_out must be a tensor, got {type(grad_out).__name__}")
+    _check_channels_last("offsets", offsets)
+    if offsets.dtype != torch.uint8:
+        raise ValueError(f"offsets must be the forward's uint8 offsets, got dtype {offsets.dtype}")
+    if not isinstance(input_size, (tuple, list)) or len(input_size) != 4:
+        raise ValueError(f"input_size must be the forward input's (N, C, H, W), got {input_size!r}")
+    check_max_pool2d_arguments(
+        input_size, grad_out.dtype, kernel_size, stride, padding, dilation, ceil_mode=False
+    )
+    if grad_out.shape != offsets.shape or grad_out.device != offsets.device:
+        raise ValueError(
+            f"grad_out ({tuple(grad_out.shape)} on {grad_out.device}) must have the shape and device "
+            f"of the offsets ({tuple(offsets.shape)} on {offsets.device})"
+        )
+    if tuple(offsets.shape[:2]) != tuple(input_size[:2]):
+        raise ValueError(
+            f"offsets of shape {tuple(offsets.shape)} do not belong to an input of size {tuple(input_size)}"
+        )
+
+
+def max_pool2d_forward(
+    input: Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    ceil_mode: bool,
+    *,
+    validate: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """2-D max pooling of a channels_last ``input`` (N, C, H, W): ``(out, offsets)``, out in the
+    input's dtype, offsets uint8 (``kh * KW + kw`` of each window's winning tap), both
+    channels_last (N, C, OH, OW). Values and ties as F.max_pool2d (section comment above).
+    ``validate=False`` skips the argument checks (for callers that made them).
+
+    Example:
+        >>> x = torch.tensor([[[[1.0, 3.0], [3.0, float("nan")]]]]).to(memory_format=torch.channels_last)
+        >>> out, offsets = max_pool2d_forward(x, (2, 2), (2, 2), (0, 0), (1, 1), False)
+        >>> out.flatten().tolist(), offsets.flatten().tolist()
+        ([nan], [3])
+    """
+    if validate:
+        _check_channels_last("input", input)
+        check_max_pool2d_arguments(
+            input.shape, input.dtype, kernel_size, stride, padding, dilation, ceil_mode
+        )
+    out_h, out_w = (
+        max_pool2d_output_size(
+            input.shape[2 + i], kernel_size[i], stride[i], padding[i], dilation[i], ceil_mode
+        )
+        for i in range(2)
+    )
+    (kernel_h, kernel_w), (stride_h, stride_w) = kernel_size, stride
+    (pad_h, pad_w), (dilation_h, dilation_w) = padding, dilation
+    height, width = input.shape[2:]
+    device = input.device
+    oh = torch.arange(out_h, device=device)
+    ow = torch.arange(out_w, device=device)
+    best = input.new_full((*input.shape[:2], out_h, out_w), float("-inf"))
+    best_tap = torch.full(best.shape, -1, dtype=torch.int64, device=device)
+    for kh in range(kernel_h):
+        ih = oh * stride_h - pad_h + kh * dilation_h
+        valid_h = (ih >= 0) & (ih < height)
+        for kw in range(kernel_w):
+            iw = ow * stride_w - pad_w + kw * dilation_w
+            valid_w = (iw >= 0) & (iw < width)
+            # Out-of-range taps read row/column 0 and are masked out: never an out-of-bounds index.
+            rows = input.index_select(2, torch.where(valid_h, ih, 0))
+            value = rows.index_select(3, torch.where(valid_w, iw, 0))
+            valid = valid_h[:, None] & valid_w[None, :]
+            take = valid & ((value > best) | torch.isnan(value) | (best_tap < 0))
+            best = torch.where(take, value, best)
+            best_tap = torch.where(take, kh * kernel_w + kw, best_tap)
+    out = best.contiguous(memory_format=torch.channels_last)
+    offsets = best_tap.to(torch.uint8).contiguous(memory_format=torch.channels_last)
+    return out, offsets
+
+
+def max_pool2d_backward(
+    grad_out: Tensor,
+    offsets: Tensor,
+    input_size: Sequence[int],
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    *,
+    validate: bool = True,
+) -> Tensor:
+    """Gradient of `max_pool2d_forward` w.r.t. its input (of size ``input_size``), from ``grad_out``
+    (any strides) and the forward's ``offsets``: each input element sums, in fp32, the gradients
+    of the windows it won, and is rounded once to grad_out's dtype; channels_last.
+
+    Example:
+        >>> x = torch.tensor([[[[1.0, 3.0, 2.0]]]]).to(memory_format=torch.channels_last)
+        >>> _, offsets = max_pool2d_forward(x, (1, 2), (1, 1), (0, 0), (1, 1), False)
+        >>> max_pool2d_backward(torch.ones(1, 1, 1, 2), offsets, x.shape, (1, 2), (1, 1), (0, 0), (1, 1))
+        tensor([[[[0., 2., 0.]]]])
+    """
+    if validate:
+        check_max_pool2d_backward_arguments(
+            grad_out, offsets, input_size, kernel_size, stride, padding, dilation
+        )
+    (kernel_h, kernel_w), (stride_h, stride_w) = kernel_size, stride
+    (pad_h, pad_w), (dilation_h, dilation_w) = padding, dilation
+    height, width = input_size[2:]
+    out_h, out_w = offsets.shape[2:]
+    grad = torch.zeros(tuple(input_size), dtype=torch.float32, device=grad_out.device)
+    grad_of_out = grad_out.float()
+    # Taps in reverse: for one input element, windows further down/right reach it through smaller
+    # taps, so this adds each element's windows in (oh, ow) order, as the Triton kernel does.
+    for kh in reversed(range(kernel_h)):
+        first_h, last_h = _windows_in_range(out_h, height, stride_h, kh * dilation_h - pad_h)
+        for kw in reversed(range(kernel_w)):
+            first_w, last_w = _windows_in_range(out_w, width, stride_w, kw * dilation_w - pad_w)
+            if first_h > last_h or first_w > last_w:
+                continue
+            windows = (slice(None), slice(None), slice(first_h, last_h + 1), slice(first_w, last_w + 1))
+            # One tap of distinct windows reaches distinct input elements: a strided slice of them.
+            start_h = first_h * stride_h + kh * dilation_h - pad_h
+            start_w = first_w * stride_w + kw * dilation_w - pad_w
+            reached = (
+                slice(None),
+                slice(None),
+                slice(start_h, start_h + (last_h - first_h) * stride_h + 1, stride_h),
+                slice(start_w, start_w + (last_w - first_w) * stride_w + 1, stride_w),
+            )
+            won = offsets[windows] == kh * kernel_w + kw
+            grad[reached] += torch.where(won, grad_of_out[windows], 0.0)
+    return grad.to(grad_out.dtype).contiguous(memory_format=torch.channels_last)
+
+
+def _windows_in_range(num_windows: int, size: int, stride: int, shift: int) -> tuple[int, int]:
+    """First and last window index o in [0, num_windows) whose tap at ``o * stride + shift`` lies in
+    [0, size) (first > last when none does)."""
+    first = max(0, -(shift // stride)) if shift < 0 else 0
+    last = min(num_windows - 1, (size - 1 - shift) // stride)
+    return first, last

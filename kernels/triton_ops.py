@@ -3,7 +3,7 @@
 Same names, signatures and semantics as ``amp_fx.kernels.reference``; each optimizer kernel
 launches once per dtype group (never once per tensor), each cross-entropy kernel once per call,
 the BatchNorm kernels three times per forward and three times per backward (two passes over the
-activations and a per-channel finalize between them).
+activations and a per-channel finalize between them), the max-pool kernels once each way.
 ``advance_step_`` is a single elementwise op on a one-element tensor, so both implementations
 share the reference's.
 
@@ -11,12 +11,14 @@ Example:
     >>> from amp_fx.kernels import triton_ops
     >>> sorted(triton_ops.__all__)  # doctest: +NORMALIZE_WHITESPACE
     ['adam_step_', 'advance_step_', 'batch_norm_act_backward', 'batch_norm_act_forward',
-     'check_finite_and_norm_', 'cross_entropy_backward', 'cross_entropy_forward', 'sgd_step_']
+     'check_finite_and_norm_', 'cross_entropy_backward', 'cross_entropy_forward',
+     'max_pool2d_backward', 'max_pool2d_forward', 'sgd_step_']
 """
 
 from amp_fx.kernels.adam import adam_step_
 from amp_fx.kernels.batch_norm import batch_norm_act_backward, batch_norm_act_forward
 from amp_fx.kernels.cross_entropy import cross_entropy_backward, cross_entropy_forward
+from amp_fx.kernels.max_pool import max_pool2d_backward, max_pool2d_forward
 from amp_fx.kernels.overflow_check import check_finite_and_norm_
 from amp_fx.kernels.reference import advance_step_
 from amp_fx.kernels.sgd import sgd_step_
@@ -30,4 +32,6 @@ __all__ = [
     "cross_entropy_backward",
     "batch_norm_act_forward",
     "batch_norm_act_backward",
+    "max_pool2d_forward",
+    "max_pool2d_backward",
 ]
