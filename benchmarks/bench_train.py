@@ -20,6 +20,9 @@ variant trains the same freshly seeded model on the same batch:
     o2_fp16_unfused_bn
                      o2_fp16 without fused BatchNorm + [add] + ReLU (``fused_batch_norm=False``:
                      cuDNN's BatchNorm and separate add and ReLU kernels, as autocast runs them)
+    o2_fp16_unfused_pool
+                     o2_fp16 with torch's max-pool (``fused_max_pool=False``: int64 indices, as
+                     autocast runs it) instead of amp_fx.pooling.max_pool2d
 
 Every variant trains ``WithLoss(model, loss_fn)``: the model and its loss as one module (the loss
 under autocast for the autocast variants, as before). amp_fx converts that module, so at O2 the
@@ -90,6 +93,8 @@ class Variant:
     loss_outside: bool = False
     # amp_fx's BatchNorm + [add] + ReLU fusion (the O2 default); False runs them as torch ops.
     fused_batch_norm: bool = True
+    # amp_fx's max-pool kernels (the O2 default); False runs torch's.
+    fused_max_pool: bool = True
 
     @property
     def uses_loss_scaling(self) -> bool:
@@ -115,6 +120,7 @@ VARIANTS: dict[str, Variant] = {
         Variant("o2_fp16_cuda_graph", "amp_fx", torch.float16, opt_level="O2", cuda_graph=True),
         Variant("o2_fp16_loss_outside", "amp_fx", torch.float16, opt_level="O2", loss_outside=True),
         Variant("o2_fp16_unfused_bn", "amp_fx", torch.float16, opt_level="O2", fused_batch_norm=False),
+        Variant("o2_fp16_unfused_pool", "amp_fx", torch.float16, opt_level="O2", fused_max_pool=False),
     ]
 }
 BASELINE = "autocast_fp16"
@@ -127,6 +133,7 @@ RUN_ORDER = [
     "o2_fp16_cuda_graph",
     "o2_fp16_loss_outside",
     "o2_fp16_unfused_bn",
+    "o2_fp16_unfused_pool",
     "o1_fp16",
     "o3_fp16",
     "o1_bf16",
@@ -187,6 +194,7 @@ def prepare_model(variant: Variant, work: Workload) -> nn.Module:
         device_type = work.inputs.device.type
         policy = amp_fx.preset(variant.opt_level, variant.dtype, device_type)
         policy.fused_batch_norm = policy.fused_batch_norm and variant.fused_batch_norm
+        policy.fused_max_pool = policy.fused_max_pool and variant.fused_max_pool
         if variant.loss_outside:
             return WithLoss(amp_fx.convert(work.model, variant.opt_level, policy=policy), work.loss_fn)
         return amp_fx.convert(WithLoss(work.model, work.loss_fn), variant.opt_level, policy=policy)
