@@ -3,10 +3,10 @@
 `amp_fx.passes.fuse_batch_norm` puts one in place of ``relu(bn(x))`` or ``relu(bn(x) + identity)``
 (ResNet's pattern). It owns no parameters: it calls the BatchNorm module it replaces, which stays
 where it was in the model (same state_dict keys, same train/eval switch, same buffers). In training
-mode, with a residual or on an input of at least `MIN_FUSED_ELEMENTS_WITHOUT_RESIDUAL` elements, it
-runs `amp_fx.norms.batch_norm_act` (Triton kernels on channels_last inputs: fewer passes over the
-activations than cuDNN's BatchNorm followed by separate add and ReLU kernels); otherwise, and for
-everything `batch_norm_act` does not fuse, exactly what the three calls computed.
+mode, on an input of at least `MIN_FUSED_ELEMENTS` elements, it runs `amp_fx.norms.batch_norm_act`
+(Triton kernels on channels_last inputs: fewer passes over the activations than cuDNN's BatchNorm
+followed by separate add and ReLU kernels); otherwise, and for everything `batch_norm_act` does
+not fuse, exactly what the three calls computed.
 
     >>> bn = torch.nn.BatchNorm2d(8)
     >>> fused = FusedBatchNormAct(bn, "bn")
@@ -21,14 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MIN_FUSED_ELEMENTS_WITHOUT_RESIDUAL", "FusedBatchNormAct", "is_fusable_batch_norm"]
+__all__ = ["MIN_FUSED_ELEMENTS", "FusedBatchNormAct", "is_fusable_batch_norm"]
 
-# Without a residual add, the fused kernels save the GPU little over cuDNN's BatchNorm + ReLU on
-# activations that fit in the L2 cache, and an eager fused call costs the host ~3x torch's two.
-# On an H200 (ResNet-50 shapes, batch 256, fp16, in CUDA graphs, 2026-11-30): 1.01-1.29x torch's GPU
-# time below 2**26 elements except one shape, 0.79-0.81x above; with a residual 0.69-0.80x at every
-# size. Smaller calls without a residual run torch's ops (eager ResNet-50 is otherwise host-bound).
-MIN_FUSED_ELEMENTS_WITHOUT_RESIDUAL = 2**26
+# An eager fused call costs the host about three times torch's BatchNorm + add + ReLU (Triton
+# launches), and an eager ResNet-50 step at O2 is close to host-bound; the GPU time the kernels save
+# grows with the activation. On an H200 (ResNet-50 shapes, batch 256, fp16, CUDA graphs,
+# 2026-11-30) the fused call took 0.78-0.81x torch's GPU time from 2**26 elements up, and below
+# that 0.69-1.29x, a few microseconds either way, so smaller calls run torch's ops.
+MIN_FUSED_ELEMENTS = 2**26
 
 
 def is_fusable_batch_norm(module: nn.Module) -> bool:
@@ -82,7 +82,7 @@ class FusedBatchNormAct(nn.Module):
         tracked = not bn.training or bn.track_running_stats
         running_mean = bn.running_mean if tracked else None
         running_var = bn.running_var if tracked else None
-        if uses_batch_stats and (residual is not None or x.numel() >= MIN_FUSED_ELEMENTS_WITHOUT_RESIDUAL):
+        if uses_batch_stats and x.numel() >= MIN_FUSED_ELEMENTS:
             from amp_fx.norms import batch_norm_act
 
             return batch_norm_act(

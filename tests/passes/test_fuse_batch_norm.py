@@ -64,8 +64,8 @@ def test_resnet_patterns_are_fused_and_the_state_dict_is_unchanged():
 
 @pytest.fixture
 def fuse_every_size(monkeypatch):
-    """Fused calls without a residual at this file's sizes too (by default only large ones)."""
-    monkeypatch.setattr(fused_batch_norm, "MIN_FUSED_ELEMENTS_WITHOUT_RESIDUAL", 0)
+    """Fused calls at this file's sizes too (by default only large ones)."""
+    monkeypatch.setattr(fused_batch_norm, "MIN_FUSED_ELEMENTS", 0)
 
 
 @pytest.fixture
@@ -116,23 +116,20 @@ def test_training_is_as_accurate_as_the_unfused_ops(dtype, fuse_every_size):
             assert torch.equal(fused.get_buffer(name), exact), name
 
 
-def test_small_calls_without_a_residual_run_torchs_ops(fused_calls, monkeypatch):
-    # Every training call with a residual is fused; one without only from the size threshold up.
+def test_calls_below_the_size_threshold_run_torchs_ops(fused_calls, monkeypatch):
+    # Training calls are fused from MIN_FUSED_ELEMENTS up, with or without a residual.
     gm = _convert(_resnet(), True)
-    sizes: list[int] = []
+    sizes: list[tuple[int, bool]] = []
     for module in _fused_modules(gm):
-        module.register_forward_pre_hook(
-            lambda m, args: sizes.append(args[0].numel()) if len(args) == 1 else None
-        )
+        module.register_forward_pre_hook(lambda m, args: sizes.append((args[0].numel(), len(args) == 2)))
     gm(_images())
-    assert fused_calls == [True] * 4
-    first = sizes[:]  # one forward's calls without a residual
-    threshold = sorted(first)[len(first) // 2]
-    monkeypatch.setattr(fused_batch_norm, "MIN_FUSED_ELEMENTS_WITHOUT_RESIDUAL", threshold)
-    fused_calls.clear()
+    assert not fused_calls  # every activation of this tiny ResNet is below the default threshold
+    first = sizes[:]  # one forward's calls: (elements, has a residual)
+    threshold = sorted(size for size, _ in first)[len(first) // 2]
+    monkeypatch.setattr(fused_batch_norm, "MIN_FUSED_ELEMENTS", threshold)
     gm(_images())
-    assert fused_calls.count(False) == sum(size >= threshold for size in first) > 0
-    assert fused_calls.count(True) == 4
+    assert fused_calls == [residual for size, residual in first if size >= threshold]
+    assert any(fused_calls) and not all(fused_calls)
 
 
 def test_eval_mode_computes_exactly_the_unfused_ops():
