@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from amp_fx import pooling
 from amp_fx.kernels import FORCE_TRITON_ENV
 from amp_fx.pooling import max_pool2d, max_pool2d_backward, max_pool2d_forward
 
@@ -23,6 +24,12 @@ CALLS = [
     (2, [], (1, 0), (1, 2), False),
     ((3,), 1, 1, 2, True),
 ]
+
+
+@pytest.fixture(autouse=True)
+def fuse_every_size(monkeypatch):
+    """This file's small inputs take the fused path (by default only large ones do)."""
+    monkeypatch.setattr(pooling, "MIN_FUSED_ELEMENTS", 0)
 
 
 def make_input(dtype: torch.dtype, device: str = "cpu", shape=(2, 5, 7, 9), seed: int = 0) -> torch.Tensor:
@@ -162,6 +169,14 @@ def test_compiles_to_torch_max_pool_without_graph_breaks() -> None:
     expected_leaf = x.clone().requires_grad_()
     F.max_pool2d(expected_leaf, 3, 2, 1).square().sum().backward()
     torch.testing.assert_close(leaf.grad, expected_leaf.grad, equal_nan=True)
+
+
+def test_inputs_below_the_size_threshold_run_torchs_max_pool(monkeypatch) -> None:
+    x = make_input(torch.float16).requires_grad_()
+    monkeypatch.setattr(pooling, "MIN_FUSED_ELEMENTS", x.numel() + 1)
+    assert type(max_pool2d(x, 3, 2, 1).grad_fn).__name__ == "MaxPool2DWithIndicesBackward0"
+    monkeypatch.setattr(pooling, "MIN_FUSED_ELEMENTS", x.numel())
+    assert type(max_pool2d(x, 3, 2, 1).grad_fn).__name__ == "_MaxPool2dBackward"
 
 
 @pytest.mark.gpu

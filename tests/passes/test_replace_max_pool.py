@@ -17,11 +17,18 @@ import torchvision
 from torch import nn
 
 import amp_fx
+from amp_fx import pooling
 from amp_fx.node_info import node_info
 from amp_fx.passes.replace_max_pool import replace_max_pool
 from amp_fx.policy import Policy, preset
 from amp_fx.pooling import max_pool2d
 from amp_fx.testing import rounding_tolerances
+
+
+@pytest.fixture(autouse=True)
+def fuse_every_size(monkeypatch):
+    """This file's small inputs take the fused path (by default only large ones do)."""
+    monkeypatch.setattr(pooling, "MIN_FUSED_ELEMENTS", 0)
 
 
 class Pools(nn.Module):
