@@ -1,8 +1,8 @@
 """amp_fx: mixed-precision training for PyTorch as torch.fx graph passes.
 
-    >>> import torch, amp_fx
-    >>> gm = amp_fx.convert(torch.nn.Linear(4, 2), "O2")
-    >>> print(amp_fx.report(gm))  # doctest: +SKIP
+>>> import torch, amp_fx
+>>> gm = amp_fx.convert(torch.nn.Linear(4, 2), "O2")
+>>> print(amp_fx.report(gm))  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -6,7 +6,10 @@ where it was in the model (same state_dict keys, same train/eval switch, same bu
 mode, on an input of at least `MIN_FUSED_ELEMENTS` elements, it runs `amp_fx.norms.batch_norm_act`
 (Triton kernels on channels_last inputs: fewer passes over the activations than cuDNN's BatchNorm
 followed by separate add and ReLU kernels); otherwise, and for everything `batch_norm_act` does
-not fuse, exactly what the three calls computed.
+not fuse, exactly what the three calls computed. The pass leaves BatchNorms and ReLU modules with
+hooks unfused, and a BatchNorm given hooks later runs as a module (so they fire). It keeps calling
+the BatchNorm2d object it was built with: replace modules (``nn.SyncBatchNorm.
+convert_sync_batchnorm``, conv-BN folding) before ``amp_fx.convert``, not after.
 
     >>> bn = torch.nn.BatchNorm2d(8)
     >>> fused = FusedBatchNormAct(bn, "bn")
@@ -26,8 +29,9 @@ __all__ = ["MIN_FUSED_ELEMENTS", "FusedBatchNormAct", "is_fusable_batch_norm"]
 # An eager fused call costs the host about three times torch's BatchNorm + add + ReLU (Triton
 # launches), and an eager ResNet-50 step at O2 is close to host-bound; the GPU time the kernels save
 # grows with the activation. On an H200 (ResNet-50 shapes, batch 256, fp16, CUDA graphs,
-# 2026-11-30) the fused call took 0.78-0.81x torch's GPU time from 2**26 elements up, and below
-# that 0.69-1.29x, a few microseconds either way, so smaller calls run torch's ops.
+# 2026-11-30) the fused call of a BN -> [add] -> ReLU chain took 0.78-0.81x torch's GPU time from
+# 2**26 elements up, and below that 0.69-1.29x, a few microseconds either way, so smaller calls run
+# torch's ops.
 MIN_FUSED_ELEMENTS = 2**26
 
 
@@ -76,6 +80,9 @@ class FusedBatchNormAct(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         bn = self.batch_norm
+        if bn._forward_hooks or bn._forward_pre_hooks:
+            # Hooks registered after convert: the module itself runs, so that they fire.
+            return self._add_and_relu(bn(x), residual)
         bn._check_input_dim(x)
         momentum = self._momentum()
         uses_batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
@@ -89,6 +96,9 @@ class FusedBatchNormAct(nn.Module):
                 x, bn.weight, bn.bias, running_mean, running_var, momentum, bn.eps, residual, self.relu
             )
         y = F.batch_norm(x, running_mean, running_var, bn.weight, bn.bias, uses_batch_stats, momentum, bn.eps)
+        return self._add_and_relu(y, residual)
+
+    def _add_and_relu(self, y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if residual is not None:
             y = y + residual
         return F.relu(y) if self.relu else y

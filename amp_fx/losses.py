@@ -23,7 +23,8 @@ synchronization.
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch._subclasses.functional_tensor import FunctionalTensor
+
+from amp_fx.dispatch import is_traced_backward
 
 __all__ = [
     "fp32_cross_entropy",
@@ -116,7 +117,7 @@ def _backward(ctx, grad_losses: Tensor, grad_lse: Tensor | None) -> tuple[Tensor
     # torch 2.11): there it is plain torch math, which Inductor fuses into one pass over the logits
     # and writes over their buffer when nothing else reads them (a donated saved tensor). A
     # mutating op here would make Inductor copy the logits first.
-    if torch.compiler.is_compiling() or isinstance(logits, FunctionalTensor):
+    if is_traced_backward(logits):
         from amp_fx.kernels import reference
 
         grad_logits = reference.cross_entropy_backward(grad_losses, logits, target, lse, ctx.ignore_index)

@@ -1,11 +1,11 @@
 """Fused training-mode BatchNorm + residual add + ReLU: `batch_norm_act`.
 
-A ResNet block ends in ``relu(bn(conv(x)) + identity)``; from torch parts that is cuDNN's
-BatchNorm, an add and a ReLU, each a pass over the activations, forward and backward (on an H200
-at batch 256, 58% of an eager ResNet-50 step). `batch_norm_act` computes the same value with two
-passes forward and two backward (``amp_fx.kernels.batch_norm``): the statistics are read from x
-once, and the output, the normalization's input gradient and the residual's gradient are each
-written once, in the input's dtype, rounded once from fp32 math.
+A ResNet block ends in ``relu(bn(conv(x)) + identity)``; from torch parts that is cuDNN's BatchNorm,
+an add and a ReLU, each a pass over the activations, forward and backward (on an H200 at batch 256,
+58% of an eager ResNet-50 step at O2 before this fusion; BENCHMARKS.md). `batch_norm_act` computes
+the same value with two passes forward and two backward (``amp_fx.kernels.batch_norm``): the
+statistics are read from x once, and the output, the normalization's input gradient and the
+residual's gradient are each written once, in the input's dtype, rounded once from fp32 math.
 
 Eager calls go through a ``torch.autograd.Function`` that calls the kernel functions directly
 (``amp_fx.kernels.implementation_for``: the Triton kernels on CUDA tensors, the pure-torch
@@ -26,8 +26,9 @@ Inductor fuses those itself, and an opaque op would stop it.
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch._subclasses.functional_tensor import FunctionalTensor
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.autograd.function import once_differentiable
+
+from amp_fx.dispatch import is_eager, is_traced_backward
 
 __all__ = ["batch_norm_act", "batch_norm_act_forward", "batch_norm_act_backward"]
 
@@ -130,7 +131,7 @@ def _backward(
     arguments = (grad_out, input, weight, bias, mean, invstd, out, ctx.has_residual, ctx.relu)
     # AOT autograd traces this backward with functional tensors (is_compiling() is False then on
     # torch 2.11): plain torch math there, which the compiler can fuse and see through.
-    if torch.compiler.is_compiling() or isinstance(input, FunctionalTensor):
+    if is_traced_backward(input):
         from amp_fx.kernels import reference
 
         grads = reference.batch_norm_act_backward(*arguments)
@@ -150,13 +151,15 @@ def _backward(
 batch_norm_act_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _is_channel_vector(tensor: Tensor | None, num_channels: int, device: torch.device) -> bool:
+def _is_channel_vector(tensor: Tensor | None, input: Tensor) -> bool:
+    """A (C,) vector on the input's device, float32 or of the input's dtype (torch raises for other
+    mixes, so those calls go to the torch expression and get its error)."""
     return (
         isinstance(tensor, Tensor)
         and tensor.dim() == 1
-        and tensor.shape[0] == num_channels
-        and tensor.dtype in _FUSED_DTYPES
-        and tensor.device == device
+        and tensor.shape[0] == input.shape[1]
+        and tensor.dtype in (input.dtype, torch.float32)
+        and tensor.device == input.device
         and tensor.is_contiguous()
     )
 
@@ -200,16 +203,16 @@ def _runs_fused(
         and residual.is_contiguous(memory_format=torch.channels_last)
     ):
         return False
-    if weight is not None and not _is_channel_vector(weight, num_channels, device):
+    if weight is not None and not _is_channel_vector(weight, input):
         return False
-    if bias is not None and not _is_channel_vector(bias, num_channels, device):
+    if bias is not None and not _is_channel_vector(bias, input):
         return False
     if running_mean is None and running_var is None:
         return True
     # The kernels update both buffers in place, with one element type.
     return (
-        _is_channel_vector(running_mean, num_channels, device)
-        and _is_channel_vector(running_var, num_channels, device)
+        _is_channel_vector(running_mean, input)
+        and _is_channel_vector(running_var, input)
         and running_mean.dtype == running_var.dtype
     )
 
@@ -275,6 +278,7 @@ class _BatchNormAct(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the kernels' gradients are not differentiable again: say so, not zero
     def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         input, weight, bias, mean, invstd, out = ctx.saved_tensors
         grad_input, grad_weight, grad_bias, grad_residual = ctx.kernels.batch_norm_act_backward(
@@ -293,12 +297,6 @@ class _BatchNormAct(torch.autograd.Function):
             None,
             None,
         )
-
-
-def _is_eager(input: Tensor) -> bool:
-    """A plain tensor with no dispatch mode active (no FunctionalTensor, fake tensor or tracing
-    mode, which need the custom ops' fake implementations)."""
-    return type(input) is Tensor and _get_current_dispatch_mode() is None
 
 
 def batch_norm_act(
@@ -346,7 +344,7 @@ def batch_norm_act(
     # Imported on first use: importing amp_fx must not load Triton.
     from amp_fx.kernels import implementation_for, reference
 
-    if _is_eager(input):
+    if is_eager(input):
         kernels = implementation_for((input,))
         stats = (running_mean, running_var, float(momentum), float(eps))
         return _BatchNormAct.apply(input, weight, bias, residual, *stats, relu, kernels)

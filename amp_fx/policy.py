@@ -374,36 +374,37 @@ def _low_op_rules(opt_level: str, keep_batchnorm_fp32: bool) -> dict[str, OpRule
 class Policy:
     """An opt-level policy: presets per op plus QConfigMapping-style user overrides.
 
-        Build one with `preset`; override with the chainable ``set_global``, ``set_op``,
-        ``set_module_type``, ``set_module_name_regex`` and ``set_module_name``. Precedence, lowest first:
-        global < preset op rule < op override < module-type override < module-name regex (first
-        matching pattern wins) < exact module name.
+    Build one with `preset`; override with the chainable ``set_global``, ``set_op``,
+    ``set_module_type``, ``set_module_name_regex`` and ``set_module_name``. Precedence, lowest first:
+    global < preset op rule < op override < module-type override < module-name regex (first
+    matching pattern wins) < exact module name.
 
-        Opt levels (Apex's property table):
+    Opt levels (Apex's property table):
 
-        - O0: everything PASSTHROUGH, no casts: the identity.
-        - O1: torch.autocast's lists for `device_type` (lower -> LOWER, fp32/fp32_set_opt_dtype -> FP32,
-          promote -> PROMOTE, the rest PASSTHROUGH); parameters untouched. Ops that autocast changes
-          although no list names them (``einsum`` on CPU calls ``bmm``) and untraced code run in an
-          autocast island (OPAQUE), so O1 on CPU matches ``torch.autocast("cpu")`` bit for bit.
-        - O2: parameters stored low, inputs cast low at the model entry, matmul/conv ops LOWER, promote
-          ops PROMOTE, the FP32 islands of `O2_FP32_ISLANDS` (softmax, losses, exp/log/pow, sums, norms)
-          FP32, everything else PASSTHROUGH. batch_norm (``keep_batchnorm_fp32``, default True) keeps
-          fp32 params and runs on low input (mixed input works in cuDNN and on CPU), so it needs no
-          casts; layer_norm and group_norm run in the low dtype, as in Apex's O2.
-        - O3: parameters low (BatchNorm too unless ``keep_batchnorm_fp32=True``), no FP32 islands.
+    - O0: everything PASSTHROUGH, no casts: the identity.
+    - O1: torch.autocast's lists for `device_type` (lower -> LOWER, fp32/fp32_set_opt_dtype -> FP32,
+      promote -> PROMOTE, the rest PASSTHROUGH); parameters untouched. Ops that autocast changes
+      although no list names them (``einsum`` on CPU calls ``bmm``) and untraced code run in an
+      autocast island (OPAQUE), so O1 on CPU matches ``torch.autocast("cpu")`` bit for bit.
+    - O2: parameters stored low, inputs cast low at the model entry, matmul/conv ops LOWER, promote
+      ops PROMOTE, the FP32 islands of `O2_FP32_ISLANDS` (softmax, losses, exp/log/pow, sums, norms)
+      FP32, everything else PASSTHROUGH. batch_norm (``keep_batchnorm_fp32``, default True) keeps
+      fp32 params and runs on low input (mixed input works in cuDNN and on CPU), so it needs no
+      casts; layer_norm and group_norm run in the low dtype, as in Apex's O2.
+    - O3: parameters low (BatchNorm too unless ``keep_batchnorm_fp32=True``), no FP32 islands.
 
-        ``fused_losses`` (default True at O2 only): an FP32 cross_entropy whose input is a cast of
-        low-precision logits reads them directly (`amp_fx.losses.fp32_cross_entropy`): the same fp32
-        math without a float32 copy of the logits. O1 leaves it off to stay bit-identical to autocast.
-    ``fused_batch_norm`` (default True at O2 only): BatchNorm2d followed by ReLU (or by a residual add
-    and ReLU) runs as one call (`amp_fx.fused_batch_norm.FusedBatchNormAct`).
-    ``fused_max_pool`` (default True at O2 only): 2-D max pooling runs through
-    `amp_fx.pooling.max_pool2d` (1-byte argmax offsets, a one-pass gather backward).
+    ``fused_losses`` (default True at O2 only): an FP32 cross_entropy whose input is a cast of
+    low-precision logits reads them directly (`amp_fx.losses.fp32_cross_entropy`): the same fp32
+    math without a float32 copy of the logits. O1 leaves it off to stay bit-identical to autocast.
+    ``fused_batch_norm`` (default True at O2 on CUDA): BatchNorm2d followed by ReLU (or by a residual
+    add and ReLU) runs as one call (`amp_fx.fused_batch_norm.FusedBatchNormAct`) when its input is
+    large. ``fused_max_pool`` (default True at O2 on CUDA): large 2-D max-pools run through
+    `amp_fx.pooling.max_pool2d` (1-byte argmax offsets, a one-pass gather backward). Both kernels
+    are for GPUs: on other devices they would run their pure-torch references, slower than torch.
 
-        >>> policy = preset("O1", device_type="cpu", dtype=torch.bfloat16)
-        >>> policy.decide("conv2d")
-        Decision(rule=<Rule.LOWER: 'lower'>, reason='autocast cpu lower_precision_fp list', param_dtype=None)
+    >>> policy = preset("O1", device_type="cpu", dtype=torch.bfloat16)
+    >>> policy.decide("conv2d")
+    Decision(rule=<Rule.LOWER: 'lower'>, reason='autocast cpu lower_precision_fp list', param_dtype=None)
     """
 
     opt_level: str
@@ -687,8 +688,8 @@ def preset(
 
     `keep_batchnorm_fp32` defaults to True for O2 and False otherwise (Apex also accepts the strings
     "True"/"False"); `cast_model_outputs` defaults to float32 for O2/O3 (losses computed in fp32, as
-    in Apex) and None (outputs as computed) for O0/O1; `fused_losses`, `fused_batch_norm` and
-    `fused_max_pool` default to True for O2 only.
+    in Apex) and None (outputs as computed) for O0/O1; `fused_losses` defaults to True for O2 only,
+    `fused_batch_norm` and `fused_max_pool` for O2 on CUDA only.
 
     >>> p = preset("O2", dtype=torch.bfloat16)
     >>> p.cast_parameters, p.keep_batchnorm_fp32, p.cast_model_outputs, p.fused_losses
@@ -702,10 +703,17 @@ def preset(
     )
     outputs = _check_output_dtype(cast_model_outputs)
     fused = (level == "O2") if fused_losses is None else _check_flag("fused_losses", fused_losses)
+    # The BatchNorm and max-pool kernels are for GPUs; elsewhere their references would run.
     fused_bn = (
-        (level == "O2") if fused_batch_norm is None else _check_flag("fused_batch_norm", fused_batch_norm)
+        (level == "O2" and device == "cuda")
+        if fused_batch_norm is None
+        else _check_flag("fused_batch_norm", fused_batch_norm)
     )
-    fused_pool = (level == "O2") if fused_max_pool is None else _check_flag("fused_max_pool", fused_max_pool)
+    fused_pool = (
+        (level == "O2" and device == "cuda")
+        if fused_max_pool is None
+        else _check_flag("fused_max_pool", fused_max_pool)
+    )
     if outputs is None and level in ("O2", "O3"):
         outputs = torch.float32
     if level == "O0":

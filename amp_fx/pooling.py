@@ -28,9 +28,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.autograd.function import once_differentiable
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from amp_fx.dispatch import is_eager, is_traced_backward
 
 __all__ = ["MIN_FUSED_ELEMENTS", "max_pool2d", "max_pool2d_forward", "max_pool2d_backward"]
 
@@ -138,7 +138,7 @@ def _backward(
         return None, None, None, None, None, None
     arguments = (grad_out, offsets, ctx.input_size, *ctx.window)
     # AOT autograd traces this backward with functional tensors: plain torch math there.
-    if torch.compiler.is_compiling() or isinstance(offsets, FunctionalTensor):
+    if is_traced_backward(offsets):
         from amp_fx.kernels import reference
 
         grad_input = reference.max_pool2d_backward(*arguments)
@@ -213,8 +213,11 @@ def _window_if_fused(
     ):
         return None
     # Only for a call that may fuse: the kernels' package loads Triton.
-    from amp_fx.kernels.reference import MAX_POOL_MAX_TAPS, max_pool2d_output_size
+    from amp_fx.kernels.reference import MAX_POOL_MAX_PIXELS, MAX_POOL_MAX_TAPS, max_pool2d_output_size
 
+    batch, _, height, width = input.shape
+    if batch * height * width > MAX_POOL_MAX_PIXELS:
+        return None
     kernel = _pair(kernel_size)
     strides = (
         kernel if stride is None or (isinstance(stride, (tuple, list)) and not stride) else _pair(stride)
@@ -238,12 +241,6 @@ def _window_if_fused(
     return kernel, strides, pads, dilations
 
 
-def _is_eager(input: Tensor) -> bool:
-    """A plain tensor with no dispatch mode active (no FunctionalTensor, fake tensor or tracing
-    mode, which need the custom ops' fake implementations)."""
-    return type(input) is Tensor and _get_current_dispatch_mode() is None
-
-
 def max_pool2d(
     input: Tensor,
     kernel_size: int | tuple[int, int],
@@ -254,11 +251,12 @@ def max_pool2d(
 ) -> Tensor:
     """``F.max_pool2d(input, kernel_size, stride, padding, dilation, ceil_mode)``: same values,
     same gradients (each input element's gradient summed in fp32 and rounded once), same
-    layout; the backward keeps 1 byte per output element instead of torch's 8-byte indices.
+    layout; the backward keeps 1 byte per output element instead of torch's 8-byte indices. A
+    fused call's gradient is not differentiable again (double backward raises).
 
     Fused when ``input`` is a 4-D fp16/bf16/fp32 tensor contiguous in ``torch.channels_last``
-    (and not also contiguous, as with one channel) with at least `MIN_FUSED_ELEMENTS` elements,
-    and the window has at most 256 taps. Any other
+    (and not also contiguous, as with one channel) with at least `MIN_FUSED_ELEMENTS` elements
+    and at most 2**31 - 1 pixels (N * H * W), and the window has at most 256 taps. Any other
     call, and every call under torch.compile (where Inductor lowers max-pool itself), is
     ``F.max_pool2d`` with its results and errors.
 
@@ -280,7 +278,7 @@ def max_pool2d(
     # Imported on first use: importing amp_fx must not load Triton.
     from amp_fx.kernels import implementation_for
 
-    if _is_eager(input):
+    if is_eager(input):
         return _MaxPool2d.apply(input, *window, ceil_mode, implementation_for((input,)))
     out, _ = max_pool2d_forward(input, *(list(pair) for pair in window), ceil_mode)
     return out

@@ -192,9 +192,14 @@ def prepare_model(variant: Variant, work: Workload) -> nn.Module:
         import amp_fx
 
         device_type = work.inputs.device.type
-        policy = amp_fx.preset(variant.opt_level, variant.dtype, device_type)
-        policy.fused_batch_norm = policy.fused_batch_norm and variant.fused_batch_norm
-        policy.fused_max_pool = policy.fused_max_pool and variant.fused_max_pool
+        # The variant's False turns a fusion off; True leaves the preset's default.
+        policy = amp_fx.preset(
+            variant.opt_level,
+            variant.dtype,
+            device_type,
+            fused_batch_norm=None if variant.fused_batch_norm else False,
+            fused_max_pool=None if variant.fused_max_pool else False,
+        )
         if variant.loss_outside:
             return WithLoss(amp_fx.convert(work.model, variant.opt_level, policy=policy), work.loss_fn)
         return amp_fx.convert(WithLoss(work.model, work.loss_fn), variant.opt_level, policy=policy)

@@ -42,7 +42,6 @@ computed in float64 from the buffers' values, then rounded to their dtype (throu
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -52,6 +51,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from amp_fx.kernels.devices import on_device
+from amp_fx.kernels.pointer_table import triton_dtype
 from amp_fx.kernels.reference import check_batch_norm_act_arguments
 from amp_fx.kernels.rounding import round_to_dtype
 
@@ -474,9 +475,6 @@ def _backward_input_kernel(
             tl.store(grad_residual_ptr + offsets, round_to_dtype(dy, DTYPE), mask=mask)
 
 
-_TRITON_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-
 def _check_layout(tensor: Tensor, name: str) -> None:
     """The kernels read a channels_last (N, C, H, W) or a contiguous (M, C) tensor as a row-major
     [M, C] matrix, through its data pointer."""
@@ -496,11 +494,6 @@ def _check_layout(tensor: Tensor, name: str) -> None:
 def _contiguous(vector: Tensor | None) -> Tensor | None:
     """A (C,) parameter the kernels can index by channel (their pointer + c)."""
     return None if vector is None else vector.contiguous()
-
-
-def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
-    """Launch on the tensors' GPU, not the current one (Triton launches on the current device)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def finalize_statistics(
@@ -542,7 +535,7 @@ def finalize_statistics(
         float(eps),  # an int 1 would be specialized as a constant and typed as an integer
         float(momentum),
         HAS_RUNNING_STATS=has_running_stats,
-        RUNNING_DTYPE=_TRITON_DTYPES[running_mean.dtype] if has_running_stats else tl.float32,
+        RUNNING_DTYPE=triton_dtype(running_mean.dtype) if has_running_stats else tl.float32,
         BLOCK_P=launch.finalize_block_programs,
         BLOCK_C=launch.finalize_block_channels,
         num_warps=launch.num_warps,
@@ -589,8 +582,8 @@ def finalize_backward(
         partials.shape[1],
         num_rows,
         num_channels,
-        WEIGHT_DTYPE=_TRITON_DTYPES[weight_dtype],
-        BIAS_DTYPE=_TRITON_DTYPES[bias_dtype],
+        WEIGHT_DTYPE=triton_dtype(weight_dtype),
+        BIAS_DTYPE=triton_dtype(bias_dtype),
         BLOCK_P=launch.finalize_block_programs,
         BLOCK_C=launch.finalize_block_channels,
         num_warps=launch.num_warps,
@@ -636,7 +629,7 @@ def batch_norm_act_forward(
     device = input.device
     partials = torch.empty((2, grid.row_programs, num_channels), dtype=torch.float32, device=device)
     out = torch.empty_like(input)
-    with _on_device(device):
+    with on_device(device):
         _statistics_kernel[launch](
             input,
             partials,
@@ -663,7 +656,7 @@ def batch_norm_act_forward(
             HAS_BIAS=bias is not None,
             HAS_RESIDUAL=residual is not None,
             RELU=relu,
-            DTYPE=_TRITON_DTYPES[input.dtype],
+            DTYPE=triton_dtype(input.dtype),
             BLOCK_M=grid.block_rows,
             BLOCK_C=grid.block_channels,
             num_warps=LAUNCH.num_warps,
@@ -713,12 +706,12 @@ def batch_norm_act_backward(
     grid = _grid(num_rows, num_channels)
     launch = (grid.row_programs, grid.channel_programs)
     device = input.device
-    dtype = _TRITON_DTYPES[input.dtype]
+    dtype = triton_dtype(input.dtype)
     partials = torch.empty((2, grid.row_programs, num_channels), dtype=torch.float32, device=device)
     grad_input = torch.empty_like(input)
     grad_residual = torch.empty_like(input) if has_residual else input.new_empty((0,))
     affine = {"HAS_WEIGHT": weight is not None, "HAS_BIAS": bias is not None}
-    with _on_device(device):
+    with on_device(device):
         _backward_reduce_kernel[launch](
             grad_out,
             input,

@@ -32,8 +32,6 @@ expanded ``grad_losses`` from a sum or mean is read in place). The gradient is a
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +39,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from amp_fx.kernels.devices import on_device
 from amp_fx.kernels.pointer_table import triton_dtype
 from amp_fx.kernels.reference import check_cross_entropy_arguments
 from amp_fx.kernels.rounding import round_to_dtype
@@ -154,16 +153,6 @@ def _rows_contiguous(logits: Tensor) -> Tensor:
     return logits if logits.stride(1) == 1 or logits.shape[1] == 1 else logits.contiguous()
 
 
-@contextlib.contextmanager
-def _on_device(device: torch.device) -> Iterator[None]:
-    """Launch on the tensors' GPU, not the current one (Triton launches on the current device)."""
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            yield
-    else:
-        yield
-
-
 def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
     """Per-row cross-entropy of ``logits`` (N, C; fp16, bf16 or fp32) against class indices
     ``target`` (N,; int64), computed in fp32; same contract as
@@ -185,7 +174,7 @@ def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int) -> 
     if num_rows == 0:
         return losses, lse
     block_size, num_warps = _launch_shape(num_classes)
-    with _on_device(logits.device):
+    with on_device(logits.device):
         _cross_entropy_forward_kernel[(num_rows,)](
             logits,
             logits.stride(0),
@@ -228,7 +217,7 @@ def cross_entropy_backward(
     if num_rows == 0:
         return grad_logits
     block_size, num_warps = _launch_shape(num_classes)
-    with _on_device(logits.device):
+    with on_device(logits.device):
         _cross_entropy_backward_kernel[(num_rows,)](
             grad_losses,
             grad_losses.stride(0),

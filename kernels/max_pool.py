@@ -14,8 +14,9 @@ the first in-range tap is taken, a later one replaces it when ``val > best or is
 
 Why: torch's ``max_pool2d_with_indices`` keeps an int64 index per output element (8 bytes, four
 times the fp16 output) and its channels_last backward scatters into a zeroed gradient. On an
-H200, ResNet-50's stem max-pool ((256, 64, 112, 112) fp16, 3x3, stride 2, padding 1) took 0.82 ms
-forward and 1.83 ms backward per step (~0.9 and ~0.3 TB/s of a ~4 TB/s copy). Here the forward
+H200, ResNet-50's stem max-pool ((256, 64, 112, 112) fp16, 3x3, stride 2, padding 1) took 0.84 ms
+forward and 1.94 ms backward per step (0.6 and 0.3 TB/s of a ~4 TB/s copy); these kernels 0.28
+and 0.33 ms (benchmarks/bench_pooling.py). Here the forward
 reads x once and writes out and 1-byte offsets; the backward reads grad_out and the offsets of the
 at most ceil(((KH-1)*DH+1)/SH) x ceil(((KW-1)*DW+1)/SW) windows that reach each input element (4
 for the stem, which read 2x2 neighbouring output pixels: mostly cache hits) and writes dx once,
@@ -33,9 +34,8 @@ addresses are int64.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +43,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from amp_fx.kernels.devices import on_device
 from amp_fx.kernels.pointer_table import triton_dtype
 from amp_fx.kernels.reference import (
+    MAX_POOL_MAX_PIXELS,
     check_max_pool2d_arguments,
     check_max_pool2d_backward_arguments,
     max_pool2d_output_size,
@@ -66,10 +68,10 @@ class MaxPoolLaunch:
 # 2048 elements per program with 4 warps: 16 per thread, i.e. two 16-byte fp16 loads per tap per
 # thread. The stem (C = 64) gets 32 pixels x 64 channels: each pixel's channels are one 128-byte
 # segment; a 3x3 window issues 9 such loads per thread before the first max, enough bytes in
-# flight per SM to cover memory latency. Chosen from these counts, not measured yet.
+# flight per SM to cover memory latency. Chosen from these counts; not tuned (the stem ran at 1.8
+# TB/s forward and 1.6 TB/s backward on an H200: room left).
 LAUNCH = MaxPoolLaunch(block_elements=2048, max_block_channels=128, num_warps=4)
 
-_MAX_PIXELS = 2**31 - 1
 # Backward: windows reaching one input element beyond which the loop over window rows is not
 # unrolled (unrolled, a dilated 3x3 with stride 1, 25 candidate windows, spilled on sm_90).
 _MAX_UNROLLED_WINDOWS = 9
@@ -335,18 +337,8 @@ def _windows_reaching(kernel: int, stride: int, dilation: int) -> int:
     return triton.cdiv((kernel - 1) * dilation + 1, stride)
 
 
-@contextlib.contextmanager
-def _on_device(device: torch.device) -> Iterator[None]:
-    """Launch on the tensors' GPU, not the current one (Triton launches on the current device)."""
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            yield
-    else:
-        yield
-
-
 def _check_pixels(*counts: int) -> None:
-    if max(counts) > _MAX_PIXELS:
+    if max(counts) > MAX_POOL_MAX_PIXELS:
         raise ValueError(
             f"max_pool2d kernels index pixels with int32; {max(counts)} pixels (N * H * W) is too many: "
             "split the batch"
@@ -415,7 +407,7 @@ def max_pool2d_forward(
         return out, offsets
     _check_pixels(batch * height * width, num_out_pixels)
     block_pixels, block_channels, grid = _launch_shape(num_out_pixels, channels, LAUNCH)
-    with _on_device(input.device):
+    with on_device(input.device):
         _max_pool2d_forward_kernel[grid](
             input,
             out,
@@ -487,7 +479,7 @@ def max_pool2d_backward(
     block_pixels, block_channels, grid = _launch_shape(num_in_pixels, channels, LAUNCH)
     windows_h = _windows_reaching(kernel_size[0], stride[0], dilation[0])
     windows_w = _windows_reaching(kernel_size[1], stride[1], dilation[1])
-    with _on_device(grad_out.device):
+    with on_device(grad_out.device):
         _max_pool2d_backward_kernel[grid](
             grad_out,
             *grad_out.stride(),

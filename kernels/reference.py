@@ -710,6 +710,7 @@ def batch_norm_act_backward(
 # is rounded once to x's dtype.
 
 MAX_POOL_MAX_TAPS = 256  # the offsets are uint8
+MAX_POOL_MAX_PIXELS = 2**31 - 1  # N * H * W: the Triton kernels index pixels with int32
 
 
 def max_pool2d_output_size(

@@ -11,9 +11,11 @@ This pass puts it in place of
 
 where ``bn`` is an ``nn.BatchNorm2d`` whose output nothing else reads, with the rule the policy
 gives batch_norm at O2 (PASSTHROUGH: fp32 parameters, low-precision input, no casts), and the
-add's other operand has the BatchNorm's dtype. It runs only where ``policy.fused_batch_norm``
-(default: O2). The BatchNorm module stays in the model under its name; the new module, registered
-beside it as ``<name>_relu`` / ``<name>_add_relu``, calls it.
+add's other operand has the BatchNorm's dtype, and neither the BatchNorm nor a ReLU module has
+hooks (they would no longer fire). It runs only where ``policy.fused_batch_norm`` (default: O2 on
+CUDA). The BatchNorm module stays in the model under its name; the new module, registered beside
+it as ``<name>_relu`` / ``<name>_add_relu`` (``_1``, ``_2``, ... appended if the model already has
+that name), calls it.
 
 Example (O2, fp16; torchvision's Bottleneck)::
 
@@ -71,11 +73,32 @@ def _residual(add: torch.fx.Node | None, value: torch.fx.Node) -> torch.fx.Node 
     return other if dtype is not None and node_info(other).out_dtype == dtype else None
 
 
+def _free_name(gm: torch.fx.GraphModule, path: str) -> str:
+    """``path``, or ``path_1``, ``path_2``, ... when the model already has a module or attribute
+    there (add_submodule would silently replace it)."""
+    parent_path, _, name = path.rpartition(".")
+    parent = gm.get_submodule(parent_path)
+    candidate, index = name, 0
+    while hasattr(parent, candidate):
+        index += 1
+        candidate = f"{name}_{index}"
+    return f"{parent_path}.{candidate}" if parent_path else candidate
+
+
+def _has_hooks(module: torch.nn.Module) -> bool:
+    # Fused, the module's forward would not run, and neither would its hooks.
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def _relu_has_hooks(gm: torch.fx.GraphModule, relu: torch.fx.Node) -> bool:
+    return relu.op == "call_module" and _has_hooks(gm.get_submodule(relu.target))
+
+
 def _fuse(
     gm: torch.fx.GraphModule, bn: torch.fx.Node, relu: torch.fx.Node, residual: torch.fx.Node | None
 ) -> None:
     suffix = "_add_relu" if residual is not None else "_relu"
-    path = f"{bn.target}{suffix}"
+    path = _free_name(gm, f"{bn.target}{suffix}")
     gm.add_submodule(path, FusedBatchNormAct(gm.get_submodule(bn.target), bn.target))
     fused_away = [n for n in relu.args[:1] if n is not bn]  # the add, when there is one
     inputs = (bn.args[0], residual) if residual is not None else (bn.args[0],)
@@ -112,16 +135,17 @@ def fuse_batch_norm(gm: torch.fx.GraphModule, policy: Policy) -> int:
             or node_info(bn).rule is not Rule.PASSTHROUGH
         ):
             continue
-        if not is_fusable_batch_norm(gm.get_submodule(bn.target)):
+        module = gm.get_submodule(bn.target)
+        if not is_fusable_batch_norm(module) or _has_hooks(module):
             continue
         user = _only_user(bn)
-        if _is_relu(user, bn):
+        if _is_relu(user, bn) and not _relu_has_hooks(gm, user):
             _fuse(gm, bn, user, None)
             fused += 1
             continue
         residual = _residual(user, bn)
         after_add = _only_user(user) if residual is not None else None
-        if residual is not None and _is_relu(after_add, user):
+        if residual is not None and _is_relu(after_add, user) and not _relu_has_hooks(gm, after_add):
             _fuse(gm, bn, after_add, residual)
             fused += 1
     if fused:

@@ -1,16 +1,16 @@
 """Pass 11 of convert (O2): 2-D max pooling through `amp_fx.pooling.max_pool2d`.
 
-torch's max-pool saves an int64 index per output element for its backward and, on channels_last
-fp16 activations, runs that backward at a fraction of the memory bandwidth (ResNet-50's stem
-max-pool: 0.82 ms forward, 1.83 ms backward per step on an H200). `amp_fx.pooling.max_pool2d`
-computes the same values and gradients with 1-byte argmax offsets and a one-pass gather backward
-(Triton), and is plain ``F.max_pool2d`` for any call its kernels do not cover (decided at run time
-from the input's layout and dtype) and under torch.compile. This pass points every 2-D max-pool
-call at it: ``nn.MaxPool2d`` modules (their attributes read now), ``F.max_pool2d`` and
+torch's max-pool saves an int64 index per output element for its backward and, on channels_last fp16
+activations, runs that backward at a fraction of the memory bandwidth (ResNet-50's stem max-pool:
+0.84 ms forward, 1.94 ms backward per step on an H200). `amp_fx.pooling.max_pool2d` computes the
+same values and gradients with 1-byte argmax offsets and a one-pass gather backward (Triton), and is
+plain ``F.max_pool2d`` for any call its kernels do not cover or would not speed up (decided at run
+time from the input's layout, dtype and size) and under torch.compile. This pass points every 2-D
+max-pool call at it: ``nn.MaxPool2d`` modules (their attributes read now), ``F.max_pool2d`` and
 ``torch.max_pool2d``, except calls that return indices (their indices are torch's int64 flat
-indices) and opaque nodes. MaxPool1d/3d are left alone. It runs only where
-``policy.fused_max_pool`` (default: O2). The node keeps its NodeInfo (op ``max_pool2d``, rule,
-dtypes): the values are the same, only the implementation changes.
+indices) and opaque nodes. MaxPool1d/3d are left alone. It runs only where ``policy.fused_max_pool``
+(default: O2 on CUDA). The node keeps its NodeInfo (op ``max_pool2d``, rule, dtypes): the values are
+the same, only the implementation changes.
 
 Example (O2, fp16; torchvision's ResNet stem)::
 

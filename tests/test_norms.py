@@ -337,6 +337,32 @@ def test_errors_of_the_torch_expression(fused_calls) -> None:
     assert not fused_calls
 
 
+@pytest.mark.parametrize(
+    ("input_dtype", "param_dtype"), [(torch.float32, torch.float16), (torch.float16, torch.bfloat16)]
+)
+def test_parameter_dtypes_torch_rejects_get_torchs_error(input_dtype, param_dtype, fused_calls) -> None:
+    # Parameters are float32 or of the input's dtype; other mixes are torch's to refuse.
+    x = torch.randn(2, 4, 3, 3, dtype=input_dtype).to(memory_format=torch.channels_last)
+    weight = torch.ones(4, dtype=param_dtype)
+    with pytest.raises(RuntimeError) as expected:
+        F.batch_norm(x, None, None, weight, None, training=True)
+    with pytest.raises(RuntimeError) as ours:
+        batch_norm_act(x, weight, None, None, None, MOMENTUM, EPS)
+    assert str(ours.value) == str(expected.value)
+    assert not fused_calls
+
+
+def test_double_backward_raises_instead_of_dropping_terms(fused_calls) -> None:
+    # The kernels' gradient is not differentiable again: a gradient penalty must fail loudly.
+    inputs = make_inputs(SHAPE, torch.float32, "float32", False, seed=3)
+    arguments = [inputs[k] for k in ("input", "weight", "bias", "running_mean", "running_var")]
+    out = batch_norm_act(*arguments, MOMENTUM, EPS)
+    assert fused_calls == ["eager"]
+    (grad,) = torch.autograd.grad(out.square().sum(), inputs["input"], create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad.sum().backward()
+
+
 def test_compiles_without_graph_breaks(fused_calls) -> None:
     # Under torch.compile batch_norm_act is the torch expression (Inductor fuses it itself).
     compiled = torch.compile(batch_norm_act, backend="aot_eager", fullgraph=True)

@@ -171,6 +171,16 @@ def test_compiles_to_torch_max_pool_without_graph_breaks() -> None:
     torch.testing.assert_close(leaf.grad, expected_leaf.grad, equal_nan=True)
 
 
+def test_inputs_with_more_pixels_than_the_kernels_index_run_torchs_max_pool() -> None:
+    # The kernels index N * H * W with int32: beyond that F.max_pool2d, not an error.
+    def window(batch: int):
+        x = torch.empty(batch, 2, 256, 256, device="meta").to(memory_format=torch.channels_last)
+        return pooling._window_if_fused(x, 3, 2, 1, 1, False)
+
+    assert window(2**14) is not None
+    assert window(2**15) is None
+
+
 def test_inputs_below_the_size_threshold_run_torchs_max_pool(monkeypatch) -> None:
     x = make_input(torch.float16).requires_grad_()
     monkeypatch.setattr(pooling, "MIN_FUSED_ELEMENTS", x.numel() + 1)

@@ -132,6 +132,39 @@ def test_calls_below_the_size_threshold_run_torchs_ops(fused_calls, monkeypatch)
     assert any(fused_calls) and not all(fused_calls)
 
 
+def test_new_modules_do_not_replace_the_models_own():
+    class OwnsTheName(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn, self.bn_relu = nn.BatchNorm2d(4), nn.Tanh()
+
+        def forward(self, x):
+            return self.bn_relu(F.relu(self.bn(x)))
+
+    torch.manual_seed(0)
+    model = OwnsTheName()
+    gm = _convert(model, fused=True)
+    assert isinstance(gm.bn_relu, nn.Tanh) and isinstance(gm.bn_relu_1, FusedBatchNormAct)
+    x = torch.randn(2, 4, 5, 5).to(memory_format=torch.channels_last)
+    expected = _convert(model, fused=False)(x)
+    torch.testing.assert_close(gm(x), expected, rtol=0, atol=0)
+
+
+def test_hooks_keep_their_modules_unfused_and_fire():
+    model = _resnet()
+    calls: list[str] = []
+    model.bn1.register_forward_hook(lambda m, i, o: calls.append("bn1"))
+    gm = _convert(model, True)
+    assert "bn1" in dict(gm.named_modules()) and "bn1_relu" not in dict(gm.named_modules())
+    fused = _fused_modules(gm)[0]
+    fused.batch_norm.register_forward_pre_hook(lambda m, i: calls.append(fused.batch_norm_name))
+    fused.batch_norm.train()
+    out = gm(_images())
+    assert calls == ["bn1", fused.batch_norm_name]
+    expected = _convert(_resnet(), False)(_images())
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
 def test_eval_mode_computes_exactly_the_unfused_ops():
     fused, unfused = _convert(_resnet(), True).eval(), _convert(_resnet(), False).eval()
     with torch.no_grad():
@@ -158,9 +191,12 @@ def test_patterns_that_are_not_fused():
     assert fuse_batch_norm(gm, gm.meta["amp_fx_policy"]) == 0
 
 
-def test_only_o2_fuses_by_default():
+def test_only_o2_on_cuda_fuses_by_default():
     assert preset("O2").fused_batch_norm and not preset("O1").fused_batch_norm
     assert not preset("O3").fused_batch_norm
+    # On other devices the kernels would run their pure-torch reference, slower than torch's.
+    assert not preset("O2", device_type="cpu").fused_batch_norm
+    assert not _fused_modules(amp_fx.convert(_resnet(), "O2", device_type="cpu"))
     assert not _fused_modules(amp_fx.convert(_resnet(), "O1", device_type="cpu"))
 
 
