@@ -41,7 +41,7 @@ from torch import Tensor
 
 from amp_fx.kernels.devices import on_device
 from amp_fx.kernels.pointer_table import triton_dtype
-from amp_fx.kernels.reference import check_cross_entropy_arguments
+from amp_fx.kernels.reference import check_cross_entropy_arguments, check_logits_overwritable
 from amp_fx.kernels.rounding import round_to_dtype
 
 
@@ -67,6 +67,33 @@ _MIN_ELEMENTS_PER_THREAD = 16
 
 
 @triton.jit
+def _row_logsumexp(row_ptr, num_classes, BLOCK_SIZE: tl.constexpr):
+    """logsumexp of one contiguous row, in fp32, with one pass and one exp per element."""
+    columns = tl.arange(0, BLOCK_SIZE)
+    running_max = float("-inf")
+    running_sum = 0.0
+    for start in range(0, num_classes, BLOCK_SIZE):
+        offsets = start + columns
+        x = tl.load(row_ptr + offsets, mask=offsets < num_classes, other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        # While every logit seen is -inf the shift is 0, not -inf (-inf - -inf would be NaN); the
+        # sum stays 0 and the row's lse comes out -inf, as torch.logsumexp gives.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
+        running_max = new_max
+    return running_max + tl.log(running_sum)
+
+
+@triton.jit
+def _row_loss(row_ptr, target, lse, num_classes, ignore_index):
+    """lse - x[target]; 0 for an ignored row, NaN for a target outside [0, C) (never an address)."""
+    in_range = (target >= 0) & (target < num_classes)
+    target_logit = tl.load(row_ptr + tl.where(in_range, target, 0)).to(tl.float32)
+    loss = tl.where(in_range, lse - target_logit, float("nan"))
+    return tl.where(target == ignore_index, 0.0, loss)
+
+
+@triton.jit
 def _cross_entropy_forward_kernel(
     logits_ptr,  # DTYPE* (N, C): row i starts at logits_ptr + i * logits_row_stride, columns contiguous
     logits_row_stride,
@@ -81,27 +108,42 @@ def _cross_entropy_forward_kernel(
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * logits_row_stride
     target = tl.load(target_ptr + row * target_stride)
-    columns = tl.arange(0, BLOCK_SIZE)
+    lse = _row_logsumexp(row_ptr, num_classes, BLOCK_SIZE)
+    tl.store(losses_ptr + row, _row_loss(row_ptr, target, lse, num_classes, ignore_index))
+    tl.store(lse_ptr + row, lse)
 
-    running_max = float("-inf")
-    running_sum = 0.0
+
+@triton.jit
+def _cross_entropy_forward_with_grad_kernel(
+    logits_ptr,  # DTYPE* (N, C) contiguous, in: the logits; out: softmax - onehot, rounded to DTYPE
+    target_ptr,  # int64* (N,): class index of row i at target_ptr + i * target_stride
+    target_stride,
+    losses_ptr,  # float32* (N,) out: loss per row, as _cross_entropy_forward_kernel's
+    num_classes,
+    ignore_index,
+    DTYPE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * num_classes
+    target = tl.load(target_ptr + row * target_stride)
+    lse = _row_logsumexp(row_ptr, num_classes, BLOCK_SIZE)
+    # The target's logit is read here, before the loop below overwrites the row.
+    tl.store(losses_ptr + row, _row_loss(row_ptr, target, lse, num_classes, ignore_index))
+
+    ignored = target == ignore_index
+    in_range = (target >= 0) & (target < num_classes)
+    # The backward kernel's math with an upstream gradient of 1 (NaN for an out-of-range target).
+    unit = tl.where(in_range, 1.0, float("nan"))
+    columns = tl.arange(0, BLOCK_SIZE)
     for start in range(0, num_classes, BLOCK_SIZE):
         offsets = start + columns
-        x = tl.load(row_ptr + offsets, mask=offsets < num_classes, other=float("-inf")).to(tl.float32)
-        new_max = tl.maximum(running_max, tl.max(x, axis=0))
-        # While every logit seen is -inf the shift is 0, not -inf (-inf - -inf would be NaN); the
-        # sum stays 0 and the row's lse comes out -inf, as torch.logsumexp gives.
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
-        running_max = new_max
-    lse = running_max + tl.log(running_sum)
-
-    in_range = (target >= 0) & (target < num_classes)
-    target_logit = tl.load(row_ptr + tl.where(in_range, target, 0)).to(tl.float32)
-    loss = tl.where(in_range, lse - target_logit, float("nan"))
-    loss = tl.where(target == ignore_index, 0.0, loss)
-    tl.store(losses_ptr + row, loss)
-    tl.store(lse_ptr + row, lse)
+        in_row = offsets < num_classes
+        # Each element is read before it is written, by this program only.
+        x = tl.load(row_ptr + offsets, mask=in_row & (target != ignore_index), other=0.0).to(tl.float32)
+        grad = unit * tl.exp(x - lse) - tl.where(offsets == target, unit, 0.0)
+        grad = tl.where(ignored, 0.0, grad)
+        tl.store(row_ptr + offsets, round_to_dtype(grad, DTYPE), mask=in_row)
 
 
 @triton.jit
@@ -235,3 +277,38 @@ def cross_entropy_backward(
             num_warps=num_warps,
         )
     return grad_logits
+
+
+def cross_entropy_forward_with_grad(logits: Tensor, target: Tensor, ignore_index: int) -> Tensor:
+    """`cross_entropy_forward`'s losses, and the unscaled gradient written over ``logits``; same
+    contract as ``amp_fx.kernels.reference.cross_entropy_forward_with_grad``.
+
+    Returns the float32 (N,) losses. ``logits`` (contiguous) then hold ``softmax(x) - onehot(t)``
+    computed in fp32 and rounded once to their dtype: exactly 0 for ignored rows, NaN for rows
+    whose target is out of range. One kernel: a pass for the logsumexp, a second that reads each
+    element and writes its gradient in its place.
+
+    Example:
+        >>> logits = torch.randn(4, 50304, dtype=torch.float16, device="cuda")  # doctest: +SKIP
+        >>> losses = cross_entropy_forward_with_grad(logits, target, -100)  # doctest: +SKIP
+    """
+    check_cross_entropy_arguments(logits, target, ignore_index)
+    check_logits_overwritable(logits)
+    num_rows, num_classes = logits.shape
+    losses = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
+    if num_rows == 0:
+        return losses
+    block_size, num_warps = _launch_shape(num_classes)
+    with on_device(logits.device):
+        _cross_entropy_forward_with_grad_kernel[(num_rows,)](
+            logits,
+            target,
+            target.stride(0),
+            losses,
+            num_classes,
+            ignore_index,
+            DTYPE=triton_dtype(logits.dtype),
+            BLOCK_SIZE=block_size,
+            num_warps=num_warps,
+        )
+    return losses

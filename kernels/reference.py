@@ -42,6 +42,10 @@ indices t (N,), in fp32::
 A target outside [0, C) that is not ``ignore_index`` gives that row a NaN loss and NaN gradients
 (torch raises instead, which would need a host synchronization).
 
+``cross_entropy_forward_with_grad`` fuses the two for an upstream gradient of 1: it returns the
+losses and writes ``dx`` with g_i = 1 (``softmax(x_i) - onehot(t_i)``, unscaled) over the logits,
+for `amp_fx.losses.linear_cross_entropy`, whose backward applies the real g_i after its matmuls.
+
 Training-mode BatchNorm + residual add + ReLU (``batch_norm_act_forward`` /
 ``batch_norm_act_backward``; the Triton twins are in ``amp_fx.kernels.batch_norm``). For an input
 x (N, C, ...) in fp16, bf16 or fp32, statistics per channel c over the M = N * H * W values of that
@@ -97,6 +101,7 @@ __all__ = [
     "advance_step_",
     "cross_entropy_forward",
     "cross_entropy_backward",
+    "cross_entropy_forward_with_grad",
     "batch_norm_act_forward",
     "batch_norm_act_backward",
 ]
@@ -446,6 +451,40 @@ def cross_entropy_backward(
         return out.copy_(grad)
     # Contiguous whatever the logits' strides, as the Triton kernel and the op's fake allocate it.
     return grad.to(logits.dtype).contiguous()
+
+
+def check_logits_overwritable(logits: Tensor) -> None:
+    """``cross_entropy_forward_with_grad`` writes the gradient over the logits: they must be one
+    contiguous block (raise ValueError otherwise)."""
+    if not logits.is_contiguous():
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} and strides {logits.stride()} are not contiguous; "
+            "cross_entropy_forward_with_grad writes the gradient over them: pass logits.contiguous()"
+        )
+
+
+def cross_entropy_forward_with_grad(logits: Tensor, target: Tensor, ignore_index: int) -> Tensor:
+    """``cross_entropy_forward``'s losses, with the gradient for an upstream gradient of 1 written
+    over ``logits`` (contiguous): ``softmax(logits[i]) - onehot(target[i])`` in fp32, rounded once
+    to their dtype; exactly 0 for ignored rows, NaN for rows whose target is out of range.
+
+    Returns the float32 (N,) losses. A caller scales the gradient by the real upstream gradient
+    later (a fused linear + loss scales the matmuls' outputs instead of this [N, C] tensor).
+
+    Example:
+        >>> logits = torch.tensor([[0.0, 0.0], [1.0, 3.0]], dtype=torch.float16)
+        >>> cross_entropy_forward_with_grad(logits, torch.tensor([1, -100]), -100)
+        tensor([0.6931, 0.0000])
+        >>> logits
+        tensor([[ 0.5000, -0.5000],
+                [ 0.0000,  0.0000]], dtype=torch.float16)
+    """
+    check_cross_entropy_arguments(logits, target, ignore_index)
+    check_logits_overwritable(logits)
+    losses, lse = cross_entropy_forward(logits, target, ignore_index)
+    unit = torch.ones_like(losses)
+    cross_entropy_backward(unit, logits, target, lse, ignore_index, out=logits)
+    return losses
 
 
 def check_batch_norm_act_arguments(

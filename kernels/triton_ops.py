@@ -12,12 +12,16 @@ Example:
     >>> sorted(triton_ops.__all__)  # doctest: +NORMALIZE_WHITESPACE
     ['adam_step_', 'advance_step_', 'batch_norm_act_backward', 'batch_norm_act_forward',
      'check_finite_and_norm_', 'cross_entropy_backward', 'cross_entropy_forward',
-     'max_pool2d_backward', 'max_pool2d_forward', 'sgd_step_']
+     'cross_entropy_forward_with_grad', 'max_pool2d_backward', 'max_pool2d_forward', 'sgd_step_']
 """
 
 from amp_fx.kernels.adam import adam_step_
 from amp_fx.kernels.batch_norm import batch_norm_act_backward, batch_norm_act_forward
-from amp_fx.kernels.cross_entropy import cross_entropy_backward, cross_entropy_forward
+from amp_fx.kernels.cross_entropy import (
+    cross_entropy_backward,
+    cross_entropy_forward,
+    cross_entropy_forward_with_grad,
+)
 from amp_fx.kernels.max_pool import max_pool2d_backward, max_pool2d_forward
 from amp_fx.kernels.overflow_check import check_finite_and_norm_
 from amp_fx.kernels.reference import advance_step_
@@ -30,6 +34,7 @@ __all__ = [
     "advance_step_",
     "cross_entropy_forward",
     "cross_entropy_backward",
+    "cross_entropy_forward_with_grad",
     "batch_norm_act_forward",
     "batch_norm_act_backward",
     "max_pool2d_forward",
