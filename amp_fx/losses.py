@@ -1,4 +1,5 @@
-"""FP32 losses that read low-precision logits: `fp32_cross_entropy`.
+"""FP32 losses that read low-precision logits: `fp32_cross_entropy`, and `linear_cross_entropy`
+(a language model's head and loss in one autograd node).
 
 Under torch.autocast, and at amp_fx's O2, cross-entropy runs in FP32: the model's fp16/bf16
 logits are cast to float32 first, ``F.cross_entropy(logits.float(), target)``. For a language
@@ -15,6 +16,13 @@ implementations and autograd, so the loss works under autograd and compiles unde
 ``torch.compile(fullgraph=True)`` without graph breaks. They run the Triton kernels on CUDA tensors
 and the pure-torch reference elsewhere (``amp_fx.kernels.implementation_for``).
 
+`linear_cross_entropy` goes one step further for logits made by a linear layer: its forward
+computes the loss and writes the unscaled gradient softmax - onehot over the logits in the same
+kernel (``cross_entropy_forward_with_grad``), so the backward is only matmuls on that saved
+gradient; the custom op ``amp_fx::linear_cross_entropy_rows`` (input, weight, bias, target,
+ignore_index) -> (losses, grad_rows) serves torch.compile and other tracers, an autograd Function
+plain eager calls.
+
 One difference from torch: a class index outside [0, C) that is not ``ignore_index`` makes that
 row's loss (and so a mean or sum) NaN instead of raising, since checking it would need a host
 synchronization.
@@ -23,14 +31,18 @@ synchronization.
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
-from amp_fx.dispatch import is_traced_backward
+from amp_fx.dispatch import is_eager, is_traced_backward
 
 __all__ = [
     "fp32_cross_entropy",
     "cross_entropy_rows",
     "cross_entropy_rows_backward",
     "cross_entropy_rows_backward_",
+    "linear_cross_entropy",
+    "linear_cross_entropy_rows",
+    "linear_cross_entropy_grads",
 ]
 
 _FUSED_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -224,9 +236,274 @@ def fp32_cross_entropy(
             label_smoothing=label_smoothing,
         )
     losses, _ = cross_entropy_rows(input, target, ignore_index, grad_into_input)
+    return _reduce(losses, target, ignore_index, reduction)
+
+
+def _reduce(losses: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor:
+    """Per-row losses reduced as F.cross_entropy reduces them ("none" keeps the target's shape)."""
     if reduction == "none":
-        return losses
+        return losses.reshape(target.shape)
     if reduction == "sum":
         return losses.sum()
     # torch's mean divides by the number of rows not ignored: 0 / 0 = NaN when all are.
     return losses.sum() / (target != ignore_index).sum()
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear layer + cross-entropy in one autograd node: `linear_cross_entropy`.
+# ---------------------------------------------------------------------------------------------
+
+# torch.mm(a, b, out_dtype=torch.float32) (the "mm.dtype" overload: fp16/bf16 inputs, fp32
+# accumulation and output, CUDA only) exists from torch 2.8 on.
+_MM_HAS_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
+
+
+def _matmul_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` (2-D) accumulated in float32 and returned in float32, not rounded to the inputs'
+    dtype: the caller scales the product first and rounds once."""
+    if a.dtype != torch.float32 and a.is_cuda and _MM_HAS_OUT_DTYPE:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    # Elsewhere (CPU, tests) the same math from float32 copies: products of fp16/bf16 values are
+    # exact in float32.
+    return torch.mm(a.float(), b.float())
+
+
+def linear_cross_entropy_grads(
+    grad_losses: Tensor,
+    grad_rows: Tensor,
+    input: Tensor,
+    weight: Tensor,
+    bias_dtype: torch.dtype | None,
+    needs_input_grad: tuple[bool, bool, bool],
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Gradients of ``losses = cross_entropy_rows(input @ weight.T + bias)`` w.r.t. (input, weight,
+    bias), from the unscaled gradient ``grad_rows = softmax - onehot`` (N, V) that
+    `cross_entropy_forward_with_grad` left in the logits' buffer and the upstream per-row gradient
+    ``grad_losses`` = r (N,), float32 (an expanded scalar for a sum or a mean). The [N, V] tensor
+    is only read by matmuls; r is applied to their smaller outputs, in float32, rounded once::
+
+        grad_input  = r[:, None] * (G @ W)
+        grad_weight = s * (G.T @ round(h * (r / s)[:, None]))      s = max |r|
+        grad_bias   = s * (G.T @ round(r / s))
+
+    Why the scale s for grad_weight: ``G.T @ h`` unscaled can exceed fp16's range (65504) when a
+    frequent class sums thousands of rows of h, although r * (G.T @ h) is small (r = 1/N for a mean
+    without loss scaling): that overflow would not depend on the loss scale, so a dynamic scaler
+    would skip every step. Scaling h by r first overflows instead when r is large (a loss scale of
+    65536 over one row). With r / s in [-1, 1] the rounded matrix is never larger than h, the
+    matmul's output is float32, and s is applied before the one rounding to the weight's dtype; for
+    a sum or a mean r / s is exactly 1 and ``round(h * 1)`` is h. (A row whose r is below
+    ~1e-5 of the largest may lose precision to fp16's subnormals: its share of the product is as
+    small.) An all-zero r gives zero gradients, not 0 / 0.
+    """
+    grad_input = grad_weight = grad_bias = None
+    if needs_input_grad[0]:
+        grad_input = (_matmul_fp32(grad_rows, weight) * grad_losses[:, None]).to(input.dtype)
+    if needs_input_grad[1] or (needs_input_grad[2] and bias_dtype is not None):
+        largest = grad_losses.abs().amax()
+        scale = torch.where(largest > 0, largest, torch.ones_like(largest))
+        unit = grad_losses / scale
+        if needs_input_grad[1]:
+            scaled_input = (input * unit[:, None]).to(input.dtype)
+            grad_weight = (_matmul_fp32(grad_rows.t(), scaled_input) * scale).to(weight.dtype)
+        if needs_input_grad[2] and bias_dtype is not None:
+            unit_column = unit.to(grad_rows.dtype)[:, None]
+            grad_bias = (_matmul_fp32(grad_rows.t(), unit_column)[:, 0] * scale).to(bias_dtype)
+    return grad_input, grad_weight, grad_bias
+
+
+@torch.library.custom_op("amp_fx::linear_cross_entropy_rows", mutates_args=())
+def linear_cross_entropy_rows(
+    input: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, ignore_index: int
+) -> tuple[Tensor, Tensor]:
+    """Per-row FP32 cross-entropy of ``F.linear(input, weight, bias)`` (input (N, d), weight
+    (V, d)) against int64 class indices: ``(losses, grad_rows)``, losses float32 (N,) and
+    grad_rows the unscaled gradient softmax - onehot (N, V) in the input's dtype, computed in the
+    forward into the logits' buffer (`cross_entropy_forward_with_grad`). Functional from outside:
+    the logits are allocated here and come back as grad_rows."""
+    from amp_fx.kernels import implementation_for
+
+    logits = F.linear(input, weight, bias).contiguous()
+    losses = implementation_for([logits]).cross_entropy_forward_with_grad(logits, target, ignore_index)
+    return losses, logits
+
+
+@linear_cross_entropy_rows.register_fake
+def _linear_cross_entropy_rows_fake(
+    input: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, ignore_index: int
+) -> tuple[Tensor, Tensor]:
+    num_rows, num_classes = input.shape[0], weight.shape[0]
+    return input.new_empty((num_rows,), dtype=torch.float32), input.new_empty((num_rows, num_classes))
+
+
+def _linear_setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
+    input, weight, bias, _target, _ignore_index = inputs
+    _, grad_rows = output
+    ctx.save_for_backward(input, weight, grad_rows)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.mark_non_differentiable(grad_rows)
+
+
+@once_differentiable  # grad_rows is a constant of the backward: a second derivative would be wrong
+def _linear_backward(ctx, grad_losses: Tensor, grad_grad_rows: Tensor | None) -> tuple:
+    input, weight, grad_rows = ctx.saved_tensors
+    # Plain torch math on every path: under torch.compile Inductor fuses the scalings into the
+    # matmuls' neighbours; eager it is two or three cuBLAS calls and small elementwise passes.
+    grads = linear_cross_entropy_grads(
+        grad_losses, grad_rows, input, weight, ctx.bias_dtype, tuple(ctx.needs_input_grad[:3])
+    )
+    return (*grads, None, None)
+
+
+linear_cross_entropy_rows.register_autograd(_linear_backward, setup_context=_linear_setup_context)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The eager path: the linear layer and the kernel function called directly, without the custom
+    op's dispatch; the same backward."""
+
+    @staticmethod
+    def forward(
+        ctx, input: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, ignore_index: int, kernels
+    ):
+        logits = F.linear(input, weight, bias).contiguous()
+        losses = kernels.cross_entropy_forward_with_grad(logits, target, ignore_index)
+        ctx.save_for_backward(input, weight, logits)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return losses
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_losses: Tensor) -> tuple:
+        input, weight, grad_rows = ctx.saved_tensors
+        grads = linear_cross_entropy_grads(
+            grad_losses, grad_rows, input, weight, ctx.bias_dtype, tuple(ctx.needs_input_grad[:3])
+        )
+        return (*grads, None, None, None)
+
+
+def _linear_runs_fused(
+    input: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    class_weight: Tensor | None,
+) -> bool:
+    """Whether the fused op computes this call: dtypes, ranks, shapes, devices and Python values
+    only, so torch.compile decides it while tracing."""
+    if not (
+        isinstance(input, Tensor)
+        and isinstance(weight, Tensor)
+        and isinstance(target, Tensor)
+        and input.dim() >= 2
+        and weight.dim() == 2
+        and weight.shape[0] > 0
+        and input.shape[-1] == weight.shape[1]
+        and input.dtype in _FUSED_INPUT_DTYPES
+        and weight.dtype == input.dtype
+        and weight.device == input.device
+        and target.dtype == torch.int64
+        and target.shape == input.shape[:-1]
+        and target.device == input.device
+    ):
+        return False
+    if bias is not None and not (
+        isinstance(bias, Tensor)
+        and bias.shape == (weight.shape[0],)
+        and bias.dtype == input.dtype
+        and bias.device == input.device
+    ):
+        return False
+    return (
+        class_weight is None
+        and isinstance(reduction, str)
+        and reduction in _FUSED_REDUCTIONS
+        and isinstance(label_smoothing, (int, float))
+        and label_smoothing == 0.0
+        and isinstance(ignore_index, int)
+        and not isinstance(ignore_index, bool)
+    )
+
+
+def linear_cross_entropy(
+    input: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    class_weight: Tensor | None = None,
+) -> Tensor:
+    """A language model's head and loss in one: ``F.cross_entropy(F.linear(input, weight,
+    bias).float(), target, weight=class_weight, ignore_index=ignore_index, reduction=reduction,
+    label_smoothing=label_smoothing)`` in value, a float32 loss. Leading dimensions are rows:
+    input (*, d) with target (*) is computed as input.reshape(-1, d), target.reshape(-1), and
+    reduction="none" returns the target's shape.
+
+    Fused when input, weight (V, d) and bias (V,) share one dtype (fp16, bf16 or fp32) and device,
+    target holds int64 class indices of shape input.shape[:-1], with no class_weight, no
+    label_smoothing and reduction "mean", "sum" or "none". The forward runs the matmul (torch's)
+    and one kernel that computes each row's loss and writes the gradient for an upstream gradient
+    of 1, softmax - onehot, rounded once to the input's dtype, over the logits
+    (`amp_fx.kernels.reference.cross_entropy_forward_with_grad`). The backward never reads the
+    (rows, V) tensor elementwise: it multiplies it into the matmuls' gradients and applies the
+    real upstream gradient to their outputs (`linear_cross_entropy_grads` says how, and why
+    grad_weight cannot overflow where the unfused path does not). Against the unfused path the
+    [rows, V] backward pass (a read of the logits and a write of their gradient) is gone, and no
+    second logits-sized buffer is ever allocated. The gradients differ from it by the rounding of
+    G instead of r * G: the same number of roundings.
+
+    Any other call returns exactly the torch expression above (and its errors). Unlike torch, a
+    fused call does not raise for a target outside [0, C) that is not ignore_index: that row's loss
+    is NaN, and so are the weight's and bias' gradients.
+
+    Example:
+        >>> h = torch.randn(6, 16, dtype=torch.bfloat16, requires_grad=True)
+        >>> head = torch.randn(50, 16, dtype=torch.bfloat16, requires_grad=True)
+        >>> target = torch.randint(0, 50, (6,))
+        >>> loss = linear_cross_entropy(h, head, None, target)
+        >>> loss.dtype
+        torch.float32
+        >>> loss.backward(); head.grad.dtype
+        torch.bfloat16
+        >>> expected = F.cross_entropy(F.linear(h, head).float(), target)
+        >>> torch.allclose(loss, expected)
+        True
+    """
+    if not _linear_runs_fused(
+        input, weight, bias, target, ignore_index, reduction, label_smoothing, class_weight
+    ):
+        rows = (
+            isinstance(input, Tensor)
+            and isinstance(target, Tensor)
+            and input.dim() > 2
+            and target.dim() == input.dim() - 1
+        )
+        logits = F.linear(input, weight, bias)
+        if rows:
+            logits, flat_target = logits.flatten(0, -2), target.flatten()
+        else:
+            flat_target = target
+        loss = F.cross_entropy(
+            logits.float(),
+            flat_target,
+            weight=class_weight,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            label_smoothing=label_smoothing,
+        )
+        return loss.reshape(target.shape) if rows and reduction == "none" else loss
+    rows_input = input.reshape(-1, input.shape[-1])
+    rows_target = target.reshape(-1)
+    if torch.compiler.is_compiling() or not is_eager(input):
+        losses, _ = linear_cross_entropy_rows(rows_input, weight, bias, rows_target, ignore_index)
+    else:
+        from amp_fx.kernels import implementation_for
+
+        kernels = implementation_for([input])
+        losses = _LinearCrossEntropy.apply(rows_input, weight, bias, rows_target, ignore_index, kernels)
+    return _reduce(losses, target, ignore_index, reduction)
