@@ -14,8 +14,8 @@
 
 The pipeline (DESIGN.md), one pass a file in `amp_fx.passes`: trace -> normalize_ops -> classify ->
 propagate_dtypes -> insert_casts -> cast_parameters -> simplify_casts -> cast_outputs -> fuse_losses ->
-fuse_batch_norm -> replace_max_pool, then lint and recompile. The input model is never modified: `trace`
-works on a deep copy.
+fuse_linear_loss -> fuse_batch_norm -> replace_max_pool, then lint and recompile. The input model is
+never modified: `trace` works on a deep copy.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from amp_fx.passes.cast_outputs import cast_outputs
 from amp_fx.passes.cast_parameters import cast_parameters
 from amp_fx.passes.classify import classify
 from amp_fx.passes.fuse_batch_norm import fuse_batch_norm
+from amp_fx.passes.fuse_linear_loss import fuse_linear_loss
 from amp_fx.passes.fuse_losses import fuse_losses
 from amp_fx.passes.insert_casts import insert_casts
 from amp_fx.passes.normalize_ops import normalize_ops
@@ -202,6 +203,7 @@ def convert(
     simplify_casts(gm, resolved)
     cast_outputs(gm, resolved)
     fuse_losses(gm, resolved)
+    fuse_linear_loss(gm, resolved)
     fuse_batch_norm(gm, resolved)
     replace_max_pool(gm, resolved)
     gm.graph.lint()

@@ -396,6 +396,10 @@ class Policy:
     ``fused_losses`` (default True at O2 only): an FP32 cross_entropy whose input is a cast of
     low-precision logits reads them directly (`amp_fx.losses.fp32_cross_entropy`): the same fp32
     math without a float32 copy of the logits. O1 leaves it off to stay bit-identical to autocast.
+    ``fused_linear_loss`` (default False; needs ``fused_losses``): such a loss whose logits come,
+    through row-keeping views only, from a linear layer nothing else reads runs with that layer as
+    one call (`amp_fx.losses.linear_cross_entropy`: the gradient is computed in the loss's forward
+    kernel, the backward is matmuls only). Off until measured faster on a GPU.
     ``fused_batch_norm`` (default True at O2 on CUDA): BatchNorm2d followed by ReLU (or by a residual
     add and ReLU) runs as one call (`amp_fx.fused_batch_norm.FusedBatchNormAct`) when its input is
     large. ``fused_max_pool`` (default True at O2 on CUDA): large 2-D max-pools run through
@@ -413,6 +417,7 @@ class Policy:
     keep_batchnorm_fp32: bool = False
     cast_model_outputs: torch.dtype | None = None
     fused_losses: bool = False
+    fused_linear_loss: bool = False
     fused_batch_norm: bool = False
     fused_max_pool: bool = False
     op_rules: dict[str, OpRule] = field(default_factory=dict)
@@ -431,6 +436,7 @@ class Policy:
         self.keep_batchnorm_fp32 = _check_keep_batchnorm_fp32(self.keep_batchnorm_fp32)
         self.cast_model_outputs = _check_output_dtype(self.cast_model_outputs)
         self.fused_losses = _check_flag("fused_losses", self.fused_losses)
+        self.fused_linear_loss = _check_flag("fused_linear_loss", self.fused_linear_loss)
         self.fused_batch_norm = _check_flag("fused_batch_norm", self.fused_batch_norm)
         self.fused_max_pool = _check_flag("fused_max_pool", self.fused_max_pool)
         self.global_rule = _check_rule(self.global_rule)
@@ -588,6 +594,7 @@ class Policy:
             if self.cast_model_outputs is None
             else _dtype_name(self.cast_model_outputs),
             "fused_losses": self.fused_losses,
+            "fused_linear_loss": self.fused_linear_loss,
             "fused_batch_norm": self.fused_batch_norm,
             "fused_max_pool": self.fused_max_pool,
             "global": self.global_rule.value,
@@ -619,6 +626,7 @@ class Policy:
             keep_batchnorm_fp32=data.get("keep_batchnorm_fp32", False),
             cast_model_outputs=_check_output_dtype(data.get("cast_model_outputs")),
             fused_losses=data.get("fused_losses", False),
+            fused_linear_loss=data.get("fused_linear_loss", False),
             fused_batch_norm=data.get("fused_batch_norm", False),
             fused_max_pool=data.get("fused_max_pool", False),
             op_rules={
@@ -641,7 +649,8 @@ class Policy:
         lines = [
             f"Policy {self.opt_level} dtype={_dtype_name(self.dtype)} device_type={self.device_type} "
             f"keep_batchnorm_fp32={self.keep_batchnorm_fp32} cast_model_outputs={outputs} "
-            f"fused_losses={self.fused_losses} fused_batch_norm={self.fused_batch_norm} "
+            f"fused_losses={self.fused_losses} fused_linear_loss={self.fused_linear_loss} "
+            f"fused_batch_norm={self.fused_batch_norm} "
             f"fused_max_pool={self.fused_max_pool}",
             f"  cast_parameters={self.cast_parameters} cast_inputs_dtype="
             f"{None if self.cast_inputs_dtype is None else _dtype_name(self.cast_inputs_dtype)} "
@@ -683,13 +692,14 @@ def preset(
     fused_losses: bool | None = None,
     fused_batch_norm: bool | None = None,
     fused_max_pool: bool | None = None,
+    fused_linear_loss: bool = False,
 ) -> Policy:
     """The policy for an Apex opt level on a device type; see `Policy` for the table.
 
     `keep_batchnorm_fp32` defaults to True for O2 and False otherwise (Apex also accepts the strings
     "True"/"False"); `cast_model_outputs` defaults to float32 for O2/O3 (losses computed in fp32, as
     in Apex) and None (outputs as computed) for O0/O1; `fused_losses` defaults to True for O2 only,
-    `fused_batch_norm` and `fused_max_pool` for O2 on CUDA only.
+    `fused_batch_norm` and `fused_max_pool` for O2 on CUDA only; `fused_linear_loss` to False.
 
     >>> p = preset("O2", dtype=torch.bfloat16)
     >>> p.cast_parameters, p.keep_batchnorm_fp32, p.cast_model_outputs, p.fused_losses
@@ -729,6 +739,7 @@ def preset(
         keep_batchnorm_fp32=keep_bn,
         cast_model_outputs=outputs,
         fused_losses=fused,
+        fused_linear_loss=_check_flag("fused_linear_loss", fused_linear_loss),
         fused_batch_norm=fused_bn,
         fused_max_pool=fused_pool,
         op_rules=op_rules,

@@ -304,6 +304,7 @@ def _policy_summary(policy: Any) -> dict[str, Any] | None:
         "keep_batchnorm_fp32": policy.keep_batchnorm_fp32,
         "cast_model_outputs": _dtype_str(policy.cast_model_outputs),
         "fused_losses": policy.fused_losses,
+        "fused_linear_loss": policy.fused_linear_loss,
         "fused_batch_norm": policy.fused_batch_norm,
         "fused_max_pool": policy.fused_max_pool,
     }

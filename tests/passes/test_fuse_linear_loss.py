@@ -1,0 +1,209 @@
+"""fuse_linear_loss: with ``fused_linear_loss=True`` a language model's head and its FP32 loss run as
+one `linear_cross_entropy` call.
+
+Reference: the same conversion without the flag (the head, then `fp32_cross_entropy`): losses agree
+to float32 rounding, gradients to the low dtype's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import amp_fx
+from amp_fx.losses import fp32_cross_entropy, linear_cross_entropy
+from amp_fx.node_info import node_info
+from amp_fx.passes.fuse_linear_loss import fuse_linear_loss
+from amp_fx.policy import Policy, preset
+from amp_fx.testing import grad_tolerances, tolerances
+
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+VOCAB = 37
+
+
+class LanguageModel(nn.Module):
+    """Embedding -> MLP -> head -> row view -> loss; ``flatten`` picks how the rows are made."""
+
+    def __init__(self, flatten: str = "view_size", tied: bool = False, **loss_kwargs) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.fc = nn.Linear(16, 16)
+        self.head = nn.Linear(16, VOCAB, bias=not tied)
+        if tied:
+            self.head.weight = self.embed.weight
+        self.flatten = flatten
+        self.loss_kwargs = loss_kwargs
+
+    def forward(self, ids, targets):
+        logits = self.head(torch.relu(self.fc(self.embed(ids))))
+        if self.flatten == "view_size":
+            rows = logits.view(-1, logits.size(-1))
+        elif self.flatten == "reshape_shape":
+            rows = logits.reshape(-1, logits.shape[-1])
+        elif self.flatten == "view_number":
+            rows = logits.contiguous().view(-1, VOCAB)
+        else:
+            rows = logits.flatten(0, -2)
+        return F.cross_entropy(rows, targets.view(-1), **self.loss_kwargs)
+
+
+class FunctionalHead(nn.Module):
+    """F.linear with an explicit weight and bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.weight = nn.Parameter(torch.randn(VOCAB, 16) / 4)
+        self.bias = nn.Parameter(torch.randn(VOCAB))
+
+    def forward(self, ids, targets):
+        logits = F.linear(self.embed(ids), self.weight, self.bias)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
+
+
+class LogitsAlsoReturned(LanguageModel):
+    def forward(self, ids, targets):
+        logits = self.head(torch.relu(self.fc(self.embed(ids))))
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+class SizesReadElsewhere(LanguageModel):
+    """The logits' sizes feed something besides the view: the head must stay."""
+
+    def forward(self, ids, targets):
+        logits = self.head(torch.relu(self.fc(self.embed(ids))))
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        tokens = logits.size(0) * logits.size(1)
+        return loss * tokens / tokens
+
+
+class ClassDimensionLoss(LanguageModel):
+    """The loss over (batch, classes, time): not a row view."""
+
+    def forward(self, ids, targets):
+        logits = self.head(torch.relu(self.fc(self.embed(ids))))
+        return F.cross_entropy(logits.transpose(1, 2), targets)
+
+
+def _batch():
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (3, 5), generator=generator)
+    targets = torch.randint(0, VOCAB, (3, 5), generator=generator)
+    targets[0, :2] = 0  # ignored where ignore_index=0
+    return ids, targets
+
+
+def _seeded(cls=LanguageModel, **kwargs) -> nn.Module:
+    torch.manual_seed(0)
+    return cls(**kwargs)
+
+
+def _convert(model: nn.Module, dtype: torch.dtype, fused: bool, **policy_kwargs) -> torch.fx.GraphModule:
+    policy = preset("O2", dtype=dtype, device_type="cpu", fused_linear_loss=fused, **policy_kwargs)
+    return amp_fx.convert(model, "O2", policy=policy)
+
+
+def _targets(gm: torch.fx.GraphModule) -> list[object]:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _loss_and_grads(gm: nn.Module, *inputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    out = gm(*inputs)
+    loss = out[1] if isinstance(out, tuple) else out
+    params = [p for p in gm.parameters() if p.requires_grad]
+    return loss, list(torch.autograd.grad(loss.sum(), params))
+
+
+def _assert_same_training_signal(make, dtype: torch.dtype) -> torch.fx.GraphModule:
+    inputs = _batch()
+    fused = _convert(make(), dtype, fused=True)
+    unfused = _convert(make(), dtype, fused=False)
+    loss, grads = _loss_and_grads(fused, *inputs)
+    ref_loss, ref_grads = _loss_and_grads(unfused, *inputs)
+    assert loss.dtype == ref_loss.dtype == F32
+    torch.testing.assert_close(loss, ref_loss, **dict(zip(("rtol", "atol"), tolerances(F32), strict=True)))
+    rtol, atol = grad_tolerances(dtype)
+    for grad, ref in zip(grads, ref_grads, strict=True):
+        assert grad.dtype == ref.dtype
+        torch.testing.assert_close(grad, ref, rtol=rtol, atol=atol)
+    return fused
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("flatten", ["view_size", "reshape_shape", "view_number", "flatten"])
+def test_head_and_loss_become_one_call(dtype, flatten):
+    gm = _assert_same_training_signal(lambda: _seeded(flatten=flatten), dtype)
+    targets = _targets(gm)
+    assert linear_cross_entropy in targets and fp32_cross_entropy not in targets
+    assert not any(n.op == "call_module" and n.target == "head" for n in gm.graph.nodes)
+    (loss,) = [n for n in gm.graph.nodes if n.target is linear_cross_entropy]
+    assert any("fused with the linear layer head" in note for note in node_info(loss).notes)
+    assert node_info(loss).in_dtypes[:3] == (dtype, dtype, dtype)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: _seeded(tied=True),
+        lambda: _seeded(ignore_index=0, reduction="none"),
+        lambda: _seeded(FunctionalHead),
+    ],
+    ids=["tied_weights", "ignore_index_none", "functional_linear"],
+)
+def test_other_heads_and_loss_arguments(make):
+    gm = _assert_same_training_signal(make, F16)
+    assert linear_cross_entropy in _targets(gm)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: _seeded(LogitsAlsoReturned),
+        lambda: _seeded(SizesReadElsewhere),
+        lambda: _seeded(ClassDimensionLoss),
+        lambda: _seeded(label_smoothing=0.1),
+    ],
+    ids=["logits_returned", "sizes_read_elsewhere", "class_dimension", "label_smoothing"],
+)
+def test_left_alone_where_not_exact(make):
+    gm = _convert(make(), F16, fused=True)
+    assert linear_cross_entropy not in _targets(gm)
+    unfused = _convert(make(), F16, fused=False)
+    assert gm.code == unfused.code
+
+
+def test_hooked_head_is_left_alone():
+    model = _seeded()
+    calls = []
+    model.head.register_forward_hook(lambda *args: calls.append(1))
+    gm = _convert(model, F16, fused=True)
+    assert linear_cross_entropy not in _targets(gm)
+    gm(*_batch())
+    assert calls == [1]
+
+
+def test_off_by_default_and_needs_fused_losses():
+    assert not preset("O2").fused_linear_loss
+    assert linear_cross_entropy not in _targets(amp_fx.convert(_seeded(), "O2", dtype=F16, device_type="cpu"))
+    gm = _convert(_seeded(), F16, fused=True, fused_losses=False)
+    assert linear_cross_entropy not in _targets(gm) and fp32_cross_entropy not in _targets(gm)
+
+
+def test_converting_twice_changes_nothing():
+    gm = _convert(_seeded(), F16, fused=True)
+    again = amp_fx.convert(gm, "O2", policy=gm.meta["amp_fx_policy"])
+    assert again.code == gm.code
+    assert fuse_linear_loss(again, gm.meta["amp_fx_policy"]) == 0
+    torch.testing.assert_close(again(*_batch()), gm(*_batch()))
+
+
+def test_flag_is_checked_reported_and_serialized():
+    with pytest.raises(TypeError, match="fused_linear_loss must be True or False"):
+        preset("O2", fused_linear_loss="yes")
+    policy = preset("O2", F16, "cpu", fused_linear_loss=True)
+    assert Policy.from_dict(policy.to_dict()).fused_linear_loss is True
+    gm = amp_fx.convert(_seeded(), "O2", policy=policy)
+    assert amp_fx.report(gm).to_dict()["policy"]["fused_linear_loss"] is True
+    assert "fused_linear_loss=True" in str(policy)
