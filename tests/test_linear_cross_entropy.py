@@ -338,3 +338,14 @@ def test_gpt_sized_head_on_gpu(dtype) -> None:
     ours = loss_and_grads(linear_cross_entropy, h, w, None, target, upstream=1024.0)
     expected = loss_and_grads(torch_path, h, w, None, target, upstream=1024.0)
     assert_close_to(ours, expected, dtype)
+
+
+@pytest.mark.gpu
+def test_compiles_with_inductor_on_gpu() -> None:
+    h, w, b, target = (x.cuda() for x in make_problem(64, 64, 1000, torch.float16, seed=15))
+    target[7] = IGNORE_INDEX
+    torch._dynamo.reset()
+    compiled = torch.compile(fused_and_fallback, fullgraph=True)
+    ours = loss_and_grads(compiled, h, w, b, target, upstream=1024.0)
+    expected = loss_and_grads(fused_and_fallback, h, w, b, target, upstream=1024.0)
+    assert_close_to(ours, expected, torch.float16)

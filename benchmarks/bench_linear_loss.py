@@ -1,0 +1,117 @@
+"""A language model's head and loss: the linear layer + FP32 cross-entropy, fused or not.
+
+Forward + backward of ``loss(h @ W.T, t)`` for GPT-2's head (16 x 1024 tokens, d = 768, vocab
+50304, no bias), h and W both needing gradients, the loss scaled before the backward as a loss
+scaler does (65536 for fp16, 1 for bf16):
+
+    cast_fp32          F.cross_entropy(F.linear(h, W).float(), t): torch.autocast's loss
+    fp32_fused         amp_fx.fp32_cross_entropy(F.linear(h, W), t, grad_into_input=True): O2
+                       today (the gradient written over the logits in the loss's backward)
+    linear_fused       amp_fx.losses.linear_cross_entropy(h, W, None, t): the loss's gradient
+                       written in its forward kernel, a backward of two matmuls
+                       (O2 with ``fused_linear_loss=True``)
+
+each eager and under ``torch.compile`` (Inductor). Per row: median ms (``triton.testing.do_bench``),
+peak memory of one step above the inputs, and the largest differences from ``cast_fp32`` eager
+(loss; grad_h and grad_W relative to that gradient's largest entry). GPU only::
+
+    python benchmarks/bench_linear_loss.py --markdown BENCHMARKS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+
+import torch
+import torch.nn.functional as F
+
+import amp_fx
+from amp_fx.losses import linear_cross_entropy
+
+VARIANTS = {
+    "cast_fp32": lambda h, w, t: F.cross_entropy(F.linear(h, w).float(), t),
+    "fp32_fused": lambda h, w, t: amp_fx.fp32_cross_entropy(F.linear(h, w), t, grad_into_input=True),
+    "linear_fused": lambda h, w, t: linear_cross_entropy(h, w, None, t),
+}
+
+
+def _step(loss_fn, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, scale: float):
+    def run() -> torch.Tensor:
+        h.grad = w.grad = None
+        loss = loss_fn(h, w, t)
+        (loss * scale).backward()
+        return loss
+
+    return run
+
+
+def _relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rows", type=int, default=16 * 1024)
+    parser.add_argument("--dim", type=int, default=768)
+    parser.add_argument("--classes", type=int, default=50304)
+    parser.add_argument("--modes", default="eager,compile", help="comma-separated: eager, compile")
+    parser.add_argument("--markdown", default=None, help="append the table to this file")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_linear_loss.py needs a CUDA device")
+    import triton
+    from triton.testing import do_bench
+
+    modes = args.modes.split(",")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    lines = [
+        f"#### Linear head + cross-entropy forward + backward, {args.rows} x {args.dim} -> {args.classes} - "
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+        f"{datetime.date.today().isoformat()}",
+        "",
+        "| dtype | mode | variant | ms | vs cast_fp32 | peak GiB | loss diff | grad_h diff | grad_W diff |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for dtype, scale in ((torch.float16, 65536.0), (torch.bfloat16, 1.0)):
+        h = torch.randn(args.rows, args.dim, device="cuda", generator=generator).to(dtype).requires_grad_()
+        w = (torch.randn(args.classes, args.dim, device="cuda", generator=generator) * 0.02).to(dtype)
+        w.requires_grad_()
+        t = torch.randint(0, args.classes, (args.rows,), device="cuda", generator=generator)
+        reference_loss = _step(VARIANTS["cast_fp32"], h, w, t, scale)()
+        reference = (h.grad.clone(), w.grad.clone())
+        for mode in modes:
+            times: dict[str, float] = {}
+            for name, loss_fn in VARIANTS.items():
+                fn = torch.compile(loss_fn) if mode == "compile" else loss_fn
+                run = _step(fn, h, w, t, scale)
+                loss = run()
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                run()
+                peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+                diffs = (
+                    (loss - reference_loss).abs().item(),
+                    _relative_difference(h.grad, reference[0]),
+                    _relative_difference(w.grad, reference[1]),
+                )
+                times[name] = do_bench(run, warmup=10, rep=100, return_mode="median")
+                lines.append(
+                    f"| {str(dtype).removeprefix('torch.')} | {mode} | {name} | {times[name]:.2f} | "
+                    f"{times[name] / times['cast_fp32']:.2f}x | {peak:.2f} | {diffs[0]:.1e} | "
+                    f"{diffs[1]:.1e} | {diffs[2]:.1e} |"
+                )
+        del h, w, t, reference
+        torch.cuda.empty_cache()
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write("\n" + text)
+
+
+if __name__ == "__main__":
+    main()
