@@ -300,7 +300,8 @@ def linear_cross_entropy_grads(
     if needs_input_grad[0]:
         grad_input = (_matmul_fp32(grad_rows, weight) * grad_losses[:, None]).to(input.dtype)
     if needs_input_grad[1] or (needs_input_grad[2] and bias_dtype is not None):
-        largest = grad_losses.abs().amax()
+        # amax of no rows raises; with no rows the gradients are zeros whatever the scale.
+        largest = grad_losses.abs().amax() if grad_losses.numel() > 0 else grad_losses.new_zeros(())
         scale = torch.where(largest > 0, largest, torch.ones_like(largest))
         unit = grad_losses / scale
         if needs_input_grad[1]:

@@ -204,6 +204,17 @@ def test_all_zero_upstream_gradient_gives_zero_gradients() -> None:
     assert all(torch.all(grad == 0) for grad in grads)
 
 
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_no_rows(reduction) -> None:
+    h, w, b, _ = make_problem(0, 8, 5, torch.float16, seed=16)
+    target = torch.zeros(0, dtype=torch.int64)
+    ours = loss_and_grads(linear_cross_entropy, h, w, b, target, reduction=reduction)
+    expected = loss_and_grads(torch_path, h, w, b, target, reduction=reduction)
+    torch.testing.assert_close(ours[0], expected[0], equal_nan=True)  # a mean of nothing is NaN
+    for grad, expected_grad in zip(ours[1], expected[1], strict=True):
+        assert torch.equal(grad, expected_grad)
+
+
 def test_double_backward_raises() -> None:
     # The gradient treats G as a constant: differentiating it again must fail, not be silently wrong.
     h, w, b, target = make_problem(3, 8, 5, torch.float16, seed=7)
