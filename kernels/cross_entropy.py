@@ -136,8 +136,11 @@ def _cross_entropy_forward_with_grad_kernel(
     # The backward kernel's math with an upstream gradient of 1 (NaN for an out-of-range target).
     unit = tl.where(in_range, 1.0, float("nan"))
     columns = tl.arange(0, BLOCK_SIZE)
-    for start in range(0, num_classes, BLOCK_SIZE):
-        offsets = start + columns
+    # Last block first: the end of the row, read last by the logsumexp pass, is the part most
+    # likely still in L2 (a GPT row is 100 KB in fp16). Unmeasured; the order changes no value.
+    num_blocks = tl.cdiv(num_classes, BLOCK_SIZE)
+    for block in range(0, num_blocks):
+        offsets = (num_blocks - 1 - block) * BLOCK_SIZE + columns
         in_row = offsets < num_classes
         # Each element is read before it is written, by this program only.
         x = tl.load(row_ptr + offsets, mask=in_row & (target != ignore_index), other=0.0).to(tl.float32)
