@@ -207,3 +207,14 @@ def test_flag_is_checked_reported_and_serialized():
     gm = amp_fx.convert(_seeded(), "O2", policy=policy)
     assert amp_fx.report(gm).to_dict()["policy"]["fused_linear_loss"] is True
     assert "fused_linear_loss=True" in str(policy)
+
+
+def test_converted_model_compiles_without_graph_breaks():
+    gm = _convert(_seeded(), F16, fused=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(gm, backend="aot_eager", fullgraph=True)
+    loss, grads = _loss_and_grads(compiled, *_batch())
+    expected_loss, expected_grads = _loss_and_grads(gm, *_batch())
+    assert torch.equal(loss, expected_loss)
+    for grad, expected in zip(grads, expected_grads, strict=True):
+        assert torch.equal(grad, expected)
