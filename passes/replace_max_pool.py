@@ -30,6 +30,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from amp_fx.module_hooks import has_forward_hooks
 from amp_fx.node_info import node_info
 from amp_fx.policy import Policy, Rule
 from amp_fx.pooling import max_pool2d
@@ -47,7 +48,7 @@ def _module_arguments(module: nn.Module, node: torch.fx.Node) -> dict[str, Any] 
     """An nn.MaxPool2d call's arguments by name, read from the module, or None."""
     if type(module).forward is not nn.MaxPool2d.forward or module.return_indices:
         return None
-    if module._forward_hooks or module._forward_pre_hooks:
+    if has_forward_hooks(module):
         return None  # replaced by a function call, the module would not run, nor its hooks
     if len(node.args) + len(node.kwargs) != 1:
         return None
