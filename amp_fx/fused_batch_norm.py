@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from amp_fx.module_hooks import has_forward_hooks
+
 __all__ = ["MIN_FUSED_ELEMENTS", "FusedBatchNormAct", "is_fusable_batch_norm"]
 
 # An eager fused call costs the host about three times torch's BatchNorm + add + ReLU (Triton
@@ -80,7 +82,7 @@ class FusedBatchNormAct(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         bn = self.batch_norm
-        if bn._forward_hooks or bn._forward_pre_hooks:
+        if has_forward_hooks(bn):
             # Hooks registered after convert: the module itself runs, so that they fire.
             return self._add_and_relu(bn(x), residual)
         bn._check_input_dim(x)

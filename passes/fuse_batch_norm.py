@@ -35,6 +35,7 @@ import torch
 import torch.fx
 
 from amp_fx.fused_batch_norm import FusedBatchNormAct, is_fusable_batch_norm
+from amp_fx.module_hooks import has_forward_hooks
 from amp_fx.node_info import node_info
 from amp_fx.policy import Policy, Rule
 
@@ -85,13 +86,8 @@ def _free_name(gm: torch.fx.GraphModule, path: str) -> str:
     return f"{parent_path}.{candidate}" if parent_path else candidate
 
 
-def _has_hooks(module: torch.nn.Module) -> bool:
-    # Fused, the module's forward would not run, and neither would its hooks.
-    return bool(module._forward_hooks or module._forward_pre_hooks)
-
-
 def _relu_has_hooks(gm: torch.fx.GraphModule, relu: torch.fx.Node) -> bool:
-    return relu.op == "call_module" and _has_hooks(gm.get_submodule(relu.target))
+    return relu.op == "call_module" and has_forward_hooks(gm.get_submodule(relu.target))
 
 
 def _fuse(
@@ -136,7 +132,7 @@ def fuse_batch_norm(gm: torch.fx.GraphModule, policy: Policy) -> int:
         ):
             continue
         module = gm.get_submodule(bn.target)
-        if not is_fusable_batch_norm(module) or _has_hooks(module):
+        if not is_fusable_batch_norm(module) or has_forward_hooks(module):
             continue
         user = _only_user(bn)
         if _is_relu(user, bn) and not _relu_has_hooks(gm, user):

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from amp_fx.losses import fp32_cross_entropy
+from amp_fx.module_hooks import has_forward_hooks
 from amp_fx.node_info import node_info
 from amp_fx.passes.insert_casts import dtype_is_assumed, dtype_name
 from amp_fx.policy import Policy, Rule
@@ -64,6 +65,8 @@ def _cross_entropy_arguments(gm: torch.fx.GraphModule, node: torch.fx.Node) -> d
         module = gm.get_submodule(node.target)
         if type(module).forward is not nn.CrossEntropyLoss.forward or len(node.args) + len(node.kwargs) != 2:
             return None
+        if has_forward_hooks(module):
+            return None  # replaced by a function call, the module would not run, nor its hooks
         inputs = dict(zip(("input", "target"), node.args, strict=False)) | dict(node.kwargs)
         return inputs | {
             "weight": module.weight,

@@ -8,9 +8,10 @@ plain ``F.max_pool2d`` for any call its kernels do not cover or would not speed 
 time from the input's layout, dtype and size) and under torch.compile. This pass points every 2-D
 max-pool call at it: ``nn.MaxPool2d`` modules (their attributes read now), ``F.max_pool2d`` and
 ``torch.max_pool2d``, except calls that return indices (their indices are torch's int64 flat
-indices) and opaque nodes. MaxPool1d/3d are left alone. It runs only where ``policy.fused_max_pool``
-(default: O2 on CUDA). The node keeps its NodeInfo (op ``max_pool2d``, rule, dtypes): the values are
-the same, only the implementation changes.
+indices), MaxPool2d modules with hooks (they would no longer fire) and opaque nodes. MaxPool1d/3d
+are left alone. It runs only where ``policy.fused_max_pool`` (default: O2 on CUDA). The node keeps
+its NodeInfo (op ``max_pool2d``, rule, dtypes): the values are the same, only the implementation
+changes.
 
 Example (O2, fp16; torchvision's ResNet stem)::
 
@@ -29,6 +30,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from amp_fx.module_hooks import has_forward_hooks
 from amp_fx.node_info import node_info
 from amp_fx.policy import Policy, Rule
 from amp_fx.pooling import max_pool2d
@@ -46,6 +48,8 @@ def _module_arguments(module: nn.Module, node: torch.fx.Node) -> dict[str, Any] 
     """An nn.MaxPool2d call's arguments by name, read from the module, or None."""
     if type(module).forward is not nn.MaxPool2d.forward or module.return_indices:
         return None
+    if has_forward_hooks(module):
+        return None  # replaced by a function call, the module would not run, nor its hooks
     if len(node.args) + len(node.kwargs) != 1:
         return None
     inputs = node.args[0] if node.args else node.kwargs.get("input")

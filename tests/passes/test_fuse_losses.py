@@ -139,6 +139,16 @@ def test_losses_the_kernel_does_not_compute_keep_the_cast(model_kwargs):
     assert all(n.target is not fp32_cross_entropy for n in _loss_nodes(gm))
 
 
+def test_a_loss_module_with_hooks_stays_a_module():
+    calls: list[str] = []
+    loss = nn.CrossEntropyLoss()
+    loss.register_forward_hook(lambda m, i, o: calls.append("loss"))
+    gm = _convert(_seeded(loss=loss), F16, fused=True)
+    assert all(n.target is not fp32_cross_entropy for n in _loss_nodes(gm))
+    gm(*_batch())
+    assert calls == ["loss"]
+
+
 def test_logits_also_returned_keep_their_output_cast():
     gm = _assert_same_training_signal({"return_logits": True}, F16)
     (loss,) = _loss_nodes(gm)

@@ -96,6 +96,16 @@ def test_o2_replaces_every_2d_max_pool_without_indices() -> None:
     assert amp_fx.report(gm).to_dict()["policy"]["fused_max_pool"] is True
 
 
+def test_max_pool_modules_with_hooks_stay_modules() -> None:
+    model = Pools()
+    calls: list[str] = []
+    model.pool.register_forward_hook(lambda m, i, o: calls.append("pool"))
+    gm = _convert(model)
+    assert [n.name for n in _replaced(gm)] == ["pool_ceil", "max_pool2d", "max_pool2d_1"]
+    gm(_images())
+    assert calls == ["pool"]
+
+
 def test_outputs_match_torch_max_pool() -> None:
     torch.manual_seed(0)
     model = Pools()
