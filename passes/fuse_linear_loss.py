@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from amp_fx.losses import fp32_cross_entropy, linear_cross_entropy
+from amp_fx.module_hooks import has_forward_hooks
 from amp_fx.node_info import node_info
 from amp_fx.policy import Policy, Rule
 
@@ -50,11 +51,10 @@ _METADATA_METHODS = frozenset({"size", "dim", "numel", "stride"})
 def _is_plain_linear(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
-        # Fused, the module's forward would not run, and neither would its hooks.
         return (
             isinstance(module, nn.Linear)
             and type(module).forward is nn.Linear.forward
-            and not (module._forward_hooks or module._forward_pre_hooks)
+            and not has_forward_hooks(module)
             and len(node.args) == 1
             and not node.kwargs
         )
