@@ -34,11 +34,15 @@ cross-entropy reads the low-precision logits directly (``amp_fx.losses.fp32_cros
 math without a float32 copy of the logits); ``o2_fp16_loss_outside`` shows the cost of the copy.
 
 each eager and under torch.compile (the forward and the loss compiled; the optimizer step runs
-eagerly, as a fused kernel in every variant). Per variant it reports the median step time over
-``--steps`` steps after ``--warmup`` steps, the ratio to autocast_fp16 in the same mode, and peak
-memory (``torch.cuda.max_memory_allocated``, reset once the step is built and the unconverted
-model freed, so it counts weights, optimizer state, grads and activations). A variant that fails
-is reported in the table and the run goes on.
+eagerly, as a fused kernel in every variant). All variants of a mode are built and warmed up first
+(compiles, CUDA-graph capture), then timed in ``--rounds`` rounds of ``--steps`` steps, the order
+reversed every other round: a GPU slows as it heats up or reaches its power limit, and variants
+timed in a fixed order would carry that into their ratios. Per variant it reports the median of
+all its timed steps, the ratio to autocast_fp16 in the same mode, and peak memory
+(``torch.cuda.max_memory_allocated`` during its warm-up, above what was allocated before it was
+built: its weights, optimizer state, grads and activations, not the unconverted model, other
+variants or cuBLAS's workspaces, which are allocated before the first). A variant that fails is
+reported in the table and the run goes on.
 
 GPU runs, one per model (eager ~1-2 min, then ~10 compiles of 20-50 s each; ``--time-budget``
 skips, and reports, the variants that would start after it, least telling last)::
@@ -66,7 +70,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -161,7 +165,15 @@ class Result:
     peak_gib: float | None = None
     setup_s: float = 0.0
     error: str | None = None
-    profile: str | None = None  # --profile: the ops that took the time
+    step_ms: list[float] = field(default_factory=list)  # every timed step, all rounds
+    round_ms: list[float] = field(default_factory=list)  # median of each round
+
+    @property
+    def round_spread(self) -> float:
+        """(slowest - fastest round median) / median: how much the order moved this variant."""
+        if len(self.round_ms) < 2 or not self.median_ms:
+            return 0.0
+        return (max(self.round_ms) - min(self.round_ms)) / self.median_ms
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,9 +288,12 @@ def build_step(
 # ---------------------------------------------------------------------------------------------
 
 
-def time_steps(step: Callable[[], torch.Tensor], device: torch.device, warmup: int, steps: int) -> float:
-    """Median ms per step. On CUDA, events between consecutive steps with no sync in between, so
-    a step's time includes any host-side gap (launch overhead shows up, as it does in training)."""
+def time_steps(
+    step: Callable[[], torch.Tensor], device: torch.device, warmup: int, steps: int
+) -> list[float]:
+    """Milliseconds of each of ``steps`` steps after ``warmup`` untimed ones. On CUDA, events between
+    consecutive steps with no sync in between, so a step's time includes any host-side gap (launch
+    overhead shows up, as it does in training)."""
     for _ in range(warmup):
         step()
     if device.type != "cuda":
@@ -287,7 +302,7 @@ def time_steps(step: Callable[[], torch.Tensor], device: torch.device, warmup: i
             start = time.perf_counter()
             step()
             times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
+        return times
     torch.cuda.synchronize(device)
     events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
     events[0].record()
@@ -295,7 +310,7 @@ def time_steps(step: Callable[[], torch.Tensor], device: torch.device, warmup: i
         step()
         events[i + 1].record()
     torch.cuda.synchronize(device)
-    return statistics.median(events[i].elapsed_time(events[i + 1]) for i in range(steps))
+    return [events[i].elapsed_time(events[i + 1]) for i in range(steps)]
 
 
 def profile_steps(step: Callable[[], torch.Tensor], device: torch.device, rows: int) -> str:
@@ -314,7 +329,7 @@ def profile_steps(step: Callable[[], torch.Tensor], device: torch.device, rows: 
 
 
 def release_memory(device: torch.device) -> None:
-    """Drop everything the previous variant left: compiled graphs, cached blocks, peak counters."""
+    """Drop everything the previous mode's variants left: compiled graphs, cached blocks, peaks."""
     torch._dynamo.reset()
     gc.collect()
     if device.type == "cuda":
@@ -323,21 +338,41 @@ def release_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def allocate_library_workspaces(device: torch.device) -> None:
+    """Allocate cuBLAS's workspaces before the first variant is built, so that no variant's peak
+    counts them. cuBLAS keeps one per handle and stream, allocated on first use and kept for the
+    life of the process; the forward runs on this thread's handle and the backward on the autograd
+    engine's, so one small linear forward and backward per dtype creates them all."""
+    if device.type != "cuda":
+        return
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        weight = torch.randn(64, 64, device=device, dtype=dtype, requires_grad=True)
+        torch.nn.functional.linear(weight, weight, weight[0]).sum().backward()
+    torch.cuda.synchronize(device)
+
+
 def short_error(exc: BaseException) -> str:
     first_line = (str(exc).strip().splitlines() or [""])[0]
     return f"{type(exc).__name__}: {first_line[:100]}"
 
 
-def run_variant(
+def prepare_variant(
     model_name: str,
     variant: Variant,
     mode: str,
     args: argparse.Namespace,
     device: torch.device,
-) -> Result:
+) -> tuple[Result, Callable[[], torch.Tensor] | None]:
+    """Build one variant's step and run its warm-up steps (compiles, CUDA-graph capture).
+
+    Returns its result so far (peak memory, setup time, or the error) and the step, None on error.
+    Variants built earlier stay alive, so the peak is counted from the memory allocated before this
+    one was built: its own weights, optimizer state, grads and activations.
+    """
     result = Result()
-    release_memory(device)
     start = time.perf_counter()
+    allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    step = None
     try:
         work = build_workload(model_name, device, small=args.small, batch_size=args.batch_size)
         step = build_step(variant, work, mode, args.compile_backend)
@@ -351,19 +386,42 @@ def run_variant(
         warmup = args.warmup if mode == "eager" or args.small else max(args.warmup, 2)
         if variant.cuda_graph:
             warmup = max(warmup, GRAPH_WARMUP_STEPS + 1)
-        result.median_ms = time_steps(step, device, warmup, args.steps)
+        for _ in range(warmup):
+            step()
         if device.type == "cuda":
-            result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
-        if args.profile:
-            result.profile = profile_steps(step, device, args.profile)
+            torch.cuda.synchronize(device)
+            result.peak_gib = (torch.cuda.max_memory_allocated(device) - allocated_before) / 2**30
     except Exception as exc:  # a failing variant is a row of the table, not the end of the run
         logger.exception("%s %s %s failed", model_name, variant.name, mode)
         result.error = short_error(exc)
-    finally:
-        step = None  # noqa: F841 -- frees the model, optimizer state and compiled graphs
-        release_memory(device)
+        step = None
     result.setup_s = time.perf_counter() - start
-    return result
+    return result, step
+
+
+def time_interleaved(
+    steps: dict[str, Callable[[], torch.Tensor]],
+    results: dict[str, Result],
+    args: argparse.Namespace,
+    device: torch.device,
+) -> None:
+    """Time every built variant in ``args.rounds`` rounds, the order reversed every other round.
+
+    A GPU slows as it heats up or reaches its power limit, so a variant timed later in a run can
+    be slower for that alone (on an H200 running GPT-2, ~1 ms of 34 between the first and the last
+    place of a round). Alternating rounds give every variant each place; the median of all its
+    steps is its time, and the spread of its round medians says how much the order moved it.
+    """
+    names = list(steps)
+    for round_index in range(args.rounds):
+        order = names if round_index % 2 == 0 else names[::-1]
+        for name in order:
+            # Two untimed steps after switching variants: caches and clocks settle for this one.
+            times = time_steps(steps[name], device, warmup=2, steps=args.steps)
+            results[name].step_ms += times
+            results[name].round_ms.append(statistics.median(times))
+    for name in names:
+        results[name].median_ms = statistics.median(results[name].step_ms)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -483,6 +541,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--warmup", type=int, default=None, help="untimed steps first (default 3; 1 with --small)"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="timing rounds over all variants, order reversed every other round (default 5; 1 with --small)",
+    )
     parser.add_argument("--batch-size", type=int, default=None, help="override the model's batch size")
     parser.add_argument("--small", action="store_true", help="tiny models: checks the benchmark runs, on CPU")
     parser.add_argument(
@@ -526,20 +590,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.steps = 2 if args.small else 20
     if args.warmup is None:
         args.warmup = 1 if args.small else 3
+    if args.rounds is None:
+        args.rounds = 1 if args.small else 5
+    if args.rounds < 1 or args.steps < 1:
+        parser.error("--rounds and --steps must be at least 1")
     if args.compile_backend is None:
         args.compile_backend = "inductor" if args.device.type == "cuda" else "eager"
     return args
 
 
 @contextlib.contextmanager
-def quiet_compile_warnings() -> Iterator[None]:
-    # Recompile warnings from torch._dynamo would interleave with the table; failures are logged.
-    previous = logging.getLogger("torch._dynamo").level
+def compile_settings(num_variants: int) -> Iterator[None]:
+    """Every compiled variant stays alive until all are timed, and all compile the same function
+    (`make_forward_loss`'s), one Dynamo cache entry each: raise Dynamo's limit of entries per
+    function above the variant count (past it, Dynamo would run the function eagerly, silently).
+    Recompile warnings from torch._dynamo would interleave with the table; failures are logged."""
+    previous_level = logging.getLogger("torch._dynamo").level
+    previous_limit = torch._dynamo.config.recompile_limit
     logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
+    # Two entries per variant: the first step compiles, the second may recompile (grads now exist).
+    torch._dynamo.config.recompile_limit = max(previous_limit, 2 * num_variants + 2)
     try:
         yield
     finally:
-        logging.getLogger("torch._dynamo").setLevel(previous)
+        logging.getLogger("torch._dynamo").setLevel(previous_level)
+        torch._dynamo.config.recompile_limit = previous_limit
 
 
 def benchmark_model(model_name: str, args: argparse.Namespace, deadline: float | None) -> str:
@@ -547,6 +622,9 @@ def benchmark_model(model_name: str, args: argparse.Namespace, deadline: float |
     variants = sorted(args.variants, key=lambda v: RUN_ORDER.index(v.name))
     results: dict[tuple[str, str], Result] = {}
     for mode in args.modes:
+        built: dict[str, Callable[[], torch.Tensor]] = {}
+        mode_results: dict[str, Result] = {}
+        allocate_library_workspaces(args.device)
         for variant in variants:
             if variant.cuda_graph and mode != "eager":
                 continue  # a graph of a compiled model is torch.compile(mode="reduce-overhead")'s job
@@ -556,22 +634,48 @@ def benchmark_model(model_name: str, args: argparse.Namespace, deadline: float |
             if deadline is not None and time.perf_counter() > deadline:
                 results[(variant.name, mode)] = Result(error="skipped: --time-budget spent")
                 continue
-            result = run_variant(model_name, variant, mode, args, args.device)
+            result, step = prepare_variant(model_name, variant, mode, args, args.device)
             results[(variant.name, mode)] = result
-            status = result.error or f"{result.median_ms:.2f} ms/step" + (
+            if step is not None:
+                built[variant.name] = step
+                mode_results[variant.name] = result
+            status = result.error or "built" + (
                 f", peak {result.peak_gib:.2f} GiB" if result.peak_gib is not None else ""
             )
             line = f"  {model_name} {mode:7s} {variant.name:18s} {status} ({result.setup_s:.0f} s)"
             print(line, flush=True)
-            if result.profile:
-                print(result.profile, flush=True)
+        time_interleaved(built, mode_results, args, args.device)
+        for name, result in mode_results.items():
+            print(
+                f"  {model_name} {mode:7s} {name:18s} {result.median_ms:.2f} ms/step "
+                f"(rounds {', '.join(f'{ms:.2f}' for ms in result.round_ms)})",
+                flush=True,
+            )
+            if args.profile:
+                print(profile_steps(built[name], args.device, args.profile), flush=True)
+        built.clear()  # frees the models, optimizer states and compiled graphs of this mode
+        release_memory(args.device)
     ordered = list(args.variants)
     title = (
         f"Training step: {workload_description(model_name, args.small, args.batch_size)} - "
         f"{environment_line(args.device, args.compile_backend)}"
     )
     # The targets are about the full-size models on a GPU; a --small run only checks the code.
-    return format_table(model_name, ordered, args.modes, results, title, check_targets=not args.small)
+    table = format_table(model_name, ordered, args.modes, results, title, check_targets=not args.small)
+    return table + "\n" + timing_note(results, args) + "\n"
+
+
+def timing_note(results: dict[tuple[str, str], Result], args: argparse.Namespace) -> str:
+    """How the times were taken, and the largest effect of the order within a round."""
+    note = (
+        f"Each time: median of {args.rounds} round(s) x {args.steps} steps after warm-up, all variants "
+        "of a mode built first, then timed in turn, the order reversed every other round."
+    )
+    spreads = [(r.round_spread, name, mode) for (name, mode), r in results.items() if r.round_ms]
+    if args.rounds > 1 and spreads:
+        spread, name, mode = max(spreads)
+        note += f" Largest spread of a variant's round medians: {spread:.1%} ({name}, {mode})."
+    return note
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -584,7 +688,7 @@ def main(argv: list[str] | None = None) -> None:
     deadline = None if args.time_budget is None else time.perf_counter() + args.time_budget
     models = ["gpt", "resnet50"] if args.model == "all" else [args.model]
     tables = []
-    with quiet_compile_warnings():
+    with compile_settings(len(args.variants)):
         for model_name in models:
             print(
                 f"{model_name}: {args.steps} timed steps after {args.warmup} warm-up, {args.device}",
