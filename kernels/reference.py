@@ -99,6 +99,7 @@ __all__ = [
     "adam_step_",
     "sgd_step_",
     "advance_step_",
+    "update_loss_scale_",
     "cross_entropy_forward",
     "cross_entropy_backward",
     "cross_entropy_forward_with_grad",
@@ -337,6 +338,167 @@ def advance_step_(step: Tensor, found_inf: Tensor | None) -> None:
         step.add_(1.0)
     else:
         step.add_((found_inf.reshape(()) <= 0).to(step.dtype))
+
+
+# The scale and its bounds are float32: a bound is compared after rounding to float32 (as
+# torch.clamp does), so a bound beyond float32's range has no float32 value to round to.
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def check_scale_bound(name: str, value: float | None) -> None:
+    """Raise ValueError for a min/max scale that is not None nor a positive float32-representable number."""
+    if value is not None and not 0.0 < value <= FLOAT32_MAX:
+        raise ValueError(
+            f"{name} must be None or in (0, {FLOAT32_MAX:.4e}] (the scale is a float32 tensor), got {value}"
+        )
+
+
+def check_loss_scale_arguments(
+    scale: Tensor,
+    growth_tracker: Tensor,
+    hysteresis_tracker: Tensor,
+    found_infs: Sequence[Tensor],
+    inv_scale_out: Tensor | None,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+    min_scale: float | None,
+    max_scale: float | None,
+) -> None:
+    """Validate the arguments of ``update_loss_scale_`` (metadata and Python numbers only, no host sync)."""
+    if not isinstance(scale, Tensor):
+        raise TypeError(f"scale must be a float32 tensor of one element, got {type(scale).__name__}")
+    device = scale.device
+    state = [("scale", scale, torch.float32), ("inv_scale_out", inv_scale_out, torch.float32)]
+    state += [
+        ("growth_tracker", growth_tracker, torch.int32),
+        ("hysteresis_tracker", hysteresis_tracker, torch.int32),
+    ]
+    if not isinstance(found_infs, (list, tuple)) or len(found_infs) == 0:
+        raise TypeError(
+            "found_infs must be a non-empty list of float32 one-element tensors (the overflow flags)"
+        )
+    state += [(f"found_infs[{i}]", f, torch.float32) for i, f in enumerate(found_infs)]
+    for name, tensor, dtype in state:
+        if tensor is None and name == "inv_scale_out":
+            continue
+        if not isinstance(tensor, Tensor) or tensor.dtype != dtype or tensor.numel() != 1:
+            got = f"{tensor.dtype} with {tensor.numel()} elements" if isinstance(tensor, Tensor) else tensor
+            raise ValueError(f"{name} must be a {dtype} tensor of one element, got {got}")
+        if tensor.device != device:
+            raise ValueError(
+                f"{name} is on {tensor.device} but scale is on {device}; move it with .to({device})"
+            )
+    for name, value in (("growth_factor", growth_factor), ("backoff_factor", backoff_factor)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a Python float, got {value!r}")
+    check_range("growth_factor", growth_factor, 1.0, float("inf"))
+    check_range("backoff_factor", backoff_factor, 0.0, 1.0)
+    for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**31 - 1:
+            raise ValueError(
+                f"{name} must be an int in [1, 2**31 - 1] (the trackers are int32), got {value!r}"
+            )
+    check_scale_bound("min_scale", min_scale)
+    check_scale_bound("max_scale", max_scale)
+
+
+@torch.no_grad()
+def update_loss_scale_(
+    scale: Tensor,
+    growth_tracker: Tensor,
+    hysteresis_tracker: Tensor,
+    found_infs: Sequence[Tensor],
+    *,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+    min_scale: float | None = None,
+    max_scale: float | None = None,
+    inv_scale_out: Tensor | None = None,
+    zero_found_infs: bool = False,
+) -> None:
+    """One step of the dynamic loss-scale rule (`amp_fx.LossScaler`'s), in place on device tensors.
+
+    ``scale`` (float32), ``growth_tracker`` and ``hysteresis_tracker`` (int32) are one-element
+    tensors; ``found_infs`` are float32 one-element overflow flags, summed: this step overflowed
+    when the sum is > 0. Then::
+
+        overflow:  hysteresis_tracker = max(hysteresis_tracker - 1, 0); growth_tracker = 0
+                   if hysteresis_tracker == 0:
+                       scale = max(fp32(fp64(scale) * backoff_factor), min_scale)
+        clean:     hysteresis_tracker = hysteresis; growth_tracker += 1
+                   if growth_tracker >= growth_interval:
+                       growth_tracker = 0
+                       grown = fp32(fp64(scale) * growth_factor)
+                       scale = min(grown, max_scale) if grown is finite else scale
+
+    (torch._amp_update_scale_'s products in fp64 rounded once to fp32; never grown to inf; the
+    bounds rounded to fp32, as torch.clamp does.) ``inv_scale_out``, if given, receives
+    ``fp32(1 / fp64(new scale))`` (exact for any float32 scale that is a power of two, as
+    GradScaler's unscale computes it). ``zero_found_infs=True`` sets every flag to 0 after
+    reading it, so persistent flags are ready for the next step without a fill of their own.
+
+    Example:
+        >>> scale = torch.tensor(1024.0)
+        >>> growth, hyst = torch.tensor(0, dtype=torch.int32), torch.tensor(1, dtype=torch.int32)
+        >>> update_loss_scale_(scale, growth, hyst, [torch.ones(1)], growth_factor=2.0, backoff_factor=0.5,
+        ...                    growth_interval=2000, hysteresis=1)
+        >>> scale
+        tensor(512.)
+    """
+    check_loss_scale_arguments(
+        scale,
+        growth_tracker,
+        hysteresis_tracker,
+        found_infs,
+        inv_scale_out,
+        growth_factor,
+        backoff_factor,
+        growth_interval,
+        hysteresis,
+        min_scale,
+        max_scale,
+    )
+    flags = [f.reshape(()) for f in found_infs]
+    found_inf = flags[0] if len(flags) == 1 else torch.stack(flags).sum()
+    old_scale = scale.reshape(())
+    overflow = found_inf > 0
+    new_hysteresis = torch.where(overflow, (hysteresis_tracker.reshape(()) - 1).clamp(min=0), hysteresis)
+    back_off = overflow & (new_hysteresis == 0)
+    successful = growth_tracker.reshape(()) + 1
+    grow = ~overflow & (successful >= growth_interval)
+    new_growth_tracker = torch.where(overflow | grow, 0, successful)
+    # The factor products in fp64, rounded once to fp32: what torch._amp_update_scale_ computes.
+    wide = old_scale.double()
+    backed_off = (wide * backoff_factor).float()
+    if min_scale is not None:
+        backed_off = backed_off.clamp(min=min_scale)
+    grown = (wide * growth_factor).float()
+    grown = torch.where(torch.isfinite(grown), grown, old_scale)  # as GradScaler: never grow to inf
+    if max_scale is not None:
+        grown = grown.clamp(max=max_scale)
+    scale.copy_(torch.where(back_off, backed_off, torch.where(grow, grown, old_scale)))
+    growth_tracker.copy_(new_growth_tracker)
+    hysteresis_tracker.copy_(new_hysteresis)
+    if inv_scale_out is not None:
+        reciprocal_scale_(inv_scale_out, scale)
+    if zero_found_infs:
+        torch._foreach_zero_(list(found_infs))
+
+
+@torch.no_grad()
+def reciprocal_scale_(out: Tensor, scale: Tensor) -> None:
+    """``out = fp32(1 / fp64(scale))``: GradScaler's reciprocal, in fp64 so that it is exact for any
+    float32 power of two (a float32 reciprocal of 2^-127 or below would overflow or flush).
+
+    Example:
+        >>> out = torch.empty(()); reciprocal_scale_(out, torch.tensor(1024.0)); out
+        tensor(0.0010)
+    """
+    out.copy_(scale.double().reciprocal().float().reshape(out.shape))
 
 
 def check_cross_entropy_arguments(
