@@ -48,11 +48,16 @@ import torch
 from torch import Tensor
 
 from amp_fx.distributed import agree_on_overflow_
+from amp_fx.kernels import implementation_for
+from amp_fx.kernels.reference import check_scale_bound, reciprocal_scale_
 from amp_fx.optim._fused_base import is_fused_optimizer
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LossScaler"]
+
+
+_INT32_MAX = 2**31 - 1
 
 
 class _Stage(enum.Enum):
@@ -102,11 +107,15 @@ def _check_config(
         raise ValueError(f"growth_interval must be >= 1, got {growth_interval}")
     if hysteresis < 1:
         raise ValueError(f"hysteresis must be >= 1 (1 backs off at the first overflow), got {hysteresis}")
+    for name, count in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
+        if count > _INT32_MAX:
+            raise ValueError(f"{name} must be <= 2**31 - 1 (its tracker is an int32 tensor), got {count}")
     for name, bound in (("min_scale", min_scale), ("max_scale", max_scale)):
         if bound is not None:
             _check_number(name, bound)
             if bound <= 0:
                 raise ValueError(f"{name} must be > 0 or None, got {bound}")
+            check_scale_bound(name, bound)
     low = min_scale if min_scale is not None else 0.0
     high = max_scale if max_scale is not None else math.inf
     if low > high:
@@ -133,7 +142,9 @@ class LossScaler:
     only when the scale grows; with ``hysteresis=1`` all of these, and GradScaler, agree.)
 
     The scale (float32), growth tracker and hysteresis tracker (int32) are 0-dim tensors created
-    on the device of the first scaled loss; ``update`` changes them with device ops only.
+    on the device of the first scaled loss; ``update`` changes them in one kernel launch
+    (`amp_fx.kernels` ``update_loss_scale_``: Triton on CUDA, its torch reference elsewhere),
+    which also leaves ``1 / scale`` ready for the next ``unscale_``.
     ``enabled=False`` turns every method into a pass-through (bf16 training needs no scaling).
 
     Args:
@@ -192,6 +203,8 @@ class LossScaler:
         self._scale: Tensor | None = None
         self._growth_tracker: Tensor | None = None
         self._hysteresis_tracker: Tensor | None = None
+        # 1 / scale, kept current by every write of the scale, so unscale_ launches nothing for it.
+        self._inv_scale: Tensor | None = None
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
 
     # ----------------------------------------------------------------------------------------
@@ -203,6 +216,8 @@ class LossScaler:
         self._hysteresis_tracker = torch.full(
             (), self._init_hysteresis_tracker, dtype=torch.int32, device=device
         )
+        self._inv_scale = torch.empty((), dtype=torch.float32, device=device)
+        reciprocal_scale_(self._inv_scale, self._scale)
 
     def _require_state(self, method: str) -> Tensor:
         if self._scale is None:
@@ -271,8 +286,8 @@ class LossScaler:
             raise RuntimeError(
                 "unscale_() is being called after step(); call it between backward() and step()"
             )
-        # As GradScaler: the reciprocal in fp64, so 1/scale is exact for any float32 scale.
-        inv_scale = scale.double().reciprocal().float()
+        # GradScaler's fp64 reciprocal, written by the last update (or scale change); read-only here.
+        inv_scale = self._inv_scale
         if is_fused_optimizer(optimizer):
             found_infs = optimizer._amp_unscale_(inv_scale)
         else:
@@ -398,11 +413,12 @@ class LossScaler:
         if not self._enabled:
             return
         scale = self._require_state("update")
+        found_infs: list[Tensor] = []
         if new_scale is not None:
             self._set_scale(new_scale)
         else:
             found_infs = [
-                found_inf.to(scale.device, non_blocking=True).reshape(())
+                found_inf.to(scale.device, non_blocking=True)
                 for state in self._per_optimizer_states.values()
                 for found_inf in state["found_inf_per_device"].values()
             ]
@@ -411,10 +427,12 @@ class LossScaler:
                     "no inf checks were recorded before update(); call scaler.step(optimizer) (or "
                     "scaler.unscale_(optimizer)) first in each iteration"
                 )
-            found_inf = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).sum()
-            self._update_scale(found_inf)
+            # The kernel zeroes the flags it read: the fused optimizers' flags are persistent
+            # buffers, which their next unscale_ then reuses without a fill of its own.
+            self._update_scale(found_infs, zero_found_infs=True)
         for state in self._per_optimizer_states.values():
             if is_fused_optimizer(state["optimizer"]):
+                state["optimizer"]._amp_found_infs_zeroed(found_infs)
                 state["optimizer"]._amp_clear_pending()
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
 
@@ -430,32 +448,27 @@ class LossScaler:
             if new_scale <= 0:
                 raise ValueError(f"new_scale must be > 0, got {new_scale}")
             self._scale.fill_(float(new_scale))
+        reciprocal_scale_(self._inv_scale, self._scale)
 
-    def _update_scale(self, found_inf: Tensor) -> None:
-        """The scale rule (class docstring) as device ops on the 0-dim state tensors."""
-        scale, growth_tracker, hysteresis_tracker = (
+    def _update_scale(self, found_infs: Tensor | list[Tensor], zero_found_infs: bool = False) -> None:
+        """The scale rule (class docstring) from overflow flags on the scale's device (summed), in one
+        kernel launch; also writes ``1 / scale`` for the next unscale_. ``zero_found_infs`` zeroes
+        the flags after reading them. (amp_fx.amp's Apex scaler calls this with one flag.)"""
+        flags = [found_infs] if isinstance(found_infs, Tensor) else found_infs
+        implementation_for([self._scale]).update_loss_scale_(
             self._scale,
             self._growth_tracker,
             self._hysteresis_tracker,
+            [flag.float() for flag in flags],
+            growth_factor=self._growth_factor,
+            backoff_factor=self._backoff_factor,
+            growth_interval=self._growth_interval,
+            hysteresis=self._hysteresis,
+            min_scale=self._min_scale,
+            max_scale=self._max_scale,
+            inv_scale_out=self._inv_scale,
+            zero_found_infs=zero_found_infs,
         )
-        overflow = found_inf > 0
-        new_hysteresis = torch.where(overflow, (hysteresis_tracker - 1).clamp(min=0), self._hysteresis)
-        back_off = overflow & (new_hysteresis == 0)
-        successful = growth_tracker + 1
-        grow = ~overflow & (successful >= self._growth_interval)
-        new_growth_tracker = torch.where(overflow | grow, 0, successful)
-        # factor products in fp64, rounded once to fp32: what torch._amp_update_scale_ computes.
-        wide = scale.double()
-        backed_off = (wide * self._backoff_factor).float()
-        if self._min_scale is not None:
-            backed_off = backed_off.clamp(min=self._min_scale)
-        grown = (wide * self._growth_factor).float()
-        grown = torch.where(torch.isfinite(grown), grown, scale)  # as GradScaler: never grow to inf
-        if self._max_scale is not None:
-            grown = grown.clamp(max=self._max_scale)
-        scale.copy_(torch.where(back_off, backed_off, torch.where(grow, grown, scale)))
-        growth_tracker.copy_(new_growth_tracker)
-        hysteresis_tracker.copy_(new_hysteresis)
 
     # ----------------------------------------------------------------------------------------
     # Getters and setters (GradScaler's)
@@ -646,6 +659,7 @@ class LossScaler:
             self._scale.fill_(self._init_scale)
             self._growth_tracker.fill_(self._init_growth_tracker)
             self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
+            reciprocal_scale_(self._inv_scale, self._scale)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -659,10 +673,12 @@ class LossScaler:
             state["_init_growth_tracker"] = self._get_growth_tracker()
             state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
             state["_scale"] = state["_growth_tracker"] = state["_hysteresis_tracker"] = None
+            state["_inv_scale"] = None
         state["_per_optimizer_states"] = {}
         state["_process_group"] = None  # process groups do not pickle: a copy agrees over the default group
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_inv_scale", None)  # pickled by a version without it (no device state)
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)

@@ -311,3 +311,106 @@ def test_update_with_a_new_scale() -> None:
     assert scaler.get_scale() == 16.0
     with pytest.raises(ValueError):
         scaler.update(new_scale=-1.0)
+
+
+def _pending_multiplier(optimizer) -> float:
+    return optimizer._amp_pending(torch.device("cpu"))[0].item()
+
+
+def _exact_inverse(scale: float) -> float:
+    return torch.tensor(scale).double().reciprocal().float().item()
+
+
+def test_unscale_applies_the_inverse_of_the_current_scale_after_every_kind_of_change() -> None:
+    # 1 / scale is kept by the update kernel and by every other write of the scale, not recomputed.
+    params = [_param(torch.float16)]
+    optimizer = FusedSGD(params, lr=1e-3)
+    scaler = LossScaler(init_scale=3.0, growth_interval=1, backoff_factor=0.3, growth_factor=1.1)
+
+    def set_scale() -> None:
+        _iteration(scaler, optimizer, params, overflow=False)
+        scaler.update(new_scale=7.0)
+
+    changes = [
+        lambda: _iteration(scaler, optimizer, params, overflow=False),  # grows
+        lambda: _iteration(scaler, optimizer, params, overflow=True),  # backs off
+        set_scale,
+        lambda: scaler.load_state_dict({**scaler.state_dict(), "scale": 5.0}),
+    ]
+    scales = []
+    for change in [lambda: None, *changes]:
+        change()
+        scaler.scale(torch.zeros(()))
+        params[0].grad = torch.ones_like(params[0])
+        scaler.unscale_(optimizer)
+        assert _pending_multiplier(optimizer) == _exact_inverse(scaler.get_scale())
+        scales.append(scaler.get_scale())
+        scaler.step(optimizer)
+        scaler.update()
+    assert scales[3:] == [7.0, 5.0]
+
+
+def test_scale_sequence_is_the_same_on_the_triton_kernel(device, monkeypatch) -> None:
+    pattern = "OO.OOOO....OO.O...."
+    runs = []
+    for force in ("0", "1"):
+        monkeypatch.setenv("AMP_FX_FORCE_TRITON", force)
+        params = [torch.nn.Parameter(torch.ones(3, device=device))]
+        optimizer = FusedAdam(params, lr=1e-3)
+        scaler = LossScaler(init_scale=2.0**14, hysteresis=2, growth_interval=3, backoff_factor=0.3)
+        states = []
+        for mark in pattern:
+            scaler.scale(torch.zeros((), device=device))
+            params[0].grad = torch.full_like(params[0], float("inf") if mark == "O" else 1.0)
+            scaler.step(optimizer)
+            scaler.update()
+            states.append(
+                (scaler.get_scale(), scaler._get_growth_tracker(), scaler._get_hysteresis_tracker())
+            )
+        runs.append(states)
+    assert runs[0] == runs[1]
+    assert len({scale for scale, _, _ in runs[0]}) > 3
+
+
+def test_overflow_flags_are_reused_and_start_every_step_at_zero() -> None:
+    params = [_param(torch.float16), _param()]
+    optimizer = FusedAdam(params, lr=1e-3)
+    scaler = LossScaler(init_scale=64.0)
+    _iteration(scaler, optimizer, params, overflow=True)
+    flag = optimizer._found_inf_buffers[torch.device("cpu")]
+    assert flag.item() == 0.0  # zeroed by the update that read it
+    steps = optimizer.param_groups[0]["step"].item()
+    _iteration(scaler, optimizer, params, overflow=False)
+    assert optimizer._found_inf_buffers[torch.device("cpu")] is flag
+    assert optimizer.param_groups[0]["step"].item() == steps + 1  # the old overflow did not stick
+    # An overflowing iteration ended by update(new_scale) leaves its flag set; the next one clears it.
+    scaler.scale(torch.zeros(()))
+    params[0].grad = torch.full_like(params[0], float("inf"))
+    params[1].grad = torch.ones_like(params[1])
+    scaler.step(optimizer)
+    scaler.update(new_scale=32.0)
+    assert flag.item() == 1.0
+    _iteration(scaler, optimizer, params, overflow=False)
+    assert optimizer.param_groups[0]["step"].item() == steps + 2
+    assert scaler.get_scale() == 32.0
+
+
+def test_update_reads_the_flags_of_several_optimizers() -> None:
+    first, second = [_param(torch.float16)], [_param()]
+    optimizers = [FusedAdam(first, lr=1e-3), torch.optim.SGD(second, lr=1e-3)]
+    scaler = LossScaler(init_scale=64.0, growth_interval=2)
+    for overflow_in, expected in ((None, 64.0), (None, 128.0), (1, 64.0), (0, 32.0), (None, 32.0)):
+        scaler.scale(torch.zeros(()))
+        for i, params in enumerate((first, second)):
+            params[0].grad = torch.full_like(params[0], float("inf") if overflow_in == i else 1.0)
+        for optimizer in optimizers:
+            scaler.step(optimizer)
+        scaler.update()
+        assert scaler.get_scale() == expected
+
+
+def test_bounds_and_counts_beyond_the_state_dtypes_are_refused() -> None:
+    with pytest.raises(ValueError, match="float32"):
+        LossScaler(max_scale=1e39)
+    with pytest.raises(ValueError, match="int32"):
+        LossScaler(growth_interval=2**31)

@@ -129,6 +129,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
         self._reset_pending()
+        self._reset_found_inf_buffers()
         super().__init__(params, defaults)
 
     # ----------------------------------------------------------------------------------------
@@ -139,6 +140,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         # torch.optim.Optimizer.__getstate__ keeps only defaults/state/param_groups (deepcopy, pickle).
         if "_pending_multipliers" not in self.__dict__:
             self._reset_pending()
+        if "_found_inf_buffers" not in self.__dict__:
+            self._reset_found_inf_buffers()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (torch semantics); creates FP32 masters, moments and a step counter for it.
@@ -217,6 +220,32 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._pending_multipliers: dict[torch.device, Tensor] = {}
         self._pending_found_infs: dict[torch.device, Tensor] = {}
 
+    def _reset_found_inf_buffers(self) -> None:
+        # One persistent overflow flag per device, so that a step allocates and fills none: the
+        # LossScaler's update kernel zeroes it after reading it and says so (_amp_found_infs_zeroed).
+        self._found_inf_buffers: dict[torch.device, Tensor] = {}
+        self._zeroed_found_infs: set[torch.device] = set()
+
+    def _found_inf_buffer(self, device: torch.device) -> Tensor:
+        """This step's overflow flag on ``device`` (float32, shape (1,)), holding 0.
+
+        Zeroed here only when nothing is known to have zeroed it since it was last handed out (the
+        first step, an update(new_scale), amp_fx.amp's scaler, a step abandoned half-way).
+        """
+        buffer = self._found_inf_buffers.get(device)
+        if buffer is None:
+            buffer = self._found_inf_buffers[device] = torch.zeros(1, dtype=torch.float32, device=device)
+        elif device not in self._zeroed_found_infs:
+            buffer.zero_()
+        self._zeroed_found_infs.discard(device)
+        return buffer
+
+    def _amp_found_infs_zeroed(self, zeroed: Sequence[Tensor]) -> None:
+        """Record that the flags in ``zeroed`` were set to 0 on the device (by LossScaler.update)."""
+        for device, buffer in self._found_inf_buffers.items():
+            if any(flag is buffer for flag in zeroed):
+                self._zeroed_found_infs.add(device)
+
     def _amp_grads_by_device(self) -> dict[torch.device, list[Tensor]]:
         """The grads of all params that have one, per device."""
         grads: dict[torch.device, list[Tensor]] = defaultdict(list)
@@ -230,11 +259,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Record ``inv_scale`` as the pending grad multiplier and check the grads for inf/NaN.
 
         The grads are not modified. Returns the found_inf tensor (float32, shape (1,)) per device;
-        the next ``step`` skips the update on the device when one of them is > 0.
+        the next ``step`` skips the update on the device when one of them is > 0. These tensors
+        are the optimizer's persistent flags: the next call reuses (and rewrites) them.
         """
         self._reset_pending()
         for device, grads in self._amp_grads_by_device().items():
-            found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+            found_inf = self._found_inf_buffer(device)
             implementation_for(grads).check_finite_and_norm_(grads, found_inf)
             self._pending_found_infs[device] = found_inf
             self._pending_multipliers[device] = inv_scale.to(device, non_blocking=True).reshape(1)

@@ -78,3 +78,20 @@ def test_unscale_leaves_fp16_grads_untouched(problem, bits_equal_fn) -> None:
     scaler.unscale_(optimizer)
     for param, grad in zip(case.params, grads, strict=True):
         assert bits_equal_fn(param.grad, grad)
+
+
+def test_overflow_flag_is_cleared_before_every_check_nobody_cleared_it_for(problem) -> None:
+    # The flag is one persistent tensor per device. Without a LossScaler.update in between (the
+    # Apex-style amp_fx.amp path calls _amp_unscale_ once per backward), each check must start at 0.
+    case = problem(DTYPES)
+    optimizer = FusedSGD(case.params, lr=0.05)
+    case.next_grads()
+    case.params[1].grad.view(-1)[0] = float("nan")
+    (first,) = optimizer._amp_unscale_(torch.ones(())).values()
+    assert first.item() == 1.0
+    case.next_grads()
+    (second,) = optimizer._amp_unscale_(torch.ones(())).values()
+    assert second is first and second.item() == 0.0
+    steps = optimizer.param_groups[0]["step"].clone()
+    optimizer.step()
+    assert optimizer.param_groups[0]["step"].item() == steps.item() + 1
