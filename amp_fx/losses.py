@@ -16,12 +16,12 @@ implementations and autograd, so the loss works under autograd and compiles unde
 ``torch.compile(fullgraph=True)`` without graph breaks. They run the Triton kernels on CUDA tensors
 and the pure-torch reference elsewhere (``amp_fx.kernels.implementation_for``).
 
-`linear_cross_entropy` goes one step further for logits made by a linear layer: its forward
-computes the loss and writes the unscaled gradient softmax - onehot over the logits in the same
-kernel (``cross_entropy_forward_with_grad``), so the backward is only matmuls on that saved
-gradient; the custom op ``amp_fx::linear_cross_entropy_rows`` (input, weight, bias, target,
-ignore_index) -> (losses, grad_rows) serves torch.compile and other tracers, an autograd Function
-plain eager calls.
+`linear_cross_entropy` goes one step further for logits made by a linear layer, under
+torch.compile: the custom op ``amp_fx::linear_cross_entropy_rows`` (input, weight, bias, target,
+ignore_index) -> (losses, grad_rows) computes the loss and writes the unscaled gradient softmax -
+onehot over the logits in the same kernel (``cross_entropy_forward_with_grad``), so the backward
+is only matmuls on that saved gradient. Plain eager calls run the linear layer and
+`fp32_cross_entropy`, which measured faster there.
 
 One difference from torch: a class index outside [0, C) that is not ``ignore_index`` makes that
 row's loss (and so a mean or sum) NaN instead of raising, since checking it would need a host
@@ -349,7 +349,8 @@ def _linear_setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> 
 def _linear_backward(ctx, grad_losses: Tensor, grad_grad_rows: Tensor | None) -> tuple:
     input, weight, grad_rows = ctx.saved_tensors
     # Plain torch math on every path: under torch.compile Inductor fuses the scalings into the
-    # matmuls' neighbours; eager it is two or three cuBLAS calls and small elementwise passes.
+    # matmuls' neighbours; run eagerly (the op called directly) it is two or three cuBLAS calls and
+    # small elementwise passes.
     grads = linear_cross_entropy_grads(
         grad_losses, grad_rows, input, weight, ctx.bias_dtype, tuple(ctx.needs_input_grad[:3])
     )
@@ -357,30 +358,6 @@ def _linear_backward(ctx, grad_losses: Tensor, grad_grad_rows: Tensor | None) ->
 
 
 linear_cross_entropy_rows.register_autograd(_linear_backward, setup_context=_linear_setup_context)
-
-
-class _LinearCrossEntropy(torch.autograd.Function):
-    """The eager path: the linear layer and the kernel function called directly, without the custom
-    op's dispatch; the same backward."""
-
-    @staticmethod
-    def forward(
-        ctx, input: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, ignore_index: int, kernels
-    ):
-        logits = F.linear(input, weight, bias).contiguous()
-        losses = kernels.cross_entropy_forward_with_grad(logits, target, ignore_index)
-        ctx.save_for_backward(input, weight, logits)
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return losses
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_losses: Tensor) -> tuple:
-        input, weight, grad_rows = ctx.saved_tensors
-        grads = linear_cross_entropy_grads(
-            grad_losses, grad_rows, input, weight, ctx.bias_dtype, tuple(ctx.needs_input_grad[:3])
-        )
-        return (*grads, None, None, None)
 
 
 def _linear_runs_fused(
@@ -447,16 +424,19 @@ def linear_cross_entropy(
 
     Fused when input, weight (V, d) and bias (V,) share one dtype (fp16, bf16 or fp32) and device,
     target holds int64 class indices of shape input.shape[:-1], with no class_weight, no
-    label_smoothing and reduction "mean", "sum" or "none". The forward runs the matmul (torch's)
-    and one kernel that computes each row's loss and writes the gradient for an upstream gradient
-    of 1, softmax - onehot, rounded once to the input's dtype, over the logits
-    (`amp_fx.kernels.reference.cross_entropy_forward_with_grad`). The backward never reads the
+    label_smoothing and reduction "mean", "sum" or "none". Under torch.compile (or another tracer)
+    a fused call is one op, `linear_cross_entropy_rows`: the matmul (torch's) and one kernel that
+    computes each row's loss and writes the gradient for an upstream gradient of 1, softmax -
+    onehot, rounded once to the input's dtype, over the logits
+    (`amp_fx.kernels.reference.cross_entropy_forward_with_grad`). Its backward never reads the
     (rows, V) tensor elementwise: it multiplies it into the matmuls' gradients and applies the
     real upstream gradient to their outputs (`linear_cross_entropy_grads` says how, and why
     grad_weight cannot overflow where the unfused path does not). Against the unfused path the
     [rows, V] backward pass (a read of the logits and a write of their gradient) is gone, and no
     second logits-sized buffer is ever allocated. The gradients differ from it by the rounding of
-    G instead of r * G: the same number of roundings.
+    G instead of r * G: the same number of roundings. Eagerly, a fused call is the linear layer and
+    `fp32_cross_entropy` with ``grad_into_input=True`` (one loss kernel each way, the gradient
+    written over the logits), which measured faster than the op there.
 
     Any other call returns exactly the torch expression above (and its errors). Unlike torch, a
     fused call does not raise for a target outside [0, C) that is not ignore_index: that row's loss
@@ -502,9 +482,15 @@ def linear_cross_entropy(
     rows_target = target.reshape(-1)
     if torch.compiler.is_compiling() or not is_eager(input):
         losses, _ = linear_cross_entropy_rows(rows_input, weight, bias, rows_target, ignore_index)
-    else:
-        from amp_fx.kernels import implementation_for
-
-        kernels = implementation_for([input])
-        losses = _LinearCrossEntropy.apply(rows_input, weight, bias, rows_target, ignore_index, kernels)
-    return _reduce(losses, target, ignore_index, reduction)
+        return _reduce(losses, target, ignore_index, reduction)
+    # Eagerly: the linear layer, then the fused loss whose backward writes the gradient over the
+    # logits (nothing else reads them). On an H200 that is 0.2 ms faster per GPT-2 step than the
+    # op above, whose backward matmuls have float32 outputs to scale (BENCHMARKS.md, linear head).
+    loss = fp32_cross_entropy(
+        F.linear(rows_input, weight, bias),
+        rows_target,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        grad_into_input=True,
+    )
+    return loss.reshape(target.shape) if reduction == "none" else loss

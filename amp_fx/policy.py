@@ -396,10 +396,11 @@ class Policy:
     ``fused_losses`` (default True at O2 only): an FP32 cross_entropy whose input is a cast of
     low-precision logits reads them directly (`amp_fx.losses.fp32_cross_entropy`): the same fp32
     math without a float32 copy of the logits. O1 leaves it off to stay bit-identical to autocast.
-    ``fused_linear_loss`` (default False; needs ``fused_losses``): such a loss whose logits come,
-    through row-keeping views only, from a linear layer nothing else reads runs with that layer as
-    one call (`amp_fx.losses.linear_cross_entropy`: the gradient is computed in the loss's forward
-    kernel, the backward is matmuls only). Off until measured faster on a GPU.
+    ``fused_linear_loss`` (default True at O2 on CUDA; needs ``fused_losses``): such a loss whose
+    logits come, through row-keeping views only, from a linear layer nothing else reads runs with
+    that layer as one call (`amp_fx.losses.linear_cross_entropy`: under torch.compile the gradient
+    is computed in the loss's forward kernel and the backward is matmuls only; eagerly the two
+    calls run as before, which measured faster there).
     ``fused_batch_norm`` (default True at O2 on CUDA): BatchNorm2d followed by ReLU (or by a residual
     add and ReLU) runs as one call (`amp_fx.fused_batch_norm.FusedBatchNormAct`) when its input is
     large. ``fused_max_pool`` (default True at O2 on CUDA): large 2-D max-pools run through
@@ -692,14 +693,14 @@ def preset(
     fused_losses: bool | None = None,
     fused_batch_norm: bool | None = None,
     fused_max_pool: bool | None = None,
-    fused_linear_loss: bool = False,
+    fused_linear_loss: bool | None = None,
 ) -> Policy:
     """The policy for an Apex opt level on a device type; see `Policy` for the table.
 
     `keep_batchnorm_fp32` defaults to True for O2 and False otherwise (Apex also accepts the strings
     "True"/"False"); `cast_model_outputs` defaults to float32 for O2/O3 (losses computed in fp32, as
     in Apex) and None (outputs as computed) for O0/O1; `fused_losses` defaults to True for O2 only,
-    `fused_batch_norm` and `fused_max_pool` for O2 on CUDA only; `fused_linear_loss` to False.
+    `fused_batch_norm`, `fused_max_pool` and `fused_linear_loss` for O2 on CUDA only.
 
     >>> p = preset("O2", dtype=torch.bfloat16)
     >>> p.cast_parameters, p.keep_batchnorm_fp32, p.cast_model_outputs, p.fused_losses
@@ -724,6 +725,12 @@ def preset(
         if fused_max_pool is None
         else _check_flag("fused_max_pool", fused_max_pool)
     )
+    # Its fused op is for GPUs too; it only acts on losses that fused_losses fused.
+    fused_head = (
+        (level == "O2" and device == "cuda" and fused)
+        if fused_linear_loss is None
+        else _check_flag("fused_linear_loss", fused_linear_loss)
+    )
     if outputs is None and level in ("O2", "O3"):
         outputs = torch.float32
     if level == "O0":
@@ -739,7 +746,7 @@ def preset(
         keep_batchnorm_fp32=keep_bn,
         cast_model_outputs=outputs,
         fused_losses=fused,
-        fused_linear_loss=_check_flag("fused_linear_loss", fused_linear_loss),
+        fused_linear_loss=fused_head,
         fused_batch_norm=fused_bn,
         fused_max_pool=fused_pool,
         op_rules=op_rules,

@@ -7,9 +7,11 @@ scaler does (65536 for fp16, 1 for bf16):
     cast_fp32          F.cross_entropy(F.linear(h, W).float(), t): torch.autocast's loss
     fp32_fused         amp_fx.fp32_cross_entropy(F.linear(h, W), t, grad_into_input=True): O2
                        today (the gradient written over the logits in the loss's backward)
-    linear_fused       amp_fx.losses.linear_cross_entropy(h, W, None, t): the loss's gradient
-                       written in its forward kernel, a backward of two matmuls
-                       (O2 with ``fused_linear_loss=True``)
+    linear_fused       amp_fx.losses.linear_cross_entropy_rows(h, W, None, t, -100), the op that
+                       amp_fx.losses.linear_cross_entropy runs under torch.compile (O2's default
+                       there), called directly in eager mode too: the loss's gradient written in
+                       its forward kernel, a backward of two matmuls. (Eagerly,
+                       linear_cross_entropy itself runs fp32_fused, which measured faster.)
 
 each eager and under ``torch.compile`` (Inductor). Per row: median ms (``triton.testing.do_bench``),
 peak memory of one step above the inputs, and the largest differences from ``cast_fp32`` eager
@@ -27,12 +29,12 @@ import torch
 import torch.nn.functional as F
 
 import amp_fx
-from amp_fx.losses import linear_cross_entropy
+from amp_fx.losses import linear_cross_entropy_rows
 
 VARIANTS = {
     "cast_fp32": lambda h, w, t: F.cross_entropy(F.linear(h, w).float(), t),
     "fp32_fused": lambda h, w, t: amp_fx.fp32_cross_entropy(F.linear(h, w), t, grad_into_input=True),
-    "linear_fused": lambda h, w, t: linear_cross_entropy(h, w, None, t),
+    "linear_fused": lambda h, w, t: linear_cross_entropy_rows(h, w, None, t, -100)[0].mean(),
 }
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 import amp_fx
 from amp_fx.convert import convert
-from amp_fx.losses import fp32_cross_entropy
+from amp_fx.losses import fp32_cross_entropy, linear_cross_entropy
 from amp_fx.node_info import node_info
 from amp_fx.passes.autocast_island import AutocastIsland
 from amp_fx.passes.trace import TraceError
@@ -439,6 +439,8 @@ def _check_received_dtypes(gm: torch.fx.GraphModule, inputs, *, strict_casts: bo
             assert all(d == policy.dtype for d in floating), (node.name, received)
         elif node.target is fp32_cross_entropy:  # an FP32 loss that reads the low-precision logits
             assert received[0] == policy.dtype, (node.name, received)
+        elif node.target is linear_cross_entropy:  # the head's input, weight and bias stay low
+            assert all(d == policy.dtype for d in floating), (node.name, received)
         elif info.rule is Rule.FP32 and not any(isinstance(a, torch.dtype) for a in node.args):
             assert all(d == F32 for d in floating), (node.name, received)
         if info.is_cast and strict_casts:

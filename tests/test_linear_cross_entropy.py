@@ -1,9 +1,13 @@
 """linear_cross_entropy against F.cross_entropy(F.linear(h, W, b).float(), t): the loss and the
 gradients of the input, the weight and the bias, against that float32 path and against float64.
 
-The fused gradients round G = softmax - onehot once to the input's dtype where the unfused path
-rounds r * G once, then both go through the same matmuls: they agree to the matmul tolerances of
-the dtype, and each is as close to float64 as the other.
+linear_cross_entropy has two paths for a fused call: plain eager calls run the linear layer and
+fp32_cross_entropy; tracers (torch.compile) get the op linear_cross_entropy_rows. The op's path is
+run here eagerly too, under a dispatch mode that passes every call through (`op_path`,
+`tests.tracer_path`). Its
+gradients round G = softmax - onehot once to the input's dtype where the unfused path rounds r * G
+once, then both go through the same matmuls: they agree to the matmul tolerances of the dtype, and
+each is as close to float64 as the other.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch.nn.functional as F
 from amp_fx import losses as losses_module
 from amp_fx.losses import linear_cross_entropy, linear_cross_entropy_rows
 from amp_fx.testing import grad_tolerances, tolerances
+from tests.tracer_path import as_traced
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 REDUCTIONS = ["mean", "sum", "none"]
@@ -84,62 +89,71 @@ def assert_close_to(actual, expected, dtype, float64=None) -> None:
         assert ours <= 2 * theirs + unit, (ours, theirs)
 
 
+# linear_cross_entropy as torch.compile runs it (the op linear_cross_entropy_rows), eagerly.
+op_path = as_traced(linear_cross_entropy)
+
+PATHS = {"eager": linear_cross_entropy, "op": op_path}
+
+
 @pytest.fixture
 def fused_calls(monkeypatch) -> list[str]:
-    """Records which fused path each call takes: "eager" (the autograd Function) or "op"."""
+    """Records which fused path each call takes: "eager" (linear + fp32_cross_entropy) or "op"."""
     calls: list[str] = []
-    function = losses_module._LinearCrossEntropy.apply
+    loss, op = losses_module.fp32_cross_entropy, losses_module.linear_cross_entropy_rows
 
-    def counted_apply(*args):
+    def counted_loss(*args, **kwargs):
         calls.append("eager")
-        return function(*args)
+        return loss(*args, **kwargs)
 
     def counted_op(*args):
         calls.append("op")
-        return linear_cross_entropy_rows(*args)
+        return op(*args)
 
-    monkeypatch.setattr(losses_module._LinearCrossEntropy, "apply", counted_apply)
+    monkeypatch.setattr(losses_module, "fp32_cross_entropy", counted_loss)
     monkeypatch.setattr(losses_module, "linear_cross_entropy_rows", counted_op)
     return calls
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_matches_linear_then_fp32_loss(dtype, reduction, fused_calls) -> None:
+def test_matches_linear_then_fp32_loss(path, dtype, reduction, fused_calls) -> None:
     h, w, b, target = make_problem(6, 16, 37, dtype, seed=1)
     target[2] = IGNORE_INDEX
-    ours = loss_and_grads(linear_cross_entropy, h, w, b, target, reduction=reduction)
+    ours = loss_and_grads(PATHS[path], h, w, b, target, reduction=reduction)
     expected = loss_and_grads(torch_path, h, w, b, target, reduction=reduction)
     exact = loss_and_grads(torch_path, h.double(), w.double(), b.double(), target, reduction=reduction)
     assert_close_to(ours, expected, dtype, float64=exact)
-    assert fused_calls == ["eager"]
+    assert fused_calls == [path]
     # An ignored row contributes nothing: its input's gradient is exactly 0.
     assert torch.all(ours[1][0][2] == 0)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_without_bias_and_with_leading_dimensions(dtype, fused_calls) -> None:
+def test_without_bias_and_with_leading_dimensions(path, dtype, fused_calls) -> None:
     h, w, _, target = make_problem(12, 8, 21, dtype, seed=2, bias=False)
     h3, target3 = h.reshape(3, 4, 8), target.reshape(3, 4)
     for reduction in REDUCTIONS:
-        ours = loss_and_grads(linear_cross_entropy, h3, w, None, target3, reduction=reduction)
+        ours = loss_and_grads(PATHS[path], h3, w, None, target3, reduction=reduction)
         expected = loss_and_grads(torch_path, h, w, None, target, reduction=reduction)
         assert ours[0].shape == target3.shape if reduction == "none" else ours[0].dim() == 0
         expected_loss = expected[0].reshape(ours[0].shape)
         expected_grads = [expected[1][0].reshape(3, 4, 8), expected[1][1], None]
         assert_close_to(ours, (expected_loss, expected_grads), dtype)
-    assert fused_calls == ["eager"] * 3
+    assert fused_calls == [path] * 3
 
 
-def test_custom_ignore_index_and_all_rows_ignored(fused_calls) -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_custom_ignore_index_and_all_rows_ignored(path) -> None:
     h, w, b, target = make_problem(4, 8, 9, torch.float16, seed=3)
     target[1] = 0
-    ours = loss_and_grads(linear_cross_entropy, h, w, b, target, ignore_index=0)
+    ours = loss_and_grads(PATHS[path], h, w, b, target, ignore_index=0)
     expected = loss_and_grads(torch_path, h, w, b, target, ignore_index=0)
     assert_close_to(ours, expected, torch.float16)
     everything_ignored = torch.full((4,), IGNORE_INDEX)
     for reduction in REDUCTIONS:
-        loss, grads = loss_and_grads(linear_cross_entropy, h, w, b, everything_ignored, reduction=reduction)
+        loss, grads = loss_and_grads(PATHS[path], h, w, b, everything_ignored, reduction=reduction)
         expected_loss = torch_path(h, w, b, everything_ignored, reduction=reduction)
         torch.testing.assert_close(loss, expected_loss, equal_nan=True)  # a mean of nothing is NaN
         if reduction != "mean":
@@ -156,7 +170,7 @@ def test_large_loss_scale_does_not_overflow_where_torch_does_not() -> None:
     w[3, 0] = w[7, 1] = 2.5  # logit 10 for the target class, 0 for the others
     b = torch.zeros(11, dtype=torch.float16)
     target = torch.tensor([3, 7])
-    ours = loss_and_grads(linear_cross_entropy, h, w, b, target, upstream=65536.0)
+    ours = loss_and_grads(op_path, h, w, b, target, upstream=65536.0)
     expected = loss_and_grads(torch_path, h, w, b, target, upstream=65536.0)
     exact = loss_and_grads(torch_path, h.double(), w.double(), b.double(), target, upstream=65536.0)
     assert all(grad.isfinite().all() for grad in expected[1])
@@ -173,7 +187,7 @@ def test_unscaled_weight_gradient_larger_than_fp16_is_not_computed() -> None:
     w = torch.zeros(3, 2, dtype=torch.float16)
     w[0] = -1.0  # the target class has the smallest logit: softmax - onehot is about -1 there
     target = torch.zeros(num_rows, dtype=torch.int64)
-    ours = loss_and_grads(linear_cross_entropy, h, w, None, target)
+    ours = loss_and_grads(op_path, h, w, None, target)
     expected = loss_and_grads(torch_path, h, w, None, target)
     assert ours[1][1].isfinite().all()
     assert_close_to(ours, expected, torch.float16)
@@ -189,7 +203,7 @@ def test_per_row_upstream_gradients_of_different_sizes() -> None:
         (function(*leaves, target, reduction="none") * weights).sum().backward()
         return [leaf.grad for leaf in leaves]
 
-    ours = weighted(linear_cross_entropy)
+    ours = weighted(op_path)
     expected = weighted(torch_path)
     exact = [g for g in weighted(lambda *a, **k: torch_path(*(x.double() for x in a[:3]), a[3], **k))]
     assert_close_to(
@@ -200,15 +214,16 @@ def test_per_row_upstream_gradients_of_different_sizes() -> None:
 
 def test_all_zero_upstream_gradient_gives_zero_gradients() -> None:
     h, w, b, target = make_problem(3, 8, 5, torch.bfloat16, seed=6)
-    _, grads = loss_and_grads(linear_cross_entropy, h, w, b, target, upstream=0.0)
+    _, grads = loss_and_grads(op_path, h, w, b, target, upstream=0.0)
     assert all(torch.all(grad == 0) for grad in grads)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_no_rows(reduction) -> None:
+def test_no_rows(path, reduction) -> None:
     h, w, b, _ = make_problem(0, 8, 5, torch.float16, seed=16)
     target = torch.zeros(0, dtype=torch.int64)
-    ours = loss_and_grads(linear_cross_entropy, h, w, b, target, reduction=reduction)
+    ours = loss_and_grads(PATHS[path], h, w, b, target, reduction=reduction)
     expected = loss_and_grads(torch_path, h, w, b, target, reduction=reduction)
     torch.testing.assert_close(ours[0], expected[0], equal_nan=True)  # a mean of nothing is NaN
     for grad, expected_grad in zip(ours[1], expected[1], strict=True):
@@ -220,16 +235,17 @@ def test_double_backward_raises() -> None:
     h, w, b, target = make_problem(3, 8, 5, torch.float16, seed=7)
     w.requires_grad_()
     losses, _ = linear_cross_entropy_rows(h, w, b, target, IGNORE_INDEX)  # the op's own autograd
-    for loss in (linear_cross_entropy(h, w, b, target), losses.sum()):
+    for loss in (op_path(h, w, b, target), losses.sum()):
         (grad,) = torch.autograd.grad(loss.square(), w, create_graph=True)
         with pytest.raises(RuntimeError, match="once_differentiable"):
             grad.float().sum().backward()
 
 
-def test_out_of_range_target_is_a_nan_row() -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_out_of_range_target_is_a_nan_row(path) -> None:
     h, w, b, target = make_problem(3, 8, 5, torch.float16, seed=8)
     target[1] = 5
-    loss, grads = loss_and_grads(linear_cross_entropy, h, w, b, target, reduction="none")
+    loss, grads = loss_and_grads(PATHS[path], h, w, b, target, reduction="none")
     assert loss[1].isnan() and loss[[0, 2]].isfinite().all()
     assert grads[0][1].isnan().all() and grads[0][[0, 2]].isfinite().all()
 
@@ -271,12 +287,13 @@ def test_other_calls_are_exactly_the_torch_path(case, fused_calls) -> None:
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1"
 )
-def test_dispatches_to_triton(monkeypatch) -> None:
-    # AMP_FX_FORCE_TRITON=1 runs the Triton kernel on CPU tensors, under the interpreter.
+@pytest.mark.parametrize("path", PATHS)
+def test_dispatches_to_triton(path, monkeypatch) -> None:
+    # AMP_FX_FORCE_TRITON=1 runs the Triton kernels on CPU tensors, under the interpreter.
     monkeypatch.setenv("AMP_FX_FORCE_TRITON", "1")
     h, w, b, target = make_problem(5, 8, 40, torch.bfloat16, seed=10)
     target[3] = IGNORE_INDEX
-    ours = loss_and_grads(linear_cross_entropy, h, w, b, target)
+    ours = loss_and_grads(PATHS[path], h, w, b, target)
     expected = loss_and_grads(torch_path, h, w, b, target)
     assert_close_to(ours, expected, torch.bfloat16)
 
@@ -296,7 +313,8 @@ def test_compiles_without_graph_breaks(reduction) -> None:
     torch._dynamo.reset()
     compiled = torch.compile(loss_fn, backend="aot_eager", fullgraph=True)
     ours = loss_and_grads(compiled, h, w, b, target)
-    expected = loss_and_grads(loss_fn, h, w, b, target)
+    # The compiled function runs the op, as op_path does eagerly: the same kernels, the same bits.
+    expected = loss_and_grads(op_path, h, w, b, target, reduction=reduction)
     assert torch.equal(ours[0], expected[0])
     for grad, expected_grad in zip(ours[1], expected[1], strict=True):
         assert torch.equal(grad, expected_grad)
@@ -341,12 +359,13 @@ def test_opcheck() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpt_sized_head_on_gpu(dtype) -> None:
+def test_gpt_sized_head_on_gpu(path, dtype) -> None:
     h, w, _, target = make_problem(64, 768, 50304, dtype, seed=14, bias=False)
     h, w, target = h.cuda(), w.cuda(), target.cuda()
     target[3] = IGNORE_INDEX
-    ours = loss_and_grads(linear_cross_entropy, h, w, None, target, upstream=1024.0)
+    ours = loss_and_grads(PATHS[path], h, w, None, target, upstream=1024.0)
     expected = loss_and_grads(torch_path, h, w, None, target, upstream=1024.0)
     assert_close_to(ours, expected, dtype)
 

@@ -18,6 +18,7 @@ from amp_fx.node_info import node_info
 from amp_fx.passes.fuse_linear_loss import fuse_linear_loss
 from amp_fx.policy import Policy, preset
 from amp_fx.testing import grad_tolerances, tolerances
+from tests.tracer_path import PassThroughMode
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 VOCAB = 37
@@ -184,8 +185,12 @@ def test_hooked_head_is_left_alone():
     assert calls == [1]
 
 
-def test_off_by_default_and_needs_fused_losses():
-    assert not preset("O2").fused_linear_loss
+def test_on_by_default_at_o2_on_cuda_and_needs_fused_losses():
+    assert preset("O2").fused_linear_loss and preset("O2", torch.bfloat16).fused_linear_loss
+    assert not preset("O1").fused_linear_loss and not preset("O3").fused_linear_loss
+    assert not preset("O2", fused_losses=False).fused_linear_loss
+    # Its fused op runs the pure-torch reference off CUDA: off by default there.
+    assert not preset("O2", device_type="cpu").fused_linear_loss
     assert linear_cross_entropy not in _targets(amp_fx.convert(_seeded(), "O2", dtype=F16, device_type="cpu"))
     gm = _convert(_seeded(), F16, fused=True, fused_losses=False)
     assert linear_cross_entropy not in _targets(gm) and fp32_cross_entropy not in _targets(gm)
@@ -214,7 +219,10 @@ def test_converted_model_compiles_without_graph_breaks():
     torch._dynamo.reset()
     compiled = torch.compile(gm, backend="aot_eager", fullgraph=True)
     loss, grads = _loss_and_grads(compiled, *_batch())
-    expected_loss, expected_grads = _loss_and_grads(gm, *_batch())
+    # The compiled model runs linear_cross_entropy's op, as the converted model does eagerly
+    # under a pass-through dispatch mode: the same kernels, the same bits.
+    with PassThroughMode():
+        expected_loss, expected_grads = _loss_and_grads(gm, *_batch())
     assert torch.equal(loss, expected_loss)
     for grad, expected in zip(grads, expected_grads, strict=True):
         assert torch.equal(grad, expected)
