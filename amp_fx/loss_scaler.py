@@ -49,15 +49,12 @@ from torch import Tensor
 
 from amp_fx.distributed import agree_on_overflow_
 from amp_fx.kernels import implementation_for
-from amp_fx.kernels.reference import check_scale_bound, reciprocal_scale_
+from amp_fx.kernels.reference import check_scale_bound, check_tracker_count, reciprocal_scale_
 from amp_fx.optim._fused_base import is_fused_optimizer
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LossScaler"]
-
-
-_INT32_MAX = 2**31 - 1
 
 
 class _Stage(enum.Enum):
@@ -107,14 +104,11 @@ def _check_config(
         raise ValueError(f"growth_interval must be >= 1, got {growth_interval}")
     if hysteresis < 1:
         raise ValueError(f"hysteresis must be >= 1 (1 backs off at the first overflow), got {hysteresis}")
-    for name, count in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
-        if count > _INT32_MAX:
-            raise ValueError(f"{name} must be <= 2**31 - 1 (its tracker is an int32 tensor), got {count}")
+    check_tracker_count("growth_interval", growth_interval, 1)
+    check_tracker_count("hysteresis", hysteresis, 1)
     for name, bound in (("min_scale", min_scale), ("max_scale", max_scale)):
         if bound is not None:
             _check_number(name, bound)
-            if bound <= 0:
-                raise ValueError(f"{name} must be > 0 or None, got {bound}")
             check_scale_bound(name, bound)
     low = min_scale if min_scale is not None else 0.0
     high = max_scale if max_scale is not None else math.inf
@@ -142,8 +136,9 @@ class LossScaler:
     only when the scale grows; with ``hysteresis=1`` all of these, and GradScaler, agree.)
 
     The scale (float32), growth tracker and hysteresis tracker (int32) are 0-dim tensors created
-    on the device of the first scaled loss; ``update`` changes them in one kernel launch
-    (`amp_fx.kernels` ``update_loss_scale_``: Triton on CUDA, its torch reference elsewhere),
+    on the device of the first scaled loss; ``update`` changes them in one kernel launch for up to
+    four overflow flags, i.e. optimizers x devices (`amp_fx.kernels` ``update_loss_scale_``: Triton
+    on CUDA, its torch reference elsewhere; more flags are summed by torch first),
     which also leaves ``1 / scale`` ready for the next ``unscale_``.
     ``enabled=False`` turns every method into a pass-through (bf16 training needs no scaling).
 
@@ -640,10 +635,11 @@ class LossScaler:
         hysteresis_tracker = number("_hysteresis_tracker", values["hysteresis"])
         _check_number("_growth_tracker", growth_tracker, integer=True)
         _check_number("_hysteresis_tracker", hysteresis_tracker, integer=True)
-        if growth_tracker < 0 or not 0 <= hysteresis_tracker <= values["hysteresis"]:
+        check_tracker_count("_growth_tracker", int(growth_tracker), 0)
+        if not 0 <= hysteresis_tracker <= values["hysteresis"]:
             raise ValueError(
-                f"_growth_tracker ({growth_tracker}) must be >= 0 and _hysteresis_tracker "
-                f"({hysteresis_tracker}) in [0, hysteresis={values['hysteresis']}]"
+                f"_hysteresis_tracker ({hysteresis_tracker}) must be in "
+                f"[0, hysteresis={values['hysteresis']}]"
             )
 
         self._init_scale = float(values["init_scale"])

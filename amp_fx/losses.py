@@ -168,9 +168,19 @@ def _runs_fused(
         and target.dtype == torch.int64
         and target.shape[0] == input.shape[0]
         and target.device == input.device
-        and weight is None
         and size_average is None
         and reduce is None
+        and _loss_options_fused(weight, ignore_index, reduction, label_smoothing)
+    )
+
+
+def _loss_options_fused(
+    class_weight: Tensor | None, ignore_index: int, reduction: str, label_smoothing: float
+) -> bool:
+    """The loss options the kernels compute (shared by both fused losses): no class weights, no
+    label smoothing, a mean, sum or no reduction, an int ignore_index."""
+    return (
+        class_weight is None
         and isinstance(reduction, str)
         and reduction in _FUSED_REDUCTIONS
         and isinstance(label_smoothing, (int, float))
@@ -395,15 +405,7 @@ def _linear_runs_fused(
         and bias.device == input.device
     ):
         return False
-    return (
-        class_weight is None
-        and isinstance(reduction, str)
-        and reduction in _FUSED_REDUCTIONS
-        and isinstance(label_smoothing, (int, float))
-        and label_smoothing == 0.0
-        and isinstance(ignore_index, int)
-        and not isinstance(ignore_index, bool)
-    )
+    return _loss_options_fused(class_weight, ignore_index, reduction, label_smoothing)
 
 
 def linear_cross_entropy(

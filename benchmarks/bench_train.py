@@ -41,8 +41,9 @@ timed in a fixed order would carry that into their ratios. Per variant it report
 all its timed steps, the ratio to autocast_fp16 in the same mode, and peak memory
 (``torch.cuda.max_memory_allocated`` during its warm-up, above what was allocated before it was
 built: its weights, optimizer state, grads and activations, not the unconverted model, other
-variants or cuBLAS's workspaces, which are allocated before the first). A variant that fails is
-reported in the table and the run goes on.
+variants or cuBLAS's workspaces, which are allocated before the first; o2_fp16_cuda_graph's peak
+counts those of its capture stream). A variant that fails is reported in the table and the run
+goes on.
 
 GPU runs, one per model (eager ~1-2 min, then ~10 compiles of 20-50 s each; ``--time-budget``
 skips, and reports, the variants that would start after it, least telling last)::
@@ -407,6 +408,7 @@ def time_interleaved(
     results: dict[str, Result],
     args: argparse.Namespace,
     device: torch.device,
+    deadline: float | None,
 ) -> None:
     """Time every built variant in ``args.rounds`` rounds, the order reversed every other round.
 
@@ -414,17 +416,32 @@ def time_interleaved(
     be slower for that alone (on an H200 running GPT-2, ~1 ms of 34 between the first and the last
     place of a round). Alternating rounds give every variant each place; the median of all its
     steps is its time, and the spread of its round medians says how much the order moved it.
+    After ``deadline`` no further round starts (every variant keeps the same number of rounds); a
+    variant that fails is reported and left out of the rounds after.
     """
     names = list(steps)
     for round_index in range(args.rounds):
+        if round_index > 0 and deadline is not None and time.perf_counter() > deadline:
+            break
         order = names if round_index % 2 == 0 else names[::-1]
         for name in order:
-            # Two untimed steps after switching variants: caches and clocks settle for this one.
-            times = time_steps(steps[name], device, warmup=2, steps=args.steps)
-            results[name].step_ms += times
-            results[name].round_ms.append(statistics.median(times))
-    for name in names:
-        results[name].median_ms = statistics.median(results[name].step_ms)
+            result = results[name]
+            if result.error is not None:
+                continue
+            # Other variants' garbage is collected here, not during this variant's timed steps.
+            gc.collect()
+            try:
+                # Two untimed steps after switching variants: caches and clocks settle for this one.
+                times = time_steps(steps[name], device, warmup=2, steps=args.steps)
+            except Exception as exc:  # a failing variant is a row of the table, not the end of the run
+                logger.exception("%s failed while timed", name)
+                result.error = short_error(exc)
+                continue
+            result.step_ms += times
+            result.round_ms.append(statistics.median(times))
+    for result in results.values():
+        if result.error is None and result.step_ms:
+            result.median_ms = statistics.median(result.step_ms)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -647,15 +664,21 @@ def benchmark_model(model_name: str, args: argparse.Namespace, deadline: float |
             )
             line = f"  {model_name} {mode:7s} {variant.name:18s} {status} ({result.setup_s:.0f} s)"
             print(line, flush=True)
-        time_interleaved(built, mode_results, args, args.device)
+        time_interleaved(built, mode_results, args, args.device, deadline)
         for name, result in mode_results.items():
+            if result.error is not None:
+                print(f"  {model_name} {mode:7s} {name:18s} {result.error}", flush=True)
+                continue
             print(
                 f"  {model_name} {mode:7s} {name:18s} {result.median_ms:.2f} ms/step "
                 f"(rounds {', '.join(f'{ms:.2f}' for ms in result.round_ms)})",
                 flush=True,
             )
             if args.profile:
-                print(profile_steps(built[name], args.device, args.profile), flush=True)
+                try:
+                    print(profile_steps(built[name], args.device, args.profile), flush=True)
+                except Exception:  # the timing stands; the profile is extra
+                    logger.exception("%s failed while profiled", name)
         built.clear()  # frees the models, optimizer states and compiled graphs of this mode
         release_memory(args.device)
     ordered = list(args.variants)
@@ -670,12 +693,13 @@ def benchmark_model(model_name: str, args: argparse.Namespace, deadline: float |
 
 def timing_note(results: dict[tuple[str, str], Result], args: argparse.Namespace) -> str:
     """How the times were taken, and the largest effect of the order within a round."""
+    rounds = max((len(r.round_ms) for r in results.values()), default=0)
     note = (
-        f"Each time: median of {args.rounds} round(s) x {args.steps} steps after warm-up, all variants "
+        f"Each time: median of {rounds} round(s) x {args.steps} steps after warm-up, all variants "
         "of a mode built first, then timed in turn, the order reversed every other round."
     )
     spreads = [(r.round_spread, name, mode) for (name, mode), r in results.items() if r.round_ms]
-    if args.rounds > 1 and spreads:
+    if rounds > 1 and spreads:
         spread, name, mode = max(spreads)
         note += f" Largest spread of a variant's round medians: {spread:.1%} ({name}, {mode})."
     return note

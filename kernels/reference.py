@@ -353,6 +353,18 @@ def check_scale_bound(name: str, value: float | None) -> None:
         )
 
 
+# The growth and hysteresis trackers are int32 tensors: the counts they hold or count to fit in one.
+INT32_MAX = 2**31 - 1
+
+
+def check_tracker_count(name: str, value: int, low: int) -> None:
+    """Raise ValueError for a tracker count (or its limit) that is not an int in [low, 2**31 - 1]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= INT32_MAX:
+        raise ValueError(
+            f"{name} must be an int in [{low}, 2**31 - 1] (the trackers are int32), got {value!r}"
+        )
+
+
 def check_loss_scale_arguments(
     scale: Tensor,
     growth_tracker: Tensor,
@@ -395,11 +407,8 @@ def check_loss_scale_arguments(
             raise TypeError(f"{name} must be a Python float, got {value!r}")
     check_range("growth_factor", growth_factor, 1.0, float("inf"))
     check_range("backoff_factor", backoff_factor, 0.0, 1.0)
-    for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**31 - 1:
-            raise ValueError(
-                f"{name} must be an int in [1, 2**31 - 1] (the trackers are int32), got {value!r}"
-            )
+    check_tracker_count("growth_interval", growth_interval, 1)
+    check_tracker_count("hysteresis", hysteresis, 1)
     check_scale_bound("min_scale", min_scale)
     check_scale_bound("max_scale", max_scale)
 

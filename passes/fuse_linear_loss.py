@@ -44,6 +44,7 @@ from torch import nn
 from amp_fx.losses import fp32_cross_entropy, linear_cross_entropy
 from amp_fx.module_hooks import has_forward_hooks
 from amp_fx.node_info import node_info
+from amp_fx.passes.fuse_losses import is_fusable_loss
 from amp_fx.policy import Policy, Rule
 
 logger = logging.getLogger(__name__)
@@ -226,7 +227,8 @@ def _replace(
     info.in_dtypes = tuple(node_info(n).out_dtype for n in fused.all_input_nodes)
     where = linear.target if linear.op == "call_module" else linear.name
     note = (
-        f"fused with the linear layer {where}: amp_fx.losses.linear_cross_entropy (gradient in the forward)"
+        f"fused with the linear layer {where}: amp_fx.losses.linear_cross_entropy "
+        "(under torch.compile, the gradient in the forward)"
     )
     if note not in info.notes:
         info.notes.append(note)
@@ -253,7 +255,7 @@ def fuse_linear_loss(gm: torch.fx.GraphModule, policy: Policy) -> int:
         if loss.op != "call_function" or loss.target is not fp32_cross_entropy:
             continue
         # As fuse_losses writes it: the logits, the rest by name (the kernel's arguments only).
-        if len(loss.args) != 1 or not isinstance(loss.args[0], torch.fx.Node) or "target" not in loss.kwargs:
+        if len(loss.args) != 1 or not is_fusable_loss({"input": loss.args[0], **loss.kwargs}):
             continue
         found = _row_view_chain(gm, loss.args[0])
         if found is None:

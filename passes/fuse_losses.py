@@ -113,10 +113,12 @@ def _only_the_loss_reads(logits: torch.fx.Node) -> bool:
     return False
 
 
-def _is_fusable(arguments: dict[str, Any]) -> bool:
-    # What the fused kernel computes; anything else keeps the cast and torch's float32 loss.
+def is_fusable_loss(arguments: dict[str, Any]) -> bool:
+    """Whether a cross-entropy call with these arguments (every parameter of F.cross_entropy, by
+    name) is one the fused kernel computes; anything else keeps the cast and torch's float32 loss."""
     return (
-        isinstance(arguments.get("input"), torch.fx.Node)
+        set(_CROSS_ENTROPY_PARAMETERS) <= set(arguments)
+        and isinstance(arguments["input"], torch.fx.Node)
         and "target" in arguments
         and arguments["weight"] is None
         and arguments["size_average"] is None
@@ -159,7 +161,7 @@ def fuse_losses(gm: torch.fx.GraphModule, policy: Policy) -> int:
         if info.op != "cross_entropy_loss" or info.rule is not Rule.FP32:
             continue
         arguments = _cross_entropy_arguments(gm, node)
-        if arguments is None or not _is_fusable(arguments):
+        if arguments is None or not is_fusable_loss(arguments):
             continue
         cast = arguments["input"]
         source = _low_precision_source(cast)

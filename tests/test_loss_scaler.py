@@ -8,7 +8,9 @@ import pickle
 import pytest
 import torch
 
+import amp_fx.loss_scaler as loss_scaler_module
 from amp_fx import LossScaler, clip_grad_norm_
+from amp_fx.kernels import reference, triton_ops
 from amp_fx.optim import FusedAdam, FusedSGD, master_params
 from amp_fx.testing import tolerances
 
@@ -272,6 +274,7 @@ def test_state_dicts_interchange_with_grad_scaler() -> None:
         {"scale": 2.0**30},  # above max_scale
         {"_hysteresis_tracker": 5},
         {"_growth_tracker": -1},
+        {"_growth_tracker": 2**31},  # past the int32 tracker: refused before the scale is written
     ],
 )
 def test_bad_state_dict_is_refused_and_nothing_changes(change) -> None:
@@ -285,6 +288,7 @@ def test_bad_state_dict_is_refused_and_nothing_changes(change) -> None:
     with pytest.raises(ValueError, match="disabled"):
         scaler.load_state_dict({})
     assert scaler.state_dict() == before
+    assert scaler._inv_scale.item() == 1 / 64.0  # unscale_ reads it: still the scale's reciprocal
 
 
 def test_pickle_between_iterations() -> None:
@@ -353,8 +357,12 @@ def test_unscale_applies_the_inverse_of_the_current_scale_after_every_kind_of_ch
 def test_scale_sequence_is_the_same_on_the_triton_kernel(device, monkeypatch) -> None:
     pattern = "OO.OOOO....OO.O...."
     runs = []
-    for force in ("0", "1"):
-        monkeypatch.setenv("AMP_FX_FORCE_TRITON", force)
+    # The scaler's update runs each implementation by name (on CUDA both would otherwise pick
+    # Triton); the optimizer's kernels are the device's.
+    for implementation in (reference, triton_ops):
+        monkeypatch.setattr(
+            loss_scaler_module, "implementation_for", lambda tensors, module=implementation: module
+        )
         params = [torch.nn.Parameter(torch.ones(3, device=device))]
         optimizer = FusedAdam(params, lr=1e-3)
         scaler = LossScaler(init_scale=2.0**14, hysteresis=2, growth_interval=3, backoff_factor=0.3)

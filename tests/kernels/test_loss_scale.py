@@ -131,6 +131,15 @@ def test_factor_products_are_taken_in_fp64_and_rounded_once(device: str) -> None
         assert result["scale"].item() == expected
 
 
+def test_a_nan_scale_stays_nan_through_the_bounds(device: str) -> None:
+    # update(new_scale=tensor(nan)) can set one; torch.clamp keeps NaN, so the kernel must not
+    # return a bound instead.
+    config = {**CONFIG, "min_scale": 1.0, "max_scale": 2.0**20, "hysteresis": 1, "growth_interval": 1}
+    for flag in (0.0, 1.0):  # grow (clamped by max_scale) and back off (clamped by min_scale)
+        result = _check(device, _state(device, math.nan, 0, 1, [flag]), config)
+        assert math.isnan(result["scale"].item())
+
+
 def test_flags_are_kept_without_zero_found_infs(device: str) -> None:
     result = _check(
         device, _state(device, 8.0, 0, 1, [1.0, 0.0, 2.0, 0.0, 3.0]), CONFIG, zero_found_infs=False
