@@ -87,13 +87,14 @@ def _update_loss_scale_kernel(
 
     wide = scale.to(tl.float64)
     backed_off = (wide * backoff_factor_bits.to(tl.int64).to(tl.float64, bitcast=True)).to(tl.float32)
-    # torch.clamp keeps a NaN scale NaN; Triton's default maximum/minimum would return the bound.
+    # torch.clamp keeps a NaN scale NaN where Triton's maximum/minimum return the bound: NaN is
+    # passed through explicitly.
     if HAS_MIN_SCALE:
-        backed_off = tl.maximum(backed_off, min_scale, propagate_nan=tl.PropagateNan.ALL)
+        backed_off = tl.where(backed_off != backed_off, backed_off, tl.maximum(backed_off, min_scale))
     grown = (wide * growth_factor_bits.to(tl.int64).to(tl.float64, bitcast=True)).to(tl.float32)
     grown = tl.where(tl.abs(grown) < float("inf"), grown, scale)  # never grow to inf
     if HAS_MAX_SCALE:
-        grown = tl.minimum(grown, max_scale, propagate_nan=tl.PropagateNan.ALL)
+        grown = tl.where(grown != grown, grown, tl.minimum(grown, max_scale))
     new_scale = tl.where(back_off, backed_off, tl.where(grow, grown, scale)).to(tl.float32)
 
     tl.store(scale_ptr, new_scale)
