@@ -1,5 +1,5 @@
 """FP32 losses that read low-precision logits: `fp32_cross_entropy`, and `linear_cross_entropy`
-(a language model's head and loss in one autograd node).
+(a language model's head and loss as one call).
 
 Under torch.autocast, and at amp_fx's O2, cross-entropy runs in FP32: the model's fp16/bf16
 logits are cast to float32 first, ``F.cross_entropy(logits.float(), target)``. For a language
@@ -260,7 +260,7 @@ def _reduce(losses: Tensor, target: Tensor, ignore_index: int, reduction: str) -
 
 
 # ---------------------------------------------------------------------------------------------
-# Linear layer + cross-entropy in one autograd node: `linear_cross_entropy`.
+# Linear layer + cross-entropy as one call: `linear_cross_entropy` (one op under torch.compile).
 # ---------------------------------------------------------------------------------------------
 
 # torch.mm(a, b, out_dtype=torch.float32) (the "mm.dtype" overload: fp16/bf16 inputs, fp32
