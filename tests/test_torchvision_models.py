@@ -197,7 +197,10 @@ def check_model(case: Case) -> None:
         o1 = amp_fx.convert(model, "O1", dtype=dtype, device_type="cpu")
         o1_run = forward_backward(o1, inputs)
         _assert_identical(o1_run, forward_backward(with_autocast(model, "cpu", dtype), inputs), f"O1 {dtype}")
-        o1_errors = _errors(o1_run, fp32, f"O1 {dtype}", require_finite=True)
+        # O1 is autocast, bit for bit (above): where autocast's unscaled fp16 gradients overflow
+        # (efficientnet_b0's depthwise weights sit near 65504 here, on either side from run to
+        # run), that is torch's result, and a loss scaler's job; it then gives O2 no reference.
+        o1_errors = _errors(o1_run, fp32, f"O1 {dtype}", require_finite=False)
 
         o2 = amp_fx.convert(model, "O2", dtype=dtype, device_type="cpu")
         o2_errors = _errors(forward_backward(o2, inputs), fp32, f"O2 {dtype}", require_finite=True)
