@@ -28,11 +28,11 @@ not included), eager and in CUDA graphs. GPU only::
 from __future__ import annotations
 
 import argparse
-import datetime
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from reporting import environment, publish
 
 from amp_fx.norms import batch_norm_act
 from amp_fx.testing import normwise_error
@@ -136,14 +136,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_batchnorm.py needs a CUDA device")
-    import triton
     from triton.testing import do_bench
 
     generator = torch.Generator(device="cuda").manual_seed(0)
     lines = [
         f"#### BatchNorm (+ residual) (+ ReLU) forward + backward, ResNet-50 shapes at batch {args.batch}, "
-        f"channels_last fp16, fp32 parameters - {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-        f"triton {triton.__version__}, {datetime.date.today().isoformat()}",
+        f"channels_last fp16, fp32 parameters - {environment()}",
         "",
         "| shape (N, C, H, W) | residual | relu | in ResNet-50 | torch ms | fused ms | fused / torch | "
         "torch graph ms | fused graph ms | graph fused / torch | fused graph GB/s (passes) | "
@@ -207,10 +205,7 @@ def main(argv: list[str] | None = None) -> None:
         f"({total_fused_graph / total_torch_graph:.2f}x).",
     ]
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "a") as f:
-            f.write("\n" + text)
+    publish(text, args.markdown)
 
 
 if __name__ == "__main__":

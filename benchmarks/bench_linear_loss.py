@@ -23,10 +23,10 @@ peak memory of one step above the inputs, and the largest differences from ``cas
 from __future__ import annotations
 
 import argparse
-import datetime
 
 import torch
 import torch.nn.functional as F
+from reporting import environment, publish
 
 import amp_fx
 from amp_fx.losses import linear_cross_entropy_rows
@@ -64,15 +64,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_linear_loss.py needs a CUDA device")
-    import triton
     from triton.testing import do_bench
 
     modes = args.modes.split(",")
     generator = torch.Generator(device="cuda").manual_seed(0)
     lines = [
         f"#### Linear head + cross-entropy forward + backward, {args.rows} x {args.dim} -> {args.classes} - "
-        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-        f"{datetime.date.today().isoformat()}",
+        f"{environment()}",
         "",
         "| dtype | mode | variant | ms | vs cast_fp32 | peak GiB | loss diff | grad_h diff | grad_W diff |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|",
@@ -109,10 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         del h, w, t, reference
         torch.cuda.empty_cache()
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "a") as f:
-            f.write("\n" + text)
+    publish(text, args.markdown)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,10 @@ GPU only::
 from __future__ import annotations
 
 import argparse
-import datetime
 
 import torch
 import torch.nn.functional as F
+from reporting import environment, publish
 
 import amp_fx
 
@@ -46,7 +46,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_loss.py needs a CUDA device")
-    import triton
     from triton.testing import do_bench
 
     variants = {
@@ -56,9 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     generator = torch.Generator(device="cuda").manual_seed(0)
     lines = [
-        f"#### Cross-entropy forward + backward, {args.rows} x {args.classes} logits - "
-        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-        f"{datetime.date.today().isoformat()}",
+        f"#### Cross-entropy forward + backward, {args.rows} x {args.classes} logits - {environment()}",
         "",
         "| logits | variant | ms | GB/s (3 x logits bytes) | vs cast_fp32 | max loss diff | max grad diff |",
         "|---|---|---:|---:|---:|---:|---:|",
@@ -85,10 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         del logits, targets, reference_grad
         torch.cuda.empty_cache()
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "a") as f:
-            f.write("\n" + text)
+    publish(text, args.markdown)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.testing
+from reporting import environment
 
 from amp_fx.kernels import adam, overflow_check, pointer_table, reference, sgd, triton_ops
 from amp_fx.kernels.pointer_table import LaunchConfig
@@ -437,10 +438,7 @@ def main() -> None:
     shapes = gpt_shapes(layers=args.layers)
     numel = sum(torch.Size(s).numel() for s in shapes)
     small_shapes = SMALL_SHAPES
-    header = (
-        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-        f"{time.strftime('%Y-%m-%d')}; {len(shapes)} tensors"
-    )
+    header = f"{environment()}; {len(shapes)} tensors"
     print(header, flush=True)
     print(
         "correctness vs reference (max abs err): adam",

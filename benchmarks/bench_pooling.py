@@ -19,11 +19,11 @@ registers and spills per kernel.
 from __future__ import annotations
 
 import argparse
-import datetime
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from reporting import environment, publish
 
 from amp_fx.pooling import max_pool2d
 
@@ -198,12 +198,10 @@ def main(argv: list[str] | None = None) -> None:
     shapes = SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
     if not torch.cuda.is_available():
         raise SystemExit("bench_pooling.py needs a CUDA device")
-    import triton
 
     generator = torch.Generator(device="cuda").manual_seed(0)
     lines = [
-        f"#### Max-pool 2-D, channels_last - {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-        f"triton {triton.__version__}, {datetime.date.today().isoformat()}",
+        f"#### Max-pool 2-D, channels_last - {environment()}",
         "",
         "GB/s: forward (input + output bytes) / ms, backward (output + input bytes) / ms.",
         "",
@@ -233,10 +231,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{ratio:.2f}x | {diffs} |"
             )
     table = "\n".join(lines) + "\n"
-    print(table)
-    if args.markdown:
-        with open(args.markdown, "a") as handle:
-            handle.write("\n" + table)
+    publish(table, args.markdown)
 
 
 if __name__ == "__main__":

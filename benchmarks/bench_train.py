@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import gc
 import logging
 import os
@@ -78,6 +77,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import WithLoss, Workload, build_workload  # noqa: E402
+from reporting import environment, publish  # noqa: E402
 
 logger = logging.getLogger("bench_train")
 
@@ -450,21 +450,8 @@ def time_interleaved(
 
 
 def environment_line(device: torch.device, compile_backend: str) -> str:
-    if device.type == "cuda":
-        where = torch.cuda.get_device_name(device)
-    else:
-        where = f"CPU ({os.cpu_count()} cores)"
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "none"
-    date = datetime.date.today().isoformat()
-    return (
-        f"{where}, torch {torch.__version__}, triton {triton_version}, "
-        f"compile backend {compile_backend}, {date}"
-    )
+    where_and_versions, date = environment(device).rsplit(", ", 1)
+    return f"{where_and_versions}, compile backend {compile_backend}, {date}"
 
 
 def format_table(
@@ -724,10 +711,7 @@ def main(argv: list[str] | None = None) -> None:
             tables.append(benchmark_model(model_name, args, deadline))
     text = "\n".join(tables)
     print()
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "a") as f:
-            f.write("\n" + text)
+    publish(text, args.markdown)
 
 
 if __name__ == "__main__":
