@@ -81,7 +81,11 @@ class Trainer:
             state[f"master.{i}"] = master.detach().clone()
         for i, param in enumerate(self.model.parameters()):
             for key in ("exp_avg", "exp_avg_sq"):
-                state[f"{key}.{i}"] = self.optimizer.state[param][key].clone()
+                # Before a parameter's first step its moments do not exist yet: zeros, as created.
+                moment = self.optimizer.state[param].get(key)
+                state[f"{key}.{i}"] = (
+                    torch.zeros_like(param, dtype=torch.float32) if moment is None else moment.clone()
+                )
         for i, group in enumerate(self.optimizer.param_groups):
             state[f"step.{i}"] = group["step"].clone()
         state["scale"] = torch.tensor(self.scaler.get_scale())

@@ -3,7 +3,10 @@
 For each fp16/bf16 parameter (with ``master_weights=True``) the optimizer keeps an FP32 copy in
 ``state[p]["master_param"]``; the update reads the low-precision grad, computes in FP32 from the
 master and writes the master and the rounded low-precision weight. FP32 parameters are their own
-master and are updated in place.
+master and are updated in place. Masters are created with the param group; moments (FP32, shaped
+like the parameter) at the parameter's first step with a grad, as torch.optim and Apex create
+theirs: an optimizer that has not stepped holds no moments, and a training step's peak memory
+(the backward, before the first update) does not hold them either.
 
 One step, per parameter group: collect the params that have grads and hand all of them to one
 call of the kernel (Triton on CUDA, the pure-torch reference elsewhere; `amp_fx.kernels`), then
@@ -144,7 +147,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._reset_found_inf_buffers()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group (torch semantics); creates FP32 masters, moments and a step counter for it.
+        """Add a param group (torch semantics); creates its FP32 masters and step counter (moments come
+        with each parameter's first step).
 
         Example:
             >>> import torch
@@ -174,7 +178,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         device = tensors[0].device if tensors else torch.device("cpu")
         group[STEP_KEY] = torch.zeros(1, dtype=torch.float32, device=device)
         for param in group["params"]:
-            self._init_state(param, group)
+            self._init_master(param, group)
 
     def _check_params(self, params: Sequence[Tensor]) -> None:
         name = type(self).__name__
@@ -200,18 +204,20 @@ class FusedOptimizer(torch.optim.Optimizer):
                 "its step counter lives on one device, so put each device's parameters in their own group"
             )
 
-    def _init_state(self, param: Tensor, group: dict[str, Any]) -> None:
-        """Create whatever state ``param`` lacks: its FP32 master (copied from it) and zeroed moments."""
+    def _init_master(self, param: Tensor, group: dict[str, Any]) -> None:
+        """Create the FP32 master of a low-precision ``param`` (copied from it), if it has none."""
         state = self.state[param]
-        with torch.no_grad():
-            if param.dtype in LOW_PRECISION_DTYPES and group["master_weights"] and MASTER_KEY not in state:
+        if param.dtype in LOW_PRECISION_DTYPES and group["master_weights"] and MASTER_KEY not in state:
+            with torch.no_grad():
                 # .to() keeps the memory format, so master and param share strides (the kernels need it).
                 state[MASTER_KEY] = param.detach().to(torch.float32, copy=True)
-            for key in self._state_keys(group):
-                if key not in state:
-                    state[key] = torch.zeros_like(
-                        param, dtype=torch.float32, memory_format=torch.preserve_format
-                    )
+
+    def _init_moments(self, param: Tensor, group: dict[str, Any]) -> None:
+        """Create the zeroed FP32 state tensors ``param`` lacks (its first step, or momentum 0 -> 0.9)."""
+        state = self.state[param]
+        for key in self._state_keys(group):
+            if key not in state:
+                state[key] = torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
 
     # ----------------------------------------------------------------------------------------
     # Pending loss scaling (set by LossScaler.unscale_ and clip_grad_norm_, consumed by step)
@@ -289,9 +295,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     # The step
 
     def _collect(self, group: dict[str, Any]) -> _StepBatch | None:
-        """Gather the params of ``group`` that have grads, with their masters and states."""
+        """Gather the params of ``group`` that have grads; checks only, no state is created here."""
         batch: _StepBatch | None = None
-        keys = self._state_keys(group)
         for param in group["params"]:
             grad = param.grad
             if grad is None:
@@ -306,15 +311,19 @@ class FusedOptimizer(torch.optim.Optimizer):
                 grad = torch.empty_like(param, dtype=grad.dtype).copy_(grad)
             if batch is None:
                 batch = _StepBatch(device=param.device)
-            state = self.state[param]
-            if any(key not in state for key in keys):  # a hyperparameter changed (momentum 0 -> 0.9)
-                self._init_state(param, group)
             batch.params.append(param)
             batch.grads.append(grad)
+        return batch
+
+    def _gather_state(self, group: dict[str, Any], batch: _StepBatch) -> None:
+        """Add the masters and state tensors of ``batch``'s params, creating moments they lack."""
+        keys = self._state_keys(group)
+        for param in batch.params:
+            self._init_moments(param, group)
+            state = self.state[param]
             batch.masters.append(state.get(MASTER_KEY))
             for key in keys:
                 batch.states[key].append(state[key])
-        return batch
 
     def _scaling_for(
         self, device: torch.device, cache: dict[torch.device, tuple[Tensor | None, Tensor | None]]
@@ -351,12 +360,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Collect every group first, so that a bad grad raises before anything is written.
+        # Collect every group first, so that a bad grad raises before anything is created or written.
         batches = [(group, self._collect(group)) for group in self.param_groups]
         cache: dict[torch.device, tuple[Tensor | None, Tensor | None]] = {}
         for group, batch in batches:
             if batch is None:
                 continue
+            self._gather_state(group, batch)
             step = group[STEP_KEY]
             grad_multiplier, found_inf = self._scaling_for(batch.device, cache)
             kernels = implementation_for(batch.params)
@@ -368,11 +378,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------------------------------
     # Checkpoints
 
-    def _expected_state(self, param: Tensor, group: dict[str, Any]) -> set[str]:
-        keys = set(self._state_keys(group))
-        if param.dtype in LOW_PRECISION_DTYPES and group["master_weights"]:
-            keys.add(MASTER_KEY)
-        return keys
+    def _master_expected(self, param: Tensor, group: dict[str, Any]) -> bool:
+        return param.dtype in LOW_PRECISION_DTYPES and group["master_weights"]
 
     def _check_loaded_group(self, index: int, saved: dict[str, Any], current: dict[str, Any]) -> None:
         name = type(self).__name__
@@ -405,7 +412,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         where = f"state of parameter {index} (shape {tuple(param.shape)}, {param.dtype})"
         if not isinstance(saved_state, dict):
             raise ValueError(f"the loaded {where} must be a dict, got {type(saved_state).__name__}")
-        expected = self._expected_state(param, group)
+        # Moments are all there or, for a parameter that never took a step, all absent.
+        moments = set(self._state_keys(group))
+        expected = {MASTER_KEY} if self._master_expected(param, group) else set()
+        if moments & set(saved_state):
+            expected |= moments
         missing, unexpected = sorted(expected - set(saved_state)), sorted(set(saved_state) - expected)
         if missing or unexpected:
             raise ValueError(

@@ -39,6 +39,10 @@ class Problem:
         return grads
 
 
+# The state tensors the fused optimizers create at a parameter's first step.
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+
+
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when both tensors have the same dtype, shape and bit pattern (NaN == NaN)."""
     if a.dtype != b.dtype or a.shape != b.shape:
@@ -71,7 +75,12 @@ def assert_snapshots_equal(before: dict[str, Any], after: dict[str, Any]) -> Non
         for p_old, p_new in zip(old["params"], new["params"], strict=True):
             assert bits_equal(p_old, p_new)
         for s_old, s_new in zip(old["states"], new["states"], strict=True):
-            assert s_old.keys() == s_new.keys()
+            # A parameter's first step creates its moments before the device knows whether the step
+            # overflows (knowing would take a host sync); a skipped first step leaves them at zero,
+            # the state of moments that were never updated. Anything else must stay as it was.
+            for key in s_new.keys() - s_old.keys():
+                assert key in MOMENT_KEYS and not s_new[key].any(), key
+            assert s_old.keys() <= s_new.keys()
             for key in s_old:
                 assert bits_equal(s_old[key], s_new[key]), key
 

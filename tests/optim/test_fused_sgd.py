@@ -44,6 +44,11 @@ def test_momentum_buffers_exist_only_with_momentum() -> None:
     with_momentum = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
     plain = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
     optimizer = FusedSGD([{"params": [with_momentum], "momentum": 0.9}, {"params": [plain]}], lr=0.1)
+    # As torch.optim.SGD: no buffer before the first step, so building the optimizer costs none.
+    assert set(optimizer.state[with_momentum]) == {"master_param"}
+    for param in (with_momentum, plain):
+        param.grad = torch.ones(3, dtype=torch.float16)
+    optimizer.step()
     assert set(optimizer.state[with_momentum]) == {"master_param", "momentum_buffer"}
     assert set(optimizer.state[plain]) == {"master_param"}
 

@@ -101,6 +101,35 @@ def test_loaded_state_is_a_copy(problem) -> None:
         assert not torch.equal(mine.to(torch.float16), theirs.detach())
 
 
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_moments_come_with_the_first_step_and_an_unstepped_state_dict_loads(
+    problem, optimizer_snapshot, name
+) -> None:
+    # As torch.optim and Apex: building the optimizer creates the masters, not the moments.
+    snapshot, assert_same = optimizer_snapshot
+    case = problem(DTYPES, seed=61)
+    optimizer = OPTIMIZERS[name](case.params)
+    assert all(set(optimizer.state[p]) <= {"master_param"} for p in case.params)
+    twin = problem(DTYPES, seed=61)
+    twin_opt = OPTIMIZERS[name](twin.params)
+    twin_opt.load_state_dict(_round_trip(optimizer.state_dict()))
+    for run, opt in ((case, optimizer), (twin, twin_opt)):
+        run.next_grads()
+        opt.step()
+    assert_same(snapshot(optimizer), snapshot(twin_opt))
+    assert all(set(optimizer.state[p]) - {"master_param"} for p in case.params)  # now they exist
+
+
+def test_a_refused_step_creates_no_moments(problem) -> None:
+    case = problem(DTYPES, seed=63)
+    optimizer = FusedAdam([{"params": case.params[:2]}, {"params": case.params[2:]}])
+    case.next_grads()
+    case.params[3].grad = case.params[3].grad.to_sparse()
+    with pytest.raises(ValueError, match="sparse"):
+        optimizer.step()
+    assert all(set(optimizer.state[p]) <= {"master_param"} for p in case.params)
+
+
 def _drop_group(sd):
     sd["param_groups"] = sd["param_groups"][:1]
 
@@ -115,6 +144,10 @@ def _reshape_master(sd):
 
 def _half_moment(sd):
     sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"].half()
+
+
+def _drop_one_moment(sd):
+    del sd["state"][0]["exp_avg_sq"]
 
 
 def _drop_master(sd):
@@ -152,6 +185,7 @@ def _sgd_dict(sd):
         _drop_param,
         _reshape_master,
         _half_moment,
+        _drop_one_moment,
         _drop_master,
         _extra_key,
         _missing_state,
