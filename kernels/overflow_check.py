@@ -28,6 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from amp_fx.kernels.arguments import check_grads
+from amp_fx.kernels.devices import on_device
 from amp_fx.kernels.pointer_table import LaunchConfig, group_by_dtype, pointer_table, triton_dtype
 
 # 4 fp16 per thread (an 8-byte load), 16 iterations per program; the settings tried on an H200 were
@@ -121,23 +122,24 @@ def check_finite_and_norm_(
             sum(t.num_chunks for t in tables.values()), dtype=torch.float32, device=found_inf.device
         )
     first_slot = 0
-    for (grad_dtype,), table in tables.items():
-        if table.num_chunks == 0:
-            continue
-        _check_finite_and_norm_kernel[(table.num_chunks,)](
-            table.tensors,
-            table.chunks,
-            found_inf if grad_multiplier is None else grad_multiplier,
-            found_inf,
-            partial_sums[first_slot:] if compute_norm else found_inf,
-            GRAD_DTYPE=triton_dtype(grad_dtype),
-            HAS_GRAD_MULTIPLIER=grad_multiplier is not None,
-            COMPUTE_NORM=compute_norm,
-            ALIGNED=table.aligned,
-            CHUNK_SIZE=launch.chunk_size,
-            BLOCK_SIZE=launch.block_size,
-            num_warps=launch.num_warps,
-        )
-        first_slot += table.num_chunks
+    with on_device(found_inf.device):
+        for (grad_dtype,), table in tables.items():
+            if table.num_chunks == 0:
+                continue
+            _check_finite_and_norm_kernel[(table.num_chunks,)](
+                table.tensors,
+                table.chunks,
+                found_inf if grad_multiplier is None else grad_multiplier,
+                found_inf,
+                partial_sums[first_slot:] if compute_norm else found_inf,
+                GRAD_DTYPE=triton_dtype(grad_dtype),
+                HAS_GRAD_MULTIPLIER=grad_multiplier is not None,
+                COMPUTE_NORM=compute_norm,
+                ALIGNED=table.aligned,
+                CHUNK_SIZE=launch.chunk_size,
+                BLOCK_SIZE=launch.block_size,
+                num_warps=launch.num_warps,
+            )
+            first_slot += table.num_chunks
     if compute_norm and first_slot > 0:
         sq_norm_out.add_(partial_sums.sum())

@@ -31,6 +31,7 @@ import triton.language as tl
 from torch import Tensor
 
 from amp_fx.kernels.arguments import check_update
+from amp_fx.kernels.devices import on_device
 from amp_fx.kernels.pointer_table import LaunchConfig, group_by_dtype, pointer_table, triton_dtype
 from amp_fx.kernels.reference import check_sgd_hyperparameters
 from amp_fx.kernels.rounding import round_to_dtype
@@ -219,38 +220,39 @@ def sgd_step_(
     groups = group_by_dtype(
         [p.dtype for p in params], [g.dtype for g in grads], [m is not None for m in masters]
     )
-    for (param_dtype, grad_dtype, has_master), indices in groups.items():
-        table = pointer_table(
-            [
-                [params[i] for i in indices],
-                [grads[i] for i in indices],
-                [masters[i] for i in indices],
-                [buffers[i] for i in indices],
-            ],
-            launch.chunk_size,
-        )
-        if table.num_chunks == 0:
-            continue
-        _sgd_kernel[(table.num_chunks,)](
-            table.tensors,
-            table.chunks,
-            step,
-            step if grad_multiplier is None else grad_multiplier,
-            step if found_inf is None else found_inf,
-            lr,
-            momentum,
-            1.0 - dampening,
-            weight_decay,
-            PARAM_DTYPE=triton_dtype(param_dtype),
-            GRAD_DTYPE=triton_dtype(grad_dtype),
-            HAS_MASTER=has_master,
-            USE_MOMENTUM=use_momentum,
-            NESTEROV=nesterov,
-            USE_WEIGHT_DECAY=weight_decay != 0.0,
-            HAS_GRAD_MULTIPLIER=grad_multiplier is not None,
-            HAS_FOUND_INF=found_inf is not None,
-            ALIGNED=table.aligned,
-            CHUNK_SIZE=launch.chunk_size,
-            BLOCK_SIZE=launch.block_size,
-            num_warps=launch.num_warps,
-        )
+    with on_device(step.device):
+        for (param_dtype, grad_dtype, has_master), indices in groups.items():
+            table = pointer_table(
+                [
+                    [params[i] for i in indices],
+                    [grads[i] for i in indices],
+                    [masters[i] for i in indices],
+                    [buffers[i] for i in indices],
+                ],
+                launch.chunk_size,
+            )
+            if table.num_chunks == 0:
+                continue
+            _sgd_kernel[(table.num_chunks,)](
+                table.tensors,
+                table.chunks,
+                step,
+                step if grad_multiplier is None else grad_multiplier,
+                step if found_inf is None else found_inf,
+                lr,
+                momentum,
+                1.0 - dampening,
+                weight_decay,
+                PARAM_DTYPE=triton_dtype(param_dtype),
+                GRAD_DTYPE=triton_dtype(grad_dtype),
+                HAS_MASTER=has_master,
+                USE_MOMENTUM=use_momentum,
+                NESTEROV=nesterov,
+                USE_WEIGHT_DECAY=weight_decay != 0.0,
+                HAS_GRAD_MULTIPLIER=grad_multiplier is not None,
+                HAS_FOUND_INF=found_inf is not None,
+                ALIGNED=table.aligned,
+                CHUNK_SIZE=launch.chunk_size,
+                BLOCK_SIZE=launch.block_size,
+                num_warps=launch.num_warps,
+            )

@@ -204,10 +204,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                 "its step counter lives on one device, so put each device's parameters in their own group"
             )
 
+    def _master_expected(self, param: Tensor, group: dict[str, Any]) -> bool:
+        """True for a low-precision param of a group that keeps FP32 masters."""
+        return param.dtype in LOW_PRECISION_DTYPES and group["master_weights"]
+
     def _init_master(self, param: Tensor, group: dict[str, Any]) -> None:
         """Create the FP32 master of a low-precision ``param`` (copied from it), if it has none."""
         state = self.state[param]
-        if param.dtype in LOW_PRECISION_DTYPES and group["master_weights"] and MASTER_KEY not in state:
+        if self._master_expected(param, group) and MASTER_KEY not in state:
             with torch.no_grad():
                 # .to() keeps the memory format, so master and param share strides (the kernels need it).
                 state[MASTER_KEY] = param.detach().to(torch.float32, copy=True)
@@ -377,9 +381,6 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------------------------------
     # Checkpoints
-
-    def _master_expected(self, param: Tensor, group: dict[str, Any]) -> bool:
-        return param.dtype in LOW_PRECISION_DTYPES and group["master_weights"]
 
     def _check_loaded_group(self, index: int, saved: dict[str, Any], current: dict[str, Any]) -> None:
         name = type(self).__name__

@@ -18,10 +18,10 @@ class FusedSGD(FusedOptimizer):
     For fp16/bf16 parameters with ``master_weights=True`` (the default) the optimizer keeps an
     FP32 master copy in ``state[p]["master_param"]`` and writes the rounded result back to the
     parameter; FP32 parameters are updated in place. With ``momentum != 0`` each parameter has an
-    FP32 ``momentum_buffer``, created at its first step and set to the gradient on the group's first
-    step as torch does. The
-    step count is one float32 device tensor per param group (``param_groups[i]["step"]``); it
-    tells the kernel which step is the first and does not advance on a skipped step.
+    FP32 ``momentum_buffer``, created at its first step and set to the gradient on the group's
+    first step as torch does. The step count is one float32 device tensor per param group
+    (``param_groups[i]["step"]``); it tells the kernel which step is the first and does not
+    advance on a skipped step.
 
     Args:
         params: parameters or param groups, as for torch.optim.SGD.

@@ -119,3 +119,25 @@ def test_cuda_graph_replays_match_eager_steps(name) -> None:
     for ours, theirs in zip(graph_opt.param_groups, eager_opt.param_groups, strict=True):
         assert torch.equal(ours["step"], theirs["step"])
     assert graph_opt.param_groups[0]["step"].item() == len(warmup) + len(batches) - 1
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_step_runs_on_the_parameters_gpu_not_the_current_one(name) -> None:
+    # Model parallel in one process: the params on cuda:1 while cuda:0 is current. The kernels must
+    # run on cuda:1's stream (after its backward and pointer-table copies), as they do when cuda:1
+    # is current.
+    device = torch.device("cuda", 1)
+    reference_model = _model(torch.float16).to(device)
+    model = copy.deepcopy(reference_model)
+    batches = [(x.to(device), y.to(device)) for x, y in _batches(4, overflow_at=2)]
+    runs = []
+    for trained, current in ((reference_model, device), (model, torch.device("cuda", 0))):
+        optimizer, scaler = OPTIMIZERS[name](trained.parameters()), LossScaler(init_scale=2.0**14)
+        with torch.cuda.device(current):
+            for x, y in batches:
+                _train_step(trained, optimizer, scaler, x, y)
+        runs.append(([m.clone() for m in master_params(optimizer)], scaler.get_scale()))
+    (expected, expected_scale), (masters, scale) = runs
+    assert scale == expected_scale < 2.0**14  # the overflow was seen and skipped in both
+    assert all(torch.equal(m, e) for m, e in zip(masters, expected, strict=True))
