@@ -563,6 +563,30 @@ def check_cross_entropy_arguments(
             f"{logits.device}, got {out.dtype} {tuple(out.shape)} on {out.device}"
             f"{'' if out.is_contiguous() else ' (not contiguous)'}; leave out=None to allocate the gradient"
         )
+    # out=logits is an in-place update, each element read before it is written by the same program;
+    # an out that overlaps the logits elsewhere would have programs overwrite rows others still read.
+    if (
+        out is not None
+        and _byte_ranges_overlap(out, logits)
+        and (out.data_ptr() != logits.data_ptr() or out.stride() != logits.stride())
+    ):
+        raise ValueError(
+            "out overlaps the logits without being the logits themselves; pass out=logits to write the "
+            "gradient over them, or a tensor of its own"
+        )
+
+
+def _byte_ranges_overlap(a: Tensor, b: Tensor) -> bool:
+    """Whether the bytes spanned by ``a`` and by ``b`` (first to last element) intersect."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+
+    def span(t: Tensor) -> tuple[int, int]:
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a_start, a_end), (b_start, b_end) = span(a), span(b)
+    return a_start < b_end and b_start < a_end
 
 
 def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:

@@ -197,6 +197,16 @@ class FusedOptimizer(torch.optim.Optimizer):
                     f"{name} needs dense parameters; parameter {i} (shape {tuple(param.shape)}, strides "
                     f"{param.stride()}) is not. Make it contiguous before creating the optimizer"
                 )
+        first_index: dict[int, int] = {}
+        for i, param in enumerate(params):
+            earlier = first_index.setdefault(id(param), i)
+            if earlier != i:
+                # torch.optim only warns; here two programs of one launch would update the same
+                # elements at once and one update would be lost.
+                raise ValueError(
+                    f"parameter {i} of a param group of {name} is parameter {earlier} again; the fused "
+                    "step would update it twice at once. List each parameter once"
+                )
         devices = {p.device for p in params}
         if len(devices) > 1:
             raise ValueError(

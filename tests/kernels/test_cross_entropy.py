@@ -135,6 +135,13 @@ def test_backward_out_must_match_the_logits() -> None:
         reference.cross_entropy_backward(
             grad_losses, logits, target, lse, IGNORE_INDEX, out=torch.empty(5, 2, dtype=torch.float16).t()
         )
+    # Rows 1-2 of a buffer whose rows 0-1 are the logits: row 1 would be overwritten while read.
+    buffer = torch.cat([logits, logits])
+    with pytest.raises(ValueError, match="overlaps the logits"):
+        reference.cross_entropy_backward(grad_losses, buffer[:2], target, lse, IGNORE_INDEX, out=buffer[1:3])
+    # Rows 2-3, beside the logits in the same buffer, and out=logits (in place) are fine.
+    for out in (buffer[2:], buffer[:2]):
+        reference.cross_entropy_backward(grad_losses, buffer[:2], target, lse, IGNORE_INDEX, out=out)
 
 
 def test_out_of_range_target_gives_a_nan_row(device) -> None:

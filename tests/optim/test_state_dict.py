@@ -249,6 +249,13 @@ def test_add_param_group_refuses_a_duplicate_without_changing_anything(problem) 
     with pytest.raises(ValueError, match="dtype"):
         optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))]})
     assert len(optimizer.param_groups) == 1
+    # Twice in one group (torch.optim warns): one launch would update it twice at once.
+    fresh = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
+    with pytest.raises(ValueError, match="parameter 1 .* is parameter 0 again"):
+        optimizer.add_param_group({"params": [fresh, fresh]})
+    assert len(optimizer.param_groups) == 1 and fresh not in optimizer.state
+    with pytest.raises(ValueError, match="again"):
+        FusedSGD([fresh, fresh])
 
 
 def test_optimizer_survives_deepcopy(problem) -> None:
