@@ -773,6 +773,9 @@ def _check_running_stats(input: Tensor, running_mean: Tensor | None, running_var
             f"running_mean ({running_mean.dtype}) and running_var ({running_var.dtype}) must have one "
             f"dtype; convert one of them"
         )
+    if _byte_ranges_overlap(running_mean, running_var):
+        # Both are read and then written per channel: one would overwrite the other's old value.
+        raise ValueError("running_mean and running_var share memory; give each a buffer of its own")
     if input.numel() // num_channels < 2:
         raise ValueError(
             f"updating the running statistics needs more than 1 value per channel, got input of shape "

@@ -323,6 +323,9 @@ def test_forward_updates_running_stats_like_the_reference(device, momentum) -> N
     assert all(t._version > v for t, v in zip(buffers["triton"], versions, strict=True))
 
 
+_ONE_BUFFER = torch.zeros(3)
+
+
 @pytest.mark.parametrize(
     ("running", "message"),
     [
@@ -330,6 +333,7 @@ def test_forward_updates_running_stats_like_the_reference(device, momentum) -> N
         ((torch.zeros(3), torch.ones(3, dtype=torch.float16)), "must have one dtype"),
         ((torch.zeros(4), torch.ones(4)), "running_mean must be a contiguous 1-D float tensor of 3"),
         ((torch.zeros(3), torch.ones(6)[::2]), "running_var must be a contiguous"),
+        ((_ONE_BUFFER, _ONE_BUFFER), "share memory"),
     ],
 )
 def test_bad_running_stats_raise_the_same_errors(running, message) -> None:
