@@ -177,7 +177,9 @@ def convert(
         ValueError: unknown opt level, dtype, device type; a policy naming an unknown op;
             arguments that contradict `policy`.
 
-    The result stores the policy in ``gm.meta["amp_fx_policy"]`` and the traced graph before any
+    The result has every parameter and buffer of ``model`` under its name, also those the forward
+    never reads (cast by the rule for the rest of their module), so state dicts load both ways strictly.
+    It stores the policy in ``gm.meta["amp_fx_policy"]`` and the traced graph before any
     cast in ``gm.meta["amp_fx_original_code"]`` (read by `amp_fx.report`). Converting a converted
     GraphModule again with the same arguments inserts nothing.
     """

@@ -424,5 +424,32 @@ def trace(
             )
 
     gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+    _keep_unused_state(gm, tracer.root)
     _mark_opaque(gm, opaque_types, leaf_names, untraceable)
     return gm
+
+
+def _keep_unused_state(gm: torch.fx.GraphModule, root: nn.Module) -> None:
+    """Give ``gm`` each parameter and buffer of ``root``'s state_dict that its graph never reads,
+    under the same name (the same tensor, so tied weights stay tied).
+
+    torch.fx copies only what the graph uses. Without this, a submodule the forward skips, or a
+    buffer it never reads, would be missing from ``gm.state_dict()``: that state dict would not load
+    into the original model (strict), nor would the original's checkpoints load into ``gm``.
+    """
+    for name in root.state_dict(keep_vars=True):
+        path, _, attribute = name.rpartition(".")
+        owner, root_owner = gm, root
+        for part in path.split(".") if path else []:
+            root_owner = root_owner._modules[part]
+            if part not in owner._modules:
+                owner.add_module(part, root_owner)  # all of its state comes with it
+                break
+            owner = owner._modules[part]
+        else:
+            if attribute in owner._parameters or attribute in owner._buffers:
+                continue
+            if attribute in root_owner._parameters:
+                owner.register_parameter(attribute, root_owner._parameters[attribute])
+            else:
+                owner.register_buffer(attribute, root_owner._buffers[attribute])

@@ -157,3 +157,32 @@ def test_converted_model_keeps_working_as_a_module(tiny_net, make_batch):
     assert model(x).dtype == torch.float32
     assert len(list(model.parameters())) == len(list(source.parameters()))
     assert source.fc1.weight.dtype == torch.float32  # the model passed in is left as it was
+
+
+class _WithASpareHead(torch.nn.Module):
+    """A classifier whose forward does not call ``spare_head`` (the training loop calls it itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(10, 4)
+        self.spare_head = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def test_a_submodule_the_forward_skips_stays_in_the_model_and_trains(make_batch):
+    torch.manual_seed(0)
+    original = _WithASpareHead()
+    model, optimizer = _o2_with_sgd(_WithASpareHead())
+    # As with Apex, the returned model's checkpoint has every key of the original's.
+    original.load_state_dict(_save_and_load(model.state_dict()))
+    # The optimizer steps the returned model's spare head, not the original's.
+    before = model.spare_head.weight.detach().clone()
+    x, y = make_batch(0)
+    logits = model.spare_head(model(x).half()).float()
+    with amp.scale_loss(F.cross_entropy(logits, y), optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
+    assert model.spare_head.weight.dtype == torch.float16
+    assert not torch.equal(model.spare_head.weight, before)

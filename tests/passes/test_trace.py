@@ -234,6 +234,35 @@ def test_input_model_is_left_untouched():
     assert not shared
 
 
+class SkipsSomeState(nn.Module):
+    """A forward that never calls ``unused``, never reads ``step_count`` and ties ``head`` to ``embed``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 4, bias=False)
+        self.unused = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+        self.head = nn.Linear(4, 4, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("step_count", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.embed(x).relu()
+
+
+def test_state_the_forward_never_reads_is_kept_under_its_name():
+    # torch.fx keeps only what the graph reads; a checkpoint must still round-trip strictly.
+    model = SkipsSomeState()
+    gm = trace(model)
+    assert sorted(gm.state_dict()) == sorted(model.state_dict())
+    SkipsSomeState().load_state_dict(gm.state_dict())
+    gm.load_state_dict(SkipsSomeState().state_dict())
+    assert gm.head.weight is gm.embed.weight  # still tied
+    assert _call_modules(gm) == ["embed"]  # the graph itself is unchanged
+    assert not {id(t) for t in model.state_dict(keep_vars=True).values()} & {
+        id(t) for t in gm.state_dict(keep_vars=True).values()
+    }
+
+
 def test_training_mode_is_copied_and_leaf_modules_follow_train_eval():
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).train()
     gm = trace(model)
