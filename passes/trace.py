@@ -441,7 +441,9 @@ def _keep_unused_state(gm: torch.fx.GraphModule, root: nn.Module) -> None:
         path, _, attribute = name.rpartition(".")
         owner, root_owner = gm, root
         for part in path.split(".") if path else []:
-            root_owner = root_owner._modules[part]
+            root_owner = root_owner._modules.get(part)
+            if root_owner is None:  # a key a state_dict hook made up: no module holds it
+                break
             if part not in owner._modules:
                 owner.add_module(part, root_owner)  # all of its state comes with it
                 break
@@ -451,5 +453,7 @@ def _keep_unused_state(gm: torch.fx.GraphModule, root: nn.Module) -> None:
                 continue
             if attribute in root_owner._parameters:
                 owner.register_parameter(attribute, root_owner._parameters[attribute])
-            else:
+            elif attribute in root_owner._buffers:
                 owner.register_buffer(attribute, root_owner._buffers[attribute])
+            # Anything else (a module's `_extra_state`) is the module's, kept where the graph calls
+            # the module as a leaf (a module traced through becomes a container of its tensors).

@@ -249,6 +249,26 @@ class SkipsSomeState(nn.Module):
         return self.embed(x).relu()
 
 
+class _WithExtraState(nn.Linear):
+    """A module whose state_dict holds a non-tensor entry, `_extra_state`."""
+
+    def get_extra_state(self) -> dict[str, int]:
+        return {"version": 2}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        assert state == {"version": 2}
+
+
+class _SkipsAModuleWithExtraState(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.skipped = _WithExtraState(2, 2), _WithExtraState(2, 2)
+        self.register_buffer("never_read", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
 def test_state_the_forward_never_reads_is_kept_under_its_name():
     # torch.fx keeps only what the graph reads; a checkpoint must still round-trip strictly.
     model = SkipsSomeState()
@@ -258,6 +278,10 @@ def test_state_the_forward_never_reads_is_kept_under_its_name():
     gm.load_state_dict(SkipsSomeState().state_dict())
     assert gm.head.weight is gm.embed.weight  # still tied
     assert _call_modules(gm) == ["embed"]  # the graph itself is unchanged
+    # Non-tensor state (`_extra_state`) of a module called as a leaf and of a skipped one.
+    model = _SkipsAModuleWithExtraState()
+    gm = trace(model, leaf_modules=[_WithExtraState])
+    assert sorted(gm.state_dict()) == sorted(model.state_dict())
     assert not {id(t) for t in model.state_dict(keep_vars=True).values()} & {
         id(t) for t in gm.state_dict(keep_vars=True).values()
     }
