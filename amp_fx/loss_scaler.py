@@ -100,10 +100,8 @@ def _check_config(
         raise ValueError(f"growth_factor must be > 1.0, got {growth_factor}")
     if not 0.0 < backoff_factor < 1.0:
         raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
-    if growth_interval < 1:
-        raise ValueError(f"growth_interval must be >= 1, got {growth_interval}")
-    if hysteresis < 1:
-        raise ValueError(f"hysteresis must be >= 1 (1 backs off at the first overflow), got {hysteresis}")
+    # Both in [1, 2**31 - 1], the trackers counting up to them being int32 (hysteresis 1 backs off at
+    # the first overflow).
     check_tracker_count("growth_interval", growth_interval, 1)
     check_tracker_count("hysteresis", hysteresis, 1)
     for name, bound in (("min_scale", min_scale), ("max_scale", max_scale)):
