@@ -12,24 +12,23 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-# `convert` and `report` share their names with the modules that define them, so they are bound
-# eagerly: importing the submodule first would otherwise leave `amp_fx.convert` bound to the module.
-from amp_fx.convert import convert
-from amp_fx.report import Report, report
-
-# Other public names and the module that defines each, imported lazily so that the optimizers'
-# Triton kernels are only loaded when an optimizer is used.
+# Public names and the module that defines each, imported on first use: importing a pass or a
+# kernel (which runs this file first) does not load the user API above it, and the optimizers'
+# Triton kernels load only when an optimizer is used.
 _EXPORTS = {
-    "Policy": "amp_fx.policy",
-    "Rule": "amp_fx.policy",
-    "preset": "amp_fx.policy",
+    "convert": "amp_fx.pipeline",
+    "report": "amp_fx.reporting",
+    "Report": "amp_fx.reporting",
+    "Policy": "amp_fx.core.policy",
+    "Rule": "amp_fx.core.policy",
+    "preset": "amp_fx.core.policy",
     "LossScaler": "amp_fx.loss_scaler",
     "clip_grad_norm_": "amp_fx.clip_grad",
-    "fp32_cross_entropy": "amp_fx.losses",
+    "fp32_cross_entropy": "amp_fx.ops.losses",
 }
-_SUBMODULES = {"optim", "testing", "amp", "passes", "kernels"}
+_SUBMODULES = {"optim", "testing", "amp", "passes", "kernels", "core", "ops", "training_step"}
 
-__all__ = ["convert", "report", "Report", *_EXPORTS, *_SUBMODULES]
+__all__ = [*_EXPORTS, *_SUBMODULES]
 
 
 def __getattr__(name: str) -> Any:

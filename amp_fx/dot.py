@@ -1,6 +1,6 @@
 """Graphviz DOT for a converted graph: inserted casts and FP32 islands coloured.
 
-Reads only what the passes recorded in ``node.meta["amp_fx"]`` (`amp_fx.node_info.NodeInfo`), so it
+Reads only what the passes recorded in ``node.meta["amp_fx"]`` (`amp_fx.core.node_info.NodeInfo`), so it
 also draws a plain, unconverted fx graph (every node uncoloured)::
 
     >>> import torch, torch.fx
@@ -21,7 +21,7 @@ import torch
 import torch.fx
 
 import amp_fx
-from amp_fx.node_info import META_KEY
+from amp_fx.core.node_info import META_KEY
 
 # Fill colour per rule name (the `Rule` enum's member names); casts override the rule's colour.
 RULE_COLOURS = {

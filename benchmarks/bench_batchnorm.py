@@ -6,7 +6,7 @@ Forward + backward, for every distinct BatchNorm shape of a torchvision ResNet-5
 
     torch  y = F.batch_norm(x, ..., training=True); y += identity; F.relu(y, inplace=True)
            (torchvision's Bottleneck: the ReLU after the add, in place)
-    fused  amp_fx.norms.batch_norm_act(x, ..., residual=identity, relu=...)
+    fused  amp_fx.ops.norms.batch_norm_act(x, ..., residual=identity, relu=...)
 
 Per shape: median ms (``triton.testing.do_bench``, gradients of the input, the parameters and the
 residual) of eager calls, which include each call's host cost (Python, dispatch, launches: a
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from reporting import environment, publish
 
-from amp_fx.norms import batch_norm_act
+from amp_fx.ops.norms import batch_norm_act
 from amp_fx.testing import normwise_error
 
 

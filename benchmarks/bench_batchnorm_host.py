@@ -1,6 +1,6 @@
 """Host cost of one fused BatchNorm call (forward + backward), measured on CPU without a GPU.
 
-In an eager training step every `amp_fx.norms.batch_norm_act` call costs Python and dispatcher
+In an eager training step every `amp_fx.ops.norms.batch_norm_act` call costs Python and dispatcher
 time on the host, and every torch op it runs besides the Triton kernels becomes a small device
 kernel on the GPU. This script measures both where no GPU is needed:
 
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from amp_fx.kernels import batch_norm
-from amp_fx.norms import batch_norm_act
+from amp_fx.ops.norms import batch_norm_act
 
 # aten ops that launch nothing on a GPU: views, allocations, metadata.
 _NO_KERNEL = {

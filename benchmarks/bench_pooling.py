@@ -1,4 +1,4 @@
-"""2-D max pooling on channels_last activations: amp_fx.pooling.max_pool2d against F.max_pool2d.
+"""2-D max pooling on channels_last activations: amp_fx.ops.pooling.max_pool2d against F.max_pool2d.
 
 ResNet-50's stem max-pool (a (256, 64, 112, 112) fp16 channels_last tensor, 3x3, stride 2,
 padding 1: 0.82 ms forward and 1.83 ms backward per step in eager torch on an H200) and a few
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from reporting import environment, publish
 
-from amp_fx.pooling import max_pool2d
+from amp_fx.ops.pooling import max_pool2d
 
 
 @dataclass(frozen=True)

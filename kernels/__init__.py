@@ -4,13 +4,13 @@
 Two modules implement one contract (see ``reference``'s docstring for the math): the optimizer
 kernels ``check_finite_and_norm_``, ``adam_step_``, ``sgd_step_``, ``advance_step_``, the loss
 kernels ``cross_entropy_forward`` / ``cross_entropy_backward`` (fp32 cross-entropy over rows of
-fp16/bf16/fp32 logits, behind ``amp_fx.losses.fp32_cross_entropy``) and
+fp16/bf16/fp32 logits, behind ``amp_fx.ops.losses.fp32_cross_entropy``) and
 ``cross_entropy_forward_with_grad`` (the loss and its unscaled gradient in one pass, behind
-``amp_fx.losses.linear_cross_entropy``), and the normalization kernels
+``amp_fx.ops.losses.linear_cross_entropy``), and the normalization kernels
 ``batch_norm_act_forward`` / ``batch_norm_act_backward`` (training-mode BatchNorm + residual add +
-ReLU over channels_last activations, behind ``amp_fx.norms.batch_norm_act``), and the pooling
+ReLU over channels_last activations, behind ``amp_fx.ops.norms.batch_norm_act``), and the pooling
 kernels ``max_pool2d_forward`` / ``max_pool2d_backward`` (2-D max pooling of channels_last
-activations with 1-byte argmax offsets, behind ``amp_fx.pooling.max_pool2d``), and the loss-scale
+activations with 1-byte argmax offsets, behind ``amp_fx.ops.pooling.max_pool2d``), and the loss-scale
 kernel ``update_loss_scale_`` (the dynamic scale rule in one launch, behind ``amp_fx.LossScaler``):
 
 - ``reference``: plain torch; runs on any device and is what the optimizers use without CUDA.

@@ -607,7 +607,7 @@ def batch_norm_act_forward(
     """Training-mode BatchNorm (+ residual) (+ ReLU) of a channels_last ``input``; same contract as
     ``amp_fx.kernels.reference.batch_norm_act_forward``: ``(out, mean, invstd, var)``, and the
     running statistics updated in place when given. Three launches: statistics, finalize, apply.
-    ``validate=False`` skips the argument checks, for callers that made them (amp_fx.norms).
+    ``validate=False`` skips the argument checks, for callers that made them (amp_fx.ops.norms).
 
     Example:
         >>> x = torch.randn(8, 64, 7, 7, device="cuda", dtype=torch.float16)  # doctest: +SKIP
@@ -681,7 +681,7 @@ def batch_norm_act_backward(
     ``amp_fx.kernels.reference.batch_norm_act_backward``: ``(grad_input, grad_weight, grad_bias,
     grad_residual)`` (grad_residual empty without a residual). ``grad_out`` in another layout is
     copied to channels_last first. Three launches: reduce, finalize, input gradient.
-    ``validate=False`` skips the argument checks, for callers that made them (amp_fx.norms).
+    ``validate=False`` skips the argument checks, for callers that made them (amp_fx.ops.norms).
 
     Example:
         >>> grads = batch_norm_act_backward(torch.ones_like(out), x, None, None, mean, invstd,

@@ -44,7 +44,7 @@ A target outside [0, C) that is not ``ignore_index`` gives that row a NaN loss a
 
 ``cross_entropy_forward_with_grad`` fuses the two for an upstream gradient of 1: it returns the
 losses and writes ``dx`` with g_i = 1 (``softmax(x_i) - onehot(t_i)``, unscaled) over the logits,
-for `amp_fx.losses.linear_cross_entropy`, whose backward applies the real g_i after its matmuls.
+for `amp_fx.ops.losses.linear_cross_entropy`, whose backward applies the real g_i after its matmuls.
 
 Training-mode BatchNorm + residual add + ReLU (``batch_norm_act_forward`` /
 ``batch_norm_act_backward``; the Triton twins are in ``amp_fx.kernels.batch_norm``). For an input
@@ -842,7 +842,7 @@ def batch_norm_act_forward(
     ``1 / sqrt(var + eps)`` and the biased variance, float32 (C,). When ``running_mean`` and
     ``running_var`` are given they are updated in place as F.batch_norm updates them
     (`update_batch_norm_running_stats_`, with ``momentum``). ``validate=False`` skips the argument
-    checks, for callers that made them (amp_fx.norms).
+    checks, for callers that made them (amp_fx.ops.norms).
 
     Example:
         >>> x = torch.tensor([[1.0], [3.0]], dtype=torch.float16)
@@ -975,7 +975,7 @@ def _check_pair(name: str, value: object, minimum: int) -> tuple[int, int]:
     ):
         raise TypeError(
             f"{name} must be a pair of ints (height, width), got {value!r}; "
-            "amp_fx.pooling.max_pool2d accepts F.max_pool2d's forms and normalizes them"
+            "amp_fx.ops.pooling.max_pool2d accepts F.max_pool2d's forms and normalizes them"
         )
     if min(value) < minimum:
         raise ValueError(f"{name} must be >= {minimum} in both dimensions, got {tuple(value)}")

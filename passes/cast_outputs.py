@@ -21,8 +21,8 @@ import logging
 
 import torch.fx
 
+from amp_fx.core.policy import Policy
 from amp_fx.passes.insert_casts import CastCache, insert_input_casts, is_output_structure
-from amp_fx.policy import Policy
 
 logger = logging.getLogger(__name__)
 

@@ -28,11 +28,11 @@ import torch
 import torch.fx
 from torch import nn
 
-from amp_fx.fused_batch_norm import FusedBatchNormAct
-from amp_fx.node_info import node_info
-from amp_fx.passes.autocast_island import AutocastIsland
+from amp_fx.core.node_info import node_info
+from amp_fx.core.policy import Policy
+from amp_fx.ops.autocast_island import AutocastIsland
+from amp_fx.ops.fused_batch_norm import FusedBatchNormAct
 from amp_fx.passes.classify import decide_node
-from amp_fx.policy import Policy
 
 logger = logging.getLogger(__name__)
 

@@ -34,11 +34,11 @@ import torch
 import torch.fx
 from torch import nn
 
-from amp_fx.fused_batch_norm import FusedBatchNormAct
-from amp_fx.node_info import node_info
-from amp_fx.op_lists import OPAQUE_OP
-from amp_fx.passes.autocast_island import AutocastIsland
-from amp_fx.policy import Decision, Policy, Rule
+from amp_fx.core.node_info import node_info
+from amp_fx.core.op_lists import OPAQUE_OP
+from amp_fx.core.policy import Decision, Policy, Rule
+from amp_fx.ops.autocast_island import AutocastIsland
+from amp_fx.ops.fused_batch_norm import FusedBatchNormAct
 
 logger = logging.getLogger(__name__)
 

@@ -45,10 +45,10 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from amp_fx.node_info import NodeInfo, node_info
-from amp_fx.passes.autocast_island import AutocastIsland
+from amp_fx.core.node_info import META_KEY, NodeInfo, node_info
+from amp_fx.core.policy import Policy, Rule
+from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.passes.cast_parameters import planned_parameter_dtypes
-from amp_fx.policy import Policy, Rule
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def make_cast(
         cast.meta["is_wrapped"] = True
     else:
         cast = graph.create_node("call_method", "to", (value, dtype), name=name)
-    cast.meta[_META_KEY] = NodeInfo(
+    cast.meta[META_KEY] = NodeInfo(
         op="to",
         rule=Rule.PASSTHROUGH,
         reason=reason,
@@ -108,9 +108,6 @@ def make_cast(
         cast_reason=reason,
     )
     return cast
-
-
-_META_KEY = "amp_fx"
 
 
 def _cast_reason(node: torch.fx.Node, dtype: torch.dtype, value: torch.fx.Node) -> str:
@@ -308,7 +305,7 @@ def _get_attr(
     # twice), so that its cast is shared too. The first is created before the first reader.
     if target not in attributes:
         node = gm.graph.get_attr(target)
-        node.meta[_META_KEY] = NodeInfo(out_dtype=dtype)
+        node.meta[META_KEY] = NodeInfo(out_dtype=dtype)
         attributes[target] = node
     return attributes[target]
 
@@ -333,7 +330,7 @@ def _explicit_pad(
     eligible = have is None or (have.is_floating_point and have != torch.float64)
     seen = want if want is not None and eligible else have
     pad_node = gm.graph.call_function(F.pad, (pad.input, pad.padding), {"mode": pad.mode})
-    pad_node.meta[_META_KEY] = NodeInfo(
+    pad_node.meta[META_KEY] = NodeInfo(
         op=op,
         rule=decision.rule,
         reason=f"{decision.reason} (padding_mode={pad.mode!r} of {node.target})",

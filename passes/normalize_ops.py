@@ -28,10 +28,10 @@ Example::
     getattr_1 getattr ['builtins.getattr']
     matmul matmul ['operator.matmul (@)']
 
-Nodes made opaque by `trace` keep rule OPAQUE and get op ``"opaque"`` (`amp_fx.op_lists.OPAQUE_OP`),
+Nodes made opaque by `trace` keep rule OPAQUE and get op ``"opaque"`` (`amp_fx.core.op_lists.OPAQUE_OP`),
 with the module class or function in the notes. Python-level composites keep their functional
 name (``einsum`` stays ``"einsum"``, ``F.normalize`` is ``"normalize"``, an ``F.interpolate`` whose
-rank is unknown is ``"interpolate"``); `amp_fx.op_lists` lists them as composites.
+rank is unknown is ``"interpolate"``); `amp_fx.core.op_lists` lists them as composites.
 """
 
 from __future__ import annotations
@@ -49,10 +49,10 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from amp_fx.fused_batch_norm import FusedBatchNormAct
-from amp_fx.node_info import node_info
-from amp_fx.op_lists import OPAQUE_OP, canonical_op_name, is_known_op
-from amp_fx.policy import Rule
+from amp_fx.core.node_info import node_info
+from amp_fx.core.op_lists import OPAQUE_OP, canonical_op_name, is_known_op
+from amp_fx.core.policy import Rule
+from amp_fx.ops.fused_batch_norm import FusedBatchNormAct
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ OPERATOR_OPS: dict[Callable[..., Any], tuple[str, str]] = {
 }
 
 # Spellings torch accepts for the same aten op (aliases), and functional names whose op has
-# another name in `amp_fx.op_lists`. Applied after stripping the in-place underscore and before
+# another name in `amp_fx.core.op_lists`. Applied after stripping the in-place underscore and before
 # `op_lists.canonical_op_name` (which holds the aliases the policy accepts from users too).
 _ALIASES = {
     "true_divide": "div",
@@ -418,7 +418,7 @@ def normalize_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Record the canonical op name and original spelling of every call node (graph unchanged).
 
     Opaque nodes (rule OPAQUE, set by `trace`) get the op name policies use for untraced code,
-    ``"opaque"`` (`amp_fx.op_lists.OPAQUE_OP`); their class or function goes to the notes.
+    ``"opaque"`` (`amp_fx.core.op_lists.OPAQUE_OP`); their class or function goes to the notes.
 
     Example::
 

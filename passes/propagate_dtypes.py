@@ -45,8 +45,9 @@ import torch.fx
 from torch import nn
 from torch.fx.node import map_aggregate, map_arg
 
-from amp_fx.node_info import node_info
-from amp_fx.passes.autocast_island import AutocastIsland
+from amp_fx.core.node_info import node_info
+from amp_fx.core.policy import Policy, Rule
+from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.passes.cast_parameters import planned_parameter_dtypes
 from amp_fx.passes.insert_casts import (
     ASSUMED_DTYPE_NOTE,
@@ -55,7 +56,6 @@ from amp_fx.passes.insert_casts import (
     dtype_is_assumed,
     is_output_structure,
 )
-from amp_fx.policy import Policy, Rule
 
 logger = logging.getLogger(__name__)
 

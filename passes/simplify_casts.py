@@ -31,9 +31,9 @@ import logging
 import torch
 import torch.fx
 
-from amp_fx.node_info import node_info
+from amp_fx.core.node_info import node_info
+from amp_fx.core.policy import Policy
 from amp_fx.passes.insert_casts import dtype_is_assumed, is_exact_widening, may_share_cast
-from amp_fx.policy import Policy
 
 logger = logging.getLogger(__name__)
 

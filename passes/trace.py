@@ -67,8 +67,8 @@ import torch
 import torch.fx
 from torch import nn
 
-from amp_fx.node_info import node_info
-from amp_fx.policy import Rule
+from amp_fx.core.node_info import node_info
+from amp_fx.core.policy import Rule
 
 logger = logging.getLogger(__name__)
 

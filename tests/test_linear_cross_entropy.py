@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from amp_fx import losses as losses_module
-from amp_fx.losses import linear_cross_entropy, linear_cross_entropy_rows
+from amp_fx.ops import losses as losses_module
+from amp_fx.ops.losses import linear_cross_entropy, linear_cross_entropy_rows
 from amp_fx.testing import grad_tolerances, tolerances
 from tests.tracer_path import as_traced
 

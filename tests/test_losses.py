@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from amp_fx import losses as losses_module
 from amp_fx.kernels import reference
-from amp_fx.losses import (
+from amp_fx.ops import losses as losses_module
+from amp_fx.ops.losses import (
     cross_entropy_rows,
     cross_entropy_rows_backward,
     cross_entropy_rows_backward_,

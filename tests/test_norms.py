@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from amp_fx import norms
 from amp_fx.kernels import reference
-from amp_fx.norms import batch_norm_act, batch_norm_act_backward, batch_norm_act_forward
+from amp_fx.ops import norms
+from amp_fx.ops.norms import batch_norm_act, batch_norm_act_backward, batch_norm_act_forward
 from amp_fx.testing import assert_close_normwise, grad_tolerances, tolerances
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]

@@ -1,4 +1,4 @@
-"""amp_fx.op_lists against the installed torch: the dispatcher's registrations and autocast's behaviour.
+"""amp_fx.core.op_lists against the installed torch: the dispatcher's registrations and autocast's behaviour.
 
 Each sampled op runs under torch.autocast with floating inputs and the result is compared, bit for
 bit, with running the op outside autocast on inputs cast the way the list says (lower -> low
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from amp_fx.op_lists import (
+from amp_fx.core.op_lists import (
     AUTOCAST_OP_LISTS,
     DEVICE_TYPES,
     KNOWN_OPS,

@@ -1,4 +1,4 @@
-"""amp_fx.policy: presets per opt level (Apex's table), override precedence, serialization, errors."""
+"""amp_fx.core.policy: presets per opt level (Apex's table), override precedence, serialization, errors."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from amp_fx.op_lists import (
+from amp_fx.core.op_lists import (
     AUTOCAST_OP_LISTS,
     OPAQUE_OP,
     PASSTHROUGH_OPS,
     autocast_op_lists,
     register_op,
 )
-from amp_fx.policy import O2_FP32_ISLANDS, Decision, Policy, Rule, preset
+from amp_fx.core.policy import O2_FP32_ISLANDS, Decision, Policy, Rule, preset
 
 LEVELS = ("O0", "O1", "O2", "O3")
 LOW_DTYPES = (torch.float16, torch.bfloat16)

@@ -1,4 +1,4 @@
-"""`amp_fx.pooling.max_pool2d` against `F.max_pool2d`: values, gradients, layout, fallbacks, the
+"""`amp_fx.ops.pooling.max_pool2d` against `F.max_pool2d`: values, gradients, layout, fallbacks, the
 custom ops (opcheck, tracing with a dispatch mode) and torch.compile.
 
 The eager path runs the pure-torch reference on CPU, and the Triton kernels on CUDA or, with
@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from amp_fx import pooling
 from amp_fx.kernels import FORCE_TRITON_ENV
-from amp_fx.pooling import max_pool2d, max_pool2d_backward, max_pool2d_forward
+from amp_fx.ops import pooling
+from amp_fx.ops.pooling import max_pool2d, max_pool2d_backward, max_pool2d_forward
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (kernel_size, stride, padding, dilation, ceil_mode) in F.max_pool2d's accepted forms.

@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 from torch.utils import _pytree as pytree
 
 import amp_fx
-from amp_fx.node_info import node_info
-from amp_fx.policy import Rule
+from amp_fx.core.node_info import node_info
+from amp_fx.core.policy import Rule
 from amp_fx.testing import (
     SEQUENCE_LAYERS,
     SMOOTH_ACTIVATIONS,

@@ -16,7 +16,7 @@ import torch.fx
 from torch import nn
 
 import amp_fx
-from amp_fx.node_info import node_info
+from amp_fx.core.node_info import node_info
 
 
 class Block(nn.Module):
@@ -216,4 +216,4 @@ def test_report_rejects_a_plain_module() -> None:
 def test_public_names() -> None:
     rep = amp_fx.report(_convert(nn.Linear(2, 2), "O2"))
     assert isinstance(rep, amp_fx.Report)
-    assert type(rep).__module__ == "amp_fx.report"
+    assert type(rep).__module__ == "amp_fx.reporting"

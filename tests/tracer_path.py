@@ -1,6 +1,6 @@
 """Run amp_fx's fused functions on the path torch.compile takes, without compiling.
 
-amp_fx's fused ops pick their implementation from how they are called (`amp_fx.dispatch`): plain
+amp_fx's fused ops pick their implementation from how they are called (`amp_fx.ops.dispatch`): plain
 eager tensors take one path, tracers (dispatch modes, fake or functional tensors) the custom ops.
 A dispatch mode that runs every op as is makes a call take the tracer path with real tensors, so
 tests can check the op torch.compile will run, bit for bit, in eager time.

@@ -32,9 +32,9 @@ from torch import Tensor, nn
 import amp_fx
 from amp_fx.amp._properties import LOW_PRECISION_DTYPES, Properties
 from amp_fx.amp._registry import apply_registered_functions
-from amp_fx.node_info import META_KEY
-from amp_fx.passes.autocast_island import AutocastIsland
-from amp_fx.policy import preset
+from amp_fx.core.node_info import META_KEY
+from amp_fx.core.policy import preset
+from amp_fx.ops.autocast_island import AutocastIsland
 
 logger = logging.getLogger("amp_fx.amp")
 

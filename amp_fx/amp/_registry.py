@@ -23,8 +23,8 @@ import logging
 from types import ModuleType
 from typing import Any
 
-from amp_fx.op_lists import canonical_op_name, is_known_op, register_op
-from amp_fx.policy import Policy, Rule
+from amp_fx.core.op_lists import canonical_op_name, is_known_op, register_op
+from amp_fx.core.policy import Policy, Rule
 
 logger = logging.getLogger("amp_fx.amp")
 

@@ -23,7 +23,7 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from amp_fx.convert import POLICY_KEY
+from amp_fx.core.node_info import POLICY_KEY
 from amp_fx.testing.dtype_tolerances import grad_tolerances, tolerances
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from amp_fx import amp
-from amp_fx.node_info import node_info
-from amp_fx.policy import Rule
+from amp_fx.core.node_info import node_info
+from amp_fx.core.policy import Rule
 
 
 class Mixer(nn.Module):

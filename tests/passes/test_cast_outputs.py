@@ -8,7 +8,8 @@ import torch
 import torch.fx
 from torch import nn
 
-from amp_fx.node_info import node_info
+from amp_fx.core.node_info import node_info
+from amp_fx.core.policy import preset
 from amp_fx.passes.cast_outputs import cast_outputs
 from amp_fx.passes.cast_parameters import cast_parameters
 from amp_fx.passes.classify import classify
@@ -16,7 +17,6 @@ from amp_fx.passes.insert_casts import cast_if_floating, insert_casts, is_output
 from amp_fx.passes.normalize_ops import normalize_ops
 from amp_fx.passes.propagate_dtypes import propagate_dtypes
 from amp_fx.passes.trace import trace
-from amp_fx.policy import preset
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 

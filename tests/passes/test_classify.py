@@ -7,11 +7,11 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from amp_fx.node_info import node_info
+from amp_fx.core.node_info import node_info
+from amp_fx.core.policy import Rule, preset
 from amp_fx.passes.classify import calling_module, classify, decide_node, is_inplace_call
 from amp_fx.passes.normalize_ops import normalize_ops
 from amp_fx.passes.trace import trace
-from amp_fx.policy import Rule, preset
 
 
 def _classified(model: nn.Module, policy) -> torch.fx.GraphModule:

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_fx
-from amp_fx.losses import fp32_cross_entropy, linear_cross_entropy
-from amp_fx.node_info import node_info
+from amp_fx.core.node_info import node_info
+from amp_fx.core.policy import Policy, preset
+from amp_fx.ops.losses import fp32_cross_entropy, linear_cross_entropy
 from amp_fx.passes.fuse_linear_loss import fuse_linear_loss
-from amp_fx.policy import Policy, preset
 from amp_fx.testing import grad_tolerances, tolerances
 from tests.tracer_path import PassThroughMode
 

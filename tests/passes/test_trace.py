@@ -11,9 +11,9 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from amp_fx.node_info import node_info
+from amp_fx.core.node_info import node_info
+from amp_fx.core.policy import Rule
 from amp_fx.passes.trace import TraceError, trace
-from amp_fx.policy import Rule
 
 
 def _call_modules(gm: torch.fx.GraphModule) -> list[str]:

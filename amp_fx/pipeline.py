@@ -29,6 +29,8 @@ import torch
 import torch.fx
 from torch import nn
 
+from amp_fx.core.node_info import ORIGINAL_CODE_KEY, POLICY_KEY, node_info
+from amp_fx.core.policy import Policy, preset
 from amp_fx.passes.cast_outputs import cast_outputs
 from amp_fx.passes.cast_parameters import cast_parameters
 from amp_fx.passes.classify import classify
@@ -41,15 +43,10 @@ from amp_fx.passes.propagate_dtypes import propagate_dtypes
 from amp_fx.passes.replace_max_pool import replace_max_pool
 from amp_fx.passes.simplify_casts import simplify_casts
 from amp_fx.passes.trace import trace
-from amp_fx.policy import Policy, preset
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["convert", "POLICY_KEY", "ORIGINAL_CODE_KEY"]
-
-# Keys of GraphModule.meta that amp_fx.report reads.
-POLICY_KEY = "amp_fx_policy"
-ORIGINAL_CODE_KEY = "amp_fx_original_code"
+__all__ = ["convert"]
 
 
 def _check_model(model: Any) -> None:
@@ -218,6 +215,6 @@ def convert(
         resolved.opt_level,
         resolved.dtype,
         resolved.device_type,
-        sum(1 for n in gm.graph.nodes if n.meta.get("amp_fx") is not None and n.meta["amp_fx"].is_cast),
+        sum(1 for n in gm.graph.nodes if node_info(n).is_cast),
     )
     return gm

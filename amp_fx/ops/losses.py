@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from amp_fx.dispatch import is_eager, is_traced_backward
+from amp_fx.ops.dispatch import is_eager, is_traced_backward
 
 __all__ = [
     "fp32_cross_entropy",

@@ -7,7 +7,7 @@ registrations), for torch 2.11 and 2.14.1, and checked against the dispatcher of
 ``tests/test_op_lists.py``. Names are *canonical op names*: the aten op name without overload and
 without the in-place trailing underscore ("conv2d" covers ``aten::conv2d`` and ``aten::conv2d.padding``).
 
-Autocast's policies, and what amp_fx does with each (see `amp_fx.policy`):
+Autocast's policies, and what amp_fx does with each (see `amp_fx.core.policy`):
 
 - ``lower_precision_fp``: floating inputs are cast to the autocast dtype (fp16/bf16).
 - ``fp32``: floating inputs are cast to float32.
@@ -636,7 +636,7 @@ PASSTHROUGH_OPS = frozenset(
 # Spellings users write that are not the aten op name; `canonical_op_name` maps them.
 OP_ALIASES: dict[str, str] = {
     "cross_entropy": "cross_entropy_loss",
-    "fp32_cross_entropy": "cross_entropy_loss",  # amp_fx.losses: same op, read from low precision
+    "fp32_cross_entropy": "cross_entropy_loss",  # amp_fx.ops.losses: same op, read from low precision
     "grid_sample": "grid_sampler",
     "multi_dot": "linalg_multi_dot",
     "vecdot": "linalg_vecdot",

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from amp_fx.op_lists import (
+from amp_fx.core.op_lists import (
     DEVICE_TYPES,
     OPAQUE_OP,
     PASSTHROUGH_OPS,
@@ -253,7 +253,7 @@ def _check_op(op: Any) -> str:
     raise ValueError(
         f"policy names an unknown op {op!r}.{suggestion} Op names are aten names without overload or "
         "in-place underscore ('linear', 'conv2d', 'softmax'); to use a new op, register it first with "
-        f"amp_fx.op_lists.register_op({name!r})"
+        f"amp_fx.core.op_lists.register_op({name!r})"
     )
 
 
@@ -394,17 +394,17 @@ class Policy:
     - O3: parameters low (BatchNorm too unless ``keep_batchnorm_fp32=True``), no FP32 islands.
 
     ``fused_losses`` (default True at O2 only): an FP32 cross_entropy whose input is a cast of
-    low-precision logits reads them directly (`amp_fx.losses.fp32_cross_entropy`): the same fp32
+    low-precision logits reads them directly (`amp_fx.ops.losses.fp32_cross_entropy`): the same fp32
     math without a float32 copy of the logits. O1 leaves it off to stay bit-identical to autocast.
     ``fused_linear_loss`` (default True at O2 on CUDA; needs ``fused_losses``): such a loss whose
     logits come, through row-keeping views only, from a linear layer nothing else reads runs with
-    that layer as one call (`amp_fx.losses.linear_cross_entropy`: under torch.compile the gradient
+    that layer as one call (`amp_fx.ops.losses.linear_cross_entropy`: under torch.compile the gradient
     is computed in the loss's forward kernel and the backward is matmuls only; eagerly the two
     calls run as before, which measured faster there).
     ``fused_batch_norm`` (default True at O2 on CUDA): BatchNorm2d followed by ReLU (or by a residual
-    add and ReLU) runs as one call (`amp_fx.fused_batch_norm.FusedBatchNormAct`) when its input is
+    add and ReLU) runs as one call (`amp_fx.ops.fused_batch_norm.FusedBatchNormAct`) when its input is
     large. ``fused_max_pool`` (default True at O2 on CUDA): large 2-D max-pools run through
-    `amp_fx.pooling.max_pool2d` (1-byte argmax offsets, a one-pass gather backward). Both kernels
+    `amp_fx.ops.pooling.max_pool2d` (1-byte argmax offsets, a one-pass gather backward). Both kernels
     are for GPUs: on other devices they would run their pure-torch references, slower than torch.
 
     >>> policy = preset("O1", device_type="cpu", dtype=torch.bfloat16)

@@ -29,7 +29,7 @@
     +    input_1_to_float16 = amp_fx_passes_insert_casts_cast_if_floating(input_1, torch.float16);  ...
     +    _0 = getattr(self, "0")(input_1_to_float16);  input_1_to_float16 = None
 
-The report reads only ``node.meta["amp_fx"]`` (`amp_fx.node_info.NodeInfo`, written by the passes),
+The report reads only ``node.meta["amp_fx"]`` (`amp_fx.core.node_info.NodeInfo`, written by the passes),
 the converted module's parameters, and ``gm.meta`` (the policy and the traced code before casts).
 """
 
@@ -43,8 +43,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from amp_fx.convert import ORIGINAL_CODE_KEY, POLICY_KEY
-from amp_fx.node_info import META_KEY, NodeInfo
+from amp_fx.core.node_info import META_KEY, ORIGINAL_CODE_KEY, POLICY_KEY, NodeInfo
 
 __all__ = ["NodeRow", "Report", "report"]
 

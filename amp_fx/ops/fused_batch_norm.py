@@ -3,7 +3,7 @@
 `amp_fx.passes.fuse_batch_norm` puts one in place of ``relu(bn(x))`` or ``relu(bn(x) + identity)``
 (ResNet's pattern). It owns no parameters: it calls the BatchNorm module it replaces, which stays
 where it was in the model (same state_dict keys, same train/eval switch, same buffers). In training
-mode, on an input of at least `MIN_FUSED_ELEMENTS` elements, it runs `amp_fx.norms.batch_norm_act`
+mode, on an input of at least `MIN_FUSED_ELEMENTS` elements, it runs `amp_fx.ops.norms.batch_norm_act`
 (Triton kernels on channels_last inputs: fewer passes over the activations than cuDNN's BatchNorm
 followed by separate add and ReLU kernels); otherwise, and for everything `batch_norm_act` does
 not fuse, exactly what the three calls computed. The pass leaves BatchNorms and ReLU modules with
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amp_fx.module_hooks import has_forward_hooks
+from amp_fx.ops.module_hooks import has_forward_hooks
 
 __all__ = ["MIN_FUSED_ELEMENTS", "FusedBatchNormAct", "is_fusable_batch_norm"]
 
@@ -92,7 +92,7 @@ class FusedBatchNormAct(nn.Module):
         running_mean = bn.running_mean if tracked else None
         running_var = bn.running_var if tracked else None
         if uses_batch_stats and x.numel() >= MIN_FUSED_ELEMENTS:
-            from amp_fx.norms import batch_norm_act
+            from amp_fx.ops.norms import batch_norm_act
 
             return batch_norm_act(
                 x, bn.weight, bn.bias, running_mean, running_var, momentum, bn.eps, residual, self.relu

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from amp_fx.dispatch import is_eager, is_traced_backward
+from amp_fx.ops.dispatch import is_eager, is_traced_backward
 
 __all__ = ["batch_norm_act", "batch_norm_act_forward", "batch_norm_act_backward"]
 
