@@ -53,7 +53,7 @@ def short_repr(value: Any, limit: int = REPR_LIMIT) -> str:
     >>> short_repr("O2")
     "'O2'"
     >>> short_repr("x" * 100, limit=10)
-    "'xxxxxxxxx... (102 characters)"
+    "'xxxxxxxx... (102 characters)"
     """
     text = repr(value)
     if len(text) <= limit:
