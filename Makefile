@@ -7,12 +7,18 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test demo lint slow gpu-test clean
 
+# The first run installs everything (a few minutes, mostly torch); each step says what it does.
 $(STAMP): requirements-dev.txt pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip "setuptools>=64" wheel
-	$(PY) -m pip install -q -r requirements-dev.txt
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
-	touch $(STAMP)
+	@echo "[1/4] creating $(VENV) with $(PYTHON)"
+	@$(PYTHON) -m venv $(VENV)
+	@echo "[2/4] installing pip, setuptools>=77, wheel"
+	@$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel
+	@echo "[3/4] installing torch, torchvision, pytest, hypothesis, ruff, tqdm (requirements-dev.txt) ... (about 2 minutes)"
+	@$(PY) -m pip install -q -r requirements-dev.txt
+	@echo "[4/4] installing amp_fx (editable)"
+	@$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	@touch $(STAMP)
+	@echo "done: $(VENV) is ready"
 
 # CPU-only machines run the Triton kernels in the interpreter.
 test: $(STAMP)
