@@ -290,7 +290,7 @@ def test_lowercase_o_and_zero_get_a_capital_o_hint(level: str) -> None:
 
 @pytest.mark.parametrize("level", ["O4", "O12", "", "fast"])
 def test_unknown_opt_level(level: str) -> None:
-    with pytest.raises(ValueError, match="unknown opt_level .* use one of O0, O1, O2, O3") as info:
+    with pytest.raises(ValueError, match="unknown opt_level .* use one of 'O0', 'O1', 'O2', 'O3'") as info:
         preset(level)
     assert "did you mean" not in str(info.value)
     with pytest.raises(TypeError, match="opt_level must be a str"):
@@ -362,3 +362,56 @@ def test_serialization_errors() -> None:
         Policy.from_dict({"opt_level": "O1"})
     with pytest.raises(ValueError, match="O2"):
         Policy.from_dict({**preset("O1").to_dict(), "opt_level": "o2"})
+
+
+# ---- device type: the model's unless the policy names one ---------------------------------------------
+def test_preset_without_device_type_leaves_device_choices_to_for_device() -> None:
+    policy = preset("O1", dtype=torch.bfloat16).set_op("softmax", Rule.LOWER)
+    assert policy.device_type is None and policy.op_rules == {}
+    with pytest.raises(ValueError, match="O1's rule for 'linear' comes from the autocast op list.*device_type"):
+        policy.decide("linear")
+    for device in DEVICES:
+        resolved = policy.for_device(device)
+        expected = preset("O1", dtype=torch.bfloat16, device_type=device).set_op("softmax", Rule.LOWER)
+        assert resolved == expected
+    assert policy.device_type is None  # for_device returns a copy
+    assert preset("O1", device_type="cpu").for_device(torch.device("cpu")).device_type == "cpu"
+    with pytest.raises(ValueError, match="for device_type 'cpu', not 'cuda'"):
+        preset("O1", device_type="cpu").for_device("cuda")
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_fusion_defaults_wait_for_the_device_type(level: str) -> None:
+    undecided = preset(level)
+    for device in DEVICES:
+        assert undecided.for_device(device) == preset(level, device_type=device)
+    assert undecided.fused_losses == (level == "O2")  # the same on every device
+    cuda_only = ("fused_linear_loss", "fused_batch_norm", "fused_max_pool")
+    assert all(getattr(undecided, flag) is None for flag in cuda_only)
+    assert Policy.from_dict(json.loads(json.dumps(undecided.to_dict()))) == undecided
+    assert preset(level, fused_max_pool=True).fused_max_pool is True
+
+
+def test_fusion_flags_are_read_from_the_fields_and_unknown_ones_refused() -> None:
+    assert Policy.fusion_flags() == ("fused_losses", "fused_linear_loss", "fused_batch_norm", "fused_max_pool")
+    data = preset("O2", device_type="cuda").to_dict()
+    assert {flag: data[flag] for flag in Policy.fusion_flags()} == dict.fromkeys(Policy.fusion_flags(), True)
+    with pytest.raises(TypeError, match="unknown keyword 'fused_max_pol'; did you mean 'fused_max_pool'"):
+        preset("O2", fused_max_pol=False)
+
+
+# ---- errors echo at most ~60 characters of a user's value ---------------------------------------------
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda huge: preset(huge),
+        lambda huge: preset("O2", dtype=huge),
+        lambda huge: preset("O2", device_type=huge),
+        lambda huge: preset("O2", cast_model_outputs=huge),
+    ],
+    ids=["opt_level", "dtype", "device_type", "cast_model_outputs"],
+)
+def test_errors_cut_huge_user_strings(call) -> None:
+    with pytest.raises(ValueError, match=r"'OOOO.*\.\.\. \(1000002 characters\)") as info:
+        call("O" * 1_000_000)
+    assert len(str(info.value)) < 400

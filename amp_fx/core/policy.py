@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import enum
 import importlib
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from amp_fx.core.dtypes import LOW_PRECISION_DTYPES, check_opt_level, dtype_name, short_repr
 from amp_fx.core.op_lists import (
     DEVICE_TYPES,
     OPAQUE_OP,
@@ -45,9 +47,6 @@ from amp_fx.core.op_lists import (
 )
 
 logger = logging.getLogger(__name__)
-
-OPT_LEVELS = ("O0", "O1", "O2", "O3")
-LOW_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class Rule(str, enum.Enum):
@@ -156,34 +155,15 @@ _MATMUL_COMPOSITES = frozenset({"einsum", "tensordot", "linalg_multi_dot", "chai
 # --------------------------------------------------------------------------------------------
 # Validation helpers: each raises a clear error naming the problem and the fix.
 # --------------------------------------------------------------------------------------------
-def _check_opt_level(opt_level: Any) -> str:
-    if not isinstance(opt_level, str):
-        raise TypeError(
-            f"opt_level must be a str, one of {', '.join(OPT_LEVELS)}; got {type(opt_level).__name__} "
-            f"{opt_level!r}"
-        )
-    if opt_level in OPT_LEVELS:
-        return opt_level
-    hint = ""
-    stripped = opt_level.strip()
-    if len(stripped) == 2 and stripped[1] in "0123" and stripped[0] in "oO0":
-        hint = f"; did you mean 'O{stripped[1]}' (capital letter O)?"
-    raise ValueError(f"unknown opt_level {opt_level!r}: use one of {', '.join(OPT_LEVELS)}{hint}")
-
-
 _DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _check_low_dtype(dtype: Any) -> torch.dtype:
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in ("float16", "bfloat16"):
         return _DTYPE_NAMES[dtype.removeprefix("torch.")]
-    if dtype not in LOW_DTYPES:
+    if dtype not in LOW_PRECISION_DTYPES:
         raise ValueError(
-            f"dtype must be torch.float16 or torch.bfloat16, got {dtype!r}; for float32 training "
+            f"dtype must be torch.float16 or torch.bfloat16, got {short_repr(dtype)}; for float32 training "
             "use opt_level 'O0'"
         )
     return dtype
@@ -199,7 +179,8 @@ def _check_output_dtype(dtype: Any) -> torch.dtype | None:
             dtype = candidate
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(
-            f"cast_model_outputs must be a floating torch.dtype (e.g. torch.float32) or None, got {dtype!r}"
+            f"cast_model_outputs must be a floating torch.dtype (e.g. torch.float32) or None, got "
+            f"{short_repr(dtype)}"
         )
     return dtype
 
@@ -211,9 +192,10 @@ def _check_device_type(device_type: Any) -> str:
         return device_type
     hint = ""
     if isinstance(device_type, str) and ":" in device_type:
-        hint = f" (a device type has no index: use {device_type.split(':')[0]!r})"
+        hint = f" (a device type has no index: use {short_repr(device_type.split(':')[0])})"
     raise ValueError(
-        f"unknown device_type {device_type!r}: use one of {', '.join(map(repr, DEVICE_TYPES))}{hint}"
+        f"unknown device_type {short_repr(device_type)}: use one of "
+        f"{', '.join(map(repr, DEVICE_TYPES))}{hint}"
     )
 
 
@@ -370,6 +352,15 @@ def _low_op_rules(opt_level: str, keep_batchnorm_fp32: bool) -> dict[str, OpRule
     return rules
 
 
+def _fusion_flag(*, cuda_only: bool, needs: str | None = None) -> Any:
+    """A `Policy` field for one fused kernel: False unless set; None asks for the opt level's default.
+
+    The default is on at O2 only, and for `cuda_only` kernels only on CUDA (elsewhere they would
+    run their pure-torch references, slower than torch); `needs` names a flag it only acts after.
+    """
+    return field(default=False, metadata={"fusion": True, "cuda_only": cuda_only, "needs": needs})
+
+
 @dataclass(eq=True)
 class Policy:
     """An opt-level policy: presets per op plus QConfigMapping-style user overrides.
@@ -414,13 +405,15 @@ class Policy:
 
     opt_level: str
     dtype: torch.dtype = torch.float16
-    device_type: str = "cuda"
+    # None: the model's, filled in by `for_device` when `amp_fx.convert` sees the model.
+    device_type: str | None = None
     keep_batchnorm_fp32: bool = False
     cast_model_outputs: torch.dtype | None = None
-    fused_losses: bool = False
-    fused_linear_loss: bool = False
-    fused_batch_norm: bool = False
-    fused_max_pool: bool = False
+    # The fused kernels (see `fusion_flags`); None while their default waits for the device type.
+    fused_losses: bool | None = _fusion_flag(cuda_only=False)
+    fused_linear_loss: bool | None = _fusion_flag(cuda_only=True, needs="fused_losses")
+    fused_batch_norm: bool | None = _fusion_flag(cuda_only=True)
+    fused_max_pool: bool | None = _fusion_flag(cuda_only=True)
     op_rules: dict[str, OpRule] = field(default_factory=dict)
     global_rule: Rule = Rule.PASSTHROUGH
     op_overrides: dict[str, Rule] = field(default_factory=dict)
@@ -431,15 +424,14 @@ class Policy:
 
     def __post_init__(self) -> None:
         # Validate everything before the object is used: a bad policy never reaches the passes.
-        self.opt_level = _check_opt_level(self.opt_level)
+        self.opt_level = check_opt_level(self.opt_level)
         self.dtype = _check_low_dtype(self.dtype)
-        self.device_type = _check_device_type(self.device_type)
+        if self.device_type is not None:
+            self.device_type = _check_device_type(self.device_type)
         self.keep_batchnorm_fp32 = _check_keep_batchnorm_fp32(self.keep_batchnorm_fp32)
         self.cast_model_outputs = _check_output_dtype(self.cast_model_outputs)
-        self.fused_losses = _check_flag("fused_losses", self.fused_losses)
-        self.fused_linear_loss = _check_flag("fused_linear_loss", self.fused_linear_loss)
-        self.fused_batch_norm = _check_flag("fused_batch_norm", self.fused_batch_norm)
-        self.fused_max_pool = _check_flag("fused_max_pool", self.fused_max_pool)
+        for flag in _FUSION_FLAGS:
+            setattr(self, flag.name, self._fusion_default(flag, getattr(self, flag.name)))
         self.global_rule = _check_rule(self.global_rule)
         self.op_rules = {
             _check_op(op): OpRule(_check_rule(entry.rule), str(entry.reason))
@@ -455,6 +447,48 @@ class Policy:
         self.module_name_overrides = {
             str(name): _check_rule(rule) for name, rule in self.module_name_overrides.items()
         }
+
+    def _fusion_default(self, flag: dataclasses.Field, value: Any) -> bool | None:
+        if value is not None:
+            return _check_flag(flag.name, value)
+        if flag.metadata["cuda_only"] and self.device_type is None:
+            return None  # decided by `for_device`
+        needs = flag.metadata["needs"]
+        return (
+            self.opt_level == "O2"
+            and (not flag.metadata["cuda_only"] or self.device_type == "cuda")
+            and (needs is None or bool(getattr(self, needs)))
+        )
+
+    @classmethod
+    def fusion_flags(cls) -> tuple[str, ...]:
+        """The names of the fused-kernel switches (``fused_losses``, ``fused_max_pool``, ...).
+
+        >>> "fused_batch_norm" in Policy.fusion_flags()
+        True
+        """
+        return tuple(flag.name for flag in _FUSION_FLAGS)
+
+    def for_device(self, device_type: str | torch.device) -> Policy:
+        """This policy on `device_type`: itself if it names that device type already, else a copy
+        with the device's preset op rules (under its own) and fused-kernel defaults filled in.
+
+        `amp_fx.convert` calls it with the model's device type for a policy that names none.
+
+        >>> policy = preset("O1", dtype=torch.bfloat16)
+        >>> policy.device_type is None, policy.for_device("cpu").decide("conv2d").reason
+        (True, 'autocast cpu lower_precision_fp list')
+        """
+        device = _check_device_type(device_type)
+        if self.device_type == device:
+            return self
+        if self.device_type is not None:
+            raise ValueError(
+                f"this policy is for device_type {self.device_type!r}, not {device!r}: build one for "
+                f"{device!r} with amp_fx.preset(..., device_type={device!r})"
+            )
+        op_rules = {**_preset_op_rules(self.opt_level, device, self.keep_batchnorm_fp32), **self.op_rules}
+        return dataclasses.replace(self, device_type=device, op_rules=op_rules)
 
     # ---- derived properties read by the passes ------------------------------------------------
     @property
@@ -558,6 +592,11 @@ class Policy:
             return Rule.PASSTHROUGH, "O0: no casts (identity)"
         if op in PASSTHROUGH_OPS and self.global_rule is Rule.PASSTHROUGH:
             return Rule.PASSTHROUGH, f"{self.opt_level}: {op} is dtype-agnostic (runs on what flows in)"
+        if self.opt_level == "O1" and self.device_type is None:
+            raise ValueError(
+                f"O1's rule for {op!r} comes from the autocast op list of a device type, and this policy "
+                "names none: pass device_type='cpu' or 'cuda' to preset, or use policy.for_device(...)"
+            )
         return self.global_rule, f"global rule: {op} is on no {self.opt_level} list"
 
     def _has_overrides(self) -> bool:
@@ -588,16 +627,13 @@ class Policy:
         """
         return {
             "opt_level": self.opt_level,
-            "dtype": _dtype_name(self.dtype),
+            "dtype": dtype_name(self.dtype),
             "device_type": self.device_type,
             "keep_batchnorm_fp32": self.keep_batchnorm_fp32,
             "cast_model_outputs": None
             if self.cast_model_outputs is None
-            else _dtype_name(self.cast_model_outputs),
-            "fused_losses": self.fused_losses,
-            "fused_linear_loss": self.fused_linear_loss,
-            "fused_batch_norm": self.fused_batch_norm,
-            "fused_max_pool": self.fused_max_pool,
+            else dtype_name(self.cast_model_outputs),
+            **{flag: getattr(self, flag) for flag in self.fusion_flags()},
             "global": self.global_rule.value,
             "op_rules": {
                 op: {"rule": e.rule.value, "reason": e.reason} for op, e in sorted(self.op_rules.items())
@@ -626,10 +662,7 @@ class Policy:
             device_type=data["device_type"],
             keep_batchnorm_fp32=data.get("keep_batchnorm_fp32", False),
             cast_model_outputs=_check_output_dtype(data.get("cast_model_outputs")),
-            fused_losses=data.get("fused_losses", False),
-            fused_linear_loss=data.get("fused_linear_loss", False),
-            fused_batch_norm=data.get("fused_batch_norm", False),
-            fused_max_pool=data.get("fused_max_pool", False),
+            **{flag: data.get(flag, False) for flag in cls.fusion_flags()},
             op_rules={
                 op: OpRule(_check_rule(entry["rule"]), entry.get("reason", ""))
                 for op, entry in data.get("op_rules", {}).items()
@@ -646,15 +679,13 @@ class Policy:
         )
 
     def __str__(self) -> str:
-        outputs = "as computed" if self.cast_model_outputs is None else _dtype_name(self.cast_model_outputs)
+        outputs = "as computed" if self.cast_model_outputs is None else dtype_name(self.cast_model_outputs)
         lines = [
-            f"Policy {self.opt_level} dtype={_dtype_name(self.dtype)} device_type={self.device_type} "
+            f"Policy {self.opt_level} dtype={dtype_name(self.dtype)} device_type={self.device_type} "
             f"keep_batchnorm_fp32={self.keep_batchnorm_fp32} cast_model_outputs={outputs} "
-            f"fused_losses={self.fused_losses} fused_linear_loss={self.fused_linear_loss} "
-            f"fused_batch_norm={self.fused_batch_norm} "
-            f"fused_max_pool={self.fused_max_pool}",
+            + " ".join(f"{flag}={getattr(self, flag)}" for flag in self.fusion_flags()),
             f"  cast_parameters={self.cast_parameters} cast_inputs_dtype="
-            f"{None if self.cast_inputs_dtype is None else _dtype_name(self.cast_inputs_dtype)} "
+            f"{None if self.cast_inputs_dtype is None else dtype_name(self.cast_inputs_dtype)} "
             f"autocast_opaque={self.autocast_opaque}",
             f"  global: {self.global_rule.value}",
         ]
@@ -684,71 +715,74 @@ class Policy:
         return "\n".join(lines)
 
 
+# The fused-kernel switches, in field order (a flag's `needs` comes before it).
+_FUSION_FLAGS = tuple(flag for flag in dataclasses.fields(Policy) if flag.metadata.get("fusion"))
+
+
+def _preset_op_rules(opt_level: str, device_type: str | None, keep_batchnorm_fp32: bool) -> dict[str, OpRule]:
+    # O1 follows its device's autocast lists, so without a device type they wait for `for_device`.
+    if opt_level == "O0" or (opt_level == "O1" and device_type is None):
+        return {}
+    if opt_level == "O1":
+        return _o1_op_rules(autocast_op_lists(device_type))
+    return _low_op_rules(opt_level, keep_batchnorm_fp32)
+
+
+def _check_fusion_flag_names(flags: dict[str, Any]) -> None:
+    unknown = sorted(set(flags) - set(Policy.fusion_flags()))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], Policy.fusion_flags(), n=1)
+        suggestion = f"; did you mean {close[0]!r}?" if close else ""
+        raise TypeError(
+            f"preset got unknown keyword {short_repr(unknown[0])}{suggestion} The fused-kernel "
+            f"switches are {', '.join(Policy.fusion_flags())}"
+        )
+
+
 def preset(
     opt_level: str,
     dtype: torch.dtype = torch.float16,
-    device_type: str = "cuda",
+    device_type: str | None = None,
     keep_batchnorm_fp32: bool | str | None = None,
     cast_model_outputs: torch.dtype | None = None,
-    fused_losses: bool | None = None,
-    fused_batch_norm: bool | None = None,
-    fused_max_pool: bool | None = None,
-    fused_linear_loss: bool | None = None,
+    **fusion_flags: bool | None,
 ) -> Policy:
-    """The policy for an Apex opt level on a device type; see `Policy` for the table.
+    """The policy for an Apex opt level; see `Policy` for the table.
 
+    `device_type` ("cuda" or "cpu") picks O1's autocast op lists and the fused kernels' defaults;
+    None (the default) leaves both to `amp_fx.convert`, which takes the model's device type.
     `keep_batchnorm_fp32` defaults to True for O2 and False otherwise (Apex also accepts the strings
     "True"/"False"); `cast_model_outputs` defaults to float32 for O2/O3 (losses computed in fp32, as
-    in Apex) and None (outputs as computed) for O0/O1; `fused_losses` defaults to True for O2 only,
-    `fused_batch_norm`, `fused_max_pool` and `fused_linear_loss` for O2 on CUDA only.
+    in Apex) and None (outputs as computed) for O0/O1. The fused-kernel switches
+    (`Policy.fusion_flags`: ``fused_losses``, ``fused_linear_loss``, ``fused_batch_norm``,
+    ``fused_max_pool``) are True or False, or None for the default: ``fused_losses`` on for O2,
+    the others for O2 on CUDA only.
 
     >>> p = preset("O2", dtype=torch.bfloat16)
     >>> p.cast_parameters, p.keep_batchnorm_fp32, p.cast_model_outputs, p.fused_losses
     (True, True, torch.float32, True)
+    >>> p.fused_max_pool is None, p.for_device("cuda").fused_max_pool, p.for_device("cpu").fused_max_pool
+    (True, True, False)
     """
-    level = _check_opt_level(opt_level)
+    _check_fusion_flag_names(fusion_flags)
+    level = check_opt_level(opt_level)
     low = _check_low_dtype(dtype)
-    device = _check_device_type(device_type)
+    device = None if device_type is None else _check_device_type(device_type)
     keep_bn = (
         (level == "O2") if keep_batchnorm_fp32 is None else _check_keep_batchnorm_fp32(keep_batchnorm_fp32)
     )
     outputs = _check_output_dtype(cast_model_outputs)
-    fused = (level == "O2") if fused_losses is None else _check_flag("fused_losses", fused_losses)
-    # The BatchNorm and max-pool kernels are for GPUs; elsewhere their references would run.
-    fused_bn = (
-        (level == "O2" and device == "cuda")
-        if fused_batch_norm is None
-        else _check_flag("fused_batch_norm", fused_batch_norm)
-    )
-    fused_pool = (
-        (level == "O2" and device == "cuda")
-        if fused_max_pool is None
-        else _check_flag("fused_max_pool", fused_max_pool)
-    )
-    # Its fused op is for GPUs too; it only acts on losses that fused_losses fused.
-    fused_head = (
-        (level == "O2" and device == "cuda" and fused)
-        if fused_linear_loss is None
-        else _check_flag("fused_linear_loss", fused_linear_loss)
-    )
     if outputs is None and level in ("O2", "O3"):
         outputs = torch.float32
-    if level == "O0":
-        op_rules: dict[str, OpRule] = {}
-    elif level == "O1":
-        op_rules = _o1_op_rules(autocast_op_lists(device))
-    else:
-        op_rules = _low_op_rules(level, keep_bn)
+    op_rules = _preset_op_rules(level, device, keep_bn)
     policy = Policy(
         opt_level=level,
         dtype=low,
         device_type=device,
         keep_batchnorm_fp32=keep_bn,
         cast_model_outputs=outputs,
-        fused_losses=fused,
-        fused_linear_loss=fused_head,
-        fused_batch_norm=fused_bn,
-        fused_max_pool=fused_pool,
+        # None asks the policy for the opt level's (and device's) default.
+        **{flag: fusion_flags.get(flag) for flag in Policy.fusion_flags()},
         op_rules=op_rules,
     )
     logger.debug("preset %s dtype=%s device_type=%s: %d op rules", level, low, device, len(op_rules))
