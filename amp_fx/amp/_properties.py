@@ -17,8 +17,19 @@ from typing import Any
 
 import torch
 
-OPT_LEVELS = ("O0", "O1", "O2", "O3")
-LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
+from amp_fx.core import dtypes
+from amp_fx.core.dtypes import LOW_PRECISION_DTYPES, OPT_LEVELS, short_repr
+
+__all__ = [
+    "LOW_PRECISION_DTYPES",
+    "OPT_LEVELS",
+    "AmpConfigError",
+    "Properties",
+    "check_loss_scale_bounds",
+    "check_opt_level",
+    "opt_level_defaults",
+    "resolve_properties",
+]
 
 
 class AmpConfigError(ValueError, RuntimeError):
@@ -90,15 +101,11 @@ OPT_LEVEL_PRESETS: dict[str, dict[str, Any]] = {
 
 
 def check_opt_level(opt_level: Any) -> str:
-    """Return `opt_level` if it is one of "O0".."O3", else raise naming the accepted spellings."""
-    if isinstance(opt_level, str) and opt_level in OPT_LEVELS:
-        return opt_level
-    hint = ""
-    if isinstance(opt_level, str) and opt_level.upper().replace("0", "O", 1) in OPT_LEVELS:
-        hint = (
-            f" (did you mean {opt_level.upper().replace('0', 'O', 1)!r}? the first character is the letter O)"
-        )
-    raise AmpConfigError(f"unexpected opt_level {opt_level!r}: use one of 'O0', 'O1', 'O2', 'O3'{hint}")
+    """`amp_fx.core.dtypes.check_opt_level`, raising Apex's `AmpConfigError` for any bad value."""
+    try:
+        return dtypes.check_opt_level(opt_level)
+    except (TypeError, ValueError) as error:
+        raise AmpConfigError(str(error)) from None
 
 
 def opt_level_defaults(opt_level: str) -> Properties:
@@ -110,7 +117,7 @@ def opt_level_defaults(opt_level: str) -> Properties:
 def _check_cast_model_type(props: Properties, value: Any) -> Any:
     if value is not None and value is not False and value not in (torch.float32, *LOW_PRECISION_DTYPES):
         raise AmpConfigError(
-            f"cast_model_type={value!r} is not supported: use torch.float16, torch.bfloat16, "
+            f"cast_model_type={short_repr(value)} is not supported: use torch.float16, torch.bfloat16, "
             "torch.float32 or None"
         )
     if props.opt_level == "O1" and value not in (None, False, torch.float32):
@@ -124,7 +131,7 @@ def _check_cast_model_type(props: Properties, value: Any) -> Any:
 
 def _check_patch_torch_functions(props: Properties, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise AmpConfigError(f"patch_torch_functions must be True, False or None, not {value!r}")
+        raise AmpConfigError(f"patch_torch_functions must be True, False or None, not {short_repr(value)}")
     if props.opt_level != "O1" and value:
         raise AmpConfigError(
             "patch_torch_functions=True (op-level casts) is what opt_level='O1' selects; "
@@ -137,7 +144,7 @@ def _check_keep_batchnorm_fp32(props: Properties, value: Any) -> bool | None:
     if props.opt_level == "O1" and value is not None:
         raise AmpConfigError(
             "with opt_level O1 batchnorm already runs in FP32 through the op lists, so "
-            f"keep_batchnorm_fp32 must be None (it was {value!r})"
+            f"keep_batchnorm_fp32 must be None (it was {short_repr(value)})"
         )
     if value == "True":
         return True
@@ -147,7 +154,7 @@ def _check_keep_batchnorm_fp32(props: Properties, value: Any) -> bool | None:
         return value
     raise AmpConfigError(
         "keep_batchnorm_fp32 must be a boolean, the string 'True' or 'False', or None, "
-        f"found keep_batchnorm_fp32={value!r}"
+        f"found keep_batchnorm_fp32={short_repr(value)}"
     )
 
 
@@ -158,7 +165,7 @@ def _check_master_weights(props: Properties, value: Any) -> bool | None:
             "master_weights=None, or use opt_level='O2' for low-precision weights with FP32 masters"
         )
     if value is not None and not isinstance(value, bool):
-        raise AmpConfigError(f"master_weights must be True, False or None, not {value!r}")
+        raise AmpConfigError(f"master_weights must be True, False or None, not {short_repr(value)}")
     return value
 
 
@@ -169,10 +176,13 @@ def _check_loss_scale(props: Properties, value: Any) -> float | str:
         scale = float(value)
     except (TypeError, ValueError):
         raise AmpConfigError(
-            f"loss_scale must be 'dynamic' or a number (or a string of one, e.g. '128.0'), not {value!r}"
+            "loss_scale must be 'dynamic' or a number (or a string of one, e.g. '128.0'), not "
+            f"{short_repr(value)}"
         ) from None
     if not math.isfinite(scale) or scale <= 0:
-        raise AmpConfigError(f"loss_scale must be a positive finite number or 'dynamic', not {value!r}")
+        raise AmpConfigError(
+            f"loss_scale must be a positive finite number or 'dynamic', not {short_repr(value)}"
+        )
     return scale
 
 
@@ -218,7 +228,7 @@ def check_loss_scale_bounds(min_loss_scale: Any, max_loss_scale: Any) -> tuple[f
             or not value > 0
             or math.isinf(value)
         ):
-            raise AmpConfigError(f"{name} must be a positive finite number, not {value!r}")
+            raise AmpConfigError(f"{name} must be a positive finite number, not {short_repr(value)}")
         bounds.append(float(value))
     low, high = bounds
     if low is not None and low > high:
