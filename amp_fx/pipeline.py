@@ -29,6 +29,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from amp_fx.core.dtypes import check_opt_level, default_device_type
 from amp_fx.core.node_info import ORIGINAL_CODE_KEY, POLICY_KEY, node_info
 from amp_fx.core.policy import Policy, preset
 from amp_fx.passes.cast_outputs import cast_outputs
@@ -64,12 +65,6 @@ def _check_model(model: Any) -> None:
         )
 
 
-def _default_device_type(model: nn.Module) -> str:
-    for tensor in [*model.parameters(), *model.buffers()]:
-        return tensor.device.type
-    return "cpu"
-
-
 def _check_example_inputs(example_inputs: Any) -> tuple[Any, ...] | None:
     if example_inputs is None:
         return None
@@ -82,7 +77,7 @@ def _check_example_inputs(example_inputs: Any) -> tuple[Any, ...] | None:
 
 
 def _resolve_policy(
-    opt_level: str,
+    opt_level: str | None,
     dtype: torch.dtype,
     device_type: str | None,
     keep_batchnorm_fp32: bool | str | None,
@@ -91,10 +86,15 @@ def _resolve_policy(
     model: nn.Module,
 ) -> Policy:
     if policy is None:
+        if opt_level is None:
+            raise TypeError(
+                "convert needs an opt_level ('O0', 'O1', 'O2' or 'O3') or a policy: "
+                "amp_fx.convert(model, 'O2') or amp_fx.convert(model, policy=amp_fx.preset('O2', ...))"
+            )
         return preset(
             opt_level,
             dtype=dtype,
-            device_type=device_type if device_type is not None else _default_device_type(model),
+            device_type=device_type if device_type is not None else default_device_type(model),
             keep_batchnorm_fp32=keep_batchnorm_fp32,
             cast_model_outputs=cast_model_outputs,
         )
@@ -103,15 +103,16 @@ def _resolve_policy(
             f"policy must be an amp_fx.Policy (e.g. amp_fx.preset('O2').set_op('softmax', 'fp32')), "
             f"got {type(policy).__name__}"
         )
-    preset(opt_level)  # validates the opt level, with the same message as without a policy
+    if opt_level is not None:
+        check_opt_level(opt_level)  # the same message as without a policy
     if isinstance(device_type, torch.device):
         device_type = device_type.type
     conflicts = []
-    if opt_level != policy.opt_level:
+    if opt_level is not None and opt_level != policy.opt_level:
         conflicts.append(f"opt_level {opt_level!r} vs the policy's {policy.opt_level!r}")
     if dtype != torch.float16 and dtype != policy.dtype:
         conflicts.append(f"dtype {dtype} vs the policy's {policy.dtype}")
-    if device_type is not None and device_type != policy.device_type:
+    if device_type is not None and policy.device_type is not None and device_type != policy.device_type:
         conflicts.append(f"device_type {device_type!r} vs the policy's {policy.device_type!r}")
     if keep_batchnorm_fp32 is not None and keep_batchnorm_fp32 not in (
         policy.keep_batchnorm_fp32,
@@ -128,9 +129,10 @@ def _resolve_policy(
         raise ValueError(
             f"convert got a policy and arguments that disagree ({'; '.join(conflicts)}); the policy "
             "decides: build it with amp_fx.preset(opt_level, dtype, device_type, ...) and pass only "
-            "opt_level and policy"
+            "the policy"
         )
-    return policy
+    # A policy without a device type takes the model's (or the device_type argument's).
+    return policy.for_device(device_type if device_type is not None else default_device_type(model))
 
 
 def _is_converted(model: nn.Module) -> bool:
@@ -139,7 +141,7 @@ def _is_converted(model: nn.Module) -> bool:
 
 def convert(
     model: nn.Module,
-    opt_level: str,
+    opt_level: str | None = None,
     *,
     dtype: torch.dtype = torch.float16,
     device_type: str | None = None,
@@ -155,21 +157,24 @@ def convert(
     Args:
         model: the model (an nn.Module, not wrapped in DDP/DataParallel); never modified.
         opt_level: "O0" (identity), "O1" (torch.autocast's op lists, fp32 weights), "O2" (low
-            weights, FP32 islands, BatchNorm fp32), "O3" (pure low precision).
+            weights, FP32 islands, BatchNorm fp32), "O3" (pure low precision). May be left out
+            when `policy` is given (the policy's opt level decides).
         dtype: torch.float16 or torch.bfloat16.
         device_type: "cuda" or "cpu", selects autocast's op lists; default: the device of the
             model's parameters (cpu without any).
         keep_batchnorm_fp32, cast_model_outputs: Apex's overrides (default True at O2 /
             float32 outputs at O2 and O3).
-        policy: an `amp_fx.Policy` to use instead of the preset (it then decides dtype,
-            device_type, keep_batchnorm_fp32 and cast_model_outputs).
+        policy: an `amp_fx.Policy` to use instead of the preset (it then decides opt_level, dtype,
+            keep_batchnorm_fp32 and cast_model_outputs, and device_type if it names one; else
+            the model's is used): ``convert(model, policy=amp_fx.preset("O2").set_op(...))``.
         example_inputs: a tuple of forward arguments; makes dtype propagation exact (run on fake
             tensors, no compute), so no cast is ever a no-op.
         leaf_modules: module types or qualified names to keep opaque (run in an autocast island).
         concrete_args: forward arguments to specialise while tracing (as torch.fx).
 
     Raises:
-        TypeError: `model` is not an nn.Module or is wrapped in DDP/DataParallel; `policy` or
+        TypeError: `model` is not an nn.Module or is wrapped in DDP/DataParallel; neither
+            `opt_level` nor `policy` given; `policy` or
             `example_inputs` of the wrong type; the top-level forward cannot be traced (TraceError).
         ValueError: unknown opt level, dtype, device type; a policy naming an unknown op;
             arguments that contradict `policy`.

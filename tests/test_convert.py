@@ -479,3 +479,44 @@ def test_converted_graph_survives_torch_save_and_load(tmp_path, name: str, opt_l
     torch.save(gm, tmp_path / "gm.pt")
     loaded = torch.load(tmp_path / "gm.pt", weights_only=False)
     assert torch.equal(loaded(*inputs), gm(*inputs))
+
+
+# ------------------------------------------------------------------------------------------
+# A policy alone decides; without a device type it takes the model's
+# ------------------------------------------------------------------------------------------
+def test_convert_with_only_a_policy_equals_convert_with_the_opt_level():
+    model, inputs = _model_and_inputs("mlp")
+    by_policy = convert(model, policy=preset("O2", BF16, "cpu"))
+    by_level = convert(model, "O2", dtype=BF16)
+    assert by_policy.meta["amp_fx_policy"] == by_level.meta["amp_fx_policy"]
+    assert by_policy.code == by_level.code
+    assert torch.equal(by_policy(*inputs), by_level(*inputs))
+
+
+def test_preset_without_device_type_takes_the_cpu_models_op_lists():
+    model, inputs = _model_and_inputs("mlp")
+    undecided = preset("O1", BF16).set_module_name("fc2", Rule.FP32)
+    gm = convert(model, policy=undecided)
+    resolved = gm.meta["amp_fx_policy"]
+    assert resolved == preset("O1", BF16, "cpu").set_module_name("fc2", Rule.FP32)
+    assert resolved.op_rules["linear"].reason == "autocast cpu lower_precision_fp list"
+    assert undecided.device_type is None  # the user's policy is left as it was
+    # O2's GPU-only kernels stay off for a CPU model, as with convert(model, "O2").
+    o2 = convert(model, policy=preset("O2", BF16)).meta["amp_fx_policy"]
+    assert o2 == preset("O2", BF16, "cpu") and not o2.fused_max_pool and not o2.fused_batch_norm
+    # The device_type argument fills in what the policy leaves open; it is no conflict.
+    cuda = convert(model, device_type="cuda", policy=preset("O1", BF16)).meta["amp_fx_policy"]
+    assert cuda.device_type == "cuda" and cuda == preset("O1", BF16, "cuda")
+
+
+def test_conflicting_opt_level_with_a_policy_is_refused_before_any_work():
+    disagree = r"disagree \(opt_level 'O3' vs the policy's 'O2'\).*pass only the policy"
+    with pytest.raises(ValueError, match=disagree):
+        convert(Untraceable(), "O3", policy=preset("O2", BF16))
+    with pytest.raises(ValueError, match="did you mean 'O2'"):
+        convert(Untraceable(), "o2", policy=preset("O2", BF16))
+
+
+def test_neither_opt_level_nor_policy():
+    with pytest.raises(TypeError, match=r"needs an opt_level .* or a policy"):
+        convert(_seeded(Mlp))
