@@ -14,13 +14,10 @@ Render with ``dot -Tsvg out.dot -o out.svg``.
 from __future__ import annotations
 
 import os
-import sys
-import types
 
-import torch
 import torch.fx
 
-import amp_fx
+from amp_fx.core.dtypes import short_dtype_name
 from amp_fx.core.node_info import META_KEY
 
 # Fill colour per rule name (the `Rule` enum's member names); casts override the rule's colour.
@@ -33,15 +30,6 @@ RULE_COLOURS = {
 }
 CAST_COLOUR = "#fb6a4a"  # red: a cast amp_fx inserted
 IO_COLOUR = "#f0f0f0"
-
-
-def dtype_name(dtype: torch.dtype | None) -> str:
-    """The report's short dtype name ("fp16", "bf16", "-" for unknown)."""
-    # Resolve `amp_fx.report` through the package: importing the amp_fx.report submodule directly
-    # would leave the module, not the function, under that name.
-    report = amp_fx.report
-    module = report if isinstance(report, types.ModuleType) else sys.modules[report.__module__]
-    return module.short_dtype(dtype)
 
 
 def _quote(text: str) -> str:
@@ -66,19 +54,19 @@ def _node_style(node: torch.fx.Node) -> tuple[str, str, str]:
     if node.op in ("placeholder", "output"):
         label = f"{node.op}\n{node.name}"
         if info is not None and info.out_dtype is not None:
-            label += f"\n{dtype_name(info.out_dtype)}"
+            label += f"\n{short_dtype_name(info.out_dtype)}"
         return label, IO_COLOUR, "oval"
     if info is None:
         return f"{node.name}\n{_target_name(node)}", "#ffffff", "box"
     rule = _rule_name(info.rule)
     lines = [node.name, info.op or _target_name(node)]
     if info.is_cast:
-        lines.append(f"cast -> {dtype_name(info.out_dtype)}")
+        lines.append(f"cast -> {short_dtype_name(info.out_dtype)}")
         if info.cast_reason:
             lines.append(info.cast_reason)
         return "\n".join(lines), CAST_COLOUR, "box"
-    ins = ",".join(dtype_name(d) for d in info.in_dtypes)
-    dtypes = f"({ins}) -> {dtype_name(info.out_dtype)}" if ins else dtype_name(info.out_dtype)
+    ins = ",".join(short_dtype_name(d) for d in info.in_dtypes)
+    dtypes = f"({ins}) -> {short_dtype_name(info.out_dtype)}" if ins else short_dtype_name(info.out_dtype)
     lines.append(f"{rule or '-'} {dtypes}")
     return "\n".join(lines), RULE_COLOURS.get(rule or "", "#ffffff"), "box"
 

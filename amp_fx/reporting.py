@@ -43,36 +43,14 @@ from typing import Any
 import torch
 import torch.fx
 
+from amp_fx.core.dtypes import short_dtype_name
 from amp_fx.core.node_info import META_KEY, ORIGINAL_CODE_KEY, POLICY_KEY, NodeInfo
 
 __all__ = ["NodeRow", "Report", "report"]
 
 
-_SHORT_DTYPE = {
-    torch.float32: "fp32",
-    torch.float16: "fp16",
-    torch.bfloat16: "bf16",
-    torch.float64: "fp64",
-    torch.int64: "i64",
-    torch.int32: "i32",
-    torch.int16: "i16",
-    torch.int8: "i8",
-    torch.uint8: "u8",
-    torch.bool: "bool",
-}
 # The table's "rule" column for amp_fx's own casts, which are PASSTHROUGH nodes to the passes.
 _CAST = "cast"
-
-
-def short_dtype(dtype: torch.dtype | None) -> str:
-    """``torch.bfloat16`` -> ``"bf16"``; None (not a tensor, or unknown) -> ``"-"``.
-
-    >>> short_dtype(torch.float16), short_dtype(None)
-    ('fp16', '-')
-    """
-    if dtype is None:
-        return "-"
-    return _SHORT_DTYPE.get(dtype, str(dtype).removeprefix("torch."))
 
 
 @dataclass(frozen=True)
@@ -250,8 +228,8 @@ class Report:
                 r.name,
                 r.op or "-",
                 _CAST if r.is_cast else (r.rule or "-"),
-                ", ".join(short_dtype(d) for d in r.in_dtypes) or "-",
-                short_dtype(r.out_dtype),
+                ", ".join(short_dtype_name(d) for d in r.in_dtypes) or "-",
+                short_dtype_name(r.out_dtype),
                 r.why,
             )
             for r in self.rows
@@ -273,7 +251,7 @@ class Report:
         )
         lines.append(f"ops per rule: {per_rule or 'none'}")
         params = ", ".join(
-            f"{short_dtype(d)} {n} tensors ({numel:,} elements)"
+            f"{short_dtype_name(d)} {n} tensors ({numel:,} elements)"
             for d, (n, numel) in sorted(self.params_by_dtype.items(), key=lambda item: str(item[0]))
         )
         lines.append(f"parameters and buffers: {params or 'none'}")
@@ -343,6 +321,7 @@ def _row(node: torch.fx.Node) -> NodeRow:
 def report(gm: torch.fx.GraphModule) -> Report:
     """Build the `Report` of a GraphModule returned by `amp_fx.convert`.
 
+        >>> import amp_fx
         >>> gm = amp_fx.convert(torch.nn.Linear(4, 2), "O2", device_type="cpu")
         >>> rep = report(gm)
         >>> [r.name for r in rep.casts]
