@@ -45,12 +45,12 @@ from torch import Tensor
 
 from amp_fx.amp import _grads
 from amp_fx.amp._grads import FoundInf
+from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.optim._fused_base import MASTER_KEY, is_fused_optimizer
 
 logger = logging.getLogger("amp_fx.amp")
 
 MASTERS_KEY = "amp_fx_master_params"
-LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
 PATCHED_METHODS = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
 
 

@@ -48,12 +48,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.kernels import implementation_for
 from amp_fx.kernels.arguments import PARAM_DTYPES, is_dense
 
 logger = logging.getLogger(__name__)
 
-LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
 MASTER_KEY = "master_param"
 STEP_KEY = "step"
 
