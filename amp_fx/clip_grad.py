@@ -5,8 +5,8 @@ For `amp_fx.optim.FusedAdam` / `FusedSGD` the grads are left scaled by `amp_fx.L
 measure scaled grads. This function instead computes the norm of ``grad * pending multiplier`` in
 one fused pass over all grads (fp32 accumulation), and folds the clip coefficient
 ``min(1, max_norm / (norm + 1e-6))`` into the pending multiplier: nothing is rewritten, nothing is
-read on the host. For any other optimizer, or for an iterable of parameters, it is
-``torch.nn.utils.clip_grad_norm_``.
+read on the host (step 3 of the `amp_fx.optim.scaled_optimizer` handshake). For any other
+optimizer, or for an iterable of parameters, it is ``torch.nn.utils.clip_grad_norm_``.
 
 Example:
     >>> import torch, amp_fx
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from amp_fx.kernels import implementation_for
-from amp_fx.optim._fused_base import FusedOptimizer, is_fused_optimizer
+from amp_fx.optim.scaled_optimizer import ScaledOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def clip_grad_norm_(
     """
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
         raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}")
-    if not is_fused_optimizer(target):
+    if not isinstance(target, ScaledOptimizer):
         if isinstance(target, torch.optim.Optimizer):
             target = [p for group in target.param_groups for p in group["params"]]
         return torch.nn.utils.clip_grad_norm_(target, max_norm, norm_type=norm_type)
@@ -75,13 +75,13 @@ def clip_grad_norm_(
     return _clip_fused(target, float(max_norm))
 
 
-def _clip_fused(optimizer: FusedOptimizer, max_norm: float) -> Tensor:
-    grads_by_device = optimizer._amp_grads_by_device()
+def _clip_fused(optimizer: ScaledOptimizer, max_norm: float) -> Tensor:
+    grads_by_device = optimizer.grads_by_device()
     if not grads_by_device:
         return torch.zeros(())
     sq_norms = []
     for device, grads in grads_by_device.items():
-        multiplier, found_inf = optimizer._amp_pending(device)
+        multiplier, found_inf = optimizer.pending_scaling(device)
         if found_inf is None:  # no LossScaler: the check runs anyway, its result is not used
             found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         sq_norm = torch.zeros(1, dtype=torch.float32, device=device)
@@ -92,5 +92,5 @@ def _clip_fused(optimizer: FusedOptimizer, max_norm: float) -> Tensor:
     home = sq_norms[0].device
     total = sq_norms[0] if len(sq_norms) == 1 else sum(s.to(home, non_blocking=True) for s in sq_norms)
     norm = total.sqrt()
-    optimizer._amp_fold_multiplier_(torch.clamp(max_norm / (norm + _NORM_EPS), max=1.0))
+    optimizer.fold_grad_multiplier_(torch.clamp(max_norm / (norm + _NORM_EPS), max=1.0))
     return norm.reshape(())

@@ -4,7 +4,8 @@
 defaults, so GradScaler code runs unchanged; on top of it: hysteresis, min/max scale, and a step
 with no host sync for amp_fx's fused optimizers.
 
-With `amp_fx.optim.FusedAdam` / `FusedSGD`:
+With `amp_fx.optim.FusedAdam` / `FusedSGD` (any `ScaledOptimizer`: `amp_fx.optim.scaled_optimizer`
+describes the handshake step by step):
 
 - ``unscale_(opt)`` does not rewrite the grads (an fp16 grad divided by 2^16 in place loses its
   small values). It checks them for inf/NaN on the device and records ``1 / scale`` on the
@@ -41,7 +42,7 @@ import enum
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -50,7 +51,7 @@ from torch import Tensor
 from amp_fx.distributed import agree_on_overflow_
 from amp_fx.kernels import implementation_for
 from amp_fx.kernels.reference import check_scale_bound, check_tracker_count, reciprocal_scale_
-from amp_fx.optim._fused_base import is_fused_optimizer
+from amp_fx.optim.scaled_optimizer import ScaledOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -281,8 +282,8 @@ class LossScaler:
             )
         # GradScaler's fp64 reciprocal, written by the last update (or scale change); read-only here.
         inv_scale = self._inv_scale
-        if is_fused_optimizer(optimizer):
-            found_infs = optimizer._amp_unscale_(inv_scale)
+        if isinstance(optimizer, ScaledOptimizer):
+            found_infs = optimizer.unscale_grads_(inv_scale)
         else:
             found_zero = torch.zeros((), dtype=torch.float32, device=scale.device)
             found_infs = self._unscale_in_place(optimizer, inv_scale, found_zero, allow_fp16=False)
@@ -340,7 +341,7 @@ class LossScaler:
         if state["stage"] is _Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update()")
 
-        if is_fused_optimizer(optimizer):
+        if isinstance(optimizer, ScaledOptimizer):
             if state["stage"] is _Stage.READY:
                 self.unscale_(optimizer)
             self._require_inf_checks(state)
@@ -422,11 +423,10 @@ class LossScaler:
                 )
             # The kernel zeroes the flags it read: the fused optimizers' flags are persistent
             # buffers, which their next unscale_ then reuses without a fill of its own.
-            self._update_scale(found_infs, zero_found_infs=True)
+            self.update_from_found_infs(found_infs, zero_found_infs=True)
         for state in self._per_optimizer_states.values():
-            if is_fused_optimizer(state["optimizer"]):
-                state["optimizer"]._amp_found_infs_zeroed(found_infs)
-                state["optimizer"]._amp_clear_pending()
+            if isinstance(state["optimizer"], ScaledOptimizer):
+                state["optimizer"].finish_scaling(zeroed_found_infs=found_infs)
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
 
     def _set_scale(self, new_scale: float | Tensor) -> None:
@@ -443,10 +443,27 @@ class LossScaler:
             self._scale.fill_(float(new_scale))
         reciprocal_scale_(self._inv_scale, self._scale)
 
-    def _update_scale(self, found_infs: Tensor | list[Tensor], zero_found_infs: bool = False) -> None:
-        """The scale rule (class docstring) from overflow flags on the scale's device (summed), in one
-        kernel launch; also writes ``1 / scale`` for the next unscale_. ``zero_found_infs`` zeroes
-        the flags after reading them. (amp_fx.amp's Apex scaler calls this with one flag.)"""
+    def update_from_found_infs(
+        self, found_infs: Tensor | Sequence[Tensor], *, zero_found_infs: bool = False
+    ) -> None:
+        """Apply the scale rule (class docstring) to overflow flags the caller collected itself.
+
+        ``update()`` calls it with this iteration's flags; `amp_fx.amp`, which checks the grads
+        after each backward, with one flag per loss. The flags (summed; on the scale's device) are
+        read in one kernel launch, which also writes ``1 / scale`` for the next ``unscale_``; no host
+        sync. ``zero_found_infs`` sets the flags to 0 after reading them (a `ScaledOptimizer`'s
+        persistent flags then need no fill before their next use). A no-op when disabled.
+
+        Example:
+            >>> import torch
+            >>> scaler = LossScaler(init_scale=8.0)
+            >>> _ = scaler.scale(torch.tensor(1.0))
+            >>> scaler.update_from_found_infs(torch.ones(1)); scaler.get_scale()
+            4.0
+        """
+        if not self._enabled:
+            return
+        self._require_state("update_from_found_infs")
         flags = [found_infs] if isinstance(found_infs, Tensor) else found_infs
         implementation_for([self._scale]).update_loss_scale_(
             self._scale,

@@ -50,6 +50,24 @@ def test_scale_sequence_equals_grad_scaler(factors, optimizer_kind) -> None:
     assert any(pattern) and not all(pattern)
 
 
+def test_update_from_found_infs_follows_torch_update_scale() -> None:
+    """The public entry amp_fx.amp uses: flags collected by the caller, GradScaler's rule applied."""
+    pattern = (torch.rand(40, generator=torch.Generator().manual_seed(1)) < 0.3).tolist()
+    scaler = LossScaler(init_scale=2.0**10, growth_interval=3, max_scale=None)
+    scaler.scale(torch.zeros(()))
+    scale, tracker = torch.full((), 2.0**10), torch.zeros((), dtype=torch.int32)
+    for overflow in pattern:
+        flag = torch.full((1,), float(overflow))
+        scaler.update_from_found_infs(flag)
+        torch._amp_update_scale_(scale, tracker, torch.full((), float(overflow)), 2.0, 0.5, 3)
+        assert scaler.get_scale() == scale.item() and scaler._get_growth_tracker() == tracker.item()
+        assert flag.item() == float(overflow)  # left as it was unless zero_found_infs=True
+    scaler.update_from_found_infs([torch.ones(1), torch.zeros(1)], zero_found_infs=True)
+    assert scaler.get_scale() == scale.item() / 2
+    with pytest.raises(RuntimeError, match="before any loss was scaled"):
+        LossScaler().update_from_found_infs(torch.ones(1))
+
+
 def test_hysteresis_backs_off_at_the_nth_consecutive_overflow() -> None:
     # O = overflow, . = clean; hysteresis 3, growth every 4 clean steps.
     pattern = "OO.OOOO....O"
@@ -318,7 +336,7 @@ def test_update_with_a_new_scale() -> None:
 
 
 def _pending_multiplier(optimizer) -> float:
-    return optimizer._amp_pending(torch.device("cpu"))[0].item()
+    return optimizer.pending_scaling(torch.device("cpu"))[0].item()
 
 
 def _exact_inverse(scale: float) -> float:

@@ -311,7 +311,7 @@ class AmpOptimizer:
                     continue
                 device = param.grad.device
                 if device not in multipliers:
-                    pending = self.optimizer._amp_pending(device)[0]
+                    pending = self.optimizer.pending_scaling(device)[0]
                     # 0-dim, so that it scales 0-dim grads (scalar parameters) in place too.
                     multipliers[device] = None if pending is None else pending.reshape(())
                 multiplier = multipliers[device]
@@ -415,7 +415,7 @@ class AmpOptimizer:
         stashed, self.stashed = self.stashed, []
         if not stashed:
             self.grad_scale = used_scale
-            found.update(self.optimizer._amp_unscale_(inv_scale))
+            found.update(self.optimizer.unscale_grads_(inv_scale))
             return
         # Grads of an earlier backward at another scale: bring both to the smaller scale, in FP32,
         # so neither overflows. This loss's flags come from its own grads only.
@@ -435,7 +435,7 @@ class AmpOptimizer:
         self.grad_scale = common
         self.stash_scale = None
         # Checks the combined grads (an overflowed earlier loss is still inf in them) for the step.
-        self.optimizer._amp_unscale_(common.double().reciprocal().float())
+        self.optimizer.unscale_grads_(common.double().reciprocal().float())
 
     def mark_delayed(self) -> None:
         """After a backward with delay_unscale=True: its grads wait, scaled, for the next backward."""
@@ -505,7 +505,7 @@ class AmpOptimizer:
                 else:
                     param.grad.detach_().zero_()
         if self.kind is OptimizerKind.FUSED:
-            self.optimizer._amp_clear_pending()
+            self.optimizer.finish_scaling()
             for param in self.params():
                 master = self._fused_master(param)
                 if master is not param:

@@ -118,7 +118,9 @@ class ApexLossScaler:
             scale = self._scaler._get_scale_async()
             if scale is None:  # nothing was scaled yet
                 return
-            self._scaler._update_scale(found_inf.to(scale.device, non_blocking=True).reshape(()).float())
+            self._scaler.update_from_found_infs(
+                found_inf.to(scale.device, non_blocking=True).reshape(()).float()
+            )
         if scale.is_cuda:
             record = _HostRecord(
                 found_inf.reshape(()).to("cpu", non_blocking=True),

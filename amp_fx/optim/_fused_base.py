@@ -18,7 +18,9 @@ Loss scaling reaches the kernel as two device tensors and is never read on the h
 
 - ``grad_multiplier`` multiplies every grad: ``1 / loss_scale``, times a clip coefficient when
   `amp_fx.clip_grad_norm_` ran. `amp_fx.LossScaler.unscale_` records it here instead of rewriting
-  the fp16 grads in place (dividing an fp16 grad by 2^16 would flush its small values to zero).
+  the fp16 grads in place (dividing an fp16 grad by 2^16 would flush its small values to zero),
+  through the `ScaledOptimizer` protocol (`amp_fx.optim.scaled_optimizer`), which
+  `FusedOptimizer` implements.
 - ``found_inf`` > 0 makes the kernel write nothing (weights, masters, moments stay bit-identical)
   and keeps the step counter where it was.
 
@@ -117,6 +119,8 @@ def _param_tensors(params: Iterable[Any]) -> list[Tensor]:
 
 class FusedOptimizer(torch.optim.Optimizer):
     """Base of the fused optimizers; subclasses say which state they keep and which kernel they call.
+
+    Implements `amp_fx.optim.scaled_optimizer.ScaledOptimizer`, the loss scaler's handshake.
 
     A subclass defines three methods:
 
@@ -234,7 +238,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 state[key] = torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
 
     # ----------------------------------------------------------------------------------------
-    # Pending loss scaling (set by LossScaler.unscale_ and clip_grad_norm_, consumed by step)
+    # Pending loss scaling (set by unscale_grads_ and fold_grad_multiplier_, consumed by step)
 
     def _reset_pending(self) -> None:
         self._pending_multipliers: dict[torch.device, Tensor] = {}
@@ -242,7 +246,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _reset_found_inf_buffers(self) -> None:
         # One persistent overflow flag per device, so that a step allocates and fills none: the
-        # LossScaler's update kernel zeroes it after reading it and says so (_amp_found_infs_zeroed).
+        # LossScaler's update kernel zeroes it after reading it and says so (finish_scaling).
         self._found_inf_buffers: dict[torch.device, Tensor] = {}
         self._zeroed_found_infs: set[torch.device] = set()
 
@@ -260,13 +264,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._zeroed_found_infs.discard(device)
         return buffer
 
-    def _amp_found_infs_zeroed(self, zeroed: Sequence[Tensor]) -> None:
-        """Record that the flags in ``zeroed`` were set to 0 on the device (by LossScaler.update)."""
-        for device, buffer in self._found_inf_buffers.items():
-            if any(flag is buffer for flag in zeroed):
-                self._zeroed_found_infs.add(device)
+    # ----------------------------------------------------------------------------------------
+    # The ScaledOptimizer protocol (amp_fx.optim.scaled_optimizer: the handshake, step by step)
 
-    def _amp_grads_by_device(self) -> dict[torch.device, list[Tensor]]:
+    def grads_by_device(self) -> dict[torch.device, list[Tensor]]:
         """The grads of all params that have one, per device."""
         grads: dict[torch.device, list[Tensor]] = defaultdict(list)
         for group in self.param_groups:
@@ -275,7 +276,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     grads[param.grad.device].append(param.grad)
         return dict(grads)
 
-    def _amp_unscale_(self, inv_scale: Tensor) -> dict[torch.device, Tensor]:
+    def unscale_grads_(self, inv_scale: Tensor) -> dict[torch.device, Tensor]:
         """Record ``inv_scale`` as the pending grad multiplier and check the grads for inf/NaN.
 
         The grads are not modified. Returns the found_inf tensor (float32, shape (1,)) per device;
@@ -283,26 +284,30 @@ class FusedOptimizer(torch.optim.Optimizer):
         are the optimizer's persistent flags: the next call reuses (and rewrites) them.
         """
         self._reset_pending()
-        for device, grads in self._amp_grads_by_device().items():
+        for device, grads in self.grads_by_device().items():
             found_inf = self._found_inf_buffer(device)
             implementation_for(grads).check_finite_and_norm_(grads, found_inf)
             self._pending_found_infs[device] = found_inf
             self._pending_multipliers[device] = inv_scale.to(device, non_blocking=True).reshape(1)
         return dict(self._pending_found_infs)
 
-    def _amp_pending(self, device: torch.device) -> tuple[Tensor | None, Tensor | None]:
+    def pending_scaling(self, device: torch.device) -> tuple[Tensor | None, Tensor | None]:
         """(grad multiplier, found_inf) recorded for ``device`` since the last step, or None for each."""
         return self._pending_multipliers.get(device), self._pending_found_infs.get(device)
 
-    def _amp_fold_multiplier_(self, factor: Tensor) -> None:
+    def fold_grad_multiplier_(self, factor: Tensor) -> None:
         """Multiply the pending grad multiplier of each device with grads by ``factor`` (a device tensor)."""
-        for device in self._amp_grads_by_device():
+        for device in self.grads_by_device():
             local = factor.to(device, non_blocking=True).reshape(1)
             current = self._pending_multipliers.get(device)
             self._pending_multipliers[device] = local if current is None else current * local
 
-    def _amp_clear_pending(self) -> None:
-        """Forget the pending multiplier and found_inf (LossScaler.update calls it after an iteration)."""
+    def finish_scaling(self, zeroed_found_infs: Sequence[Tensor] = ()) -> None:
+        """Forget the pending multiplier and found_inf; note which of this optimizer's flags are among
+        ``zeroed_found_infs`` (set to 0 on the device by LossScaler.update)."""
+        for device, buffer in self._found_inf_buffers.items():
+            if any(flag is buffer for flag in zeroed_found_infs):
+                self._zeroed_found_infs.add(device)
         self._reset_pending()
 
     # ----------------------------------------------------------------------------------------
@@ -349,7 +354,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """
         if device in cache:
             return cache[device]
-        multiplier, found_inf = self._amp_pending(device)
+        multiplier, found_inf = self.pending_scaling(device)
         grad_scale = getattr(self, "grad_scale", None)
         if grad_scale is not None:
             # GradScaler passes the scale itself; like GradScaler.unscale_, take the reciprocal in fp64.

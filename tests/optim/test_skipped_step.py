@@ -82,15 +82,15 @@ def test_unscale_leaves_fp16_grads_untouched(problem, bits_equal_fn) -> None:
 
 def test_overflow_flag_is_cleared_before_every_check_nobody_cleared_it_for(problem) -> None:
     # The flag is one persistent tensor per device. Without a LossScaler.update in between (the
-    # Apex-style amp_fx.amp path calls _amp_unscale_ once per backward), each check must start at 0.
+    # Apex-style amp_fx.amp path calls unscale_grads_ once per backward), each check must start at 0.
     case = problem(DTYPES)
     optimizer = FusedSGD(case.params, lr=0.05)
     case.next_grads()
     case.params[1].grad.view(-1)[0] = float("nan")
-    (first,) = optimizer._amp_unscale_(torch.ones(())).values()
+    (first,) = optimizer.unscale_grads_(torch.ones(())).values()
     assert first.item() == 1.0
     case.next_grads()
-    (second,) = optimizer._amp_unscale_(torch.ones(())).values()
+    (second,) = optimizer.unscale_grads_(torch.ones(())).values()
     assert second is first and second.item() == 0.0
     steps = optimizer.param_groups[0]["step"].clone()
     optimizer.step()
