@@ -20,7 +20,8 @@ describes the handshake step by step):
 With any other optimizer the scaler does what GradScaler does: ``unscale_`` divides the grads in
 place (fp16 grads are refused, as by GradScaler), and ``step`` reads ``found_inf`` on the host to
 decide whether to call ``optimizer.step()`` (a sync, as in GradScaler); optimizers with
-``_step_supports_amp_scaling`` (torch's ``fused=True`` Adam) get ``grad_scale``/``found_inf``.
+``_step_supports_amp_scaling`` (torch's ``fused=True`` Adam) get ``grad_scale``/``found_inf``
+(`amp_fx.optim.torch_optimizer_scaling`).
 
 Example:
     >>> import torch, amp_fx
@@ -52,6 +53,14 @@ from amp_fx.distributed import agree_on_overflow_
 from amp_fx.kernels import implementation_for
 from amp_fx.kernels.reference import check_scale_bound, check_tracker_count, reciprocal_scale_
 from amp_fx.optim.scaled_optimizer import ScaledOptimizer
+from amp_fx.optim.torch_optimizer_scaling import (
+    FoundInf,
+    any_overflow_on_host,
+    reads_found_inf,
+    step_reading_found_inf,
+    total_found_inf,
+    unscale_and_check_,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -272,7 +281,7 @@ class LossScaler:
         """
         if not self._enabled:
             return
-        scale = self._require_state("unscale_")
+        self._require_state("unscale_")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is _Stage.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update()")
@@ -285,16 +294,15 @@ class LossScaler:
         if isinstance(optimizer, ScaledOptimizer):
             found_infs = optimizer.unscale_grads_(inv_scale)
         else:
-            found_zero = torch.zeros((), dtype=torch.float32, device=scale.device)
-            found_infs = self._unscale_in_place(optimizer, inv_scale, found_zero, allow_fp16=False)
+            found_infs = self._unscale_in_place(optimizer, inv_scale, allow_fp16=False)
         agree_on_overflow_(found_infs, self._process_group)
         state.update(stage=_Stage.UNSCALED, found_inf_per_device=found_infs, optimizer=optimizer)
 
     def _unscale_in_place(
-        self, optimizer: torch.optim.Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool
-    ) -> dict[torch.device, Tensor]:
+        self, optimizer: torch.optim.Optimizer, inv_scale: Tensor, allow_fp16: bool
+    ) -> FoundInf:
         """GradScaler's unscale: grads *= inv_scale in place, found_inf per device (torch optimizers)."""
-        grouped: dict[torch.device, dict[torch.dtype, list[Tensor]]] = defaultdict(lambda: defaultdict(list))
+        grads: list[Tensor] = []
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for param in group["params"]:
@@ -310,16 +318,10 @@ class LossScaler:
                         if grad.dtype is torch.float16:
                             param.grad = grad = grad.coalesce()
                         grad = grad._values()
-                    grouped[grad.device][grad.dtype].append(grad)
-            found_infs: dict[torch.device, Tensor] = {}
-            inv_scales: dict[torch.device, Tensor] = {}
-            for device, per_dtype in grouped.items():
-                found_infs[device] = found_inf.to(device, copy=True)
-                inv_scales[device] = inv_scale.to(device)
-                for grads in per_dtype.values():
-                    torch._amp_foreach_non_finite_check_and_unscale_(
-                        grads, found_infs[device], inv_scales[device]
-                    )
+                    grads.append(grad)
+            found_infs: FoundInf = {}
+            # GradScaler's flags are 0-dim.
+            unscale_and_check_(grads, inv_scale, found_infs, flag_shape=())
         return found_infs
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -346,14 +348,14 @@ class LossScaler:
                 self.unscale_(optimizer)
             self._require_inf_checks(state)
             result = optimizer.step(**kwargs)
-        elif getattr(optimizer, "_step_supports_amp_scaling", False):
+        elif reads_found_inf(optimizer):
             result = self._step_torch_fused(optimizer, state, scale, kwargs)
         else:
             if state["stage"] is _Stage.READY:
                 self.unscale_(optimizer)
             self._require_inf_checks(state)
             # The GradScaler path for torch.optim optimizers: a host sync, by design of that protocol.
-            found = sum(v.item() for v in state["found_inf_per_device"].values())
+            found = any_overflow_on_host(state["found_inf_per_device"])
             result = optimizer.step(**kwargs) if not found else None
         state["stage"] = _Stage.STEPPED
         return result
@@ -364,24 +366,19 @@ class LossScaler:
         """GradScaler's protocol for optimizers that unscale in their own kernel (torch's fused Adam)."""
         if state["stage"] is _Stage.READY:
             dummy_inv_scale = torch.ones((), dtype=torch.float32, device=scale.device)
-            found_zero = torch.zeros((), dtype=torch.float32, device=scale.device)
-            infs = self._unscale_in_place(optimizer, dummy_inv_scale, found_zero, allow_fp16=True)
+            infs = self._unscale_in_place(optimizer, dummy_inv_scale, allow_fp16=True)
             agree_on_overflow_(infs, self._process_group)
             state.update(found_inf_per_device=infs, optimizer=optimizer)
         self._require_inf_checks(state)
-        found_inf = sum(f.to(scale.device, non_blocking=True) for f in state["found_inf_per_device"].values())
+        found_inf = total_found_inf(state["found_inf_per_device"], scale.device)
         # As GradScaler: after unscale_ the grads are already unscaled; otherwise hand over the scale
         # (times any grad_scale the user set).
         grad_scale = getattr(optimizer, "grad_scale", None)
         if state["stage"] is not _Stage.UNSCALED:
             grad_scale = scale if grad_scale is None else scale * grad_scale
-        optimizer.grad_scale = grad_scale
-        optimizer.found_inf = found_inf
-        try:
-            return optimizer.step(**kwargs)
-        finally:
-            del optimizer.grad_scale
-            del optimizer.found_inf
+        return step_reading_found_inf(
+            optimizer, lambda: optimizer.step(**kwargs), found_inf, grad_scale=grad_scale
+        )
 
     @staticmethod
     def _require_inf_checks(state: dict[str, Any]) -> None:

@@ -26,11 +26,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from amp_fx.amp import _grads
-from amp_fx.amp._grads import FoundInf
 from amp_fx.amp._master_weights import AmpOptimizer
 from amp_fx.amp._scaler import ApexLossScaler
 from amp_fx.amp._state import session_of
+from amp_fx.optim.torch_optimizer_scaling import FoundInf, total_found_inf
 
 logger = logging.getLogger("amp_fx.amp")
 
@@ -68,7 +67,7 @@ class BackwardContext:
         for optimizer in self.optimizers:
             for device, flag in optimizer.finish_backward(inv_scale, self.used_scale).items():
                 found[device] = flag if device not in found else found[device] + flag
-        total = _grads.total_flag(found, self.used_scale.device)
+        total = total_found_inf(found, self.used_scale.device)
         if total is None:
             total = torch.zeros(1, dtype=torch.float32, device=self.used_scale.device)
         self.scaler.update(total)

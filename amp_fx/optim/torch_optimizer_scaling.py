@@ -1,0 +1,109 @@
+"""Loss scaling for optimizers that are no `ScaledOptimizer` (torch.optim's): GradScaler's way.
+
+Their grads are unscaled in place, and each device's overflow flag decides whether the step runs:
+
+- an optimizer with ``_step_supports_amp_scaling`` (torch's ``Adam(fused=True)``) reads the flag
+  itself from its ``found_inf`` attribute (and the scale from ``grad_scale``), on the device;
+- any other optimizer is skipped on the host: the flags are read, one sync per step (as in
+  torch.amp.GradScaler).
+
+`amp_fx.LossScaler` and `amp_fx.amp` (after each backward) both go through these functions.
+Flags are float32 tensors, one per device, that only ever accumulate here (never cleared), as
+``torch._amp_foreach_non_finite_check_and_unscale_`` does::
+
+    >>> import torch
+    >>> flags = {}
+    >>> grads = [torch.tensor([4.0, float("inf")])]
+    >>> unscale_and_check_(grads, torch.tensor(0.25), flags)
+    >>> grads[0], flags[torch.device("cpu")]
+    (tensor([1., inf]), tensor([1.]))
+    >>> any_overflow_on_host(flags)
+    True
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "FoundInf",
+    "any_overflow_on_host",
+    "flag_for",
+    "reads_found_inf",
+    "step_reading_found_inf",
+    "total_found_inf",
+    "unscale_and_check_",
+]
+
+# Overflow flags per device (float32; > 0 where a grad held inf or NaN).
+FoundInf = dict[torch.device, Tensor]
+
+
+def flag_for(found: FoundInf, device: torch.device, shape: tuple[int, ...] = (1,)) -> Tensor:
+    """The overflow flag of `device` in `found`, created (zero, float32 of `shape`) on first use."""
+    flag = found.get(device)
+    if flag is None:
+        flag = found[device] = torch.zeros(shape, dtype=torch.float32, device=device)
+    return flag
+
+
+def unscale_and_check_(
+    grads: Sequence[Tensor], inv_scale: Tensor, found: FoundInf, flag_shape: tuple[int, ...] = (1,)
+) -> None:
+    """grads *= inv_scale in place; found[device] > 0 afterwards if a grad on it held inf or NaN.
+
+    One foreach call per (device, dtype). Dense tensors only (a sparse grad's ``_values()`` will
+    do). A device with no flag in `found` gets a new zero one of `flag_shape` (GradScaler's are
+    0-dim); an existing flag accumulates.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
+    for grad in grads:
+        groups[(grad.device, grad.dtype)].append(grad)
+    inv_per_device: dict[torch.device, Tensor] = {}
+    for (device, _), tensors in groups.items():
+        if device not in inv_per_device:
+            inv_per_device[device] = inv_scale.to(device, torch.float32, non_blocking=True).reshape(())
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            tensors, flag_for(found, device, flag_shape), inv_per_device[device]
+        )
+
+
+def total_found_inf(found: FoundInf, device: torch.device) -> Tensor | None:
+    """All flags of `found` summed onto `device` (None when there are none)."""
+    flags = [flag.to(device, non_blocking=True) for flag in found.values()]
+    if not flags:
+        return None
+    return flags[0] if len(flags) == 1 else torch.stack(flags).sum(0)
+
+
+def any_overflow_on_host(found: FoundInf) -> bool:
+    """True if any flag is set: reads the device (a sync), for optimizers that cannot skip on it."""
+    return any(float(flag.sum()) > 0 for flag in found.values())
+
+
+def reads_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """True for optimizers that skip on GradScaler's ``found_inf`` attribute themselves (torch's fused)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def step_reading_found_inf(
+    optimizer: torch.optim.Optimizer, step: Callable[[], Any], found_inf: Tensor, **scaling: Tensor | None
+) -> Any:
+    """Run ``step()`` with GradScaler's attributes set on `optimizer`, removed again afterwards.
+
+    ``found_inf`` (0-dim float32, on the optimizer's device) makes the step a no-op when > 0;
+    ``scaling`` may add ``grad_scale`` (the scale its kernel divides the grads by; None: unscaled).
+    """
+    attributes = {"found_inf": found_inf, **scaling}
+    for name, value in attributes.items():
+        setattr(optimizer, name, value)
+    try:
+        return step()
+    finally:
+        for name in attributes:
+            delattr(optimizer, name)
