@@ -14,7 +14,7 @@ from torch import nn
 
 import amp_fx
 from amp_fx.optim import master_params
-from amp_fx.testing import assert_close_normwise, tolerances
+from amp_fx.testing import assert_close_normwise, grad_tolerances, tolerances
 
 VOCAB, SEQ, D_MODEL, HEADS, BATCH = 32, 8, 32, 4, 4
 
@@ -89,13 +89,15 @@ def test_converted_model_compiles_without_graph_breaks(opt_level: str) -> None:
 def train(
     model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """O2 training with FusedSGD and (for fp16) a LossScaler; returns losses and FP32 masters.
+    """O2 training with FusedSGD and (for fp16) a LossScaler; returns losses and the FP32 masters'
+    updates (master - its initial value).
 
     SGD, not Adam: Adam's update m / sqrt(v) turns rounding noise in a near-zero gradient into a
     full step of either sign, so Inductor's fused kernels (another rounding than eager's) would
     make the weights differ by more than the model's precision says.
     """
     optimizer = amp_fx.optim.FusedSGD(model.parameters(), lr=0.1, momentum=0.9)
+    initial = [m.detach().clone() for m in master_params(optimizer)]
     scaler = amp_fx.LossScaler(init_scale=2.0**10, enabled=dtype == torch.float16)
     losses = []
     for tokens, targets in batches:
@@ -105,21 +107,26 @@ def train(
         scaler.step(optimizer)
         scaler.update()
         losses.append(loss.detach())
-    return losses, [m.detach().clone() for m in master_params(optimizer)]
+    return losses, [m.detach() - w0 for m, w0 in zip(master_params(optimizer), initial, strict=True)]
 
 
 def check_compiled_training_matches_eager(device: str, dtype: torch.dtype, backend: str, steps: int) -> None:
     batches = make_batches(1, device) * steps  # one batch, memorized: the loss must fall
-    eager_losses, eager_masters = train(amp_fx.convert(make_model(device), "O2", dtype=dtype), batches, dtype)
+    eager_losses, eager_updates = train(amp_fx.convert(make_model(device), "O2", dtype=dtype), batches, dtype)
     torch._dynamo.reset()
     compiled = torch.compile(
         amp_fx.convert(make_model(device), "O2", dtype=dtype), backend=backend, fullgraph=True
     )
-    losses, masters = train(compiled, batches, dtype)
+    losses, updates = train(compiled, batches, dtype)
     rtol, atol = tolerances(dtype)
     assert_close_normwise(torch.stack(losses), torch.stack(eager_losses), rtol=rtol, atol=atol, name="losses")
-    for i, (actual, expected) in enumerate(zip(masters, eager_masters, strict=True)):
-        assert_close_normwise(actual, expected, rtol=rtol, atol=atol, name=f"master {i}")
+    # The updates, each against its own size: a few steps move a weight by well under its fp16
+    # tolerance (the embedding by 0.6% in six steps), so comparing whole weights would pass a
+    # compiled copy whose embedding and LayerNorms never got a gradient.
+    update_rtol, _ = grad_tolerances(dtype)
+    for i, (actual, expected) in enumerate(zip(updates, eager_updates, strict=True)):
+        assert expected.any(), f"master {i} did not move in eager training: nothing to compare"
+        assert_close_normwise(actual, expected, rtol=update_rtol, atol=0.0, name=f"update of master {i}")
     assert eager_losses[-1] < eager_losses[0], "the comparison is only meaningful if the model trains"
 
 
