@@ -14,8 +14,22 @@ settings.register_profile(
     "ci", max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
 settings.register_profile("dev", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("thorough", max_examples=300, deadline=None)
+# `make thorough`: many more examples, drawn afresh each run (not derandomized), each failure printed
+# with the blob that reproduces it (@reproduce_failure).
+settings.register_profile(
+    "thorough", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def pinned_thread_count():
+    """One intra-op thread in every test: CPU reductions split their work by thread count, so the
+    bits that tests compare (and their speed on CI's 2 shared cores) depend on it."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -45,3 +59,19 @@ KERNEL_DEVICES = [
 def device(request: pytest.FixtureRequest) -> str:
     # Module scope: hypothesis tests may use it (it refuses function-scoped fixtures).
     return request.param
+
+
+@pytest.fixture
+def mkldnn_disabled():
+    """Run the test with oneDNN (mkldnn) off, so CPU convolutions take torch's native kernels.
+
+    For tests that compare bf16 convolution gradients bit for bit: on CPUs with avx512_bf16 (seen on
+    an AMD EPYC with torch 2.14), oneDNN's bf16 convolution backward is nondeterministic and at times
+    wrong (``test_torchvision_models.test_bf16_convolution_backward_without_mkldnn``). Set through the
+    ``enabled`` property, not ``torch.backends.mkldnn.flags()``, which also sets oneDNN's TF32 switch
+    and warns that it is for Intel GPUs.
+    """
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    yield
+    torch.backends.mkldnn.enabled = enabled
