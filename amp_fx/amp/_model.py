@@ -32,6 +32,7 @@ from torch import Tensor, nn
 import amp_fx
 from amp_fx.amp._properties import LOW_PRECISION_DTYPES, Properties
 from amp_fx.amp._registry import apply_registered_functions
+from amp_fx.core.dtypes import default_device_type
 from amp_fx.core.node_info import META_KEY
 from amp_fx.core.policy import preset
 from amp_fx.ops.autocast_island import AutocastIsland
@@ -77,12 +78,6 @@ def convert_level(properties: Properties) -> str:
     return "O0"
 
 
-def device_type_of(model: nn.Module) -> str:
-    for tensor in [*model.parameters(), *model.buffers()]:
-        return tensor.device.type
-    return "cpu"
-
-
 def convert_model(
     model: nn.Module, properties: Properties, dtype: torch.dtype, cast_model_outputs: torch.dtype | None
 ) -> torch.fx.GraphModule:
@@ -92,7 +87,7 @@ def convert_model(
     policy = preset(
         level,
         dtype=dtype,
-        device_type=device_type_of(model),
+        device_type=default_device_type(model),
         keep_batchnorm_fp32=keep_batchnorm_fp32,
         cast_model_outputs=cast_model_outputs,
     )

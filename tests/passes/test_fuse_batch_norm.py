@@ -192,7 +192,7 @@ def test_patterns_that_are_not_fused():
 
 
 def test_only_o2_on_cuda_fuses_by_default():
-    assert preset("O2").fused_batch_norm and not preset("O1").fused_batch_norm
+    assert preset("O2", device_type="cuda").fused_batch_norm and not preset("O1").fused_batch_norm
     assert not preset("O3").fused_batch_norm
     # On other devices the kernels would run their pure-torch reference, slower than torch's.
     assert not preset("O2", device_type="cpu").fused_batch_norm

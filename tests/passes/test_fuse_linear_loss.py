@@ -193,7 +193,8 @@ def test_hooked_head_is_left_alone():
 
 
 def test_on_by_default_at_o2_on_cuda_and_needs_fused_losses():
-    assert preset("O2").fused_linear_loss and preset("O2", torch.bfloat16).fused_linear_loss
+    assert preset("O2", device_type="cuda").fused_linear_loss
+    assert preset("O2", torch.bfloat16, "cuda").fused_linear_loss
     assert not preset("O1").fused_linear_loss and not preset("O3").fused_linear_loss
     assert not preset("O2", fused_losses=False).fused_linear_loss
     # Its fused op runs the pure-torch reference off CUDA: off by default there.

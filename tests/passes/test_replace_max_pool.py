@@ -117,7 +117,7 @@ def test_outputs_match_torch_max_pool() -> None:
 def test_only_o2_on_cuda_by_default(level: str) -> None:
     assert not _replaced(_convert(Pools(), level, fused=None))
     assert not preset(level).fused_max_pool
-    assert preset("O2").fused_max_pool
+    assert preset("O2", device_type="cuda").fused_max_pool
     # On other devices the kernels would run their pure-torch reference, slower than torch's.
     assert not preset("O2", device_type="cpu").fused_max_pool
     assert not _replaced(_convert(Pools(), "O2", fused=None))
@@ -140,7 +140,7 @@ def test_converting_a_converted_graph_again_changes_nothing() -> None:
 
 
 def test_policy_flag_round_trips_and_is_checked() -> None:
-    policy = preset("O2")
+    policy = preset("O2", device_type="cuda")
     data = json.loads(json.dumps(policy.to_dict()))
     assert data["fused_max_pool"] is True
     assert Policy.from_dict(data) == policy
