@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 import torch.fx
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from torch.utils import _pytree as pytree
 
@@ -61,6 +61,28 @@ models_and_device_types = _with_device_types()
 # Gradients are compared with FP32 only for models without kinks (relu, leaky_relu, hardswish):
 # at a kink, a rounding error that moves an input across it changes the gradient by O(1).
 smooth_models_and_device_types = _with_device_types(activations=SMOOTH_ACTIVATIONS)
+
+
+def _pinned_example(
+    features: int, fill: float, alternate_signs: bool = False
+) -> tuple[torch.nn.Module, tuple]:
+    """A small smooth model (LayerNorm first, so that inputs near fp16's largest value stay
+    representable downstream) and an input of ``features`` values ``fill`` (signs alternating)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.LayerNorm(features), torch.nn.Linear(features, 3), torch.nn.GELU(), torch.nn.Linear(3, 2)
+    )
+    x = torch.full((2, features), fill)
+    if alternate_signs:
+        x[..., 1::2] *= -1
+    return model, (x,)
+
+
+# Edge cases that every run checks besides the drawn ones: an all-zero input, a single feature,
+# and magnitudes near fp16's largest value (65504).
+ZEROS = _pinned_example(4, 0.0)
+SINGLE = _pinned_example(1, 0.5)
+NEAR_FP16_MAX = _pinned_example(4, 6.0e4, alternate_signs=True)
 
 
 def _casts(gm: torch.fx.GraphModule) -> int:
@@ -130,6 +152,9 @@ def _check_dtype_discipline(gm: torch.fx.GraphModule, inputs: tuple[Any, ...], e
 
 
 @given(random_models)
+@example(ZEROS)
+@example(SINGLE)
+@example(NEAR_FP16_MAX)
 def test_o0_is_bit_identical(model_and_inputs) -> None:
     model, inputs = model_and_inputs
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -143,6 +168,9 @@ def test_o0_is_bit_identical(model_and_inputs) -> None:
 
 
 @given(smooth_models_and_device_types)
+@example((ZEROS, "cpu"))
+@example((SINGLE, "cuda"))
+@example((NEAR_FP16_MAX, "cpu"))
 def test_converted_models_agree_with_fp32(model_inputs_device) -> None:
     (model, inputs), device_type = model_inputs_device
     for level in LOW_LEVELS:
@@ -152,6 +180,9 @@ def test_converted_models_agree_with_fp32(model_inputs_device) -> None:
 
 
 @given(models_and_device_types)
+@example((ZEROS, "cuda"))
+@example((SINGLE, "cpu"))
+@example((NEAR_FP16_MAX, "cuda"))
 def test_converted_models_with_kinks_agree_with_fp32_in_outputs(model_inputs_device) -> None:
     (model, inputs), device_type = model_inputs_device
     for level in LOW_LEVELS:
@@ -161,6 +192,9 @@ def test_converted_models_with_kinks_agree_with_fp32_in_outputs(model_inputs_dev
 
 
 @given(models_and_device_types, st.sampled_from(LOW_LEVELS), st.booleans())
+@example((ZEROS, "cpu"), "O1", True)
+@example((SINGLE, "cuda"), "O2", False)
+@example((NEAR_FP16_MAX, "cpu"), "O3", True)
 def test_dtype_discipline(model_inputs_device, level: str, with_examples: bool) -> None:
     (model, inputs), device_type = model_inputs_device
     examples = inputs if with_examples else None
@@ -170,6 +204,9 @@ def test_dtype_discipline(model_inputs_device, level: str, with_examples: bool) 
 
 
 @given(random_models, st.sampled_from(["O0", *LOW_LEVELS]), st.sampled_from(LOW_DTYPES))
+@example(ZEROS, "O1", torch.float16)
+@example(SINGLE, "O2", torch.bfloat16)
+@example(NEAR_FP16_MAX, "O3", torch.float16)
 def test_convert_is_idempotent(model_and_inputs, level: str, dtype: torch.dtype) -> None:
     model, inputs = model_and_inputs
     once = amp_fx.convert(model, level, dtype=dtype, device_type="cpu")
@@ -181,6 +218,9 @@ def test_convert_is_idempotent(model_and_inputs, level: str, dtype: torch.dtype)
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES, ids=["fp16", "bf16"])
 @given(model_and_inputs=random_models)
+@example(model_and_inputs=ZEROS)
+@example(model_and_inputs=SINGLE)
+@example(model_and_inputs=NEAR_FP16_MAX)
 def test_o1_on_cpu_is_bit_identical_to_autocast(model_and_inputs, dtype: torch.dtype) -> None:
     model, inputs = model_and_inputs
     gm = amp_fx.convert(model, "O1", dtype=dtype, device_type="cpu")
@@ -195,6 +235,9 @@ def test_o1_on_cpu_is_bit_identical_to_autocast(model_and_inputs, dtype: torch.d
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES, ids=["fp16", "bf16"])
 @given(model_and_inputs=random_models)
+@example(model_and_inputs=ZEROS)
+@example(model_and_inputs=SINGLE)
+@example(model_and_inputs=NEAR_FP16_MAX)
 def test_o3_is_bit_identical_to_the_model_cast_to_low_precision(model_and_inputs, dtype: torch.dtype) -> None:
     model, inputs = model_and_inputs
     gm = amp_fx.convert(model, "O3", dtype=dtype, device_type="cpu")
