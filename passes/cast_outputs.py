@@ -22,7 +22,7 @@ import logging
 import torch.fx
 
 from amp_fx.core.policy import Policy
-from amp_fx.passes.insert_casts import CastCache, insert_input_casts, is_output_structure
+from amp_fx.passes.shared import CastCache, insert_input_casts, is_output_structure
 
 logger = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ from amp_fx.core.node_info import META_KEY, node_info
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.losses import fp32_cross_entropy, linear_cross_entropy
 from amp_fx.ops.module_hooks import has_forward_hooks
-from amp_fx.passes.fuse_losses import is_fusable_loss
+from amp_fx.passes.shared import is_fusable_loss
 
 logger = logging.getLogger(__name__)
 

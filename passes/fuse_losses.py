@@ -39,7 +39,13 @@ from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.losses import fp32_cross_entropy
 from amp_fx.ops.module_hooks import has_forward_hooks
-from amp_fx.passes.insert_casts import dtype_is_assumed, dtype_name
+from amp_fx.passes.shared import (
+    CROSS_ENTROPY_DEFAULTS,
+    CROSS_ENTROPY_PARAMETERS,
+    dtype_is_assumed,
+    dtype_name,
+    is_fusable_loss,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +53,6 @@ __all__ = ["fuse_losses", "FUSED_LOSS_FUNCTIONS"]
 
 # The functions a fused loss node may call: torch's and amp_fx's (a converted graph converted again).
 FUSED_LOSS_FUNCTIONS = (F.cross_entropy, fp32_cross_entropy)
-_CROSS_ENTROPY_DEFAULTS = {
-    "weight": None,
-    "size_average": None,
-    "ignore_index": -100,
-    "reduce": None,
-    "reduction": "mean",
-    "label_smoothing": 0.0,
-}
-_CROSS_ENTROPY_PARAMETERS = ("input", "target", *_CROSS_ENTROPY_DEFAULTS)
 
 
 def _cross_entropy_arguments(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict[str, Any] | None:
@@ -80,10 +77,10 @@ def _cross_entropy_arguments(gm: torch.fx.GraphModule, node: torch.fx.Node) -> d
         return None
     # A graph converted before: this pass decides grad_into_input again.
     kwargs = {k: v for k, v in node.kwargs.items() if k != "grad_into_input"}
-    if len(node.args) > len(_CROSS_ENTROPY_PARAMETERS) or not set(kwargs) <= set(_CROSS_ENTROPY_PARAMETERS):
+    if len(node.args) > len(CROSS_ENTROPY_PARAMETERS) or not set(kwargs) <= set(CROSS_ENTROPY_PARAMETERS):
         return None
-    arguments = dict(zip(_CROSS_ENTROPY_PARAMETERS, node.args, strict=False)) | kwargs
-    return _CROSS_ENTROPY_DEFAULTS | arguments
+    arguments = dict(zip(CROSS_ENTROPY_PARAMETERS, node.args, strict=False)) | kwargs
+    return CROSS_ENTROPY_DEFAULTS | arguments
 
 
 # Ops whose autograd backward reads their inputs, never their output: the output may be overwritten
@@ -111,22 +108,6 @@ def _only_the_loss_reads(logits: torch.fx.Node) -> bool:
             return False
         node = node.args[0]
     return False
-
-
-def is_fusable_loss(arguments: dict[str, Any]) -> bool:
-    """Whether a cross-entropy call with these arguments (every parameter of F.cross_entropy, by
-    name) is one the fused kernel computes; anything else keeps the cast and torch's float32 loss."""
-    return (
-        set(_CROSS_ENTROPY_PARAMETERS) <= set(arguments)
-        and isinstance(arguments["input"], torch.fx.Node)
-        and "target" in arguments
-        and arguments["weight"] is None
-        and arguments["size_average"] is None
-        and arguments["reduce"] is None
-        and arguments["label_smoothing"] == 0.0
-        and arguments["reduction"] in ("mean", "sum", "none")
-        and isinstance(arguments["ignore_index"], int)
-    )
 
 
 def _low_precision_source(cast: torch.fx.Node) -> torch.fx.Node | None:
@@ -168,7 +149,7 @@ def fuse_losses(gm: torch.fx.GraphModule, policy: Policy) -> int:
         if source is None:
             continue
         seen = dict(zip(node.all_input_nodes, info.in_dtypes, strict=False))
-        rest = {name: arguments[name] for name in _CROSS_ENTROPY_PARAMETERS[1:]}
+        rest = {name: arguments[name] for name in CROSS_ENTROPY_PARAMETERS[1:]}
         node.op, node.target = "call_function", fp32_cross_entropy
         node.args, node.kwargs = (source,), rest
         # Recorded as one call if the graph is traced again (its checks read tensor ranks).

@@ -48,13 +48,13 @@ from torch.fx.node import map_aggregate, map_arg
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
-from amp_fx.passes.cast_parameters import planned_parameter_dtypes
-from amp_fx.passes.insert_casts import (
+from amp_fx.ops.casts import cast_if_floating
+from amp_fx.passes.shared import (
     ASSUMED_DTYPE_NOTE,
     DERIVED_ASSUMED_DTYPE_NOTE,
-    cast_if_floating,
     dtype_is_assumed,
     is_output_structure,
+    planned_parameter_dtypes,
 )
 
 logger = logging.getLogger(__name__)

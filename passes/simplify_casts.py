@@ -33,11 +33,11 @@ import torch.fx
 
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Policy
-from amp_fx.passes.insert_casts import dtype_is_assumed, is_exact_widening, may_share_cast
+from amp_fx.passes.shared import dtype_is_assumed, is_exact_widening, may_share_cast
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["simplify_casts", "is_exact_widening", "may_share_cast"]
+__all__ = ["simplify_casts"]
 
 
 def _cast_parts(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.dtype] | None:

@@ -10,12 +10,14 @@ from torch import nn
 
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import preset
+from amp_fx.ops.casts import cast_if_floating
 from amp_fx.passes.cast_outputs import cast_outputs
 from amp_fx.passes.cast_parameters import cast_parameters
 from amp_fx.passes.classify import classify
-from amp_fx.passes.insert_casts import cast_if_floating, insert_casts, is_output_structure
+from amp_fx.passes.insert_casts import insert_casts
 from amp_fx.passes.normalize_ops import normalize_ops
 from amp_fx.passes.propagate_dtypes import propagate_dtypes
+from amp_fx.passes.shared import is_output_structure
 from amp_fx.passes.trace import trace
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32

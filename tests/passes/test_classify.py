@@ -9,8 +9,9 @@ from torch import nn
 
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Rule, preset
-from amp_fx.passes.classify import calling_module, classify, decide_node, is_inplace_call
+from amp_fx.passes.classify import classify
 from amp_fx.passes.normalize_ops import normalize_ops
+from amp_fx.passes.shared import calling_module, decide_node, is_inplace_call
 from amp_fx.passes.trace import trace
 
 

@@ -15,9 +15,10 @@ from torch import nn
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Rule, preset
 from amp_fx.ops.autocast_island import AutocastIsland
+from amp_fx.ops.casts import cast_if_floating
 from amp_fx.passes.cast_parameters import cast_parameters
 from amp_fx.passes.classify import classify
-from amp_fx.passes.insert_casts import cast_if_floating, insert_casts
+from amp_fx.passes.insert_casts import insert_casts
 from amp_fx.passes.normalize_ops import normalize_ops
 from amp_fx.passes.propagate_dtypes import propagate_dtypes
 from amp_fx.passes.trace import trace
@@ -158,6 +159,8 @@ def test_model_input_casts_are_guarded_and_leave_integer_inputs_alone():
     entry = next(n for n in gm.graph.nodes if n.op == "placeholder")
     (cast,) = entry.users
     assert cast.target is cast_if_floating and cast.meta.get("is_wrapped")
+    # The graph calls the runtime op in amp_fx.ops, not a function of the passes.
+    assert f"{cast.name} = amp_fx_ops_casts_cast_if_floating({entry.name}, torch.float16)" in gm.code
     gm.get_submodule("0").half()
     gm.get_submodule("1").half()
     assert gm(torch.tensor([[1, 2]])).dtype == F16  # the ids went through unchanged

@@ -13,9 +13,9 @@ from torch import nn
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Rule, preset
 from amp_fx.passes.classify import classify
-from amp_fx.passes.insert_casts import ASSUMED_DTYPE_NOTE
 from amp_fx.passes.normalize_ops import normalize_ops
 from amp_fx.passes.propagate_dtypes import UNKNOWN, is_eligible, propagate_dtypes, rule_cast_dtype
+from amp_fx.passes.shared import ASSUMED_DTYPE_NOTE
 from amp_fx.passes.trace import trace
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
