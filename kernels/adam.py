@@ -38,10 +38,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from amp_fx.kernels.arguments import check_update, log_beta
+from amp_fx.kernels.arguments import check_adam_hyperparameters, check_update, log_beta
 from amp_fx.kernels.devices import on_device
 from amp_fx.kernels.pointer_table import LaunchConfig, group_by_dtype, pointer_table, triton_dtype
-from amp_fx.kernels.reference import check_adam_hyperparameters
 from amp_fx.kernels.rounding import round_to_dtype
 
 # 4 elements per thread (1024 per iteration, 8 warps): one 16-byte load per fp32 operand and one

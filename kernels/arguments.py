@@ -1,8 +1,11 @@
-"""Argument checks shared by the pure-torch reference and the Triton kernels.
+"""Every argument check of the kernels, shared by the pure-torch reference and the Triton kernels.
 
 Both implementations take the same arguments and must refuse the same bad input with the same
-message, before anything is written. The checks run on the host and read only metadata (dtype,
-shape, strides, device), never tensor values, so they never synchronize with the device.
+message, before anything is written; the optimizers, the loss scaler and the ops call the same
+checks to refuse bad configuration up front. The checks run on the host and read only metadata
+(dtype, shape, strides, device) and Python numbers, never tensor values, so they never
+synchronize with the device. A few checks are the Triton kernels' own (layouts and index widths
+they need, named ``check_triton_...``); the reference accepts more.
 
 The layout rule: for each parameter ``i``, ``params[i]``, ``grads[i]``, ``masters[i]`` and its
 optimizer states have the same shape and strides and are dense (no gaps, no overlap), so an
@@ -20,6 +23,10 @@ import torch
 from torch import Tensor
 
 PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INT32_MAX = 2**31 - 1
+
+
+# Optimizer updates (check_finite_and_norm_, adam_step_, sgd_step_) and their hyperparameters.
 
 
 def is_dense(tensor: Tensor) -> bool:
@@ -32,6 +39,13 @@ def is_dense(tensor: Tensor) -> bool:
             return False
         expected_stride *= size
     return True
+
+
+def _check_dtype(subject: str, dtype: torch.dtype, allowed: tuple[torch.dtype, ...] = PARAM_DTYPES) -> None:
+    """Raise ValueError ``"<subject> dtype <dtype>; supported dtypes are ..."`` unless dtype is allowed."""
+    if dtype not in allowed:
+        names = ", ".join(str(d) for d in allowed)
+        raise ValueError(f"{subject} dtype {dtype}; supported dtypes are {names}")
 
 
 def _check_scalar_tensor(name: str, value: Tensor | None, device: torch.device) -> None:
@@ -58,9 +72,7 @@ def _check_tensor_list(
     for i, tensor in enumerate(tensors):
         if not isinstance(tensor, Tensor):
             raise TypeError(f"{name}[{i}] must be a tensor, got {type(tensor).__name__}")
-        if tensor.dtype not in allowed_dtypes:
-            allowed = ", ".join(str(d) for d in allowed_dtypes)
-            raise ValueError(f"{name}[{i}] has dtype {tensor.dtype}; supported dtypes are {allowed}")
+        _check_dtype(f"{name}[{i}] has", tensor.dtype, allowed_dtypes)
         if check_dense and not is_dense(tensor):
             raise ValueError(
                 f"{name}[{i}] is not dense (strides {tensor.stride()} for shape {tuple(tensor.shape)}); "
@@ -165,3 +177,468 @@ def check_range(name: str, value: float, low: float, high: float, high_inclusive
 def log_beta(beta: float) -> float:
     """ln(beta), with beta = 0 mapped to -inf so that 1 - beta**t = -expm1(t * ln(beta)) = 1."""
     return math.log(beta) if beta > 0 else -math.inf
+
+
+def check_adam_hyperparameters(
+    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float
+) -> None:
+    """Raise ValueError for hyperparameters torch.optim.Adam would refuse."""
+    check_range("lr", lr, 0.0, float("inf"))
+    check_range("beta1", beta1, 0.0, 1.0)
+    check_range("beta2", beta2, 0.0, 1.0)
+    check_range("eps", eps, 0.0, float("inf"))
+    check_range("weight_decay", weight_decay, 0.0, float("inf"))
+
+
+def check_sgd_hyperparameters(
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    momentum_buffers: Sequence[Tensor] | None,
+) -> None:
+    """Raise ValueError for hyperparameters torch.optim.SGD would refuse, or missing momentum buffers."""
+    check_range("lr", lr, 0.0, float("inf"))
+    check_range("momentum", momentum, 0.0, float("inf"))
+    check_range("weight_decay", weight_decay, 0.0, float("inf"))
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("nesterov momentum requires momentum > 0 and dampening == 0")
+    if momentum != 0.0 and momentum_buffers is None:
+        raise ValueError(
+            "momentum != 0 needs momentum_buffers (fp32, torch.zeros_like(param, dtype=torch.float32))"
+        )
+
+
+# Loss scale (update_loss_scale_, LossScaler).
+
+# The scale and its bounds are float32: a bound is compared after rounding to float32 (as
+# torch.clamp does), so a bound beyond float32's range has no float32 value to round to.
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def check_scale_bound(name: str, value: float | None) -> None:
+    """Raise ValueError for a min/max scale that is not None nor a positive float32-representable number."""
+    if value is not None and not 0.0 < value <= FLOAT32_MAX:
+        raise ValueError(
+            f"{name} must be None or in (0, {FLOAT32_MAX:.4e}] (the scale is a float32 tensor), got {value}"
+        )
+
+
+def check_tracker_count(name: str, value: int, low: int) -> None:
+    """Raise ValueError for a tracker count (or its limit) that is not an int in [low, 2**31 - 1]:
+    the growth and hysteresis trackers are int32 tensors, so the counts they hold or count to must
+    fit in one."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= INT32_MAX:
+        raise ValueError(
+            f"{name} must be an int in [{low}, 2**31 - 1] (the trackers are int32), got {value!r}"
+        )
+
+
+def check_loss_scale_arguments(
+    scale: Tensor,
+    growth_tracker: Tensor,
+    hysteresis_tracker: Tensor,
+    found_infs: Sequence[Tensor],
+    inv_scale_out: Tensor | None,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+    min_scale: float | None,
+    max_scale: float | None,
+) -> None:
+    """Validate the arguments of ``update_loss_scale_`` (metadata and Python numbers only, no host sync)."""
+    if not isinstance(scale, Tensor):
+        raise TypeError(f"scale must be a float32 tensor of one element, got {type(scale).__name__}")
+    device = scale.device
+    state = [("scale", scale, torch.float32), ("inv_scale_out", inv_scale_out, torch.float32)]
+    state += [
+        ("growth_tracker", growth_tracker, torch.int32),
+        ("hysteresis_tracker", hysteresis_tracker, torch.int32),
+    ]
+    if not isinstance(found_infs, (list, tuple)) or len(found_infs) == 0:
+        raise TypeError(
+            "found_infs must be a non-empty list of float32 one-element tensors (the overflow flags)"
+        )
+    state += [(f"found_infs[{i}]", f, torch.float32) for i, f in enumerate(found_infs)]
+    for name, tensor, dtype in state:
+        if tensor is None and name == "inv_scale_out":
+            continue
+        if not isinstance(tensor, Tensor) or tensor.dtype != dtype or tensor.numel() != 1:
+            got = f"{tensor.dtype} with {tensor.numel()} elements" if isinstance(tensor, Tensor) else tensor
+            raise ValueError(f"{name} must be a {dtype} tensor of one element, got {got}")
+        if tensor.device != device:
+            raise ValueError(
+                f"{name} is on {tensor.device} but scale is on {device}; move it with .to({device})"
+            )
+    for name, value in (("growth_factor", growth_factor), ("backoff_factor", backoff_factor)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a Python float, got {value!r}")
+    check_range("growth_factor", growth_factor, 1.0, float("inf"))
+    check_range("backoff_factor", backoff_factor, 0.0, 1.0)
+    check_tracker_count("growth_interval", growth_interval, 1)
+    check_tracker_count("hysteresis", hysteresis, 1)
+    check_scale_bound("min_scale", min_scale)
+    check_scale_bound("max_scale", max_scale)
+
+
+# Cross-entropy (cross_entropy_forward / _backward / _forward_with_grad).
+
+
+def check_cross_entropy_arguments(
+    logits: Tensor,
+    target: Tensor,
+    ignore_index: int,
+    *,
+    lse: Tensor | None = None,
+    grad_losses: Tensor | None = None,
+    out: Tensor | None = None,
+) -> None:
+    """Validate the arguments of ``cross_entropy_forward`` / ``cross_entropy_backward`` (metadata
+    only: never reads a value, so it never synchronizes); raise TypeError/ValueError."""
+    if not isinstance(logits, Tensor) or not isinstance(target, Tensor):
+        raise TypeError("logits and target must be tensors")
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise ValueError(
+            f"logits must be 2-D (rows, classes) with at least one class, got shape {tuple(logits.shape)}; "
+            "flatten the leading dimensions with logits.reshape(-1, logits.shape[-1])"
+        )
+    _check_dtype("logits have", logits.dtype)
+    num_rows = logits.shape[0]
+    if target.dtype != torch.int64 or tuple(target.shape) != (num_rows,):
+        raise ValueError(
+            f"target must be int64 class indices of shape ({num_rows},), got {target.dtype} of shape "
+            f"{tuple(target.shape)}; pass target.long() with one class index per row of logits"
+        )
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be a Python int, got {ignore_index!r}")
+    for name, value in (("target", target), ("lse", lse), ("grad_losses", grad_losses)):
+        if value is None:
+            continue
+        if value.device != logits.device:
+            raise ValueError(
+                f"{name} is on {value.device} but logits are on {logits.device}; "
+                f"move it with .to({logits.device})"
+            )
+        if name != "target" and (value.dtype != torch.float32 or tuple(value.shape) != (num_rows,)):
+            raise ValueError(
+                f"{name} must be float32 of shape ({num_rows},), got {value.dtype} of shape "
+                f"{tuple(value.shape)}"
+            )
+    if out is not None and (
+        out.dtype != logits.dtype
+        or tuple(out.shape) != tuple(logits.shape)
+        or out.device != logits.device
+        or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"out must be a contiguous {logits.dtype} tensor of the logits' shape {tuple(logits.shape)} on "
+            f"{logits.device}, got {out.dtype} {tuple(out.shape)} on {out.device}"
+            f"{'' if out.is_contiguous() else ' (not contiguous)'}; leave out=None to allocate the gradient"
+        )
+    # out=logits is an in-place update, each element read before it is written by the same program;
+    # an out that overlaps the logits elsewhere would have programs overwrite rows others still read.
+    if (
+        out is not None
+        and _byte_ranges_overlap(out, logits)
+        and (out.data_ptr() != logits.data_ptr() or out.stride() != logits.stride())
+    ):
+        raise ValueError(
+            "out overlaps the logits without being the logits themselves; pass out=logits to write the "
+            "gradient over them, or a tensor of its own"
+        )
+
+
+def _byte_ranges_overlap(a: Tensor, b: Tensor) -> bool:
+    """Whether the bytes spanned by ``a`` and by ``b`` (first to last element) intersect."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+
+    def span(t: Tensor) -> tuple[int, int]:
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a_start, a_end), (b_start, b_end) = span(a), span(b)
+    return a_start < b_end and b_start < a_end
+
+
+def check_logits_overwritable(logits: Tensor) -> None:
+    """``cross_entropy_forward_with_grad`` writes the gradient over the logits: they must be one
+    contiguous block (raise ValueError otherwise)."""
+    if not logits.is_contiguous():
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} and strides {logits.stride()} are not contiguous; "
+            "cross_entropy_forward_with_grad writes the gradient over them: pass logits.contiguous()"
+        )
+
+
+# BatchNorm + act (batch_norm_act_forward / _backward).
+
+
+def check_batch_norm_act_arguments(
+    input: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    residual: Tensor | None,
+    *,
+    grad_out: Tensor | None = None,
+    mean: Tensor | None = None,
+    invstd: Tensor | None = None,
+    out: Tensor | None = None,
+    running_mean: Tensor | None = None,
+    running_var: Tensor | None = None,
+) -> None:
+    """Validate the arguments of ``batch_norm_act_forward`` / ``batch_norm_act_backward`` (metadata
+    only: never reads a value, so it never synchronizes); raise TypeError/ValueError."""
+    if not isinstance(input, Tensor):
+        raise TypeError(f"input must be a tensor, got {type(input).__name__}")
+    if input.dim() < 2 or input.shape[1] == 0:
+        raise ValueError(
+            f"input must be (N, C, ...) with at least one channel, got shape {tuple(input.shape)}"
+        )
+    _check_dtype("input has", input.dtype)
+    num_channels = input.shape[1]
+    if input.numel() // num_channels == 0:
+        raise ValueError(f"input of shape {tuple(input.shape)} has no values per channel")
+    for name, param in (("weight", weight), ("bias", bias)):
+        if param is None:
+            continue
+        if not isinstance(param, Tensor):
+            raise TypeError(f"{name} must be a tensor or None, got {type(param).__name__}")
+        if tuple(param.shape) != (num_channels,) or param.dtype not in PARAM_DTYPES:
+            raise ValueError(
+                f"{name} must be a 1-D float tensor of {num_channels} channels, got {param.dtype} of "
+                f"shape {tuple(param.shape)}"
+            )
+        if param.device != input.device:
+            raise ValueError(f"{name} is on {param.device} but input is on {input.device}; move it")
+    for name, value in (("residual", residual), ("grad_out", grad_out), ("out", out)):
+        if value is None:
+            continue
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{name} must be a tensor or None, got {type(value).__name__}")
+        if value.shape != input.shape or value.dtype != input.dtype or value.device != input.device:
+            raise ValueError(
+                f"{name} must match input ({input.dtype} {tuple(input.shape)} on {input.device}), got "
+                f"{value.dtype} {tuple(value.shape)} on {value.device}"
+            )
+    _check_running_stats(input, running_mean, running_var)
+    for name, value in (("mean", mean), ("invstd", invstd)):
+        if value is None:
+            continue
+        if (
+            value.dtype != torch.float32
+            or tuple(value.shape) != (num_channels,)
+            or value.device != input.device
+        ):
+            raise ValueError(
+                f"{name} must be float32 of shape ({num_channels},) on {input.device}, got {value.dtype} of "
+                f"shape {tuple(value.shape)} on {value.device}; pass the forward's statistics"
+            )
+
+
+def check_triton_batch_norm_layout(name: str, tensor: Tensor) -> None:
+    """The Triton BatchNorm kernels' own layout rule: they read a channels_last (N, C, H, W) or a
+    contiguous (M, C) tensor as a row-major [M, C] matrix, through its data pointer."""
+    if tensor.dim() == 4:
+        if tensor.is_contiguous(memory_format=torch.channels_last):
+            return
+    elif tensor.dim() == 2 and tensor.is_contiguous():
+        return
+    layout = "contiguous 2-D" if tensor.dim() == 2 else f"{tensor.dim()}-D, strides {tensor.stride()}"
+    raise ValueError(
+        f"the Triton BatchNorm kernels read (N, C, H, W) tensors in torch.channels_last or contiguous "
+        f"(M, C) tensors, got {name} {layout}; call .contiguous(memory_format=torch.channels_last) or "
+        f"use amp_fx.kernels.reference"
+    )
+
+
+def check_batch_norm_act_backward_arguments(
+    grad_out: Tensor,
+    input: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    mean: Tensor,
+    invstd: Tensor,
+    out: Tensor | None,
+    has_residual: bool,
+    relu: bool,
+) -> None:
+    """Validate the arguments of ``batch_norm_act_backward`` (metadata only); raise TypeError/ValueError."""
+    check_batch_norm_act_arguments(
+        input, weight, bias, None, grad_out=grad_out, mean=mean, invstd=invstd, out=out
+    )
+    if relu and has_residual and out is None:
+        raise ValueError("with a residual and relu=True the backward needs the forward's output (out)")
+
+
+def _check_running_stats(input: Tensor, running_mean: Tensor | None, running_var: Tensor | None) -> None:
+    """Both running statistics or neither; contiguous (C,) float buffers of one dtype on input's
+    device (the kernels update them in place), and more than one value per channel (the unbiased
+    variance divides by M - 1)."""
+    if running_mean is None and running_var is None:
+        return
+    if running_mean is None or running_var is None:
+        raise ValueError("pass both running_mean and running_var, or neither")
+    num_channels = input.shape[1]
+    for name, value in (("running_mean", running_mean), ("running_var", running_var)):
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{name} must be a tensor or None, got {type(value).__name__}")
+        if (
+            tuple(value.shape) != (num_channels,)
+            or value.dtype not in PARAM_DTYPES
+            or value.device != input.device
+            or not value.is_contiguous()
+        ):
+            raise ValueError(
+                f"{name} must be a contiguous 1-D float tensor of {num_channels} channels on "
+                f"{input.device}, got {value.dtype} of shape {tuple(value.shape)} on {value.device}"
+            )
+    if running_mean.dtype != running_var.dtype:
+        raise ValueError(
+            f"running_mean ({running_mean.dtype}) and running_var ({running_var.dtype}) must have one "
+            f"dtype; convert one of them"
+        )
+    if _byte_ranges_overlap(running_mean, running_var):
+        # Both are read and then written per channel: one would overwrite the other's old value.
+        raise ValueError("running_mean and running_var share memory; give each a buffer of its own")
+    if input.numel() // num_channels < 2:
+        raise ValueError(
+            f"updating the running statistics needs more than 1 value per channel, got input of shape "
+            f"{tuple(input.shape)}"
+        )
+
+
+# Max pooling (max_pool2d_forward / _backward).
+
+MAX_POOL_MAX_TAPS = 256  # the offsets are uint8
+MAX_POOL_MAX_PIXELS = INT32_MAX  # N * H * W: the Triton kernels index pixels with int32
+
+
+def max_pool2d_output_size(
+    size: int, kernel_size: int, stride: int, padding: int, dilation: int, ceil_mode: bool
+) -> int:
+    """One output dimension, by torch's formula (``pooling_output_shape``): with ceil_mode the last
+    window may hang over the end, but it must start inside the input or its left padding.
+
+    Example:
+        >>> max_pool2d_output_size(112, 3, 2, 1, 1, False), max_pool2d_output_size(5, 2, 2, 0, 1, True)
+        (56, 3)
+    """
+    numerator = size + 2 * padding - dilation * (kernel_size - 1) - 1 + (stride - 1 if ceil_mode else 0)
+    out = numerator // stride + 1
+    if ceil_mode and (out - 1) * stride >= size + padding:
+        out -= 1
+    return out
+
+
+def _check_pair(name: str, value: object, minimum: int) -> tuple[int, int]:
+    if (
+        not isinstance(value, (tuple, list))
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
+        raise TypeError(
+            f"{name} must be a pair of ints (height, width), got {value!r}; "
+            "amp_fx.ops.pooling.max_pool2d accepts F.max_pool2d's forms and normalizes them"
+        )
+    if min(value) < minimum:
+        raise ValueError(f"{name} must be >= {minimum} in both dimensions, got {tuple(value)}")
+    return value[0], value[1]
+
+
+def check_max_pool2d_arguments(
+    input_size: Sequence[int],
+    dtype: torch.dtype,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    ceil_mode: bool,
+) -> tuple[int, int]:
+    """Validate a max-pool window for an input of ``input_size`` (N, C, H, W) and ``dtype`` (metadata
+    only); returns the output's (OH, OW). Raises TypeError/ValueError with torch's rules: padding at
+    most half the kernel size, an output of at least one element per dimension, and (for the 1-byte
+    offsets) at most 256 taps per window."""
+    if len(input_size) != 4:
+        raise ValueError(
+            f"max_pool2d kernels take a 4-D (N, C, H, W) input, got {len(input_size)} dimensions; "
+            "add a batch dimension with x.unsqueeze(0)"
+        )
+    _check_dtype("max_pool2d input has", dtype)
+    kernel = _check_pair("kernel_size", kernel_size, 1)
+    strides = _check_pair("stride", stride, 1)
+    pads = _check_pair("padding", padding, 0)
+    dilations = _check_pair("dilation", dilation, 1)
+    if not isinstance(ceil_mode, bool):
+        raise TypeError(f"ceil_mode must be True or False, got {ceil_mode!r}")
+    if kernel[0] * kernel[1] > MAX_POOL_MAX_TAPS:
+        raise ValueError(
+            f"a {kernel[0]}x{kernel[1]} window has more than {MAX_POOL_MAX_TAPS} taps, too many for "
+            "1-byte offsets; use F.max_pool2d for such windows"
+        )
+    if pads[0] > kernel[0] // 2 or pads[1] > kernel[1] // 2:
+        raise ValueError(f"padding {pads} is more than half the kernel size {kernel}; use a smaller padding")
+    out_size = tuple(
+        max_pool2d_output_size(input_size[2 + i], kernel[i], strides[i], pads[i], dilations[i], ceil_mode)
+        for i in range(2)
+    )
+    if min(out_size) < 1:
+        raise ValueError(
+            f"max_pool2d of an input of spatial size {tuple(input_size[2:])} with kernel {kernel}, "
+            f"dilation {dilations} and padding {pads} has output size {out_size}; "
+            "use a smaller kernel or a larger input"
+        )
+    return out_size
+
+
+def check_channels_last(name: str, tensor: Tensor) -> None:
+    """Raise unless ``tensor`` is a 4-D tensor contiguous in channels_last (the max-pool layout)."""
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
+    if tensor.dim() != 4 or not tensor.is_contiguous(memory_format=torch.channels_last):
+        raise ValueError(
+            f"{name} must be a 4-D tensor contiguous in channels_last (strides {tensor.stride()} for "
+            f"shape {tuple(tensor.shape)}); convert it with .contiguous(memory_format=torch.channels_last)"
+        )
+
+
+def check_triton_max_pool2d_pixels(*counts: int) -> None:
+    """The Triton max-pool kernels' own limit: they index pixels (N * H * W) with int32."""
+    if max(counts) > MAX_POOL_MAX_PIXELS:
+        raise ValueError(
+            f"max_pool2d kernels index pixels with int32; {max(counts)} pixels (N * H * W) is too many: "
+            "split the batch"
+        )
+
+
+def check_max_pool2d_backward_arguments(
+    grad_out: Tensor,
+    offsets: Tensor,
+    input_size: Sequence[int],
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+) -> None:
+    """Validate the arguments of ``max_pool2d_backward`` (metadata only)."""
+    if not isinstance(grad_out, Tensor):
+        raise TypeError(f"grad_out must be a tensor, got {type(grad_out).__name__}")
+    check_channels_last("offsets", offsets)
+    if offsets.dtype != torch.uint8:
+        raise ValueError(f"offsets must be the forward's uint8 offsets, got dtype {offsets.dtype}")
+    if not isinstance(input_size, (tuple, list)) or len(input_size) != 4:
+        raise ValueError(f"input_size must be the forward input's (N, C, H, W), got {input_size!r}")
+    check_max_pool2d_arguments(
+        input_size, grad_out.dtype, kernel_size, stride, padding, dilation, ceil_mode=False
+    )
+    if grad_out.shape != offsets.shape or grad_out.device != offsets.device:
+        raise ValueError(
+            f"grad_out ({tuple(grad_out.shape)} on {grad_out.device}) must have the shape and device "
+            f"of the offsets ({tuple(offsets.shape)} on {offsets.device})"
+        )
+    if tuple(offsets.shape[:2]) != tuple(input_size[:2]):
+        raise ValueError(
+            f"offsets of shape {tuple(offsets.shape)} do not belong to an input of size {tuple(input_size)}"
+        )

@@ -51,9 +51,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from amp_fx.kernels.arguments import (
+    check_batch_norm_act_arguments,
+    check_batch_norm_act_backward_arguments,
+    check_triton_batch_norm_layout,
+)
 from amp_fx.kernels.devices import on_device
 from amp_fx.kernels.pointer_table import triton_dtype
-from amp_fx.kernels.reference import check_batch_norm_act_arguments
 from amp_fx.kernels.rounding import round_to_dtype
 
 __all__ = [
@@ -475,22 +479,6 @@ def _backward_input_kernel(
             tl.store(grad_residual_ptr + offsets, round_to_dtype(dy, DTYPE), mask=mask)
 
 
-def _check_layout(tensor: Tensor, name: str) -> None:
-    """The kernels read a channels_last (N, C, H, W) or a contiguous (M, C) tensor as a row-major
-    [M, C] matrix, through its data pointer."""
-    if tensor.dim() == 4:
-        if tensor.is_contiguous(memory_format=torch.channels_last):
-            return
-    elif tensor.dim() == 2 and tensor.is_contiguous():
-        return
-    layout = "contiguous 2-D" if tensor.dim() == 2 else f"{tensor.dim()}-D, strides {tensor.stride()}"
-    raise ValueError(
-        f"the Triton BatchNorm kernels read (N, C, H, W) tensors in torch.channels_last or contiguous "
-        f"(M, C) tensors, got {name} {layout}; call .contiguous(memory_format=torch.channels_last) or "
-        f"use amp_fx.kernels.reference"
-    )
-
-
 def _contiguous(vector: Tensor | None) -> Tensor | None:
     """A (C,) parameter the kernels can index by channel (their pointer + c)."""
     return None if vector is None else vector.contiguous()
@@ -618,9 +606,9 @@ def batch_norm_act_forward(
         check_batch_norm_act_arguments(
             input, weight, bias, residual, running_mean=running_mean, running_var=running_var
         )
-        _check_layout(input, "input")
+        check_triton_batch_norm_layout("input", input)
         if residual is not None:
-            _check_layout(residual, "residual")
+            check_triton_batch_norm_layout("residual", residual)
         weight, bias = _contiguous(weight), _contiguous(bias)
     num_channels = input.shape[1]
     num_rows = input.numel() // num_channels
@@ -689,14 +677,12 @@ def batch_norm_act_backward(
     """
     has_out = relu and out is not None
     if validate:
-        check_batch_norm_act_arguments(
-            input, weight, bias, None, grad_out=grad_out, mean=mean, invstd=invstd, out=out
+        check_batch_norm_act_backward_arguments(
+            grad_out, input, weight, bias, mean, invstd, out, has_residual, relu
         )
-        if relu and has_residual and out is None:
-            raise ValueError("with a residual and relu=True the backward needs the forward's output (out)")
-        _check_layout(input, "input")
+        check_triton_batch_norm_layout("input", input)
         if has_out:
-            _check_layout(out, "out")
+            check_triton_batch_norm_layout("out", out)
         weight, bias = _contiguous(weight), _contiguous(bias)
         mean, invstd = mean.contiguous(), invstd.contiguous()
     memory_format = torch.channels_last if input.dim() == 4 else torch.contiguous_format

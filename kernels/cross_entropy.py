@@ -39,9 +39,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from amp_fx.kernels.arguments import check_cross_entropy_arguments, check_logits_overwritable
 from amp_fx.kernels.devices import on_device
 from amp_fx.kernels.pointer_table import triton_dtype
-from amp_fx.kernels.reference import check_cross_entropy_arguments, check_logits_overwritable
 from amp_fx.kernels.rounding import round_to_dtype
 
 

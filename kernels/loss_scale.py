@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from amp_fx.kernels.arguments import check_loss_scale_arguments
 from amp_fx.kernels.devices import on_device
-from amp_fx.kernels.reference import check_loss_scale_arguments
 
 MAX_FOUND_INFS = 4
 

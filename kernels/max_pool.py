@@ -43,14 +43,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from amp_fx.kernels.devices import on_device
-from amp_fx.kernels.pointer_table import triton_dtype
-from amp_fx.kernels.reference import (
-    MAX_POOL_MAX_PIXELS,
+from amp_fx.kernels.arguments import (
+    check_channels_last,
     check_max_pool2d_arguments,
     check_max_pool2d_backward_arguments,
+    check_triton_max_pool2d_pixels,
     max_pool2d_output_size,
 )
+from amp_fx.kernels.devices import on_device
+from amp_fx.kernels.pointer_table import triton_dtype
 from amp_fx.kernels.rounding import round_to_dtype
 
 __all__ = ["max_pool2d_forward", "max_pool2d_backward", "MaxPoolLaunch", "LAUNCH"]
@@ -337,14 +338,6 @@ def _windows_reaching(kernel: int, stride: int, dilation: int) -> int:
     return triton.cdiv((kernel - 1) * dilation + 1, stride)
 
 
-def _check_pixels(*counts: int) -> None:
-    if max(counts) > MAX_POOL_MAX_PIXELS:
-        raise ValueError(
-            f"max_pool2d kernels index pixels with int32; {max(counts)} pixels (N * H * W) is too many: "
-            "split the batch"
-        )
-
-
 def _window_constants(kernel_size, stride, padding, dilation) -> dict[str, int]:
     return {
         "KERNEL_H": kernel_size[0],
@@ -381,11 +374,7 @@ def max_pool2d_forward(
         >>> out, offsets = max_pool2d_forward(x, (3, 3), (2, 2), (1, 1), (1, 1), False)  # doctest: +SKIP
     """
     if validate:
-        if not input.is_contiguous(memory_format=torch.channels_last):
-            raise ValueError(
-                f"input must be a 4-D tensor contiguous in channels_last (strides {input.stride()}); "
-                "convert it with .contiguous(memory_format=torch.channels_last)"
-            )
+        check_channels_last("input", input)
         out_h, out_w = check_max_pool2d_arguments(
             input.shape, input.dtype, kernel_size, stride, padding, dilation, ceil_mode
         )
@@ -405,7 +394,7 @@ def max_pool2d_forward(
     num_out_pixels = batch * out_h * out_w
     if out.numel() == 0:
         return out, offsets
-    _check_pixels(batch * height * width, num_out_pixels)
+    check_triton_max_pool2d_pixels(batch * height * width, num_out_pixels)
     block_pixels, block_channels, grid = _launch_shape(num_out_pixels, channels, LAUNCH)
     with on_device(input.device):
         _max_pool2d_forward_kernel[grid](
@@ -475,7 +464,7 @@ def max_pool2d_backward(
     if grad_input.numel() == 0:
         return grad_input
     out_h, out_w = offsets.shape[2:]
-    _check_pixels(num_in_pixels, batch * out_h * out_w)
+    check_triton_max_pool2d_pixels(num_in_pixels, batch * out_h * out_w)
     block_pixels, block_channels, grid = _launch_shape(num_in_pixels, channels, LAUNCH)
     windows_h = _windows_reaching(kernel_size[0], stride[0], dilation[0])
     windows_w = _windows_reaching(kernel_size[1], stride[1], dilation[1])

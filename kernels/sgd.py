@@ -30,10 +30,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from amp_fx.kernels.arguments import check_update
+from amp_fx.kernels.arguments import check_sgd_hyperparameters, check_update
 from amp_fx.kernels.devices import on_device
 from amp_fx.kernels.pointer_table import LaunchConfig, group_by_dtype, pointer_table, triton_dtype
-from amp_fx.kernels.reference import check_sgd_hyperparameters
 from amp_fx.kernels.rounding import round_to_dtype
 
 # As for Adam (adam.py): 4 elements per thread, one layout, 2 iterations per program; fastest of the

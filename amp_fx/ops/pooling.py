@@ -75,7 +75,7 @@ def _max_pool2d_forward_fake(
     dilation: list[int],
     ceil_mode: bool,
 ) -> tuple[Tensor, Tensor]:
-    from amp_fx.kernels.reference import max_pool2d_output_size
+    from amp_fx.kernels.arguments import max_pool2d_output_size
 
     out_size = [
         max_pool2d_output_size(
@@ -213,7 +213,7 @@ def _window_if_fused(
     ):
         return None
     # Only for a call that may fuse: the kernels' package loads Triton.
-    from amp_fx.kernels.reference import MAX_POOL_MAX_PIXELS, MAX_POOL_MAX_TAPS, max_pool2d_output_size
+    from amp_fx.kernels.arguments import MAX_POOL_MAX_PIXELS, MAX_POOL_MAX_TAPS, max_pool2d_output_size
 
     batch, _, height, width = input.shape
     if batch * height * width > MAX_POOL_MAX_PIXELS:

@@ -1,6 +1,9 @@
-"""The pure-torch reference against torch.optim on fp32 tensors, and its skip/step rules."""
+"""The pure-torch reference against torch.optim on fp32 tensors, its skip/step rules, and its
+contract with triton_ops (same kernel names and signatures)."""
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
@@ -173,3 +176,13 @@ def test_bad_input_is_refused_before_any_write() -> None:
     with pytest.raises(ValueError, match="float32 tensor of one element"):
         reference.check_finite_and_norm_([p], torch.zeros(1, dtype=torch.float64))
     assert torch.equal(p, torch.ones(3))
+
+
+def test_reference_implements_the_triton_contract() -> None:
+    """implementation_for() returns either module: the reference package must export every kernel of
+    triton_ops under the same name, with the same signature."""
+    triton_ops = pytest.importorskip("amp_fx.kernels.triton_ops")
+    for name in triton_ops.__all__:
+        assert name in reference.__all__, name
+        expected = inspect.signature(getattr(triton_ops, name))
+        assert inspect.signature(getattr(reference, name)) == expected, name

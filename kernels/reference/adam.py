@@ -1,0 +1,104 @@
+"""Pure-torch ``adam_step_``; the Triton twin is in ``amp_fx.kernels.adam``.
+
+Adam (torch.optim.Adam / AdamW), for each element, in fp32, with t = step + 1::
+
+    g  = grad * grad_multiplier                      (grad_multiplier = 1 / loss_scale ...)
+    g += weight_decay * w                            (L2, adam_w_mode=False)
+    w *= 1 - lr * weight_decay                       (decoupled, adam_w_mode=True)
+    m  = beta1 * m + (1 - beta1) * g
+    v  = beta2 * v + (1 - beta2) * g * g
+    w -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+    param = w.to(param.dtype)                        (round to nearest)
+
+where w is the fp32 master (or the param itself when it has no master). ``1 - beta**t`` is computed
+as ``-expm1(t * ln(beta))``, accurate in fp32 even when beta is close to 1 and t is small.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from amp_fx.kernels.arguments import check_adam_hyperparameters, check_update, log_beta
+from amp_fx.kernels.reference.step import scaled_grad, skip_flag, write_unless_skipped
+
+__all__ = ["adam_step_"]
+
+
+def _bias_correction(beta: float, t: Tensor) -> Tensor:
+    """1 - beta**t, as -expm1(t * ln(beta)): no cancellation when beta**t is close to 1."""
+    return -torch.expm1(t * log_beta(beta))
+
+
+@torch.no_grad()
+def adam_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    masters: Sequence[Tensor | None] | None,
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    step: Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adam_w_mode: bool,
+    grad_multiplier: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> None:
+    """One Adam (``adam_w_mode=False``) or AdamW (``adam_w_mode=True``) step, in place.
+
+    ``step`` holds the number of steps already taken; this step uses t = step + 1 and does not
+    change ``step`` (call ``advance_step_`` afterwards). ``masters[i]`` is the fp32 copy of a
+    low-precision ``params[i]``; None (the whole list or one entry) means the param is its own
+    master. If ``found_inf`` > 0 nothing is written.
+
+    Example:
+        >>> p, g = torch.ones(2), torch.ones(2)
+        >>> m, v, step = torch.zeros(2), torch.zeros(2), torch.zeros(1)
+        >>> adam_step_([p], [g], None, [m], [v], step, lr=0.5, beta1=0.9, beta2=0.999, eps=0.0,
+        ...            weight_decay=0.0, adam_w_mode=False)
+        >>> p
+        tensor([0.5000, 0.5000])
+    """
+    check_update(
+        params,
+        grads,
+        masters,
+        {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
+        step,
+        grad_multiplier,
+        found_inf,
+        {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay},
+    )
+    check_adam_hyperparameters(lr, beta1, beta2, eps, weight_decay)
+    if len(params) == 0:
+        return
+    skip = skip_flag(found_inf)
+    t = step.reshape(()) + 1
+    step_size = lr / _bias_correction(beta1, t)
+    bias_correction2_sqrt = _bias_correction(beta2, t).sqrt()
+    for i, (param, grad, exp_avg, exp_avg_sq) in enumerate(
+        zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)
+    ):
+        master = None if masters is None else masters[i]
+        weight = (param if master is None else master).float()
+        g = scaled_grad(grad, grad_multiplier)
+        if weight_decay != 0.0:
+            if adam_w_mode:
+                weight = weight * (1.0 - lr * weight_decay)
+            else:
+                g = g + weight_decay * weight
+        new_exp_avg = beta1 * exp_avg + (1.0 - beta1) * g
+        new_exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * g * g
+        denom = new_exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
+        new_weight = weight - step_size * (new_exp_avg / denom)
+        write_unless_skipped(exp_avg, new_exp_avg, skip)
+        write_unless_skipped(exp_avg_sq, new_exp_avg_sq, skip)
+        if master is not None:
+            write_unless_skipped(master, new_weight, skip)
+        write_unless_skipped(param, new_weight, skip)

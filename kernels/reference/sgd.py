@@ -1,0 +1,82 @@
+"""Pure-torch ``sgd_step_``; the Triton twin is in ``amp_fx.kernels.sgd``.
+
+SGD (torch.optim.SGD)::
+
+    g  = grad * grad_multiplier + weight_decay * w
+    buf = g                                          (first step, step == 0)
+    buf = momentum * buf + (1 - dampening) * g       (later steps)
+    g  = g + momentum * buf if nesterov else buf     (when momentum != 0)
+    w -= lr * g
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from amp_fx.kernels.arguments import check_sgd_hyperparameters, check_update
+from amp_fx.kernels.reference.step import scaled_grad, skip_flag, write_unless_skipped
+
+__all__ = ["sgd_step_"]
+
+
+@torch.no_grad()
+def sgd_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    masters: Sequence[Tensor | None] | None,
+    momentum_buffers: Sequence[Tensor] | None,
+    step: Tensor,
+    *,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    grad_multiplier: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> None:
+    """One SGD step (torch.optim.SGD math), in place; same master and skip rules as ``adam_step_``.
+
+    On the first step (``step`` == 0) the momentum buffer is set to the gradient, as torch does
+    when it creates the buffer; ``momentum_buffers`` may be None when ``momentum`` == 0.
+
+    Example:
+        >>> p, g, buf, step = torch.ones(2), torch.ones(2), torch.zeros(2), torch.zeros(1)
+        >>> sgd_step_([p], [g], None, [buf], step, lr=0.1, momentum=0.9, dampening=0.0,
+        ...           weight_decay=0.0, nesterov=False)
+        >>> p, buf
+        (tensor([0.9000, 0.9000]), tensor([1., 1.]))
+    """
+    check_update(
+        params,
+        grads,
+        masters,
+        {"momentum_buffers": momentum_buffers},
+        step,
+        grad_multiplier,
+        found_inf,
+        {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay},
+    )
+    check_sgd_hyperparameters(lr, momentum, dampening, weight_decay, nesterov, momentum_buffers)
+    if len(params) == 0:
+        return
+    skip = skip_flag(found_inf)
+    first_step = step.reshape(()) == 0
+    for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
+        master = None if masters is None else masters[i]
+        weight = (param if master is None else master).float()
+        g = scaled_grad(grad, grad_multiplier)
+        if weight_decay != 0.0:
+            g = g + weight_decay * weight
+        if momentum != 0.0:
+            buf = momentum_buffers[i]
+            new_buf = torch.where(first_step, g, momentum * buf + (1.0 - dampening) * g)
+            g = g + momentum * new_buf if nesterov else new_buf
+            write_unless_skipped(buf, new_buf, skip)
+        new_weight = weight - lr * g
+        if master is not None:
+            write_unless_skipped(master, new_weight, skip)
+        write_unless_skipped(param, new_weight, skip)

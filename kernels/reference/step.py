@@ -1,0 +1,49 @@
+"""What every optimizer kernel of the reference shares: the gradient multiplier, the skip rule and
+the step counter.
+
+The skip rule: when ``found_inf`` is given and > 0, nothing is written. Here that is done with
+``torch.where(skip, old, new)`` per tensor, so skipped tensors keep their exact bits; the Triton
+kernels do the same by not storing at all.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["advance_step_", "scaled_grad", "skip_flag", "write_unless_skipped"]
+
+
+def skip_flag(found_inf: Tensor | None) -> Tensor | None:
+    """A 0-dim bool tensor, True when the step must be skipped (broadcasts against any shape)."""
+    return None if found_inf is None else found_inf.reshape(()) > 0
+
+
+def write_unless_skipped(target: Tensor, new_value: Tensor, skip: Tensor | None) -> None:
+    """target <- new_value in target's dtype, unless skip is set (then target keeps its bits)."""
+    new_value = new_value.to(target.dtype)
+    if skip is not None:
+        new_value = torch.where(skip, target, new_value)
+    target.copy_(new_value)
+
+
+def scaled_grad(grad: Tensor, grad_multiplier: Tensor | None) -> Tensor:
+    """``grad`` in fp32, times ``grad_multiplier`` (e.g. 1 / loss_scale) when given."""
+    grad = grad.float()
+    return grad if grad_multiplier is None else grad * grad_multiplier.reshape(())
+
+
+@torch.no_grad()
+def advance_step_(step: Tensor, found_inf: Tensor | None) -> None:
+    """``step += 1`` unless ``found_inf`` > 0, decided on the device.
+
+    Example:
+        >>> step = torch.zeros(1)
+        >>> advance_step_(step, torch.ones(1)); advance_step_(step, None)
+        >>> step
+        tensor([1.])
+    """
+    if found_inf is None:
+        step.add_(1.0)
+    else:
+        step.add_((found_inf.reshape(()) <= 0).to(step.dtype))
