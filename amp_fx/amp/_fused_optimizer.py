@@ -1,0 +1,206 @@
+"""FUSED: amp for `amp_fx.optim.FusedAdam` / `FusedSGD`, through the `ScaledOptimizer` handshake."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from amp_fx.amp import _grads
+from amp_fx.amp._amp_optimizer import AmpOptimizer, OptimizerKind, new_master
+from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
+from amp_fx.optim._fused_base import MASTER_KEY
+from amp_fx.optim.scaled_optimizer import ScaledOptimizer
+from amp_fx.optim.torch_optimizer_scaling import FoundInf
+
+
+class FusedAmpOptimizer(AmpOptimizer):
+    """FUSED: `amp_fx.optim.FusedAdam` / `FusedSGD`, the fast path, through the `ScaledOptimizer` handshake.
+
+    The optimizer keeps the FP32 masters in its own state and takes the loss scale as a pending
+    grad multiplier: the model grads stay scaled, its kernel unscales, checks and skips on the
+    device, and no step syncs.
+    """
+
+    kind = OptimizerKind.FUSED
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, param_map: Callable[[Tensor], Tensor], session: Any = None
+    ) -> None:
+        super().__init__(optimizer, param_map, session)
+        self.scaled: ScaledOptimizer = optimizer
+        # The scale the model grads carry (None: unscaled), and that of the stashed ones.
+        self.grad_scale: Tensor | None = None
+        self.stash_scale: Tensor | None = None
+        # Grad multiplier per device used when amp.master_params handed out FP32 grads.
+        self.materialized: dict[torch.device, Tensor | None] | None = None
+
+    def _adopt_group(
+        self,
+        group: dict[str, Any],
+        originals: list[Tensor],
+        mapped: list[Tensor],
+        master_weights: bool | None,
+    ) -> list[Tensor]:
+        """Masters from the FP32 originals (exact) for the now low-precision params."""
+        self._rekey_state(originals, mapped)
+        if master_weights is not None:
+            group["master_weights"] = bool(master_weights)
+            self.optimizer.defaults["master_weights"] = bool(master_weights)
+        state = self.optimizer.state
+        for original, param in zip(originals, mapped, strict=True):
+            entry = state[param]
+            if param.dtype in LOW_PRECISION_DTYPES and group.get("master_weights", True):
+                if MASTER_KEY not in entry:
+                    entry[MASTER_KEY] = new_master(param, original).requires_grad_(False)
+            else:
+                entry.pop(MASTER_KEY, None)
+        return mapped
+
+    # ------------------------------------------------------------------------------------------
+    # Masters and their FP32 grads
+    def _fused_master(self, param: Tensor) -> Tensor:
+        return self.optimizer.state.get(param, {}).get(MASTER_KEY, param)
+
+    def masters_by_param(self) -> dict[int, Tensor]:
+        return {id(p): m for p in self.params() if (m := self._fused_master(p)) is not p}
+
+    def master_of(self, param: Tensor) -> Tensor | None:
+        master = self._fused_master(param)
+        return None if master is param else master
+
+    def master_params(self) -> Iterator[Tensor]:
+        """The FP32 masters (the params without one themselves), with unscaled grads.
+
+        Hands out FP32 copies of the unscaled grads as the masters' ``.grad`` (so
+        ``torch.nn.utils.clip_grad_norm_(amp.master_params(opt), ...)`` works as in Apex); the
+        next ``step`` folds whatever was done to them back into the model grads.
+        """
+        self._materialize_master_grads()
+        for param in self.params():
+            yield self._fused_master(param)
+
+    def _materialize_master_grads(self) -> None:
+        if self.materialized is not None:
+            return
+        multipliers: dict[torch.device, Tensor | None] = {}
+        with torch.no_grad():
+            for param in self.params():
+                if param.grad is None:
+                    continue
+                device = param.grad.device
+                if device not in multipliers:
+                    pending = self.scaled.pending_scaling(device)[0]
+                    # 0-dim, so that it scales 0-dim grads (scalar parameters) in place too.
+                    multipliers[device] = None if pending is None else pending.reshape(())
+                multiplier = multipliers[device]
+                master = self._fused_master(param)
+                if master is param:
+                    if multiplier is not None:
+                        param.grad.mul_(multiplier.to(param.grad.dtype))
+                else:
+                    grad = param.grad.to(torch.float32)
+                    master.grad = grad if multiplier is None else grad.mul_(multiplier)
+        self.materialized = multipliers
+
+    def _write_back_master_grads(self) -> None:
+        """Undo `_materialize_master_grads`: the (maybe clipped) FP32 grads, scaled, into the model grads."""
+        multipliers, self.materialized = self.materialized, None
+        if multipliers is None:
+            return
+        with torch.no_grad():
+            for param in self.params():
+                if param.grad is None:
+                    continue
+                multiplier = multipliers.get(param.grad.device)
+                master = self._fused_master(param)
+                if master is param:
+                    if multiplier is not None:
+                        param.grad.div_(multiplier.to(param.grad.dtype))
+                elif master.grad is not None:
+                    value = master.grad if multiplier is None else master.grad / multiplier
+                    param.grad.copy_(value)
+                    master.grad = None
+
+    # ------------------------------------------------------------------------------------------
+    # Around a backward
+    def _stash_grads(self) -> None:
+        self._write_back_master_grads()
+        for param in self.params():
+            if param.grad is not None:
+                self.stashed.append((param, param.grad))
+                param.grad = None
+        self.stash_scale = self.grad_scale
+
+    def _finish_backward(self, inv_scale: Tensor, used_scale: Tensor, found: FoundInf) -> None:
+        stashed, self.stashed = self.stashed, []
+        if not stashed:
+            self.grad_scale = used_scale
+            found.update(self.scaled.unscale_grads_(inv_scale))
+            return
+        # Grads of an earlier backward at another scale: bring both to the smaller scale, in FP32,
+        # so neither overflows. This loss's flags come from its own grads only.
+        _grads.check_finite([p.grad for p in self.params() if p.grad is not None], found)
+        carried = self.stash_scale if self.stash_scale is not None else torch.ones_like(used_scale)
+        common = torch.minimum(used_scale, carried.to(used_scale.device))
+        new_factor, old_factor = common / used_scale, common / carried.to(used_scale.device)
+        for param, old in stashed:
+            combined = old.to(torch.float32) * old_factor.to(old.device)
+            if param.grad is not None:
+                combined += param.grad.to(torch.float32) * new_factor.to(old.device)
+            param.grad = combined.to(param.dtype)
+        stashed_ids = {id(p) for p, _ in stashed}
+        for param in self.params():
+            if param.grad is not None and id(param) not in stashed_ids:
+                param.grad.mul_(new_factor.to(param.grad.device, param.grad.dtype))
+        self.grad_scale = common
+        self.stash_scale = None
+        # Checks the combined grads (an overflowed earlier loss is still inf in them) for the step.
+        self.scaled.unscale_grads_(common.double().reciprocal().float())
+
+    # ------------------------------------------------------------------------------------------
+    # The patched methods
+    def _step(self, original_step: Callable[..., Any], closure: Callable[[], Any] | None) -> Any:
+        self._write_back_master_grads()
+        return original_step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self.scaled.finish_scaling()
+        for param in self.params():
+            master = self._fused_master(param)
+            if master is not param:
+                master.grad = None
+        self.grad_scale = self.stash_scale = None
+
+    def zero_pending(self) -> None:
+        super().zero_pending()
+        self.materialized = None
+
+    def _add_param_group(
+        self,
+        group: dict[str, Any],
+        originals: list[Tensor],
+        mapped: list[Tensor],
+        add: Callable[[dict[str, Any]], None],
+    ) -> None:
+        # Masters from the FP32 originals where the caller passed those, before the optimizer
+        # would make them from the rounded parameters.
+        master_weights = group.get("master_weights", self.optimizer.defaults.get("master_weights", True))
+        state = self.optimizer.state
+        added = [
+            (original, param)
+            for original, param in zip(originals, mapped, strict=True)
+            if param.dtype in LOW_PRECISION_DTYPES and master_weights and param not in state
+        ]
+        with torch.no_grad():
+            for original, param in added:
+                state[param][MASTER_KEY] = new_master(param, original).requires_grad_(False)
+        try:
+            add({**group, "params": mapped})
+        except Exception:
+            for _, param in added:  # a refused group leaves the optimizer as it was
+                state.pop(param, None)
+            raise
