@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -127,14 +126,15 @@ def inject_inf_after_backward(rank: int, device: torch.device, out: dict[str, ob
     out["after_backward"] = training_state(optimizer, scaler)
 
 
-def worker(rank: int, backend: str, port: int, out_dir: str) -> None:
+def worker(rank: int, backend: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
         backend,
-        init_method=f"tcp://127.0.0.1:{port}",
+        # A file store in the test's own directory: no port to pick, release and race for.
+        init_method=Path(out_dir, "store").as_uri(),
         rank=rank,
         world_size=WORLD_SIZE,
         timeout=datetime.timedelta(seconds=60),
@@ -151,16 +151,10 @@ def worker(rank: int, backend: str, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_ranks(backend: str, out_dir: Path) -> list[dict[str, object]]:
     """Spawn WORLD_SIZE workers, wait at most TIMEOUT_S, return each rank's results."""
     context = mp.start_processes(
-        worker, args=(backend, free_port(), str(out_dir)), nprocs=WORLD_SIZE, join=False, start_method="spawn"
+        worker, args=(backend, str(out_dir)), nprocs=WORLD_SIZE, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + TIMEOUT_S
     try:
@@ -238,8 +232,7 @@ def test_torchrun_example_trains_on_two_cpu_processes(tmp_path: Path) -> None:
         "-m",
         "torch.distributed.run",
         "--nproc_per_node=2",
-        "--master_port",
-        str(free_port()),
+        "--standalone",  # torchrun binds its rendezvous port itself: no free port to guess
         str(REPO_ROOT / "examples" / "ddp_torchrun.py"),
         "--steps",
         "4",
