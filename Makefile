@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint slow gpu-test clean
+.PHONY: test demo lint slow thorough gpu-test clean
 
 # The first run installs everything (a few minutes, mostly torch); each step says what it does.
 $(STAMP): requirements-dev.txt pyproject.toml
@@ -23,6 +23,11 @@ $(STAMP): requirements-dev.txt pyproject.toml
 # CPU-only machines run the Triton kernels in the interpreter.
 test: $(STAMP)
 	TRITON_INTERPRET=1 HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m "not slow and not gpu" tests
+
+# The property tests (every test file that uses hypothesis) with the "thorough" profile: 20x CI's examples.
+thorough: $(STAMP)
+	TRITON_INTERPRET=1 HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q -m "not slow and not gpu" \
+		$$(grep -rl --include='test_*.py' -e '^from hypothesis' -e '^import hypothesis' tests)
 
 slow: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m slow tests
