@@ -111,8 +111,8 @@ def _fuse(
         gm.graph.erase_node(node)
 
 
-def fuse_batch_norm(gm: torch.fx.GraphModule, policy: Policy) -> int:
-    """Replace BatchNorm2d -> [add] -> ReLU chains with `FusedBatchNormAct` calls; returns how many.
+def fuse_batch_norm(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
+    """Replace BatchNorm2d -> [add] -> ReLU chains with `FusedBatchNormAct` calls; returns `gm`.
 
     Example::
 
@@ -121,7 +121,7 @@ def fuse_batch_norm(gm: torch.fx.GraphModule, policy: Policy) -> int:
         49
     """
     if not policy.fused_batch_norm:
-        return 0
+        return gm
     fused = 0
     for bn in list(gm.graph.nodes):
         if (
@@ -147,4 +147,4 @@ def fuse_batch_norm(gm: torch.fx.GraphModule, policy: Policy) -> int:
     if fused:
         gm.recompile()
     logger.debug("fuse_batch_norm %s: %d BatchNorm2d calls fused", policy.opt_level, fused)
-    return fused
+    return gm

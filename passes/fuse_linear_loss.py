@@ -237,9 +237,9 @@ def _replace(
         graph.erase_node(node)
 
 
-def fuse_linear_loss(gm: torch.fx.GraphModule, policy: Policy) -> int:
+def fuse_linear_loss(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
     """Replace linear layer -> row views -> `fp32_cross_entropy` by `linear_cross_entropy`;
-    returns how many. Runs after `fuse_losses`.
+    returns `gm`. Runs after `fuse_losses`.
 
     Example::
 
@@ -249,7 +249,7 @@ def fuse_linear_loss(gm: torch.fx.GraphModule, policy: Policy) -> int:
         ['linear_cross_entropy']
     """
     if not (policy.fused_losses and policy.fused_linear_loss):
-        return 0
+        return gm
     fused = 0
     for loss in list(gm.graph.nodes):
         if loss.op != "call_function" or loss.target is not fp32_cross_entropy:
@@ -273,4 +273,4 @@ def fuse_linear_loss(gm: torch.fx.GraphModule, policy: Policy) -> int:
         gm.graph.lint()
         gm.recompile()
     logger.debug("fuse_linear_loss %s: %d linear layers fused with their loss", policy.opt_level, fused)
-    return fused
+    return gm

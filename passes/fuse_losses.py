@@ -125,8 +125,8 @@ def _low_precision_source(cast: torch.fx.Node) -> torch.fx.Node | None:
     return source
 
 
-def fuse_losses(gm: torch.fx.GraphModule, policy: Policy) -> int:
-    """Point FP32 cross-entropy losses at their low-precision logits; returns how many.
+def fuse_losses(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
+    """Point FP32 cross-entropy losses at their low-precision logits; returns `gm`.
 
     Example::
 
@@ -135,7 +135,7 @@ def fuse_losses(gm: torch.fx.GraphModule, policy: Policy) -> int:
         ['fp32_cross_entropy']
     """
     if not policy.fused_losses:
-        return 0
+        return gm
     fused = 0
     for node in list(gm.graph.nodes):
         info = node_info(node)
@@ -168,4 +168,4 @@ def fuse_losses(gm: torch.fx.GraphModule, policy: Policy) -> int:
     if fused:
         gm.recompile()
     logger.debug("fuse_losses %s: %d cross-entropy losses read low-precision logits", policy.opt_level, fused)
-    return fused
+    return gm

@@ -86,8 +86,8 @@ def _arguments(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict[str, Any] 
     return None
 
 
-def replace_max_pool(gm: torch.fx.GraphModule, policy: Policy) -> int:
-    """Point 2-D max-pool calls at `amp_fx.ops.pooling.max_pool2d`; returns how many.
+def replace_max_pool(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
+    """Point 2-D max-pool calls at `amp_fx.ops.pooling.max_pool2d`; returns `gm`.
 
     Example::
 
@@ -96,7 +96,7 @@ def replace_max_pool(gm: torch.fx.GraphModule, policy: Policy) -> int:
         ['amp_fx.ops.pooling']
     """
     if not policy.fused_max_pool:
-        return 0
+        return gm
     replaced = 0
     for node in list(gm.graph.nodes):
         info = node_info(node)
@@ -117,4 +117,4 @@ def replace_max_pool(gm: torch.fx.GraphModule, policy: Policy) -> int:
     if replaced:
         gm.recompile()
     logger.debug("replace_max_pool %s: %d max-pool calls", policy.opt_level, replaced)
-    return replaced
+    return gm

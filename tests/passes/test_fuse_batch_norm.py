@@ -188,7 +188,10 @@ class Branches(nn.Module):
 def test_patterns_that_are_not_fused():
     gm = _convert(Branches(), fused=True)
     assert not _fused_modules(gm)
-    assert fuse_batch_norm(gm, gm.meta["amp_fx_policy"]) == 0
+    code = gm.code
+    assert fuse_batch_norm(gm, gm.meta["amp_fx_policy"]) is gm
+    gm.recompile()
+    assert gm.code == code and not _fused_modules(gm)  # running it again fuses nothing either
 
 
 def test_only_o2_on_cuda_fuses_by_default():

@@ -127,7 +127,8 @@ def test_the_flag_decides() -> None:
     assert not _replaced(_convert(Pools(), "O2", fused=False))
     assert len(_replaced(_convert(Pools(), "O3", fused=True))) == 4
     gm = _convert(Pools(), "O2", fused=False)
-    assert replace_max_pool(gm, preset("O2", device_type="cpu", fused_max_pool=True)) == 4
+    assert not _replaced(gm)
+    assert len(_replaced(replace_max_pool(gm, preset("O2", device_type="cpu", fused_max_pool=True)))) == 4
 
 
 def test_converting_a_converted_graph_again_changes_nothing() -> None:
