@@ -1,0 +1,210 @@
+"""The package's layers import one way: user API (amp_fx/) -> passes -> core/ops -> kernels.
+
+- importing any pass loads none of the user API (checked by importing it, in a child process);
+- kernels/, amp_fx/core/ and amp_fx/ops/ import neither the passes nor the user API, and kernels/
+  imports nothing of amp_fx outside amp_fx.kernels;
+- a pass imports only amp_fx.core, amp_fx.ops and the passes' one shared helper module, never
+  another pass.
+
+The static checks read every ``import`` statement with `ast`, also those inside functions.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import amp_fx
+
+REPOSITORY = Path(__file__).resolve().parent.parent
+# Where each package's files are (pyproject.toml installs passes/ and kernels/ under amp_fx).
+PACKAGE_DIRECTORIES = {
+    "amp_fx.passes": REPOSITORY / "passes",
+    "amp_fx.kernels": REPOSITORY / "kernels",
+    "amp_fx.core": REPOSITORY / "amp_fx" / "core",
+    "amp_fx.ops": REPOSITORY / "amp_fx" / "ops",
+}
+BELOW_THE_PASSES = ("amp_fx.kernels", "amp_fx.core", "amp_fx.ops")
+SHARED_PASS_HELPERS = "amp_fx.passes.shared"
+# What a pass may import of amp_fx.
+PASS_IMPORTS = ("amp_fx.core", "amp_fx.ops", SHARED_PASS_HELPERS)
+
+
+def _user_api_modules() -> frozenset[str]:
+    """Every module and package of amp_fx/ above the passes: all of it but core/ and ops/."""
+    top = REPOSITORY / "amp_fx"
+    modules = {f"amp_fx.{path.stem}" for path in top.glob("*.py") if path.stem != "__init__"}
+    packages = {
+        f"amp_fx.{path.parent.name}"
+        for path in top.glob("*/__init__.py")
+        if path.parent.name not in ("core", "ops")
+    }
+    return frozenset(modules | packages)
+
+
+USER_API = _user_api_modules()
+
+
+def _is_within(name: str, packages: tuple[str, ...] | frozenset[str]) -> bool:
+    return any(name == package or name.startswith(f"{package}.") for package in packages)
+
+
+def _module_name(package: str, path: Path) -> str:
+    parts = path.relative_to(PACKAGE_DIRECTORIES[package]).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join((package, *parts))
+
+
+def _imported_names(path: Path, module: str) -> list[tuple[int, str]]:
+    """(line, dotted name) of everything `path` imports. ``from a.b import c`` gives ``a.b.c``
+    (a submodule, or a name defined in a.b: both lie within a.b); a name of amp_fx's lazy
+    exports (``from amp_fx import convert``) gives the module that defines it."""
+    is_package = path.name == "__init__.py"
+    names: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = module.split(".")
+                anchor = parts if is_package else parts[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                if base == "amp_fx" and alias.name in amp_fx._EXPORTS:
+                    names.append((node.lineno, amp_fx._EXPORTS[alias.name]))
+                else:
+                    names.append((node.lineno, base if alias.name == "*" else f"{base}.{alias.name}"))
+    return names
+
+
+def _imports_of(package: str) -> list[tuple[str, Path, int, str]]:
+    """(module, file, line, imported name) for every import in `package`'s files."""
+    found = []
+    for path in sorted(PACKAGE_DIRECTORIES[package].rglob("*.py")):
+        module = _module_name(package, path)
+        found.extend((module, path, line, name) for line, name in _imported_names(path, module))
+    return found
+
+
+def _where(path: Path, line: int, name: str) -> str:
+    return f"{path.relative_to(REPOSITORY)}:{line} imports {name}"
+
+
+def test_the_user_api_is_found():
+    # The checks below are only as good as this list: it must hold the modules it names.
+    assert {"amp_fx.pipeline", "amp_fx.reporting", "amp_fx.amp", "amp_fx.optim"} <= USER_API
+    assert {"amp_fx.cli", "amp_fx.testing", "amp_fx.loss_scaler", "amp_fx.clip_grad"} <= USER_API
+    assert "amp_fx.training_step" in USER_API
+    assert not _is_within("amp_fx.core.policy", USER_API) and not _is_within("amp_fx.ops.losses", USER_API)
+
+
+def test_import_reading_resolves_relative_and_lazy_imports(tmp_path: Path):
+    source = tmp_path / "example.py"
+    source.write_text(
+        "import torch\nfrom . import arguments\nfrom .reference import adam\n"
+        "def f():\n    from amp_fx import convert\n"
+    )
+    assert _imported_names(source, "amp_fx.kernels.example") == [
+        (1, "torch"),
+        (2, "amp_fx.kernels.arguments"),
+        (3, "amp_fx.kernels.reference.adam"),
+        (5, "amp_fx.pipeline"),
+    ]
+
+
+@pytest.mark.parametrize("package", BELOW_THE_PASSES)
+def test_lower_layers_import_neither_passes_nor_user_api(package: str):
+    upward = [
+        _where(path, line, name)
+        for _, path, line, name in _imports_of(package)
+        if _is_within(name, ("amp_fx.passes",)) or _is_within(name, USER_API)
+    ]
+    assert not upward, f"{package} must not import the layers above it:\n" + "\n".join(upward)
+
+
+def test_kernels_import_only_kernels_of_amp_fx():
+    outside = [
+        _where(path, line, name)
+        for _, path, line, name in _imports_of("amp_fx.kernels")
+        if _is_within(name, ("amp_fx",)) and not _is_within(name, ("amp_fx.kernels",))
+    ]
+    assert not outside, "kernels/ is the bottom layer, it imports only amp_fx.kernels:\n" + "\n".join(outside)
+
+
+def test_passes_import_no_other_pass():
+    wrong = [
+        _where(path, line, name)
+        for _, path, line, name in _imports_of("amp_fx.passes")
+        if _is_within(name, ("amp_fx",)) and not _is_within(name, PASS_IMPORTS)
+    ]
+    assert not wrong, (
+        f"a pass imports only {', '.join(PASS_IMPORTS)}; move a helper that several passes need to "
+        f"{SHARED_PASS_HELPERS}:\n" + "\n".join(wrong)
+    )
+
+
+PASS_MODULES = sorted(
+    path.stem for path in PACKAGE_DIRECTORIES["amp_fx.passes"].glob("*.py") if path.stem != "__init__"
+)
+
+# Imports torch once (most of the cost), then forks one child per pass: each child starts with
+# no amp_fx module loaded, imports its pass and reports the amp_fx modules that are then loaded.
+_IMPORT_EACH_PASS = """
+import importlib, json, os, sys, traceback
+import torch
+assert not [m for m in sys.modules if m.split(".")[0] == "amp_fx"], "amp_fx loaded before the fork"
+results = {}
+for name in sys.argv[1:]:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            importlib.import_module(f"amp_fx.passes.{name}")
+            report = sorted(m for m in sys.modules if m.split(".")[0] == "amp_fx")
+        except BaseException:
+            report = {"error": traceback.format_exc()}
+        with os.fdopen(write, "w") as pipe:
+            json.dump(report, pipe)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        results[name] = json.loads(pipe.read() or '{"error": "no report"}')
+    os.waitpid(pid, 0)
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def loaded_by_each_pass() -> dict[str, list[str] | dict[str, str]]:
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORT_EACH_PASS, *PASS_MODULES],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_every_pass_module_is_checked():
+    assert {"shared", "trace", "insert_casts", "fuse_losses"} <= set(PASS_MODULES)
+
+
+@pytest.mark.parametrize("name", PASS_MODULES)
+def test_importing_a_pass_loads_no_user_api(name: str, loaded_by_each_pass):
+    loaded = loaded_by_each_pass[name]
+    assert isinstance(loaded, list), f"importing amp_fx.passes.{name} failed:\n{loaded}"
+    assert f"amp_fx.passes.{name}" in loaded
+    above = [m for m in loaded if _is_within(m, USER_API)]
+    assert "amp_fx.pipeline" not in loaded and not above, (
+        f"importing amp_fx.passes.{name} loads the user API: {above}"
+    )
