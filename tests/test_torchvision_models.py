@@ -75,8 +75,21 @@ class Case:
         return getattr(torchvision.models, self.name)(weights=None, num_classes=CLASSES, **dict(self.extra))
 
 
+@dataclass(frozen=True)
+class TinyViT(Case):
+    """torchvision's VisionTransformer (the class of vit_b_16) at 2 layers of width 32: a transformer
+    in the default run (vit_b_16 itself, at 32 px, takes ~2 minutes here; it runs with -m slow)."""
+
+    def build(self) -> nn.Module:
+        return torchvision.models.VisionTransformer(
+            image_size=self.size, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64,
+            num_classes=CLASSES,
+        )  # fmt: skip
+
+
 DEFAULT = [
     Case("resnet18", 16),
+    TinyViT("vit_tiny", 32),
     Case("mobilenet_v3_small", 16),
     Case("squeezenet1_0", 24),
     Case("shufflenet_v2_x1_0", 16),
@@ -233,19 +246,23 @@ def check_model(case: Case) -> None:
         _assert_as_accurate_as(o2_errors, references, dtype, f"{case.name} O2 {dtype}")
 
 
+# Bit comparisons of bf16 convolutions run without oneDNN: its bf16 backward is nondeterministic on
+# some CPUs (`test_bf16_convolution_backward_without_mkldnn`).
+@pytest.mark.usefixtures("mkldnn_disabled")
 @pytest.mark.parametrize("case", DEFAULT, ids=[c.name for c in DEFAULT])
 def test_default_models(case: Case) -> None:
     check_model(case)
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("mkldnn_disabled")
 @pytest.mark.parametrize("case", SLOW, ids=[c.name for c in SLOW])
 def test_all_models(case: Case) -> None:
     check_model(case)
 
 
 def test_every_classification_model_is_listed() -> None:
-    listed = {c.name for c in DEFAULT + SLOW}
+    listed = {c.name for c in DEFAULT + SLOW if not isinstance(c, TinyViT)}
     required = {
         "resnet18", "resnet50", "resnext50_32x4d", "wide_resnet50_2", "mobilenet_v2", "mobilenet_v3_small",
         "efficientnet_b0", "efficientnet_v2_s", "regnet_y_400mf", "mnasnet0_5", "shufflenet_v2_x1_0",
@@ -254,3 +271,35 @@ def test_every_classification_model_is_listed() -> None:
     }  # fmt: skip
     assert required <= listed
     assert listed <= set(torchvision.models.list_models(torchvision.models))
+
+
+def test_bf16_convolution_backward_without_mkldnn(mkldnn_disabled: None) -> None:
+    """bf16 convolution gradients are deterministic and accurate with oneDNN off, as the bit
+    comparisons above run them.
+
+    Why they run that way (torch 2.14.1 CPU, AMD EPYC with avx512_bf16): with oneDNN on, this same
+    backward of a bf16 resnet18 gives different parameter gradients on consecutive passes over the
+    same input; layer4[0].conv1.weight's largest gradient was 1.6e36 on one pass and 0.27 on the
+    next (norm-wise error against float64 1.5e35, then 0.09), so O3 and `.to(torch.bfloat16)`,
+    identical graphs, were "not bit-identical". Not asserted here, as it depends on the CPU; see
+    docs/DESIGN.md, "Known torch issues".
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = torchvision.models.resnet18(num_classes=CLASSES).eval()
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+
+    def grads(net: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+        net.zero_grad()
+        net(inputs).float().sum().backward()
+        return torch.cat([p.grad.double().flatten() for p in net.parameters()])
+
+    bf16 = model.to(torch.bfloat16)
+    x = x.to(torch.bfloat16)
+    # The reference: the same bf16 weights and input in float64.
+    reference = grads(low_precision_copy(bf16, torch.float64), x.double())
+    runs = [grads(bf16, x) for _ in range(3)]
+    for run in runs[1:]:
+        assert torch.equal(run, runs[0]), "bf16 convolution backward without oneDNN is not deterministic"
+    # bf16 rounding through 18 layers: measured 0.08; oneDNN's bad passes were 1e35.
+    assert normwise_error(runs[0], reference) < 0.25
