@@ -286,7 +286,7 @@ def insert_casts(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModu
         >>> gm = propagate_dtypes(classify(normalize_ops(trace(nn.Linear(4, 2))), policy), policy)
         >>> print(insert_casts(gm, policy).code)                            # doctest: +SKIP
         def forward(self, input):
-            input_to_bfloat16 = amp_fx_passes_insert_casts_cast_if_floating(input, torch.bfloat16)
+            input_to_bfloat16 = amp_fx_ops_casts_cast_if_floating(input, torch.bfloat16)
             weight = self.weight
             weight_to_bfloat16 = weight.to(torch.bfloat16)
             ...
