@@ -1,4 +1,4 @@
-"""`amp_fx.convert`: a model in, a mixed-precision `torch.fx.GraphModule` with explicit casts out.
+"""`amp_fx.convert`: a model in, a mixed-precision model with explicit casts out.
 
     >>> import torch, amp_fx
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
@@ -12,10 +12,9 @@
         _0_weight_to_bfloat16 = _0_weight.to(torch.bfloat16)
         ...
 
-The pipeline (DESIGN.md), one pass a file in `amp_fx.passes`: trace -> normalize_ops -> classify ->
-propagate_dtypes -> insert_casts -> cast_parameters -> simplify_casts -> cast_outputs -> fuse_losses ->
-fuse_linear_loss -> fuse_batch_norm -> replace_max_pool, then lint and recompile. The input model is
-never modified: `trace` works on a deep copy.
+Two front ends capture the model (docs/DESIGN.md): torch.fx symbolic tracing (`amp_fx.passes.trace`)
+when it takes the forward whole, else torch.export call by call (`amp_fx.captured_model`). Either
+hands its graph to one pipeline of passes (`amp_fx.rewrite`). The input model is never modified.
 """
 
 from __future__ import annotations
@@ -29,25 +28,20 @@ import torch
 import torch.fx
 from torch import nn
 
-from amp_fx.core.dtypes import check_opt_level, default_device_type
-from amp_fx.core.node_info import ORIGINAL_CODE_KEY, POLICY_KEY, node_info
+from amp_fx.captured_model import CapturedModel, captured_model
+from amp_fx.core.dtypes import check_opt_level, default_device_type, short_repr
+from amp_fx.core.node_info import POLICY_KEY, node_info
 from amp_fx.core.policy import Policy, preset
-from amp_fx.passes.cast_outputs import cast_outputs
-from amp_fx.passes.cast_parameters import cast_parameters
-from amp_fx.passes.classify import classify
-from amp_fx.passes.fuse_batch_norm import fuse_batch_norm
-from amp_fx.passes.fuse_linear_loss import fuse_linear_loss
-from amp_fx.passes.fuse_losses import fuse_losses
-from amp_fx.passes.insert_casts import insert_casts
-from amp_fx.passes.normalize_ops import normalize_ops
-from amp_fx.passes.propagate_dtypes import propagate_dtypes
-from amp_fx.passes.replace_max_pool import replace_max_pool
-from amp_fx.passes.simplify_casts import simplify_casts
-from amp_fx.passes.trace import trace
+from amp_fx.passes.trace import TraceError, trace
+from amp_fx.rewrite import rewrite_graph
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["convert"]
+__all__ = ["convert", "FRONT_ENDS"]
+
+# "auto": torch.fx when it traces the forward whole (no inputs needed, shape-agnostic), else
+# torch.export call by call; "fx" and "export" force one.
+FRONT_ENDS = ("auto", "fx", "export")
 
 
 def _check_model(model: Any) -> None:
@@ -151,7 +145,8 @@ def convert(
     example_inputs: Sequence[Any] | None = None,
     leaf_modules: Sequence[type | str] = (),
     concrete_args: dict[str, Any] | None = None,
-) -> torch.fx.GraphModule:
+    front_end: str = "auto",
+) -> nn.Module:
     """Convert `model` to mixed precision at an Apex opt level; returns a new GraphModule.
 
     Args:
@@ -171,6 +166,11 @@ def convert(
             tensors, no compute), so no cast is ever a no-op.
         leaf_modules: module types or qualified names to keep opaque (run in an autocast island).
         concrete_args: forward arguments to specialise while tracing (as torch.fx).
+        front_end: "auto" (default): torch.fx symbolic tracing when it takes the top-level forward
+            (the result is a GraphModule), else the torch.export front end (the result is a copy of
+            the model, of its class, that captures each new argument structure at its first call;
+            see `amp_fx.captured_model`). "fx" or "export" forces one. `leaf_modules`,
+            `concrete_args` and `example_inputs` are torch.fx's.
 
     Raises:
         TypeError: `model` is not an nn.Module or is wrapped in DDP/DataParallel; neither
@@ -192,28 +192,31 @@ def convert(
     )
     examples = _check_example_inputs(example_inputs)
 
+    if front_end not in FRONT_ENDS:
+        raise ValueError(
+            f"front_end must be one of {', '.join(map(repr, FRONT_ENDS))}, got {short_repr(front_end)}"
+        )
+    if isinstance(model, CapturedModel):
+        raise TypeError(
+            f"convert got a {type(model).__name__} that amp_fx.convert already converted; convert the "
+            "original model (its FP32 weights) instead, at the level and dtype you want"
+        )
+
     if _is_converted(model):
         # Already amp_fx's: its graph is flat and annotated, and re-tracing would run the
         # autocast islands' context managers at trace time. Convert a copy of it as it is.
         gm = copy.deepcopy(model)
+    elif front_end == "export":
+        return captured_model(model, resolved)
     else:
-        gm = trace(model, leaf_modules=leaf_modules, concrete_args=concrete_args)
-    normalize_ops(gm)
-    original_code = gm.code
-    classify(gm, resolved)
-    propagate_dtypes(gm, resolved, examples)
-    insert_casts(gm, resolved)
-    cast_parameters(gm, resolved)
-    simplify_casts(gm, resolved)
-    cast_outputs(gm, resolved)
-    fuse_losses(gm, resolved)
-    fuse_linear_loss(gm, resolved)
-    fuse_batch_norm(gm, resolved)
-    replace_max_pool(gm, resolved)
-    gm.graph.lint()
-    gm.recompile()
-    gm.meta[POLICY_KEY] = resolved
-    gm.meta[ORIGINAL_CODE_KEY] = original_code
+        try:
+            gm = trace(model, leaf_modules=leaf_modules, concrete_args=concrete_args)
+        except TraceError as error:
+            if front_end == "fx" or concrete_args is not None:
+                raise
+            logger.info("%s: torch.fx stopped (%s); using torch.export", type(model).__name__, error)
+            return captured_model(model, resolved)
+    rewrite_graph(gm, resolved, examples)
     logger.info(
         "converted %s at %s (%s, %s): %d cast nodes",
         type(model).__name__,

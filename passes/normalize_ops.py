@@ -56,7 +56,7 @@ from amp_fx.ops.fused_batch_norm import FusedBatchNormAct
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["normalize_ops", "canonical_op", "original_spelling", "MODULE_OPS", "OPERATOR_OPS"]
+__all__ = ["normalize_ops", "canonical_op", "module_op", "original_spelling", "MODULE_OPS", "OPERATOR_OPS"]
 
 # Leaf modules -> the op their forward lowers to. Looked up along the MRO, so subclasses
 # (NonDynamicallyQuantizableLinear, Lazy* modules once materialised, SyncBatchNorm via
@@ -269,6 +269,18 @@ _UPSAMPLE_BY_MODE = {
     "trilinear": "upsample_trilinear3d",
 }
 
+# Norm layers of other libraries (transformers' LlamaRMSNorm and T5LayerNorm, timm's LayerNorm2d),
+# by the end of their class name; the first match wins.
+_NORM_SUFFIXES = (
+    ("RMSNorm", "rms_norm"),
+    ("RmsNorm", "rms_norm"),
+    ("LayerNorm", "layer_norm"),
+    ("LayerNorm2d", "layer_norm"),
+    ("GroupNorm", "group_norm"),
+    ("BatchNorm", "batch_norm"),
+    ("BatchNorm2d", "batch_norm"),
+)
+
 _spelling_index: dict[int, str] | None = None
 
 
@@ -328,7 +340,14 @@ def _upsample_name(mode: str, size: Any, scale_factor: Any) -> str:
     return "interpolate"
 
 
-def _module_op(module: nn.Module) -> str:
+def module_op(module: nn.Module) -> str:
+    """The op a leaf module's forward lowers to: by `MODULE_OPS` along its MRO, a norm of another
+    library by its class name (``LlamaRMSNorm`` -> ``"rms_norm"``), else its class name in
+    snake_case.
+
+        >>> module_op(nn.Linear(2, 2)), module_op(type("T5LayerNorm", (nn.Module,), {})())
+        ('linear', 'layer_norm')
+    """
     if isinstance(module, nn.Upsample):  # UpsamplingNearest2d / UpsamplingBilinear2d included
         size, scale = module.size, module.scale_factor
         if isinstance(module, (nn.UpsamplingNearest2d, nn.UpsamplingBilinear2d)):
@@ -337,6 +356,10 @@ def _module_op(module: nn.Module) -> str:
     for cls in type(module).__mro__:
         if cls in MODULE_OPS:
             return MODULE_OPS[cls]
+    for cls in type(module).__mro__:
+        for suffix, op in _NORM_SUFFIXES:
+            if cls.__name__.endswith(suffix):
+                return op
     # A leaf with no table entry: its class name in snake_case ("MyLayer" -> "my_layer").
     return re.sub(r"(?<!^)(?=[A-Z])", "_", type(module).__name__).lower()
 
@@ -381,7 +404,7 @@ def canonical_op(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str | None:
         [None, 'softmax', 'add', None]
     """
     if node.op == "call_module":
-        return _module_op(gm.get_submodule(node.target))
+        return module_op(gm.get_submodule(node.target))
     if node.op == "call_function":
         return _function_op(node)
     if node.op == "call_method":

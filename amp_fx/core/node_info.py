@@ -22,6 +22,9 @@ from amp_fx.core.policy import Rule
 META_KEY = "amp_fx"
 POLICY_KEY = "amp_fx_policy"
 ORIGINAL_CODE_KEY = "amp_fx_original_code"
+# Set on a graph whose parameters are already stored in their dtypes (the torch.export front end
+# stores them when the model is converted, before any capture): the passes leave them as they are.
+PARAMETERS_STORED_KEY = "amp_fx_parameters_stored"
 
 
 @dataclass

@@ -1,0 +1,341 @@
+"""A converted model that captures its forward call by call: the torch.export front end of `convert`.
+
+`amp_fx.convert` returns one of these when torch.fx cannot trace the model's forward whole
+(Hugging Face transformers, nanoGPT's size assert, detection models, ...). It is a copy of the
+model, of the model's own class, so it is a drop-in: the same call signature (``input_ids=``,
+``labels=``, ``pixel_values=``), the same output type (a ``ModelOutput`` with ``.loss``), the same
+``state_dict`` keys, ``.config`` and ``save_pretrained``. At O2/O3 its parameters are stored in
+the low dtype when it is made (BatchNorm's and FP32-ruled modules' stay float32), so optimizers
+built from it see the tensors they will train.
+
+Each call is run by a graph rewritten by the convert passes (`amp_fx.rewrite`):
+
+- the first call of a given argument structure (which keywords, constants such as
+  ``use_cache=False``, tensor dtypes and ranks, train/eval mode) is captured with
+  `amp_fx.passes.export` at the call's sizes (about 1-3 s on CPU for a small transformer);
+- a call whose sizes the graph does not take (a smaller last batch, another sequence length) is
+  captured once more with dynamic sizes; that graph then takes every size its code allows;
+- a module torch.export cannot capture (data-dependent control flow, C extensions) runs its own
+  forward inside an autocast island of the opt level (O1/O2: ``torch.autocast``; O2: floating
+  outputs float32), and each of its child modules is captured on its own, so only the code
+  between them runs in the island. `capture_summary` names the line that stopped each island and
+  the share of parameters that ran inside rewritten graphs.
+
+Moving the model (``.to``, ``.cuda``) drops its graphs; they are captured again at the next call.
+
+Example::
+
+    >>> class Net(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.fc = nn.Linear(4, 4)
+    ...     def forward(self, x, *, scale=None):
+    ...         assert x.shape[-1] == 4
+    ...         return self.fc(x) * (1 if scale is None else scale)
+    >>> model = captured_model(Net(), preset("O2", torch.bfloat16, "cpu"))
+    >>> model(torch.randn(2, 4), scale=2.0).dtype
+    torch.float32
+    >>> capture_summary(model).graphs, capture_summary(model).parameter_coverage
+    (1, 1.0)
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from amp_fx.core.node_info import PARAMETERS_STORED_KEY
+from amp_fx.core.policy import Policy, Rule
+from amp_fx.passes.export import ExportError, accepts, export_graph, graph_inputs
+from amp_fx.passes.normalize_ops import module_op
+from amp_fx.rewrite import rewrite_graph
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CapturedModel", "CaptureSummary", "captured_model", "capture_summary"]
+
+_STATE = "_amp_fx_capture"
+
+
+@dataclasses.dataclass
+class CaptureSummary:
+    """What the torch.export front end did for a converted model so far.
+
+    Attributes:
+        graphs: graphs captured and rewritten (one per argument structure and size range).
+        capture_seconds: seconds each capture took (export plus the passes), in order.
+        parameter_coverage: share of the model's parameters (by element count) read by a rewritten
+            graph in the calls so far; the rest ran in islands or were not reached.
+        islands: qualified module name -> why it runs in an autocast island (the line that
+            stopped torch.export, and what to do).
+    """
+
+    graphs: int = 0
+    capture_seconds: list[float] = dataclasses.field(default_factory=list)
+    parameter_coverage: float = 0.0
+    islands: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [
+            f"torch.export front end: {self.graphs} graph(s) captured in "
+            f"{sum(self.capture_seconds):.2f} s; {self.parameter_coverage:.0%} of the parameters "
+            "ran in rewritten graphs"
+        ]
+        lines += [f"  island {name or '<model>'}: {why}" for name, why in self.islands.items()]
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class _CaptureState:
+    policy: Policy
+    root: bool
+    graphs: list[torch.fx.GraphModule] = dataclasses.field(default_factory=list)
+    seconds: list[float] = dataclasses.field(default_factory=list)
+    # Argument structure (see `_structure`) -> why calls of that structure run in an island.
+    islands: dict[tuple[Any, ...], str] = dataclasses.field(default_factory=dict)
+    # An island made by this call: kept only once its first run succeeds (a call that fails
+    # eagerly too is the caller's error, raised as it is, not a reason for an island).
+    new_island: tuple[Any, ...] | None = None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _CaptureState:
+        # Graphs hold the model's tensors; a copy of the model captures its own.
+        return _CaptureState(self.policy, self.root, islands=dict(self.islands))
+
+
+class CapturedModel(nn.Module):
+    """Base placed before the model's class in a converted model's class (see the module docstring)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        state: _CaptureState = self.__dict__[_STATE]
+        graph = _graph_for(self, args, kwargs)
+        if graph is None:
+            new, state.new_island = state.new_island, None
+            try:
+                return _run_island(self, state.policy, args, kwargs)
+            except Exception:
+                if new is not None:
+                    del state.islands[new]
+                raise
+        # The graph's casts are explicit: an autocast region around it would cast again.
+        with torch.autocast(state.policy.device_type, enabled=False):
+            return graph(*args, **kwargs)
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        # Buffers are replaced by new tensors (``.to``, ``.cuda``): graphs would read the old ones.
+        result = super()._apply(fn, *args, **kwargs)
+        for module in self.modules():
+            if _STATE in module.__dict__:
+                module.__dict__[_STATE].graphs.clear()
+        return result
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _captured_class(cls: type) -> type:
+    if issubclass(cls, CapturedModel):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(cls.__name__, (CapturedModel, cls), {"__module__": cls.__module__})
+    return _CLASSES[cls]
+
+
+def _make_captured(module: nn.Module, policy: Policy, root: bool) -> None:
+    module.__class__ = _captured_class(type(module))
+    module.__dict__[_STATE] = _CaptureState(policy, root)
+
+
+def _original_forward(module: nn.Module) -> Any:
+    return super(CapturedModel, module).forward
+
+
+def _store_parameters(model: nn.Module, policy: Policy) -> None:
+    """O2/O3: store each module's parameters (and its floating buffers) in the dtype the policy
+    decides for the op the module is, as `cast_parameters` does for traced modules; a tensor
+    shared by several modules is float32 if any of them wants float32."""
+    wanted: dict[int, torch.dtype] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        own = [*module.parameters(recurse=False)]
+        if not own:
+            continue
+        decision = policy.decide(module_op(module), name, type(module))
+        if decision.rule is Rule.OPAQUE or decision.param_dtype is None:
+            continue
+        for tensor in [*own, *module.buffers(recurse=False)]:
+            if tensor.is_floating_point() and tensor.dtype != torch.float64:
+                key = id(tensor)
+                tensors[key] = tensor
+                current = wanted.get(key)
+                wanted[key] = (
+                    torch.float32
+                    if torch.float32 in (current, decision.param_dtype)
+                    else decision.param_dtype
+                )
+    for key, dtype in wanted.items():
+        tensors[key].data = tensors[key].data.to(dtype)
+
+
+def captured_model(model: nn.Module, policy: Policy) -> nn.Module:
+    """A converted copy of ``model`` whose calls are captured by torch.export (module docstring).
+
+    The model passed in is never modified.
+    """
+    converted = copy.deepcopy(model)
+    if policy.cast_parameters:
+        _store_parameters(converted, policy)
+    _make_captured(converted, policy, root=True)
+    return converted
+
+
+def _graph_for(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if torch.compiler.is_compiling():
+        return _compiled_graph_for(module, args, kwargs)
+    return _select_or_capture(module, args, kwargs)
+
+
+@torch.compiler.disable
+def _compiled_graph_for(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # Choosing (and capturing) a graph runs eagerly; torch.compile then traces the graph chosen.
+    return _select_or_capture(module, args, kwargs)
+
+
+def _structure(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """What a graph is captured for, sizes aside: the mode, the keywords, each tensor's dtype,
+    rank and device type, and the other arguments' values (or types where not hashable)."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+
+    def describe(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return (leaf.dtype, leaf.dim(), leaf.device.type)
+        return leaf if isinstance(leaf, (bool, int, float, str, type(None))) else type(leaf)
+
+    return (module.training, str(spec), tuple(describe(leaf) for leaf in leaves))
+
+
+def _select_or_capture(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    state: _CaptureState = module.__dict__[_STATE]
+    mode = module.training
+    for graph in state.graphs:
+        if graph.meta["amp_fx_training"] == mode and accepts(graph, args, kwargs):
+            return graph
+    key = _structure(module, args, kwargs)
+    if key in state.islands:
+        return None
+    dynamic = any(graph.meta["amp_fx_training"] == mode for graph in state.graphs)
+    return _capture(module, state, args, kwargs, key, dynamic)
+
+
+def _capture(
+    module: nn.Module,
+    state: _CaptureState,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    key: tuple[Any, ...],
+    dynamic: bool,
+) -> torch.fx.GraphModule | None:
+    policy = state.policy
+    start = time.perf_counter()
+    # Capture inside the autocast region the converted model runs like, so code that reads a dtype
+    # sees the converted dtypes; the graph records the ops before autocast.
+    region = (policy.device_type, policy.dtype) if policy.opt_level != "O0" else None
+    # The module's own class runs during the capture (CapturedModel.forward would recurse).
+    cls = type(module)
+    module.__class__ = cls.__mro__[2]
+    try:
+        graph = export_graph(module, args, kwargs, autocast=region, dynamic=dynamic)
+    except ExportError as error:
+        failure = error
+    else:
+        failure = None
+    finally:
+        module.__class__ = cls
+    if failure is not None:
+        _become_island(module, state, key, str(failure))
+        return None
+    graph.meta[PARAMETERS_STORED_KEY] = True
+    graph.meta["amp_fx_training"] = module.training
+    rewrite_graph(graph, policy, tuple(graph_inputs(graph, args, kwargs)))
+    state.graphs.append(graph)
+    state.seconds.append(time.perf_counter() - start)
+    sizes = "dynamic" if dynamic else "static"
+    logger.info("captured %s (%s sizes) in %.2f s", type(module).__name__, sizes, state.seconds[-1])
+    return graph
+
+
+def _become_island(module: nn.Module, state: _CaptureState, key: tuple[Any, ...], reason: str) -> None:
+    state.new_island = key
+    state.islands[key] = (
+        f"{reason}; its own code runs under torch.autocast and each child module is captured on its "
+        "own (to convert it whole, make that line independent of tensor values)"
+    )
+    logger.warning("%s runs in an autocast island: %s", type(module).__name__, state.islands[key])
+    for child in module.children():
+        if _STATE not in child.__dict__ and any(True for _ in child.parameters()):
+            _make_captured(child, state.policy, root=False)
+
+
+def _run_island(module: nn.Module, policy: Policy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    forward = _original_forward(module)
+    if not policy.autocast_opaque:
+        return forward(*args, **kwargs)
+    with torch.autocast(policy.device_type, dtype=policy.dtype):
+        output = forward(*args, **kwargs)
+    target = policy.cast_model_outputs
+    if target is None:
+        return output
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: t.to(target) if t.is_floating_point() and t.dtype != target else t, output
+    )
+
+
+def capture_summary(model: nn.Module) -> CaptureSummary:
+    """What the torch.export front end did for ``model`` (a result of `amp_fx.convert`) so far.
+
+    >>> capture_summary(nn.Linear(2, 2))
+    Traceback (most recent call last):
+    ...
+    TypeError: capture_summary expects a model converted by amp_fx.convert's torch.export front end, ...
+    """
+    if _STATE not in model.__dict__:
+        raise TypeError(
+            "capture_summary expects a model converted by amp_fx.convert's torch.export front end, "
+            f"got {type(model).__name__}"
+        )
+    summary = CaptureSummary()
+    covered: set[int] = set()
+    for name, module in model.named_modules():
+        state = module.__dict__.get(_STATE)
+        if state is None:
+            continue
+        summary.graphs += len(state.graphs)
+        summary.capture_seconds += state.seconds
+        for reason in dict.fromkeys(state.islands.values()):
+            summary.islands[name] = reason
+        for graph in state.graphs:
+            for node in graph.graph.nodes:
+                if node.op == "get_attr":
+                    value = _attribute(graph, node.target)
+                    if isinstance(value, nn.Parameter):
+                        covered.add(id(value))
+    parameters = {id(p): p.numel() for p in model.parameters()}
+    total = sum(parameters.values())
+    summary.parameter_coverage = (
+        sum(parameters[key] for key in covered if key in parameters) / total if total else 1.0
+    )
+    return summary
+
+
+def _attribute(root: nn.Module, target: str) -> Any:
+    value: Any = root
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value

@@ -1,0 +1,184 @@
+"""Pass 1, second front end: capture one call of a model with ``torch.export`` (non-strict).
+
+`trace` (torch.fx symbolic tracing) needs no inputs but stops at the first Python line that
+looks at a tensor's value or iterates a proxy, and Hugging Face transformers 5's
+``forward(self, *args, **kwargs)`` wrappers stop it at the root. ``torch.export`` with
+``strict=False`` runs the model's Python for real, on fake tensors of the call's shapes, and
+records the ATen ops it reaches: asserts on sizes (nanoGPT's ``assert t <= block_size``),
+keyword arguments, ``ModelOutput`` results and dtype-dependent code all capture. The graph reads
+parameters and buffers with ``get_attr`` under their original names and its ops are the ATen
+ops torch.autocast's lists name, so the convert passes run on it unchanged.
+
+`export_graph` captures with every dimension of every tensor argument ``Dim.AUTO`` (export keeps
+a dimension dynamic unless the code pins it), so a smaller last batch or another sequence length
+runs the same graph; `accepts` says whether a call fits a captured graph (same argument
+structure, constants and dtypes; sizes within the captured ranges). It captures inside
+``torch.autocast`` when asked, so Python code that reads a dtype (``finfo(dtype).min`` for a mask,
+``x.to(input_dtype)`` in an RMSNorm) sees the dtypes the converted model runs with; the ops
+recorded are those before autocast, with no autocast region in the graph.
+
+Example::
+
+    >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    >>> gm = export_graph(model, (torch.randn(2, 4),), {})
+    >>> [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    ['aten.linear.default', 'aten.relu.default']
+    >>> accepts(gm, (torch.randn(5, 4),), {}), accepts(gm, (torch.randn(5, 3),), {})
+    (True, False)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+import traceback
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ExportError", "export_graph", "accepts", "graph_inputs"]
+
+# Where export keeps what `accepts` checks a call against.
+_RANGES_ATTR = "_amp_fx_range_constraints"
+_KWARGS_ATTR = "_amp_fx_keyword_names"
+# Nodes of an exported graph that check what the capture saw: the dtype asserts would refuse the
+# casts the passes insert, and `accepts` checks the inputs before the graph runs.
+_CAPTURE_CHECKS = {torch.ops.aten._assert_tensor_metadata.default}
+_GUARDS_MODULE = "_guards_fn"
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+class ExportError(RuntimeError):
+    """``torch.export`` could not capture a call; the message names the line that stopped it."""
+
+
+def _dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    # By the forward's parameter names, as torch.export matches them (a *args parameter holds a
+    # tuple, a **kwargs one a dict); every dimension of every tensor AUTO.
+    def spec(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return {dim: torch.export.Dim.AUTO for dim in range(value.dim())}
+        return None
+
+    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    return {name: pytree.tree_map(spec, value, is_leaf=lambda x: x is None) for name, value in bound.items()}
+
+
+def _stopping_line(error: BaseException) -> str:
+    """``file:line: source`` of the innermost frame outside torch that the error passed through."""
+    frames = [
+        frame
+        for frame in traceback.extract_tb(error.__traceback__)
+        if not frame.filename.startswith(_TORCH_DIR) and frame.filename != __file__
+    ]
+    if not frames:
+        return "inside torch"
+    frame = frames[-1]
+    return f"{os.path.basename(frame.filename)}:{frame.lineno}: {(frame.line or '').strip()}"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic: bool) -> Any:
+    shapes = _dynamic_shapes(model, args, kwargs) if dynamic else None
+    return torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+
+
+def export_graph(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    autocast: tuple[str, torch.dtype] | None = None,
+    dynamic: bool = False,
+) -> torch.fx.GraphModule:
+    """Capture ``model(*args, **kwargs)`` as a GraphModule of ATen ops (see the module docstring).
+
+    The GraphModule shares the model's parameters and buffers (same tensor objects, same
+    qualified names) and takes the call's arguments as the model does, keyword arguments
+    included; its output has the model's output type. ``autocast=(device_type, dtype)`` captures
+    inside ``torch.autocast``. ``dynamic=True`` makes every size dynamic that the code allows
+    (falling back to the call's sizes where export refuses); else the call's sizes are captured.
+
+    Raises:
+        ExportError: torch.export could not capture the call; names the line that stopped it.
+    """
+    region = torch.autocast(autocast[0], dtype=autocast[1]) if autocast else contextlib.nullcontext()
+    errors: list[Exception] = []
+    with region:
+        for sizes in (True, False) if dynamic else (False,):
+            try:
+                program = _export(model, args, kwargs, sizes)
+                break
+            except Exception as error:  # torch.export raises many types; each is reported
+                errors.append(error)
+        else:
+            error = errors[-1]
+            raise ExportError(
+                f"torch.export could not capture {type(model).__name__}: {_first_line(error)} "
+                f"(stopped at {_stopping_line(error)})"
+            ) from error
+    if errors:
+        logger.info("%s: dynamic sizes refused (%s); captured static sizes", type(model).__name__, errors[0])
+    return _clean(program, type(model).__name__, kwargs)
+
+
+def _clean(program: Any, name: str, keywords: dict[str, Any]) -> torch.fx.GraphModule:
+    exported = program.module()
+    graph = exported.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in _CAPTURE_CHECKS:
+            graph.erase_node(node)
+        elif node.op == "call_module" and node.target == _GUARDS_MODULE:
+            graph.erase_node(node)
+    # A plain GraphModule: export's own one carries pre-hooks that check inputs (`accepts` does)
+    # and a guards submodule the graph no longer calls.
+    gm = torch.fx.GraphModule(exported, graph, class_name=name)
+    gm._in_spec = exported._in_spec
+    gm._out_spec = exported._out_spec
+    setattr(gm, _RANGES_ATTR, dict(program.range_constraints))
+    setattr(gm, _KWARGS_ATTR, tuple(keywords))
+    gm.recompile()
+    return gm
+
+
+def graph_inputs(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The call's arguments in the order of ``gm``'s placeholders (pytree-flattened)."""
+    return pytree.tree_flatten((args, _in_capture_order(gm, kwargs)))[0]
+
+
+def _in_capture_order(gm: torch.fx.GraphModule, kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {key: kwargs[key] for key in getattr(gm, _KWARGS_ATTR)}
+
+
+def accepts(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """True when ``gm`` (from `export_graph`) computes this call: same argument structure and
+    constants, each tensor of the captured dtype and rank, each size within its captured range."""
+    if set(kwargs) != set(getattr(gm, _KWARGS_ATTR)):
+        return False
+    flat, spec = pytree.tree_flatten_with_path((args, _in_capture_order(gm, kwargs)))
+    if spec != gm._in_spec:
+        return False
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    for node, (_, value) in zip(placeholders, flat, strict=True):
+        expected = node.meta.get("val")
+        if isinstance(expected, torch.Tensor) and (
+            not isinstance(value, torch.Tensor)
+            or value.dtype != expected.dtype
+            or value.device.type != expected.device.type
+        ):
+            return False
+    try:
+        torch._export.utils._check_input_constraints_for_graph(placeholders, flat, getattr(gm, _RANGES_ATTR))
+    except RuntimeError:
+        return False
+    return True
