@@ -1,10 +1,11 @@
-"""The first seed's program (../shared/seeds/: "how to train in half precision with Apex.amp").
+"""Apex quickstart: the classic "train in half precision with Apex.amp" program, run by amp_fx.
 
-Unchanged except for what it needs to run anywhere: the import (``from amp_fx import amp`` instead
-of ``from apex import amp``), the device (``.to(device)`` instead of ``.cuda()``, so it runs on a
-CPU too), and a synthetic ``dataloader`` and ``num_epochs``, which the seed leaves undefined. Like
-the seed it calls ``optimizer.step()`` inside the ``scale_loss`` block; amp_fx unscales that
-loss's gradients before stepping, so this works (with Apex it silently stepped on stale grads).
+It is Apex's documented recipe unchanged except for what it needs to run anywhere: the import
+(``from amp_fx import amp`` instead of ``from apex import amp``), the device (``.to(device)``
+instead of ``.cuda()``, so it runs on a CPU too), and a synthetic ``dataloader`` and
+``num_epochs``. As in the original it calls ``optimizer.step()`` inside the ``scale_loss`` block;
+amp_fx unscales that loss's gradients before stepping, so this works (with Apex it silently
+stepped on stale grads).
 
     python examples/apex_quickstart.py [--epochs 2] [--checkpoint model.pth]
 """
@@ -21,7 +22,7 @@ from amp_fx import amp  # was: from apex import amp
 
 class Net(nn.Module):
     def __init__(self):
-        super(Net, self).__init__()  # noqa: UP008  (the seed's spelling)
+        super(Net, self).__init__()  # noqa: UP008  (Apex's examples' spelling)
         self.fc1 = nn.Linear(10, 10)
         self.relu = nn.ReLU()
         self.fc2 = nn.Linear(10, 2)
@@ -34,7 +35,7 @@ class Net(nn.Module):
 
 
 def synthetic_dataloader(batches=20, batch_size=32, seed=0):
-    """Stand-in for the seed's undefined `dataloader`: the label says whether the features sum > 0."""
+    """Stand-in for the quickstart's undefined `dataloader`: the label says whether the features sum > 0."""
     generator = torch.Generator().manual_seed(seed)
     data = []
     for _ in range(batches):
