@@ -7,7 +7,7 @@
     torch.bfloat16
     >>> gm.print_readable()  # doctest: +SKIP
     ...
-        input_to_bfloat16 = amp_fx_passes_insert_casts_cast_if_floating(input, torch.bfloat16)
+        input_to_bfloat16 = amp_fx_ops_casts_cast_if_floating(input, torch.bfloat16)
         _0_weight = getattr(self, "0").weight
         _0_weight_to_bfloat16 = _0_weight.to(torch.bfloat16)
         ...
