@@ -85,6 +85,11 @@ def parse_args() -> argparse.Namespace:
 
 def setup(device_kind: str) -> tuple[int, int, torch.device]:
     """Join the process group torchrun describes in the environment; pick this rank's device."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise SystemExit(
+            "ddp_torchrun.py is launched by torchrun, which sets RANK and WORLD_SIZE for each process:\n"
+            "    torchrun --nproc_per_node=2 examples/ddp_torchrun.py"
+        )
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if device_kind == "cuda":

@@ -140,12 +140,20 @@ class GPT(nn.Module):
 
 
 @torch.no_grad()
-def sample(model: nn.Module, prompt: bytes, length: int, block_size: int, device: torch.device) -> str:
-    """Greedy continuation of `prompt`, decoded as UTF-8 (invalid bytes replaced)."""
+def sample(
+    model: nn.Module, prompt: bytes, length: int, block_size: int, device: torch.device, seed: int = 0
+) -> str:
+    """A sampled continuation of `prompt` (temperature 0.8), decoded as UTF-8 (invalid bytes replaced).
+
+    Sampled, not greedy: after a short run the likeliest next byte is nearly always a space, so a
+    greedy continuation was 60 blanks.
+    """
+    generator = torch.Generator(device=device).manual_seed(seed)
     idx = torch.tensor(list(prompt), dtype=torch.long, device=device)[None]
     for _ in range(length):
         logits = model(idx[:, -block_size:])
-        idx = torch.cat([idx, logits[:, -1].float().argmax(-1, keepdim=True)], dim=1)
+        probs = torch.softmax(logits[:, -1].float() / 0.8, dim=-1)
+        idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
     return bytes(idx[0].tolist()).decode("utf-8", errors="replace")
 
 
@@ -183,14 +191,20 @@ def choose_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"fp16": torch.float16, "bf16": torch.bfloat16}[name]
 
 
-def plot_history(path: str, losses: list[float], scales: list[float]) -> None:
+def require_matplotlib() -> None:
+    """Refuse --plot before training, not after it, when matplotlib is not installed."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib (or run without --plot)") from None
+
+
+def plot_history(path: str, losses: list[float], scales: list[float]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     figure, loss_axis = plt.subplots(figsize=(7, 4))
     loss_axis.plot(losses, color="tab:blue", label="loss")
     loss_axis.set_xlabel("step")
@@ -206,6 +220,8 @@ def plot_history(path: str, losses: list[float], scales: list[float]) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     args = parse_args(argv)
+    if args.plot:
+        require_matplotlib()
     torch.manual_seed(args.seed)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = choose_dtype(args.dtype, device)
@@ -259,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     print(f"trained {args.steps} steps in {elapsed:.1f}s; val loss {val_loss:.4f}")
     print("loss-scale history (step: scale): " + ", ".join(f"{i}: {s:g}" for i, s in changes))
     if args.sample:
-        text = sample(gm, b"def ", args.sample, args.block_size, device)
+        text = sample(gm, b"def ", args.sample, args.block_size, device, args.seed)
         print("sample:", repr(text))
     if args.plot:
         plot_history(args.plot, loss_history, scale_history)
