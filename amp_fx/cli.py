@@ -4,7 +4,8 @@
 converts MODEL and prints `amp_fx.report` of the rewritten graph: each node's rule and dtypes, the
 casts inserted, what stayed FP32 and why. MODEL is ``torchvision:NAME`` (built with weights=None,
 nothing is downloaded), ``path/to/file.py:ClassName`` or ``package.module:ClassName``; the class is
-built with no arguments. Example::
+built with no arguments. A model whose first layer is an ``nn.Embedding`` is given int64 token ids
+(not a float input, which the report would show cast to fp16/bf16). Example::
 
     $ amp-fx inspect torchvision:resnet18 --opt-level O2 --dtype bf16 --dot resnet18.dot
 
@@ -165,6 +166,22 @@ def default_input_shape(spec: str) -> tuple[int, ...] | None:
     return None
 
 
+# Token ids given to a model whose first layer is an nn.Embedding when --input-shape is not given:
+# one sequence of 8 (short enough for any positional table).
+_TOKEN_INPUT_SHAPE = (1, 8)
+
+
+def takes_token_ids(model: torch.nn.Module) -> bool:
+    """Whether the model's first layer (its first module without children) is an ``nn.Embedding``:
+    its input is then integer token ids, not floats.
+
+    >>> takes_token_ids(torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 2)))
+    True
+    """
+    leaves = (m for m in model.modules() if next(m.children(), None) is None)
+    return isinstance(next(leaves, None), torch.nn.Embedding)
+
+
 def _positional_inputs(model: torch.nn.Module) -> int:
     parameters = pyinspect.signature(model.forward).parameters.values()
     return sum(
@@ -198,7 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
         "torchvision models default to 1,3,224,224",
     )
     inspect_cmd.add_argument(
-        "--input-dtype", default="float32", choices=sorted(INPUT_DTYPES), help="dtype of the example input"
+        "--input-dtype",
+        default=None,
+        choices=sorted(INPUT_DTYPES),
+        help="dtype of the example input; default: int64 when the model's first layer is an nn.Embedding "
+        f"(token ids, shape {','.join(map(str, _TOKEN_INPUT_SHAPE))} unless --input-shape), else float32",
     )
     inspect_cmd.add_argument(
         "--dot", metavar="PATH", default=None, help="also write the graph as Graphviz DOT"
@@ -217,6 +238,16 @@ def run_inspect(args: argparse.Namespace) -> int:
 
     model = load_model(args.model).eval()
     shape = args.input_shape or default_input_shape(args.model)
+    input_dtype_name = args.input_dtype
+    if input_dtype_name is None and takes_token_ids(model):
+        # Without an integer example the input would be taken as float and the report would show
+        # a cast of the token ids to fp16/bf16 that never happens.
+        input_dtype_name = "int64"
+        shape = shape or _TOKEN_INPUT_SHAPE
+        print(
+            f"input: int64 token ids of shape {','.join(map(str, shape))} (the first layer is an "
+            "nn.Embedding; --input-dtype and --input-shape change this)"
+        )
     example_inputs = None
     if shape is not None:
         if _positional_inputs(model) > 1:
@@ -224,7 +255,7 @@ def run_inspect(args: argparse.Namespace) -> int:
                 f"{args.model} takes several inputs; --input-shape describes one: leave it out "
                 "(dtypes are then propagated statically)"
             )
-        input_dtype = INPUT_DTYPES[args.input_dtype]
+        input_dtype = INPUT_DTYPES[input_dtype_name or "float32"]
         example = (
             torch.zeros(shape, dtype=input_dtype) if not input_dtype.is_floating_point else torch.randn(shape)
         )

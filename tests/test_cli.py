@@ -31,6 +31,16 @@ MODEL_FILE = textwrap.dedent(
             return self.out(torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v)
 
 
+    class TokenModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = nn.Embedding(100, 16)
+            self.head = nn.Linear(16, 100)
+
+        def forward(self, idx):
+            return self.head(torch.relu(self.embedding(idx)))
+
+
     class NeedsArguments(nn.Module):
         def __init__(self, width):
             super().__init__()
@@ -81,6 +91,17 @@ def test_inspect_a_model_from_a_file_shows_fp32_islands(model_file, tmp_path, ca
 def test_inspect_o1_without_an_input_shape(model_file, capsys):
     assert main(["inspect", f"{model_file}:Attention", "--opt-level", "O1", "--device-type", "cpu"]) == 0
     assert "amp_fx report: O1" in capsys.readouterr().out
+
+
+def test_inspect_a_model_with_an_embedding_first_takes_token_ids(model_file, capsys):
+    assert main(["inspect", f"{model_file}:TokenModel", "--opt-level", "O2"]) == 0
+    out = capsys.readouterr().out
+    assert "input: int64 token ids of shape 1,8" in out
+    assert re.search(r"^idx +- +- +- +i64 +input", out, flags=re.M)
+    assert "idx_to_float16" not in out  # no phantom cast of the integer input
+    assert main(["inspect", f"{model_file}:TokenModel", "--input-shape", "2,4", "--input-dtype", "long"]) == 0
+    out = capsys.readouterr().out
+    assert "token ids" not in out and "idx_to_float16" not in out
 
 
 @pytest.mark.parametrize(
