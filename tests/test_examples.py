@@ -1,10 +1,12 @@
-"""Each example runs a couple of steps on CPU (examples/*.py, through their main(argv))."""
+"""Each example runs a couple of steps on CPU (examples/*.py, through their main(argv)), and README.md's
+Python snippets run as written."""
 
 from __future__ import annotations
 
 import importlib.util
 import math
 import os
+import re
 import sys
 
 import pytest
@@ -12,7 +14,8 @@ import torch
 
 import amp_fx.amp._state as amp_state
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
 
 
 def load_example(name: str):
@@ -106,3 +109,14 @@ def test_ddp_without_torchrun_says_how_to_run_it(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["ddp_torchrun.py"])
     with pytest.raises(SystemExit, match="torchrun --nproc_per_node=2 examples/ddp_torchrun.py"):
         load_example("ddp_torchrun").main()
+
+
+def test_readme_python_snippets_run_in_order(capsys):
+    """README.md says its snippets run in order as one script on a CPU: they do."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as readme:
+        snippets = re.findall(r"```python\n(.*?)```", readme.read(), flags=re.S)
+    assert len(snippets) >= 5
+    namespace: dict = {"__name__": "readme"}
+    for snippet in snippets:
+        exec(compile(snippet, "README.md", "exec"), namespace)  # noqa: S102
+    assert "amp_fx_ops_casts_cast_if_floating(input_1, torch.bfloat16)" in capsys.readouterr().out
