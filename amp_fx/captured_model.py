@@ -32,6 +32,7 @@ Example::
     ...     def forward(self, x, *, scale=None):
     ...         assert x.shape[-1] == 4
     ...         return self.fc(x) * (1 if scale is None else scale)
+    >>> from amp_fx.core.policy import preset
     >>> model = captured_model(Net(), preset("O2", torch.bfloat16, "cpu"))
     >>> model(torch.randn(2, 4), scale=2.0).dtype
     torch.float32
