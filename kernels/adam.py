@@ -248,9 +248,10 @@ def adam_step_(
     ``amp_fx.kernels.reference.adam_step_`` (t = step + 1; nothing written when found_inf > 0).
 
     Example:
-        >>> p = torch.ones(3, dtype=torch.float16, device="cuda"); g = torch.ones_like(p)
-        >>> master = p.float(); m, v = torch.zeros_like(master), torch.zeros_like(master)
-        >>> step = torch.zeros(1, device="cuda")
+        >>> import torch
+        >>> p = torch.ones(3, dtype=torch.float16, device="cuda"); g = torch.ones_like(p)  # doctest: +SKIP
+        >>> master = p.float(); m, v = torch.zeros_like(master), torch.zeros_like(master)  # doctest: +SKIP
+        >>> step = torch.zeros(1, device="cuda")  # doctest: +SKIP
         >>> adam_step_([p], [g], [master], [m], [v], step, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8,
         ...            weight_decay=0.0, adam_w_mode=True)  # doctest: +SKIP
     """

@@ -103,8 +103,9 @@ def check_finite_and_norm_(
     One launch per grad dtype; same contract as ``amp_fx.kernels.reference.check_finite_and_norm_``.
 
     Example:
-        >>> found_inf = torch.zeros(1, device="cuda"); sq = torch.zeros(1, device="cuda")
-        >>> check_finite_and_norm_([torch.tensor([3.0, 4.0], device="cuda")], found_inf, sq_norm_out=sq)
+        >>> found_inf = torch.zeros(1, device="cuda"); sq = torch.zeros(1, device="cuda")  # doctest: +SKIP
+        >>> grads = [torch.tensor([3.0, 4.0], device="cuda")]  # doctest: +SKIP
+        >>> check_finite_and_norm_(grads, found_inf, sq_norm_out=sq)  # doctest: +SKIP
         >>> sq  # doctest: +SKIP
         tensor([25.], device='cuda:0')
     """

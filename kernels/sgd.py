@@ -195,8 +195,10 @@ def sgd_step_(
     ``amp_fx.kernels.reference.sgd_step_``.
 
     Example:
-        >>> p = torch.ones(3, dtype=torch.float16, device="cuda"); g = torch.ones_like(p)
-        >>> master = p.float(); buf = torch.zeros_like(master); step = torch.zeros(1, device="cuda")
+        >>> import torch
+        >>> p = torch.ones(3, dtype=torch.float16, device="cuda"); g = torch.ones_like(p)  # doctest: +SKIP
+        >>> master = p.float(); buf = torch.zeros_like(master)  # doctest: +SKIP
+        >>> step = torch.zeros(1, device="cuda")  # doctest: +SKIP
         >>> sgd_step_([p], [g], [master], [buf], step, lr=0.1, momentum=0.9, dampening=0.0,
         ...           weight_decay=0.0, nesterov=False)  # doctest: +SKIP
     """
