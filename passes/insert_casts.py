@@ -282,6 +282,11 @@ def insert_casts(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModu
 
     Example::
 
+        >>> from amp_fx.core.policy import preset
+        >>> from amp_fx.passes.classify import classify
+        >>> from amp_fx.passes.normalize_ops import normalize_ops
+        >>> from amp_fx.passes.propagate_dtypes import propagate_dtypes
+        >>> from amp_fx.passes.trace import trace
         >>> policy = preset("O1", torch.bfloat16, "cpu")
         >>> gm = propagate_dtypes(classify(normalize_ops(trace(nn.Linear(4, 2))), policy), policy)
         >>> print(insert_casts(gm, policy).code)                            # doctest: +SKIP

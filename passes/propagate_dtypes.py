@@ -131,6 +131,7 @@ def rule_cast_dtype(
     (autocast respects it). PROMOTE: autocast's promote type over `input_values`. OPAQUE: the
     model-entry dtype at O2/O3 (the island's weights are low there), nothing at O1.
 
+    >>> from amp_fx.core.policy import preset
     >>> rule_cast_dtype(Rule.PROMOTE, preset("O1", torch.bfloat16, "cpu"), [torch.bfloat16, torch.float32])
     torch.float32
     """
@@ -767,6 +768,10 @@ def propagate_dtypes(
 
     Example::
 
+        >>> from amp_fx.core.policy import preset
+        >>> from amp_fx.passes.classify import classify
+        >>> from amp_fx.passes.normalize_ops import normalize_ops
+        >>> from amp_fx.passes.trace import trace
         >>> policy = preset("O1", torch.bfloat16, "cpu")
         >>> gm = classify(normalize_ops(trace(nn.Sequential(nn.Linear(4, 2)))), policy)
         >>> gm = propagate_dtypes(gm, policy)

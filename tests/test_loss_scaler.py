@@ -228,23 +228,23 @@ def test_protocol_errors() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    "kwargs,error,match",
     [
-        {"init_scale": "cuda"},
-        {"init_scale": 0.0},
-        {"growth_factor": 1.0},
-        {"backoff_factor": 1.0},
-        {"growth_interval": 0},
-        {"growth_interval": 2.5},
-        {"hysteresis": 0},
-        {"min_scale": 2.0**20},
-        {"max_scale": 1.0},
-        {"min_scale": 4.0, "max_scale": 2.0, "init_scale": 3.0},
-        {"enabled": "yes"},
+        ({"init_scale": "cuda"}, TypeError, "it takes no device"),
+        ({"init_scale": 0.0}, ValueError, "init_scale must be > 0"),
+        ({"growth_factor": 1.0}, ValueError, "growth_factor must be > 1.0"),
+        ({"backoff_factor": 1.0}, ValueError, "backoff_factor must be in"),
+        ({"growth_interval": 0}, ValueError, "growth_interval must be an int in"),
+        ({"growth_interval": 2.5}, TypeError, "growth_interval must be an int"),
+        ({"hysteresis": 0}, ValueError, "hysteresis must be an int in"),
+        ({"min_scale": 2.0**20}, ValueError, r"outside \[min_scale, max_scale\]"),
+        ({"max_scale": 1.0}, ValueError, r"outside \[min_scale, max_scale\]"),
+        ({"min_scale": 4.0, "max_scale": 2.0, "init_scale": 3.0}, ValueError, "must not exceed max_scale"),
+        ({"enabled": "yes"}, TypeError, "enabled must be True or False"),
     ],
 )
-def test_bad_configuration_is_refused(kwargs) -> None:
-    with pytest.raises((TypeError, ValueError)):
+def test_bad_configuration_is_refused(kwargs, error, match) -> None:
+    with pytest.raises(error, match=match):
         LossScaler(**kwargs)
 
 
@@ -283,23 +283,24 @@ def test_state_dicts_interchange_with_grad_scaler() -> None:
 
 
 @pytest.mark.parametrize(
-    "change",
+    "change,error,match",
     [
-        {"scale": -1.0},
-        {"scale": float("nan")},
-        {"growth_factor": 0.5},
-        {"growth_interval": "often"},
-        {"scale": 2.0**30},  # above max_scale
-        {"_hysteresis_tracker": 5},
-        {"_growth_tracker": -1},
-        {"_growth_tracker": 2**31},  # past the int32 tracker: refused before the scale is written
+        ({"scale": -1.0}, ValueError, "must be > 0, got -1.0"),
+        ({"scale": float("nan")}, TypeError, "must be a finite number, got nan"),
+        ({"growth_factor": 0.5}, ValueError, "growth_factor must be > 1.0"),
+        ({"growth_interval": "often"}, TypeError, "growth_interval must be an int"),
+        ({"scale": 2.0**30}, ValueError, r"outside \[min_scale, max_scale\]"),  # above max_scale
+        ({"_hysteresis_tracker": 5}, ValueError, r"_hysteresis_tracker \(5\) must be in"),
+        ({"_growth_tracker": -1}, ValueError, "_growth_tracker must be an int in"),
+        # past the int32 tracker: refused before the scale is written
+        ({"_growth_tracker": 2**31}, ValueError, "_growth_tracker must be an int in"),
     ],
 )
-def test_bad_state_dict_is_refused_and_nothing_changes(change) -> None:
+def test_bad_state_dict_is_refused_and_nothing_changes(change, error, match) -> None:
     scaler = LossScaler(init_scale=64.0)
     scaler.scale(torch.zeros(()))
     before = scaler.state_dict()
-    with pytest.raises((TypeError, ValueError)):
+    with pytest.raises(error, match=match):
         scaler.load_state_dict({**before, **change})
     with pytest.raises(ValueError, match="lacks"):
         scaler.load_state_dict({"scale": 2.0})

@@ -140,19 +140,19 @@ def test_channels_last_params_and_grads_of_another_layout() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    "kwargs,error,match",
     [
-        {"lr": -1.0},
-        {"betas": (1.0, 0.999)},
-        {"betas": (0.9,)},
-        {"eps": -1e-8},
-        {"weight_decay": -0.1},
-        {"lr": torch.tensor(1e-3)},
-        {"adam_w_mode": 1},
+        ({"lr": -1.0}, ValueError, "invalid lr"),
+        ({"betas": (1.0, 0.999)}, ValueError, "invalid beta1"),
+        ({"betas": (0.9,)}, TypeError, "betas must be a pair"),
+        ({"eps": -1e-8}, ValueError, "invalid eps"),
+        ({"weight_decay": -0.1}, ValueError, "invalid weight_decay"),
+        ({"lr": torch.tensor(1e-3)}, TypeError, "lr must be a finite Python float"),
+        ({"adam_w_mode": 1}, TypeError, "adam_w_mode must be True or False"),
     ],
 )
-def test_bad_hyperparameters_are_refused(kwargs) -> None:
-    with pytest.raises((TypeError, ValueError)):
+def test_bad_hyperparameters_are_refused(kwargs, error, match) -> None:
+    with pytest.raises(error, match=match):
         FusedAdam([torch.nn.Parameter(torch.zeros(2))], **kwargs)
 
 

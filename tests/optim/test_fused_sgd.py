@@ -65,18 +65,18 @@ def test_momentum_switched_on_later_creates_its_buffer(problem) -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    "kwargs,error,match",
     [
-        {"lr": -0.1},
-        {"momentum": -0.5},
-        {"weight_decay": -1.0},
-        {"nesterov": True},  # needs momentum > 0
-        {"nesterov": True, "momentum": 0.9, "dampening": 0.1},
-        {"momentum": "0.9"},
+        ({"lr": -0.1}, ValueError, "invalid lr"),
+        ({"momentum": -0.5}, ValueError, "invalid momentum"),
+        ({"weight_decay": -1.0}, ValueError, "invalid weight_decay"),
+        ({"nesterov": True}, ValueError, "nesterov momentum requires momentum > 0"),
+        ({"nesterov": True, "momentum": 0.9, "dampening": 0.1}, ValueError, "and dampening == 0"),
+        ({"momentum": "0.9"}, TypeError, "momentum must be a finite Python float"),
     ],
 )
-def test_bad_hyperparameters_are_refused(kwargs) -> None:
-    with pytest.raises((TypeError, ValueError)):
+def test_bad_hyperparameters_are_refused(kwargs, error, match) -> None:
+    with pytest.raises(error, match=match):
         FusedSGD([torch.nn.Parameter(torch.zeros(2))], **kwargs)
 
 
