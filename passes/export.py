@@ -9,9 +9,9 @@ keyword arguments, ``ModelOutput`` results and dtype-dependent code all capture.
 parameters and buffers with ``get_attr`` under their original names and its ops are the ATen
 ops torch.autocast's lists name, so the convert passes run on it unchanged.
 
-`export_graph` captures with every dimension of every tensor argument ``Dim.AUTO`` (export keeps
-a dimension dynamic unless the code pins it), so a smaller last batch or another sequence length
-runs the same graph; `accepts` says whether a call fits a captured graph (same argument
+`export_graph` captures the call's sizes, or with ``dynamic=True`` every dimension of every tensor
+argument ``Dim.AUTO`` (export keeps a dimension dynamic unless the code pins it), so a smaller last
+batch or another sequence length runs the same graph; `accepts` says whether a call fits a captured graph (same argument
 structure, constants and dtypes; sizes within the captured ranges). It captures inside
 ``torch.autocast`` when asked, so Python code that reads a dtype (``finfo(dtype).min`` for a mask,
 ``x.to(input_dtype)`` in an RMSNorm) sees the dtypes the converted model runs with; the ops
@@ -20,7 +20,7 @@ recorded are those before autocast, with no autocast region in the graph.
 Example::
 
     >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
-    >>> gm = export_graph(model, (torch.randn(2, 4),), {})
+    >>> gm = export_graph(model, (torch.randn(2, 4),), {}, dynamic=True)
     >>> [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     ['aten.linear.default', 'aten.relu.default']
     >>> accepts(gm, (torch.randn(5, 4),), {}), accepts(gm, (torch.randn(5, 3),), {})

@@ -243,8 +243,19 @@ def fuse_linear_loss(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.Graph
 
     Example::
 
-        >>> policy = preset("O2", torch.float16, fused_linear_loss=True)  # doctest: +SKIP
-        >>> gm = convert(GptWithLoss(), "O2", policy=policy)                # calls this pass
+        >>> import torch.nn.functional as F
+        >>> from torch import nn
+        >>> from amp_fx import convert
+        >>> from amp_fx.core.policy import preset
+        >>> class LmWithLoss(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.emb, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
+        ...     def forward(self, idx, targets):
+        ...         logits = self.head(self.emb(idx))
+        ...         return F.cross_entropy(logits.view(-1, 16), targets.view(-1))
+        >>> policy = preset("O2", torch.float16, fused_linear_loss=True)
+        >>> gm = convert(LmWithLoss(), "O2", policy=policy)  # calls this pass
         >>> [n.target.__name__ for n in gm.graph.nodes if "cross_entropy" in n.name]
         ['linear_cross_entropy']
     """

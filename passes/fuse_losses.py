@@ -130,7 +130,17 @@ def fuse_losses(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModul
 
     Example::
 
-        >>> gm = convert(GptWithLoss(), "O2")      # calls this pass; doctest: +SKIP
+        >>> import torch.nn.functional as F
+        >>> from torch import nn
+        >>> from amp_fx import convert
+        >>> class LmWithLoss(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.emb, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
+        ...     def forward(self, idx, targets):
+        ...         logits = self.head(self.emb(idx))
+        ...         return F.cross_entropy(logits.view(-1, 16), targets.view(-1))
+        >>> gm = convert(LmWithLoss(), "O2")  # calls this pass
         >>> [n.target.__name__ for n in gm.graph.nodes if "cross_entropy" in n.name]
         ['fp32_cross_entropy']
     """

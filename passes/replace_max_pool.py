@@ -91,7 +91,10 @@ def replace_max_pool(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.Graph
 
     Example::
 
-        >>> gm = convert(torchvision.models.resnet50(), "O2")  # calls this pass; doctest: +SKIP
+        >>> import torchvision
+        >>> from amp_fx import convert
+        >>> # calls this pass; device_type="cuda" only picks the policy, converting needs no GPU
+        >>> gm = convert(torchvision.models.resnet18(), "O2", device_type="cuda")
         >>> [n.target.__module__ for n in gm.graph.nodes if n.name == "maxpool"]
         ['amp_fx.ops.pooling']
     """

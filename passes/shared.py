@@ -337,6 +337,7 @@ def is_output_structure(node: torch.fx.Node) -> bool:
     namedtuple constructed from the results and read by nothing but the output (or by another
     such node). Its inputs are model outputs, cast by `cast_outputs`.
 
+    >>> import collections
     >>> gm = torch.fx.symbolic_trace(lambda x: collections.namedtuple("Out", "y")(x * 2))
     >>> [is_output_structure(n) for n in gm.graph.nodes]
     [False, False, True, False]

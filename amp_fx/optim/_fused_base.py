@@ -112,6 +112,28 @@ def _as_float(name: str, value: Any) -> float:
     return float(value)
 
 
+def _check_step_count(where: str, step: Any) -> None:
+    """Raise ValueError unless ``step`` is a finite count of steps (>= 0): a Python number or a float
+    tensor of one element. Reads a tensor's value (a host sync), so it is for checkpoints only: a
+    negative, NaN or inf step would make the next update's bias correction NaN everywhere."""
+    if isinstance(step, Tensor):
+        if step.numel() != 1 or not step.is_floating_point():
+            raise ValueError(
+                f"{where}: 'step' must be a float tensor of one element, got dtype {step.dtype} with "
+                f"{step.numel()} elements"
+            )
+        value = float(step.detach().reshape(()).item())
+    elif isinstance(step, bool) or not isinstance(step, (int, float)):
+        raise ValueError(f"{where}: 'step' must be a count of steps (a number >= 0), got {step!r}")
+    else:
+        value = float(step)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(
+            f"{where}: 'step' must be a finite count of steps (>= 0), got {step!r}; the checkpoint is "
+            "corrupt (a NaN or negative step would turn every weight NaN at the next step)"
+        )
+
+
 def _param_tensors(params: Iterable[Any]) -> list[Tensor]:
     """The tensors of a param list that may hold (name, tensor) pairs, as torch.optim allows."""
     return [p[1] if isinstance(p, tuple) else p for p in params]
@@ -414,15 +436,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._check_hyperparameters(saved)
         except (TypeError, ValueError) as error:
             raise ValueError(f"param group {index} of the loaded state dict: {error}") from error
-        step = saved[STEP_KEY]
-        if isinstance(step, Tensor):
-            if step.numel() != 1 or not step.is_floating_point():
-                raise ValueError(
-                    f"param group {index}: 'step' must be a float tensor of one element, got dtype "
-                    f"{step.dtype} with {step.numel()} elements"
-                )
-        elif isinstance(step, bool) or not isinstance(step, (int, float)) or not step >= 0:
-            raise ValueError(f"param group {index}: 'step' must be a count of steps (>= 0), got {step!r}")
+        _check_step_count(f"param group {index}", saved[STEP_KEY])
 
     def _check_loaded_state(self, index: int, param: Tensor, saved_state: Any, group: dict[str, Any]) -> None:
         where = f"state of parameter {index} (shape {tuple(param.shape)}, {param.dtype})"

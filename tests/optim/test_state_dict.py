@@ -170,6 +170,22 @@ def _bad_step(sd):
     sd["param_groups"][0]["step"] = torch.zeros(2)
 
 
+def _negative_step_tensor(sd):
+    sd["param_groups"][0]["step"] = torch.tensor([-5.0])
+
+
+def _nan_step_tensor(sd):
+    sd["param_groups"][0]["step"] = torch.tensor([float("nan")])
+
+
+def _inf_step_tensor(sd):
+    sd["param_groups"][1]["step"] = torch.tensor(float("inf"))
+
+
+def _negative_step_number(sd):
+    sd["param_groups"][1]["step"] = -5
+
+
 def _sgd_dict(sd):
     params = [
         torch.nn.Parameter(torch.zeros(s, dtype=d)) for s, d in zip(((5, 7), (3,)), DTYPES[:2], strict=True)
@@ -179,22 +195,26 @@ def _sgd_dict(sd):
 
 
 @pytest.mark.parametrize(
-    "corrupt",
+    "corrupt,match",
     [
-        _drop_group,
-        _drop_param,
-        _reshape_master,
-        _half_moment,
-        _drop_one_moment,
-        _drop_master,
-        _extra_key,
-        _missing_state,
-        _bad_lr,
-        _bad_step,
-        _sgd_dict,
+        (_drop_group, "has 1 param groups but this optimizer has 2"),
+        (_drop_param, "has 0 parameters but this optimizer's group has 1"),
+        (_reshape_master, "'master_param' must be a float32 tensor of shape"),
+        (_half_moment, "'exp_avg' must be a float32 tensor"),
+        (_drop_one_moment, "missing \\['exp_avg_sq'\\]"),
+        (_drop_master, "missing \\['master_param'\\]"),
+        (_extra_key, "unexpected \\['momentum_buffer'\\]"),
+        (_missing_state, "no state for parameter 3"),
+        (_bad_lr, "lr must be a finite Python float"),
+        (_bad_step, "'step' must be a float tensor of one element"),
+        (_negative_step_tensor, "'step' must be a finite count"),
+        (_nan_step_tensor, "'step' must be a finite count"),
+        (_inf_step_tensor, "'step' must be a finite count"),
+        (_negative_step_number, "'step' must be a finite count"),
+        (_sgd_dict, "it was not saved by a FusedAdam"),
     ],
 )
-def test_bad_state_dict_is_refused_and_nothing_changes(problem, optimizer_snapshot, corrupt) -> None:
+def test_bad_state_dict_is_refused_and_nothing_changes(problem, optimizer_snapshot, corrupt, match) -> None:
     snapshot, assert_unchanged = optimizer_snapshot
     case = problem(DTYPES, seed=57)
     optimizer = FusedAdam([{"params": case.params[:1]}, {"params": case.params[1:]}], lr=1e-2)
@@ -205,7 +225,7 @@ def test_bad_state_dict_is_refused_and_nothing_changes(problem, optimizer_snapsh
     case.next_grads()
     optimizer.step()  # the optimizer moved on since the state dict was taken
     before = snapshot(optimizer)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=match):
         optimizer.load_state_dict(state_dict)
     assert_unchanged(before, snapshot(optimizer))
 
