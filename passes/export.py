@@ -11,11 +11,12 @@ ops torch.autocast's lists name, so the convert passes run on it unchanged.
 
 `export_graph` captures the call's sizes, or with ``dynamic=True`` every dimension of every tensor
 argument ``Dim.AUTO`` (export keeps a dimension dynamic unless the code pins it), so a smaller last
-batch or another sequence length runs the same graph; `accepts` says whether a call fits a captured graph (same argument
-structure, constants and dtypes; sizes within the captured ranges). It captures inside
-``torch.autocast`` when asked, so Python code that reads a dtype (``finfo(dtype).min`` for a mask,
-``x.to(input_dtype)`` in an RMSNorm) sees the dtypes the converted model runs with; the ops
-recorded are those before autocast, with no autocast region in the graph.
+batch or another sequence length runs the same graph; `accepts` says whether a call fits a
+captured graph (same argument structure, constants and dtypes; sizes within the captured ranges).
+It captures inside ``torch.autocast`` when asked, so Python code that reads a dtype
+(``finfo(dtype).min`` for a mask, ``x.to(input_dtype)`` in an RMSNorm) sees the dtypes the
+converted model runs with; the ops recorded are those before autocast, with no autocast region
+in the graph.
 
 Example::
 
