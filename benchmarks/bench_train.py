@@ -1,5 +1,16 @@
 """End-to-end training-step benchmark: torch's mixed precision against amp_fx O1/O2/O3.
 
+Models (``--models``, benchmarks/models.py): ``gpt`` (GPT-2 small written out by hand),
+``resnet50``, and two Hugging Face transformers causal LMs from configs, random weights:
+``hf_gpt2`` (``GPT2LMHeadModel(GPT2Config())``, 124M, 16 x 1024 tokens) and ``hf_llama`` (Llama
+architecture, 0.67B, 8 x 2048 tokens; ``--batch-size``/``--seq-len`` change the shape). The
+transformers models train on their own loss (``model(input_ids=..., labels=...).loss``); amp_fx
+converts them with its torch.export front end (`amp_fx.captured_model`), which captures a graph at
+the first call and another at the first call of a new shape. For those, after the eager timing, the
+first call of a freshly converted model and its first call at 3/4 of the sequence length are timed
+beside the same calls once captured, and printed under the table. Without ``--variants`` they run
+autocast_fp16 and o2_fp16 only (the comparison of issue 12).
+
 One training step is forward, loss, (scaled) backward, optimizer step and scaler update. Every
 variant trains the same freshly seeded model on the same batch:
 
@@ -45,18 +56,21 @@ variants or cuBLAS's workspaces, which are allocated before the first; o2_fp16_c
 counts those of its capture stream). A variant that fails is reported in the table and the run
 goes on.
 
-GPU runs, one per model (eager ~1-2 min, then ~10 compiles of 20-50 s each; ``--time-budget``
-skips, and reports, the variants that would start after it, least telling last)::
+GPU runs (eager ~1-2 min, then ~10 compiles of 20-50 s each; ``--time-budget`` skips, and
+reports, the variants that would start after it, least telling last; with several models each gets
+an equal share of what is left of it)::
 
-    python benchmarks/bench_train.py --model gpt --markdown BENCHMARKS.md --time-budget 480
-    python benchmarks/bench_train.py --model resnet50 --markdown BENCHMARKS.md --time-budget 480
+    python benchmarks/bench_train.py --models gpt --markdown BENCHMARKS.md --time-budget 480
+    python benchmarks/bench_train.py --models resnet50 --markdown BENCHMARKS.md --time-budget 480
+    python benchmarks/bench_train.py --models hf_gpt2,hf_llama --markdown BENCHMARKS.md --time-budget 480
 
 Where a variant's time goes: ``--variants o2_fp16,autocast_fp16 --modes eager --profile 25``.
 
 CPU check that every variant runs (tiny models, Dynamo capture without Inductor; 1-2 minutes
-on one core)::
+on one core; the transformers models ~1 minute more)::
 
     python benchmarks/bench_train.py --small
+    python benchmarks/bench_train.py --small --models hf_gpt2,hf_llama
 """
 
 from __future__ import annotations
@@ -76,7 +90,17 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import WithLoss, Workload, build_workload  # noqa: E402
+from models import (  # noqa: E402
+    BUILDERS,
+    HF_MODEL_CLASSES,
+    LabelsLoss,
+    WithLoss,
+    Workload,
+    build_workload,
+    parameter_count,
+    token_shape,
+    with_loss,
+)
 from reporting import environment, publish  # noqa: E402
 
 logger = logging.getLogger("bench_train")
@@ -156,6 +180,10 @@ RUN_ORDER = [
     "fp32",
 ]
 assert sorted(RUN_ORDER) == sorted(VARIANTS)
+# What a model runs without --variants: every variant, except for the transformers models: issue
+# 12's comparison (their loss is inside the model, so o2_fp16_loss_outside has no meaning), which
+# keeps both within one GPU run of <= 9 minutes.
+DEFAULT_VARIANTS: dict[str, list[str]] = {"hf_gpt2": [BASELINE, "o2_fp16"], "hf_llama": [BASELINE, "o2_fp16"]}
 # Eager steps CudaGraphStep runs before it captures; the benchmark's warm-up covers them and the capture.
 GRAPH_WARMUP_STEPS = 2
 
@@ -224,10 +252,18 @@ def prepare_model(variant: Variant, work: Workload) -> nn.Module:
             fused_max_pool=None if variant.fused_max_pool else False,
             fused_linear_loss=None if variant.fused_linear_loss else False,
         )
+        if work.loss_fn is None:
+            # The model computes its loss (a transformers LM): converted as a user converts it.
+            if variant.loss_outside:
+                raise ValueError(
+                    f"{variant.name} computes the loss outside the model, but {work.name} computes "
+                    "its own from labels=: leave this variant out for it"
+                )
+            return LabelsLoss(amp_fx.convert(work.model, variant.opt_level, policy=policy))
         if variant.loss_outside:
             return WithLoss(amp_fx.convert(work.model, variant.opt_level, policy=policy), work.loss_fn)
         return amp_fx.convert(WithLoss(work.model, work.loss_fn), variant.opt_level, policy=policy)
-    model = WithLoss(work.model, work.loss_fn)
+    model = with_loss(work.model, work.loss_fn)
     if not variant.autocast and variant.dtype != torch.float32:
         return model.to(variant.dtype)
     return model
@@ -357,6 +393,13 @@ def short_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first_line[:100]}"
 
 
+def make_workload(model_name: str, args: argparse.Namespace, device: torch.device) -> Workload:
+    """A fresh, seeded workload of the command line's size (--small, --batch-size, --seq-len)."""
+    return build_workload(
+        model_name, device, small=args.small, batch_size=args.batch_size, seq_len=args.seq_len
+    )
+
+
 def prepare_variant(
     model_name: str,
     variant: Variant,
@@ -378,7 +421,7 @@ def prepare_variant(
     allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     step = None
     try:
-        work = build_workload(model_name, device, small=args.small, batch_size=args.batch_size)
+        work = make_workload(model_name, args, device)
         step = build_step(variant, work, mode, args.compile_backend)
         # The step holds what it needs; amp_fx's unconverted original goes now, and the peak counts
         # from here: weights, optimizer state and activations of training, not conversion copies.
@@ -445,6 +488,81 @@ def time_interleaved(
 
 
 # ---------------------------------------------------------------------------------------------
+# What capturing a new call structure or shape costs (amp_fx's torch.export front end)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CaptureCost:
+    """A converted model's first forward call (captured at static sizes), its first call at a new
+    sequence length (captured again, with dynamic sizes), and each call once captured."""
+
+    variant: str
+    seq_len: int
+    first_call_s: float
+    capture_s: float  # of first_call_s: torch.export and amp_fx's passes (capture_summary)
+    captured_call_ms: float
+    new_seq_len: int
+    new_first_call_s: float
+    new_capture_s: float
+    new_captured_call_ms: float
+    graphs: int
+    islands: int
+
+    def __str__(self) -> str:
+        return (
+            f"Capture cost ({self.variant}, eager, forward with the loss): first call at seq "
+            f"{self.seq_len} {self.first_call_s:.2f} s (capture {self.capture_s:.2f} s), then "
+            f"{self.captured_call_ms:.1f} ms; first call at new seq {self.new_seq_len} "
+            f"{self.new_first_call_s:.2f} s (capture {self.new_capture_s:.2f} s), then "
+            f"{self.new_captured_call_ms:.1f} ms; {self.graphs} graph(s), {self.islands} island(s)."
+        )
+
+
+def time_first_call(call: Callable[[], torch.Tensor], device: torch.device) -> float:
+    """Seconds of one call, from an idle device to its result: a capture runs once, so no loop."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def measure_capture_cost(
+    model_name: str, variant: Variant, args: argparse.Namespace, device: torch.device
+) -> CaptureCost | None:
+    """Time a freshly converted model's first calls (module docstring); None where ``variant``
+    converts ``model_name`` with torch.fx (the graph is made at conversion, not at a call)."""
+    from amp_fx.captured_model import CapturedModel, capture_summary
+
+    work = make_workload(model_name, args, device)
+    model = prepare_model(variant, work)
+    converted = model.model if isinstance(model, LabelsLoss) else model
+    if not isinstance(converted, CapturedModel):
+        return None
+    forward_loss = make_forward_loss(variant, model)
+    tokens = work.inputs
+    del work  # the unconverted original
+    gc.collect()
+    new_seq_len = tokens.shape[1] * 3 // 4
+    measured: list[tuple[float, float, float]] = []
+    for batch in (tokens, tokens[:, :new_seq_len].contiguous()):
+        captured_before = sum(capture_summary(converted).capture_seconds)
+        first_s = time_first_call(lambda batch=batch: forward_loss(batch, batch), device)
+        capture_s = sum(capture_summary(converted).capture_seconds) - captured_before
+        times = time_steps(lambda batch=batch: forward_loss(batch, batch), device, warmup=1, steps=3)
+        measured.append((first_s, capture_s, statistics.median(times)))
+    summary = capture_summary(converted)
+    (first_s, capture_s, captured_ms), (new_first_s, new_capture_s, new_captured_ms) = measured
+    return CaptureCost(
+        variant.name, tokens.shape[1], first_s, capture_s, captured_ms,
+        new_seq_len, new_first_s, new_capture_s, new_captured_ms, summary.graphs, len(summary.islands),
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------
 
@@ -489,7 +607,7 @@ def format_table(
         lines += ["", "Not measured:", *errors]
     checks = target_checks(model_name, modes, results) if check_targets else []
     if checks:
-        lines += ["", "Targets (issue 5):", *checks]
+        lines += ["", f"Targets (issue {TARGET_ISSUES[model_name]}):", *checks]
     return "\n".join(lines) + "\n"
 
 
@@ -499,7 +617,13 @@ TIME_TARGETS = {
     ("gpt", "compile"): 0.90,
     ("resnet50", "eager"): 0.95,
     ("resnet50", "compile"): 0.90,
+    ("hf_gpt2", "eager"): 0.80,
+    ("hf_gpt2", "compile"): 0.90,
+    ("hf_llama", "eager"): 0.80,
+    ("hf_llama", "compile"): 0.90,
 }
+# The issue each model's targets come from.
+TARGET_ISSUES = {"gpt": 5, "resnet50": 5, "hf_gpt2": 12, "hf_llama": 12}
 
 
 def target_checks(model_name: str, modes: list[str], results: dict[tuple[str, str], Result]) -> list[str]:
@@ -524,9 +648,18 @@ def target_checks(model_name: str, modes: list[str], results: dict[tuple[str, st
     return checks
 
 
-def workload_description(model_name: str, small: bool, batch_size: int | None) -> str:
+def workload_description(model_name: str, small: bool, batch_size: int | None, seq_len: int | None) -> str:
+    if model_name in HF_MODEL_CLASSES:
+        batch, seq = token_shape(model_name, small, batch_size, seq_len)
+        size = parameter_count(model_name, small, seq_len)
+        size_text = f"{size / 1e9:.2f}B" if size >= 1e9 else f"{size / 1e6:.3g}M"
+        return (
+            f"transformers {HF_MODEL_CLASSES[model_name]} {size_text} from config, loss from labels=, "
+            f"batch {batch} x seq {seq}" + (" (CPU check)" if small else "")
+        )
     if model_name == "gpt":
-        return "GPT tiny (CPU check)" if small else f"GPT-2 small 124M, batch {batch_size or 16} x seq 1024"
+        batch, seq = token_shape(model_name, small, batch_size, seq_len)
+        return "GPT tiny (CPU check)" if small else f"GPT-2 small 124M, batch {batch} x seq {seq}"
     if small:
         return "ResNet (Bottleneck [1,1,1,1], 16x16, CPU check)"
     return f"ResNet-50, batch {batch_size or 256} x 224x224, channels_last"
@@ -541,9 +674,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", choices=["gpt", "resnet50", "all"], default="all")
+    parser.add_argument(
+        "--models",
+        "--model",
+        default="gpt,resnet50",
+        help=f"comma list of {', '.join(BUILDERS)}, or all (default gpt,resnet50)",
+    )
     parser.add_argument("--modes", default="eager,compile", help="comma list of eager, compile")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
+    parser.add_argument(
+        "--variants",
+        default=None,
+        help=f"comma list of {', '.join(VARIANTS)} (default: all; for the transformers models "
+        f"{', '.join(DEFAULT_VARIANTS['hf_gpt2'])})",
+    )
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20; 2 with --small)")
     parser.add_argument(
         "--warmup", type=int, default=None, help="untimed steps first (default 3; 1 with --small)"
@@ -555,6 +698,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="timing rounds over all variants, order reversed every other round (default 5; 1 with --small)",
     )
     parser.add_argument("--batch-size", type=int, default=None, help="override the model's batch size")
+    parser.add_argument(
+        "--seq-len", type=int, default=None, help="override the token models' sequence length"
+    )
     parser.add_argument("--small", action="store_true", help="tiny models: checks the benchmark runs, on CPU")
     parser.add_argument(
         "--compile-backend",
@@ -587,11 +733,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for mode in args.modes:
         if mode not in ("eager", "compile"):
             parser.error(f"unknown mode {mode!r}: use eager and/or compile")
-    names = [v for v in args.variants.split(",") if v]
-    for name in names:
-        if name not in VARIANTS:
-            parser.error(f"unknown variant {name!r}: choose from {', '.join(VARIANTS)}")
-    args.variants = [VARIANTS[n] for n in names]
+    args.models = list(BUILDERS) if args.models == "all" else [m for m in args.models.split(",") if m]
+    for model_name in args.models:
+        if model_name not in BUILDERS:
+            parser.error(f"unknown model {model_name!r}: choose from {', '.join(BUILDERS)} or all")
+    if args.seq_len is not None and "resnet50" in args.models:
+        parser.error("--seq-len is for the token models: leave resnet50 out of --models")
+    if args.variants is not None:
+        names = [v for v in args.variants.split(",") if v]
+        for name in names:
+            if name not in VARIANTS:
+                parser.error(f"unknown variant {name!r}: choose from {', '.join(VARIANTS)}")
+        args.variants = [VARIANTS[n] for n in names]
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.steps is None:
         args.steps = 2 if args.small else 20
@@ -624,9 +777,18 @@ def compile_settings(num_variants: int) -> Iterator[None]:
         torch._dynamo.config.recompile_limit = previous_limit
 
 
+def model_variants(model_name: str, args: argparse.Namespace) -> list[Variant]:
+    """The variants ``model_name`` runs: ``--variants``, else its default (`DEFAULT_VARIANTS`)."""
+    if args.variants is not None:
+        return list(args.variants)
+    return [VARIANTS[name] for name in DEFAULT_VARIANTS.get(model_name, VARIANTS)]
+
+
 def benchmark_model(model_name: str, args: argparse.Namespace, deadline: float | None) -> str:
+    ordered = model_variants(model_name, args)
     # Most telling first, so that a run cut short by --time-budget still has the baseline and O2.
-    variants = sorted(args.variants, key=lambda v: RUN_ORDER.index(v.name))
+    variants = sorted(ordered, key=lambda v: RUN_ORDER.index(v.name))
+    capture_cost = None
     results: dict[tuple[str, str], Result] = {}
     for mode in args.modes:
         built: dict[str, Callable[[], torch.Tensor]] = {}
@@ -668,14 +830,22 @@ def benchmark_model(model_name: str, args: argparse.Namespace, deadline: float |
                     logger.exception("%s failed while profiled", name)
         built.clear()  # frees the models, optimizer states and compiled graphs of this mode
         release_memory(args.device)
-    ordered = list(args.variants)
-    title = (
-        f"Training step: {workload_description(model_name, args.small, args.batch_size)} - "
-        f"{environment_line(args.device, args.compile_backend)}"
-    )
+        converting = [v for v in variants if v.framework == "amp_fx" and not v.cuda_graph]
+        in_time = deadline is None or time.perf_counter() < deadline
+        if mode == "eager" and converting and in_time:
+            try:
+                capture_cost = measure_capture_cost(model_name, converting[0], args, args.device)
+            except Exception:  # the step times stand; the capture cost is extra
+                logger.exception("%s: measuring the capture cost failed", model_name)
+            if capture_cost is not None:
+                print(f"  {model_name} {capture_cost}", flush=True)
+            release_memory(args.device)
+    description = workload_description(model_name, args.small, args.batch_size, args.seq_len)
+    title = f"Training step: {description} - {environment_line(args.device, args.compile_backend)}"
     # The targets are about the full-size models on a GPU; a --small run only checks the code.
     table = format_table(model_name, ordered, args.modes, results, title, check_targets=not args.small)
-    return table + "\n" + timing_note(results, args) + "\n"
+    text = table + "\n" + timing_note(results, args) + "\n"
+    return text if capture_cost is None else text + "\n" + str(capture_cost) + "\n"
 
 
 def timing_note(results: dict[tuple[str, str], Result], args: argparse.Namespace) -> str:
@@ -699,11 +869,16 @@ def main(argv: list[str] | None = None) -> None:
         # A CPU run only checks that every variant works; on a shared machine one thread per
         # process avoids OpenMP spinning against other processes.
         torch.set_num_threads(1)
-    deadline = None if args.time_budget is None else time.perf_counter() + args.time_budget
-    models = ["gpt", "resnet50"] if args.model == "all" else [args.model]
+    end = None if args.time_budget is None else time.perf_counter() + args.time_budget
     tables = []
-    with compile_settings(len(args.variants)):
-        for model_name in models:
+    with compile_settings(max(len(model_variants(m, args)) for m in args.models)):
+        for index, model_name in enumerate(args.models):
+            # An equal share of what is left of the budget: a model that runs long cannot take
+            # all of the next one's.
+            deadline = None
+            if end is not None:
+                now = time.perf_counter()
+                deadline = now + (end - now) / (len(args.models) - index)
             print(
                 f"{model_name}: {args.steps} timed steps after {args.warmup} warm-up, {args.device}",
                 flush=True,

@@ -1,20 +1,27 @@
-"""Models the training benchmark runs: a plainly written GPT-2-small and torchvision's ResNet-50.
+"""Models the training benchmark runs: a plainly written GPT-2-small, torchvision's ResNet-50 and
+two Hugging Face transformers causal LMs built from configs (random weights, no download).
 
 The GPT is nanoGPT's architecture written out by hand (pre-LayerNorm blocks, causal
 `F.scaled_dot_product_attention`, GELU MLP, tied input and output embeddings), so every variant
 of the benchmark (torch.autocast, `.half()`, amp_fx O1-O3) trains the same plain `nn.Module`.
-Each builder returns a `Workload`: the model, a batch on the device and a loss function, at the
-full benchmark size or, with ``small=True``, at a size that trains in milliseconds on a CPU::
+``hf_gpt2`` is transformers' ``GPT2LMHeadModel(GPT2Config())`` (124M) and ``hf_llama`` a
+``LlamaForCausalLM`` of 0.67B parameters (hidden 2048, 12 layers, 16 heads / 4 KV heads, vocab
+32000); they compute their own loss from ``labels=`` and amp_fx converts them with its torch.export
+front end (`amp_fx.captured_model`). Each builder returns a `Workload`: the model, a batch on the
+device and a loss function (None: the model's own), at the full benchmark size or, with
+``small=True``, at a size that trains in milliseconds on a CPU::
 
     >>> work = build_workload("gpt", torch.device("cpu"), small=True)
-    >>> loss = work.loss_fn(work.model(work.inputs), work.targets)
+    >>> loss = with_loss(work.model, work.loss_fn)(work.inputs, work.targets)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -140,15 +147,35 @@ class WithLoss(nn.Module):
         return self.loss_fn(self.model(inputs), targets)
 
 
+class LabelsLoss(nn.Module):
+    """A Hugging Face causal LM as ``(inputs, targets) -> loss``: the model computes its loss itself,
+    from ``labels=`` (it shifts them by one position), as a transformers training loop calls it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=inputs, labels=targets).loss
+
+
+def with_loss(
+    model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+) -> nn.Module:
+    """``model`` as ``(inputs, targets) -> loss``: with ``loss_fn``, or with its own loss (None)."""
+    return LabelsLoss(model) if loss_fn is None else WithLoss(model, loss_fn)
+
+
 @dataclass
 class Workload:
-    """One benchmark model with a fixed batch: ``loss_fn(model(inputs), targets)`` is a training loss."""
+    """One benchmark model with a fixed batch: ``with_loss(model, loss_fn)(inputs, targets)`` is a
+    training loss (``loss_fn`` None: the model computes it from ``labels=targets``)."""
 
     name: str
     model: nn.Module
     inputs: torch.Tensor
     targets: torch.Tensor
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
     # Optimizer family and hyperparameters shared by every variant of this workload.
     optimizer: str  # "adamw" or "sgd"
     lr: float
@@ -156,10 +183,26 @@ class Workload:
     memory_format: torch.memory_format = torch.contiguous_format
 
 
-def build_gpt(device: torch.device, small: bool = False, batch_size: int | None = None) -> Workload:
+# (batch, sequence length) of each token model: at full size, and with small=True.
+TOKEN_SHAPES: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
+    "gpt": ((16, 1024), (2, 32)),
+    "hf_gpt2": ((16, 1024), (2, 32)),
+    "hf_llama": ((8, 2048), (2, 32)),
+}
+
+
+def token_shape(name: str, small: bool, batch_size: int | None, seq_len: int | None) -> tuple[int, int]:
+    """The batch size and sequence length a token model trains on: the defaults, or the overrides."""
+    batch, seq = TOKEN_SHAPES[name][1 if small else 0]
+    return batch_size or batch, seq_len or seq
+
+
+def build_gpt(
+    device: torch.device, small: bool = False, batch_size: int | None = None, seq_len: int | None = None
+) -> Workload:
     """GPT-2 small (12 layers, d=768, 12 heads, vocab 50304) on a batch of 16 x 1024 random tokens."""
-    config = GPT_TINY if small else GPT2_SMALL
-    batch = batch_size or (2 if small else 16)
+    batch, seq = token_shape("gpt", small, batch_size, seq_len)
+    config = dataclasses.replace(GPT_TINY if small else GPT2_SMALL, seq_len=seq)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (batch, config.seq_len + 1), generator=generator)
     # Built on the device: initializing 124 M parameters on the host would dominate a short run.
@@ -176,12 +219,16 @@ def build_gpt(device: torch.device, small: bool = False, batch_size: int | None 
     )
 
 
-def build_resnet50(device: torch.device, small: bool = False, batch_size: int | None = None) -> Workload:
+def build_resnet50(
+    device: torch.device, small: bool = False, batch_size: int | None = None, seq_len: int | None = None
+) -> Workload:
     """torchvision ResNet-50 (weights=None) on 256 random 224x224 images, channels_last.
 
     ``small=True`` builds the same Bottleneck ResNet with one block per stage and narrow bottlenecks
     on 16x16 images: ResNet-50 itself takes seconds per step on a CPU.
     """
+    if seq_len is not None:
+        raise ValueError("resnet50 takes images, not token sequences: leave the sequence length out")
     if small:
         model: nn.Module = ResNet(Bottleneck, [1, 1, 1, 1], num_classes=10, width_per_group=16)
         batch, size, classes = batch_size or 2, 16, 10
@@ -203,14 +250,84 @@ def build_resnet50(device: torch.device, small: bool = False, batch_size: int | 
     )
 
 
-BUILDERS: dict[str, Callable[..., Workload]] = {"gpt": build_gpt, "resnet50": build_resnet50}
+def hf_config(name: str, small: bool, seq_len: int) -> Any:
+    """The transformers config of ``hf_gpt2`` or ``hf_llama`` (``use_cache=False``: training keeps
+    no key/value cache), with position embeddings for at least ``seq_len`` tokens."""
+    import transformers
+
+    if name == "hf_gpt2":
+        if small:
+            return transformers.GPT2Config(
+                vocab_size=512, n_embd=64, n_layer=2, n_head=2, n_positions=seq_len, use_cache=False,
+                bos_token_id=0, eos_token_id=0,  # GPT-2's 50256 is outside the tiny vocabulary
+            )  # fmt: skip
+        return transformers.GPT2Config(n_positions=max(1024, seq_len), use_cache=False)
+    if small:
+        sizes: dict[str, int] = {"hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2}
+        sizes |= {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
+    else:
+        # Llama's MLP width 4 * 2/3 * hidden rounded up to a multiple of 256 (as TinyLlama's
+        # 5632); 12 layers land at 0.67B parameters, head dim 128.
+        sizes = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 12}
+        sizes |= {"num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000}
+    return transformers.LlamaConfig(**sizes, max_position_embeddings=max(2048, seq_len), use_cache=False)
+
+
+HF_MODEL_CLASSES = {"hf_gpt2": "GPT2LMHeadModel", "hf_llama": "LlamaForCausalLM"}
+
+
+def hf_model(name: str, config: Any) -> nn.Module:
+    """A freshly initialized transformers model (random weights) of ``config``, on the current device."""
+    import transformers
+
+    return getattr(transformers, HF_MODEL_CLASSES[name])(config)
+
+
+def build_hf(
+    name: str,
+    device: torch.device,
+    small: bool = False,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+) -> Workload:
+    """A transformers causal LM (``hf_gpt2``: 16 x 1024 tokens; ``hf_llama``: 8 x 2048) whose own
+    loss trains it: ``model(input_ids=tokens, labels=tokens).loss``."""
+    batch, seq = token_shape(name, small, batch_size, seq_len)
+    config = hf_config(name, small, seq)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (batch, seq), generator=generator).to(device)
+    with torch.device(device):  # as build_gpt: initializing on the host would dominate a short run
+        model = hf_model(name, config)
+    return Workload(
+        name=name, model=model, inputs=tokens, targets=tokens, loss_fn=None, optimizer="adamw", lr=3e-4
+    )
+
+
+def parameter_count(name: str, small: bool, seq_len: int | None = None) -> int:
+    """Parameters of a Hugging Face workload's model, counted on the meta device (no memory)."""
+    _, seq = token_shape(name, small, None, seq_len)
+    with torch.device("meta"):
+        return sum(p.numel() for p in hf_model(name, hf_config(name, small, seq)).parameters())
+
+
+BUILDERS: dict[str, Callable[..., Workload]] = {
+    "gpt": build_gpt,
+    "resnet50": build_resnet50,
+    "hf_gpt2": lambda *args, **kwargs: build_hf("hf_gpt2", *args, **kwargs),
+    "hf_llama": lambda *args, **kwargs: build_hf("hf_llama", *args, **kwargs),
+}
 
 
 def build_workload(
-    name: str, device: torch.device, small: bool = False, batch_size: int | None = None
+    name: str,
+    device: torch.device,
+    small: bool = False,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
 ) -> Workload:
-    """Build the named workload ("gpt" or "resnet50") with a fresh, seeded model."""
+    """Build the named workload (one of `BUILDERS`) with a fresh, seeded model; ``batch_size`` and
+    ``seq_len`` (token models only) override its defaults."""
     if name not in BUILDERS:
         raise ValueError(f"unknown model {name!r}: choose one of {sorted(BUILDERS)}")
     torch.manual_seed(0)
-    return BUILDERS[name](device, small=small, batch_size=batch_size)
+    return BUILDERS[name](device, small=small, batch_size=batch_size, seq_len=seq_len)
