@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -75,3 +77,26 @@ def mkldnn_disabled():
     torch.backends.mkldnn.enabled = False
     yield
     torch.backends.mkldnn.enabled = enabled
+
+
+# Every way Python code reads a tensor's value on the host (each one a device synchronization on CUDA).
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
+
+
+@pytest.fixture
+def no_host_reads() -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """A context manager factory: inside ``with no_host_reads():`` any of `HOST_READS` on a tensor
+    raises AssertionError. Checks on CPU what ``torch.cuda.set_sync_debug_mode("error")`` checks on a
+    GPU, for the Python side (a read inside an ATen kernel is not seen)."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a tensor was read on the host")
+
+    @contextlib.contextmanager
+    def region() -> Iterator[None]:
+        with pytest.MonkeyPatch.context() as patch:
+            for name in HOST_READS:
+                patch.setattr(torch.Tensor, name, forbidden)
+            yield
+
+    return region

@@ -100,30 +100,88 @@ def test_min_and_max_scale_clamp() -> None:
     assert scales == [2.0**24] * 3  # max_scale defaults to 2**24
 
 
-def test_fused_path_never_reads_a_tensor_on_the_host(monkeypatch) -> None:
+def test_fused_path_never_reads_a_tensor_on_the_host(no_host_reads) -> None:
     params = [_param(torch.float16), _param(torch.bfloat16), _param()]
     optimizer = FusedAdam(params, lr=1e-3)
     scaler = LossScaler(init_scale=256.0, hysteresis=2)
     scaler.scale(torch.zeros(()))  # the first scale() creates the state; allowed to happen anywhere
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("a tensor was read on the host")
-
-    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__"):
-        monkeypatch.setattr(torch.Tensor, name, forbidden)
-    for overflow in (False, True, False):
-        loss = scaler.scale(torch.ones((), requires_grad=True))
-        for param in params:
-            param.grad = torch.full_like(param, 3.0)
-        if overflow:
-            params[0].grad[0] = float("inf")
-        scaler.unscale_(optimizer)
-        clip_grad_norm_(optimizer, max_norm=1.0)
-        scaler.step(optimizer)
-        scaler.update()
-        assert loss.shape == ()
-    monkeypatch.undo()
+    with no_host_reads():
+        for overflow in (False, True, False):
+            loss = scaler.scale(torch.ones((), requires_grad=True))
+            for param in params:
+                param.grad = torch.full_like(param, 3.0)
+            if overflow:
+                params[0].grad[0] = float("inf")
+            scaler.unscale_(optimizer)
+            clip_grad_norm_(optimizer, max_norm=1.0)
+            scaler.step(optimizer)
+            scaler.update()
+            assert loss.shape == ()
     assert optimizer.param_groups[0]["step"].item() == 2
+
+
+def test_the_host_read_guard_catches_a_read(no_host_reads) -> None:
+    # The guard above must be able to fail: each kind of read it forbids raises inside it.
+    reads = [lambda t: t.item(), lambda t: t.tolist(), bool, float, int, lambda t: [0, 1][t]]
+    for read in reads:
+        with no_host_reads(), pytest.raises(AssertionError, match="read on the host"):
+            read(torch.ones((), dtype=torch.int64))
+    assert torch.ones(()).item() == 1.0  # and nothing is left patched after it
+
+
+GETTERS = ("get_scale", "get_growth_factor", "get_backoff_factor", "get_growth_interval", "is_enabled")
+
+
+def _getters(scaler) -> dict:
+    return {name: getattr(scaler, name)() for name in GETTERS}
+
+
+def test_getters_and_setters_match_grad_scaler() -> None:
+    config = {"init_scale": 8.0, "growth_factor": 3.0, "backoff_factor": 0.25, "growth_interval": 5}
+    ours = LossScaler(max_scale=None, **config)
+    theirs = torch.amp.GradScaler("cpu", **config)
+    assert _getters(ours) == _getters(theirs)
+    assert list(_getters(ours).values()) == [8.0, 3.0, 0.25, 5, True]
+    new_values = {"set_growth_factor": 4.0, "set_backoff_factor": 0.125, "set_growth_interval": 2}
+    for setter, value in new_values.items():
+        getattr(ours, setter)(value)
+        getattr(theirs, setter)(value)
+    assert _getters(ours) == _getters(theirs)
+    assert list(_getters(ours).values()) == [8.0, 4.0, 0.125, 2, True]
+    # The new values drive the scale sequence as they drive GradScaler's.
+    ours_params, theirs_params = [_param()], [_param()]
+    ours_optimizer, theirs_optimizer = FusedSGD(ours_params, lr=1e-3), torch.optim.SGD(theirs_params, lr=1e-3)
+    for overflow in (False, False, True, False, False, False, True):
+        _iteration(ours, ours_optimizer, ours_params, overflow)
+        _iteration(theirs, theirs_optimizer, theirs_params, overflow)
+        assert ours.get_scale() == theirs.get_scale()
+    assert ours.get_scale() != config["init_scale"]
+    # Disabled: scale 1.0 (a disabled GradScaler has no factors to get).
+    disabled = (LossScaler(enabled=False), torch.amp.GradScaler("cpu", enabled=False))
+    assert [(s.get_scale(), s.is_enabled()) for s in disabled] == [(1.0, False)] * 2
+
+
+def test_getters_of_what_grad_scaler_lacks() -> None:
+    scaler = LossScaler(init_scale=4.0, hysteresis=3, min_scale=0.5, max_scale=64.0)
+    assert (scaler.get_hysteresis(), scaler.get_min_scale(), scaler.get_max_scale()) == (3, 0.5, 64.0)
+    assert LossScaler().get_max_scale() == 2.0**24 and LossScaler().get_min_scale() is None
+
+
+@pytest.mark.parametrize(
+    ("setter", "value", "error", "match"),
+    [
+        ("set_growth_factor", 1.0, ValueError, "growth_factor must be > 1.0"),
+        ("set_backoff_factor", 1.5, ValueError, "backoff_factor must be in"),
+        ("set_growth_interval", 0, ValueError, "growth_interval must be an int in"),
+        ("set_growth_interval", 2.5, TypeError, "growth_interval must be an int"),
+    ],
+)
+def test_bad_setter_values_are_refused_and_nothing_changes(setter, value, error, match) -> None:
+    scaler = LossScaler(init_scale=8.0, growth_interval=5)
+    before = _getters(scaler)
+    with pytest.raises(error, match=match):
+        getattr(scaler, setter)(value)
+    assert _getters(scaler) == before
 
 
 def test_torch_optimizer_path_unscales_in_place_and_skips_on_the_host() -> None:
