@@ -200,6 +200,32 @@ def test_dispatches_to_triton(monkeypatch) -> None:
     assert_rounded_once_close(grad, expected_grad)
 
 
+@pytest.mark.parametrize(
+    "kernels",
+    [
+        "reference",
+        pytest.param(
+            "triton",
+            marks=pytest.mark.skipif(
+                os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1"
+            ),
+        ),
+    ],
+)
+def test_never_reads_a_value_on_the_host(kernels, fused_calls, no_host_reads, monkeypatch) -> None:
+    # Ignored and out-of-range targets are handled on the device: neither the forward nor the
+    # backward synchronizes (on a GPU) to look at a value.
+    monkeypatch.setenv("AMP_FX_FORCE_TRITON", "1" if kernels == "triton" else "0")
+    logits = make_logits((3, 40), torch.float16, seed=7)
+    target = torch.tensor([3, -100, 39])
+    with no_host_reads():
+        loss, grad = loss_and_grad(fp32_cross_entropy, logits, target)
+    assert fused_calls == [1]
+    expected_loss, expected_grad = loss_and_grad(cast_path, logits, target)
+    assert_loss_close(loss, expected_loss)
+    assert_rounded_once_close(grad, expected_grad)
+
+
 def fused_and_fallback(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     # Both branches of fp32_cross_entropy in one graph: fused, then label smoothing (cast path).
     return fp32_cross_entropy(logits, target) + fp32_cross_entropy(logits, target, label_smoothing=0.1)
