@@ -51,6 +51,7 @@ import torch
 from torch import Tensor
 
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
+from amp_fx.distributed import local_tensor
 from amp_fx.kernels import implementation_for
 from amp_fx.kernels.arguments import PARAM_DTYPES, is_dense
 
@@ -295,7 +296,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is not None:
-                    grads[param.grad.device].append(param.grad)
+                    grad = local_tensor(param.grad)  # FSDP2: this rank's shard
+                    grads[grad.device].append(grad)
         return dict(grads)
 
     def unscale_grads_(self, inv_scale: Tensor) -> dict[torch.device, Tensor]:
@@ -347,11 +349,13 @@ class FusedOptimizer(torch.optim.Optimizer):
                     f"{type(self).__name__} does not support sparse gradients; use torch.optim.SparseAdam "
                     "for sparse embeddings (nn.Embedding(sparse=False) gives dense ones)"
                 )
-            if grad.stride() != param.stride() or not is_dense(grad):
+            # FSDP2's DTensors: the kernels step this rank's shards (the params are mapped in _gather_state).
+            grad, local = local_tensor(grad), local_tensor(param)
+            if grad.stride() != local.stride() or not is_dense(grad):
                 # The kernels walk param, grad and states in storage order; give the grad the param's layout.
-                grad = torch.empty_like(param, dtype=grad.dtype).copy_(grad)
+                grad = torch.empty_like(local, dtype=grad.dtype).copy_(grad)
             if batch is None:
-                batch = _StepBatch(device=param.device)
+                batch = _StepBatch(device=local.device)
             batch.params.append(param)
             batch.grads.append(grad)
         return batch
@@ -362,9 +366,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         for param in batch.params:
             self._init_moments(param, group)
             state = self.state[param]
-            batch.masters.append(state.get(MASTER_KEY))
+            master = state.get(MASTER_KEY)
+            batch.masters.append(None if master is None else local_tensor(master))
             for key in keys:
-                batch.states[key].append(state[key])
+                batch.states[key].append(local_tensor(state[key]))
+        batch.params = [local_tensor(param) for param in batch.params]
 
     def _scaling_for(
         self, device: torch.device, cache: dict[torch.device, tuple[Tensor | None, Tensor | None]]
