@@ -5,7 +5,9 @@ For `amp_fx.optim.FusedAdam` / `FusedSGD` the grads are left scaled by `amp_fx.L
 measure scaled grads. This function instead computes the norm of ``grad * pending multiplier`` in
 one fused pass over all grads (fp32 accumulation), and folds the clip coefficient
 ``min(1, max_norm / (norm + 1e-6))`` into the pending multiplier: nothing is rewritten, nothing is
-read on the host (step 3 of the `amp_fx.optim.scaled_optimizer` handshake). For any other
+read on the host (step 3 of the `amp_fx.optim.scaled_optimizer` handshake). Under FSDP2 (grads
+that are ``DTensor`` shards) the sum of squares is all-reduced over the shard group first, so the
+norm and the clip coefficient are the global ones on every rank. For any other
 optimizer, or for an iterable of parameters, it is ``torch.nn.utils.clip_grad_norm_``.
 
 Example:
@@ -26,8 +28,10 @@ import logging
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from amp_fx.distributed import shard_groups
 from amp_fx.kernels import implementation_for
 from amp_fx.optim.scaled_optimizer import ScaledOptimizer
 
@@ -91,6 +95,10 @@ def _clip_fused(optimizer: ScaledOptimizer, max_norm: float) -> Tensor:
         sq_norms.append(sq_norm)
     home = sq_norms[0].device
     total = sq_norms[0] if len(sq_norms) == 1 else sum(s.to(home, non_blocking=True) for s in sq_norms)
+    # FSDP2: the grads are DTensor shards; the sum of squares over all of them is the global one.
+    grads = (p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None)
+    for shard_group in shard_groups(grads):
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=shard_group)
     norm = total.sqrt()
     optimizer.fold_grad_multiplier_(torch.clamp(max_norm / (norm + _NORM_EPS), max=1.0))
     return norm.reshape(())
