@@ -1,0 +1,154 @@
+"""Benchmark: the fused optimizer step on FSDP2's local shards against the unsharded fused step.
+
+Under `amp_fx.fsdp.fully_shard_converted` the parameters are FP32 ``DTensor`` shards and the fused
+optimizers update their local tensors in place (one kernel launch per dtype group, as unsharded).
+This times ``optimizer.step()`` on this rank's shards and on plain FP32 tensors of the same
+shapes (the same number of elements, the same kernel), interleaved in one run, and prints the
+medians: the sharded step should cost what the unsharded one does (the goal: within 10%).
+For context it also times the O2 step without FSDP (bf16 params + FP32 masters), which moves
+more bytes per element.
+
+Run it under torchrun (NCCL on GPUs, gloo on CPUs):
+
+    torchrun --standalone --nproc_per_node=1 benchmarks/bench_fsdp_step.py
+    torchrun --standalone --nproc_per_node=1 benchmarks/bench_fsdp_step.py --hidden 64 --layers 2 --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import amp_fx
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--hidden", type=int, default=None, help="default: 2048 on CUDA, 64 on CPU")
+    parser.add_argument("--layers", type=int, default=None, help="MLP blocks; default: 8 on CUDA, 2 on CPU")
+    parser.add_argument("--optimizer", default="FusedAdam", choices=["FusedAdam", "FusedSGD"])
+    parser.add_argument("--reps", type=int, default=None, help="timed steps per row; default 50 CUDA, 5 CPU")
+    parser.add_argument("--device", default=None, choices=["cuda", "cpu"], help="default: cuda if available")
+    return parser.parse_args()
+
+
+def setup(device_kind: str) -> torch.device:
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise SystemExit(
+            "bench_fsdp_step.py runs under torchrun:\n"
+            "    torchrun --standalone --nproc_per_node=1 benchmarks/bench_fsdp_step.py"
+        )
+    if device_kind == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        timeout=datetime.timedelta(minutes=5),
+        device_id=device if device.type == "cuda" else None,
+    )
+    return device
+
+
+def mlp(hidden: int, layers: int) -> nn.Sequential:
+    blocks = []
+    for _ in range(layers):
+        blocks += [nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden)]
+    return nn.Sequential(*blocks)
+
+
+def make_optimizer(name: str, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    if name == "FusedAdam":
+        return amp_fx.optim.FusedAdam(params, lr=1e-4, weight_decay=0.01)
+    return amp_fx.optim.FusedSGD(params, lr=1e-4, momentum=0.9)
+
+
+def sharded_step(args: argparse.Namespace, device: torch.device) -> tuple[torch.optim.Optimizer, list]:
+    """FSDP2 over the MLP (one group per Linear, FP32 shards); grads from one backward."""
+    torch.manual_seed(0)
+    model = mlp(args.hidden, args.layers).to(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for module in model:
+        if isinstance(module, nn.Linear):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model(torch.randn(8, args.hidden, device=device)).square().mean().backward()
+    params = list(model.parameters())
+    torch.manual_seed(1)
+    for param in params:  # the same grad values as plain_step's: tiny grads would time denormals on CPU
+        param.grad.to_local().copy_(torch.randn(param.to_local().shape, device=device))
+    return make_optimizer(args.optimizer, params), [p.to_local().shape for p in params]
+
+
+def plain_step(args: argparse.Namespace, shapes: list, device: torch.device, dtype: torch.dtype):
+    """The unsharded fused step on tensors of the shards' shapes (dtype bf16: O2, with FP32 masters)."""
+    params = [nn.Parameter(torch.randn(shape, device=device).to(dtype)) for shape in shapes]
+    torch.manual_seed(1)
+    for param in params:
+        param.grad = torch.randn(param.shape, device=device).to(dtype)
+    return make_optimizer(args.optimizer, params)
+
+
+def timed_ms(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    begin = time.perf_counter()
+    fn()
+    return (time.perf_counter() - begin) * 1e3
+
+
+def main() -> None:
+    args = parse_args()
+    device = setup(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_cuda = device.type == "cuda"
+    args.hidden = args.hidden or (2048 if on_cuda else 64)
+    args.layers = args.layers or (8 if on_cuda else 2)
+    args.reps = args.reps or (50 if on_cuda else 5)
+
+    sharded, shapes = sharded_step(args, device)
+    rows = {
+        "FSDP2 local shards, FP32 (DTensor)": sharded,
+        "unsharded, FP32 params": plain_step(args, shapes, device, torch.float32),
+        "unsharded, O2 (bf16 params + FP32 masters)": plain_step(args, shapes, device, torch.bfloat16),
+    }
+    times: dict[str, list[float]] = {name: [] for name in rows}
+    for rep in range(args.reps + 3):  # interleaved: drift affects every row alike; 3 warm-up rounds
+        for name, optimizer in rows.items():
+            elapsed = timed_ms(optimizer.step, device)
+            if rep >= 3:
+                times[name].append(elapsed)
+
+    if dist.get_rank() == 0:
+        numel = sum(torch.Size(shape).numel() for shape in shapes)
+        baseline = statistics.median(times["unsharded, FP32 params"])
+        print(
+            f"{args.optimizer} step, {numel:,} elements on rank 0 of {dist.get_world_size()}, {device}, "
+            f"median of {args.reps}"
+        )
+        print(f"{'':44s} {'ms':>9s} {'vs unsharded FP32':>18s}")
+        for name, samples in times.items():
+            median = statistics.median(samples)
+            print(f"{name:44s} {median:9.3f} {median / baseline:17.2f}x")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
