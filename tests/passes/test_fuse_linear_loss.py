@@ -1,8 +1,8 @@
 """fuse_linear_loss: with ``fused_linear_loss=True`` a language model's head and its FP32 loss run as
 one `linear_cross_entropy` call.
 
-Reference: the same conversion without the flag (the head, then `fp32_cross_entropy`): losses agree
-to float32 rounding, gradients to the low dtype's.
+Reference: the same conversion without the flag (the head, then `fp32_cross_entropy`): losses and
+eager gradients are bit-identical; on torch.compile's path gradients differ by one low-dtype rounding.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Policy, preset
 from amp_fx.ops.losses import fp32_cross_entropy, linear_cross_entropy
 from amp_fx.passes.fuse_linear_loss import fuse_linear_loss
-from amp_fx.testing import grad_tolerances, tolerances
 from tests.tracer_path import PassThroughMode
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
@@ -126,16 +125,24 @@ def _assert_same_training_signal(make, dtype: torch.dtype) -> torch.fx.GraphModu
     fused = _convert(make(), dtype, fused=True)
     unfused = _convert(make(), dtype, fused=False)
     ref_loss, ref_grads = _loss_and_grads(unfused, *inputs)
-    rtol, atol = grad_tolerances(dtype)
-    loss_rtol, loss_atol = tolerances(F32)
+    eps = torch.finfo(dtype).eps
     for path in (contextlib.nullcontext, PassThroughMode):
         with path():
             loss, grads = _loss_and_grads(fused, *inputs)
         assert loss.dtype == ref_loss.dtype == F32
-        torch.testing.assert_close(loss, ref_loss, rtol=loss_rtol, atol=loss_atol)
+        torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
         for grad, ref in zip(grads, ref_grads, strict=True):
             assert grad.dtype == ref.dtype
-            torch.testing.assert_close(grad, ref, rtol=rtol, atol=atol)
+            if path is contextlib.nullcontext:
+                # Eagerly the fused call runs the unfused ops in the same order: bit-identical.
+                torch.testing.assert_close(grad, ref, rtol=0, atol=0)
+            else:
+                # On torch.compile's path the logits' gradient is computed in the forward kernel and
+                # rounded to the low dtype there, not where the unfused backward rounds it: entries
+                # differ by one rounding. Sums of them downstream cancel, so the bound is one unit
+                # in the last place of the low dtype at the gradient's scale, not per element.
+                scale = ref.abs().max().item()
+                torch.testing.assert_close(grad, ref, rtol=eps, atol=eps * scale)
     return fused
 
 
