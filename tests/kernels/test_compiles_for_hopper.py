@@ -11,11 +11,13 @@ shapes are realistic (a GPT vocabulary, a ResNet stem). The distinct launches go
 JITFunctions, which the real compiler needs), which specializes them as ``JITFunction.run`` does
 and compiles each through ptxas for ``GPUTarget("cuda", 90, 32)``.
 
-The default run compiles each kernel's first launch per 16-bit type (fp16, bf16, none): 43 of the
-81 distinct launches of the 15 kernels, about 25 s on 2 cores; ``-m slow`` compiles the other 38
-(the remaining constexpr combinations and shapes). Ints are specialized by their recorded values
-(== 1, divisible by 16) as the JIT would for these shapes; other sizes give other variants of the
-same code.
+The default run compiles a fixed subset (`_default_subset`): each kernel's first launch per 16-bit
+type (fp16, bf16, none) and per combination of its other constexprs (flags, block and window sizes)
+and launch options, so every kernel, every dtype and every constexpr branch is compiled: 69 of the
+81 distinct launches of the 15 kernels, about 38 s on 2 idle cores. ``-m slow`` compiles the other 12,
+which repeat a compiled combination in another dtype or differ only in non-constexpr sizes. Ints
+are specialized by their recorded values (== 1, divisible by 16) as the JIT would for these shapes;
+other sizes give other variants of the same code.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import amp_fx.kernels  # noqa: E402
 from amp_fx.kernels import triton_ops  # noqa: E402
 
 HOPPER_COMPILE = Path(__file__).with_name("hopper_compile.py")
-COMPILE_TIMEOUT_S = 300  # the default run takes about 25 s, the slow one about 20 s
+COMPILE_TIMEOUT_S = 300  # the default run takes about 38 s, the slow one about 10 s
 KERNEL_CLASSES = (InterpretedFunction, JITFunction)
 LOW_NAMES = {"float16": "fp16", "bfloat16": "bf16"}  # torch dtype names as Triton's type names
 
@@ -329,13 +331,29 @@ def _low_precision_types(launch: dict) -> tuple[str, ...]:
     return tuple(sorted({"fp16", "bf16"} & {LOW_NAMES.get(n, n) for n in names}))
 
 
+def _constexpr_branch(launch: dict) -> str:
+    """The launch's constexpr arguments other than dtypes (flags, block and window sizes) and its
+    launch options: what selects the code compiled, apart from the types."""
+    fn = getattr(importlib.import_module(launch["module"]), launch["kernel"]).fn
+    parameters = inspect.signature(fn).parameters
+    constexprs = {
+        name: value
+        for name, value in launch["args"].items()
+        if "constexpr" in str(parameters[name].annotation) and not isinstance(value, dict)
+    }
+    return json.dumps([constexprs, launch["options"]], sort_keys=True)
+
+
 def _default_subset(launches: list[dict]) -> list[dict]:
-    """The first launch of each kernel per 16-bit type (fp16, bf16, none): the conversions to and
-    from fp16/bf16 are where the compiler and the interpreter differ most."""
+    """The first launch of each kernel per 16-bit type (fp16, bf16, none), where the compiler and
+    the interpreter differ most (conversions to and from fp16/bf16), and per constexpr branch
+    (`_constexpr_branch`), in first-seen order. Left for ``-m slow``: a branch again in another
+    dtype, or the same code at other non-constexpr sizes."""
     first: dict[tuple, dict] = {}
     for launch in launches:
         first.setdefault((_kernel_name(launch), _low_precision_types(launch)), launch)
-    return list(first.values())
+        first.setdefault((_kernel_name(launch), _constexpr_branch(launch)), launch)
+    return list({json.dumps(launch, sort_keys=True): launch for launch in first.values()}.values())
 
 
 def _launched_kernels() -> set[str]:
@@ -410,7 +428,7 @@ def test_fp16_and_bf16_variants_are_recorded(launches: list[dict]) -> None:
         assert types in (set(), {"fp16", "bf16"}), f"{kernel} is launched with {types or 'fp32 only'}"
 
 
-def test_each_kernel_compiles_for_sm90_per_16_bit_type(launches: list[dict], tmp_path: Path) -> None:
+def test_each_kernel_compiles_for_sm90_per_dtype_and_branch(launches: list[dict], tmp_path: Path) -> None:
     _assert_all_compile(_default_subset(launches), tmp_path)
 
 
