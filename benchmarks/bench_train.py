@@ -256,8 +256,7 @@ def prepare_model(variant: Variant, work: Workload) -> nn.Module:
             # The model computes its loss (a transformers LM): converted as a user converts it.
             if variant.loss_outside:
                 raise ValueError(
-                    f"{variant.name} computes the loss outside the model, but {work.name} computes "
-                    "its own from labels=: leave this variant out for it"
+                    f"{variant.name} needs the loss outside; {work.name} computes its own (labels=)"
                 )
             return LabelsLoss(amp_fx.convert(work.model, variant.opt_level, policy=policy))
         if variant.loss_outside:
