@@ -279,9 +279,20 @@ def _become_island(module: nn.Module, state: _CaptureState, key: tuple[Any, ...]
         "own (to convert it whole, make that line independent of tensor values)"
     )
     logger.warning("%s runs in an autocast island: %s", type(module).__name__, state.islands[key])
-    for child in module.children():
+    for child in _called_children(module):
         if _STATE not in child.__dict__ and any(True for _ in child.parameters()):
             _make_captured(child, state.policy, root=False)
+
+
+def _called_children(module: nn.Module) -> list[nn.Module]:
+    # ModuleList/ModuleDict are never called: the island's code calls their items.
+    children = []
+    for child in module.children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            children += _called_children(child)
+        else:
+            children.append(child)
+    return children
 
 
 def _run_island(module: nn.Module, policy: Policy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
