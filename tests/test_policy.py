@@ -102,14 +102,15 @@ def test_o2_rules_and_param_dtypes(device: str, dtype: torch.dtype) -> None:
         decision = policy.decide(op)
         assert decision.rule is Rule.FP32 and decision.param_dtype == torch.float32, op
         assert decision.reason == f"O2 FP32 island: {why}"
-    # Norms: no casts; BatchNorm keeps fp32 params (mixed input works), the others run low.
+    # BatchNorm: no casts, fp32 params (mixed input works). The other norms and embeddings run
+    # FP32 on FP32 params, as under autocast (the residual stream of a transformer stays FP32).
     decision = policy.decide("batch_norm", module_name="norm")
     assert (decision.rule, decision.param_dtype) == (Rule.PASSTHROUGH, torch.float32)
-    for op in ("layer_norm", "group_norm"):
+    for op in ("layer_norm", "group_norm", "rms_norm", "embedding", "embedding_bag"):
         decision = policy.decide(op, module_name="norm")
-        assert (decision.rule, decision.param_dtype) == (Rule.PASSTHROUGH, dtype), op
+        assert (decision.rule, decision.param_dtype) == (Rule.FP32, torch.float32), op
     assert "keep_batchnorm_fp32" in policy.decide("batch_norm").reason
-    for op in ("relu", "add", "getitem", "max_pool2d", "embedding"):
+    for op in ("relu", "add", "getitem", "max_pool2d"):
         assert policy.decide(op) == Decision(Rule.PASSTHROUGH, policy.decide(op).reason, dtype), op
     assert policy.decide(OPAQUE_OP).rule is Rule.OPAQUE
 
@@ -117,7 +118,7 @@ def test_o2_rules_and_param_dtypes(device: str, dtype: torch.dtype) -> None:
 def test_o2_without_keep_batchnorm_fp32_stores_batchnorm_low() -> None:
     policy = preset("O2", keep_batchnorm_fp32=False)
     assert policy.decide("batch_norm").param_dtype == torch.float16
-    assert policy.decide("layer_norm").param_dtype == torch.float16
+    assert policy.decide("layer_norm").param_dtype == torch.float32  # not a BatchNorm
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)

@@ -142,10 +142,19 @@ O2_FP32_ISLANDS: dict[str, str] = {
 # (cuDNN and the CPU kernel take fp16/bf16 input with fp32 weight and return the input dtype), so
 # it needs no casts at all. ResNet-50 has 53 BatchNorms: casts around each would cost real time.
 _BATCH_NORM_OPS = frozenset({"batch_norm"})
-# layer_norm and group_norm run in the low dtype with low params at O2, as in Apex's O2: their
-# kernels accumulate in fp32 anyway, the FP32 masters live in the optimizer, and CUDA's layer_norm
-# refuses fp32 params on fp16 input (seen on an H200, torch 2.11), so mixed storage is no option.
-_O2_LOW_PARAM_NORM_OPS = frozenset({"layer_norm", "group_norm"})
+# O2 keeps the activations autocast keeps in FP32: norms run in FP32 on FP32 params (their
+# input is cast up; CUDA's layer_norm refuses fp32 params on fp16 input, so never mixed), and
+# embeddings keep FP32 tables, so a transformer's residual stream stays FP32 as under autocast.
+# Storing these low (Apex's O2) rounds the residual stream at every add: on small GPT-2, Llama and
+# Whisper models that doubled O2's error against FP32 relative to autocast's (tests/
+# test_export_front_end.py). Only the weights of the ops autocast lowers are stored low.
+_O2_FP32_PARAM_OPS: dict[str, str] = {
+    "layer_norm": "norms run in FP32 with FP32 params (as under autocast)",
+    "group_norm": "norms run in FP32 with FP32 params (as under autocast)",
+    "rms_norm": "norms run in FP32 with FP32 params (as under autocast)",
+    "embedding": "FP32 tables keep the residual stream FP32 (as under autocast)",
+    "embedding_bag": "FP32 tables keep the residual stream FP32 (as under autocast)",
+}
 
 # Ops that are matrix products in disguise: O2/O3 lower them on every device, although the CPU
 # autocast lists only lower them through the ops they call.
@@ -336,10 +345,8 @@ def _low_op_rules(opt_level: str, keep_batchnorm_fp32: bool) -> dict[str, OpRule
     if opt_level == "O2":
         for op, why in O2_FP32_ISLANDS.items():
             rules[op] = OpRule(Rule.FP32, f"O2 FP32 island: {why}")
-        for op in _O2_LOW_PARAM_NORM_OPS:
-            rules[op] = OpRule(
-                Rule.PASSTHROUGH, f"O2: {op} runs in the low dtype (its kernel accumulates in fp32), no casts"
-            )
+        for op, why in _O2_FP32_PARAM_OPS.items():
+            rules[op] = OpRule(Rule.FP32, f"O2: {why}")
         rules[OPAQUE_OP] = OpRule(Rule.OPAQUE, "O2: untraced code runs inside an autocast island")
     else:
         rules[OPAQUE_OP] = OpRule(Rule.OPAQUE, "O3: untraced code runs on whatever flows in (no autocast)")
@@ -381,7 +388,7 @@ class Policy:
       ops PROMOTE, the FP32 islands of `O2_FP32_ISLANDS` (softmax, losses, exp/log/pow, sums, norms)
       FP32, everything else PASSTHROUGH. batch_norm (``keep_batchnorm_fp32``, default True) keeps
       fp32 params and runs on low input (mixed input works in cuDNN and on CPU), so it needs no
-      casts; layer_norm and group_norm run in the low dtype, as in Apex's O2.
+      casts; norms (layer/group/RMS) and embeddings run in FP32 on FP32 params, as under autocast.
     - O3: parameters low (BatchNorm too unless ``keep_batchnorm_fp32=True``), no FP32 islands.
 
     ``fused_losses`` (default True at O2 only): an FP32 cross_entropy whose input is a cast of
