@@ -62,7 +62,11 @@ an equal share of what is left of it)::
 
     python benchmarks/bench_train.py --models gpt --markdown BENCHMARKS.md --time-budget 480
     python benchmarks/bench_train.py --models resnet50 --markdown BENCHMARKS.md --time-budget 480
-    python benchmarks/bench_train.py --models hf_gpt2,hf_llama --markdown BENCHMARKS.md --time-budget 480
+
+The transformers models, both in one run meant to fit in 9 minutes on an H200 (fewer steps: a
+Llama step is ~5x a GPT-2 one, and each model compiles twice)::
+
+    python benchmarks/bench_train.py --models hf_gpt2,hf_llama --steps 10 --rounds 4 --time-budget 420
 
 Where a variant's time goes: ``--variants o2_fp16,autocast_fp16 --modes eager --profile 25``.
 
@@ -712,7 +716,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--time-budget",
         type=float,
         default=None,
-        help="seconds; variants that would start after this are reported as skipped",
+        help="seconds; variants that would start after this are reported as skipped (with several "
+        "models each gets an equal share of what is left)",
     )
     parser.add_argument(
         "--markdown", default=None, help="append the tables to this file (e.g. BENCHMARKS.md)"
