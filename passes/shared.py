@@ -11,6 +11,8 @@ one pass only stays in that pass. What is here:
   by `cast_parameters` and read by `propagate_dtypes` and `insert_casts` before it runs;
 - cast nodes (`make_cast`, `may_share_cast`, `insert_input_casts`, `CastCache`) and the nodes
   that build the return value (`is_output_structure`), for `insert_casts` and `cast_outputs`;
+- which inputs a node updates in place (`mutated_inputs`) and the write-back of an update that
+  lands on a cast (`is_write_back`), for `insert_casts` and `simplify_casts`;
 - which cross-entropy calls the fused loss computes (`is_fusable_loss`), for `fuse_losses` and
   `fuse_linear_loss`.
 
@@ -22,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import logging
 import operator
 from collections.abc import Iterator
@@ -30,6 +33,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
+from torch.fx.operator_schemas import normalize_function
 
 from amp_fx.core.dtypes import dtype_name
 from amp_fx.core.node_info import META_KEY, PARAMETERS_STORED_KEY, NodeInfo, node_info
@@ -48,6 +52,8 @@ __all__ = [
     "dtype_is_assumed",
     "is_exact_widening",
     "is_inplace_call",
+    "mutated_inputs",
+    "is_write_back",
     "calling_module",
     "decide_node",
     "module_tensors",
@@ -131,8 +137,61 @@ def is_inplace_call(node: torch.fx.Node) -> bool:
         name = node.target
         return name.endswith("_") and not name.endswith("__")
     if node.op == "call_function":
-        return node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True
+        # torch.relu_(x), torch.exp_(x), F.relu_(x): torch's in-place functions end in "_" too.
+        name = getattr(node.target, "__name__", "")
+        return (
+            node.target in _INPLACE_OPERATORS
+            or node.kwargs.get("inplace") is True
+            or (name.endswith("_") and not name.endswith("__") and _is_torch_function(node.target))
+        )
     return False
+
+
+def _is_torch_function(target: Any) -> bool:
+    module = getattr(target, "__module__", None) or ""
+    return module.split(".")[0] == "torch" or getattr(torch, getattr(target, "__name__", ""), None) is target
+
+
+# Functional norms that update the running statistics they are given while training.
+_RUNNING_STATS_OPS = {"batch_norm": "training", "instance_norm": "use_input_stats"}
+
+
+def _arguments(node: torch.fx.Node) -> dict[str, Any]:
+    """The call's arguments by parameter name (defaults included), or {} where unknown."""
+    try:
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+    except (TypeError, ValueError):  # a builtin without a Python signature: torch's schema
+        pair = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+        return dict(pair.kwargs) if pair is not None else {}
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def mutated_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The input nodes `node` updates in place: the tensor of an in-place call (``x.add_(1)``,
+    ``x[i] = y``, ``relu(x, inplace=True)``), an ``out=`` tensor, and the running statistics a
+    training ``F.batch_norm``/``F.instance_norm`` updates.
+
+    A cast between such an input and `node` would take the update (autocast never casts these);
+    `insert_input_casts` writes it back.
+
+    >>> gm = torch.fx.symbolic_trace(lambda x: x.add_(1))
+    >>> [[a.name for a in mutated_inputs(n)] for n in gm.graph.nodes]
+    [[], ['x'], []]
+    """
+    if is_inplace_call(node):
+        first = node.args[0] if node.args else next(iter(node.kwargs.values()), None)
+        return [first] if isinstance(first, torch.fx.Node) else []
+    if node.op != "call_function":
+        return []
+    mutated = [node.kwargs["out"]] if isinstance(node.kwargs.get("out"), torch.fx.Node) else []
+    flag = _RUNNING_STATS_OPS.get(node_info(node).op or "")
+    if flag is not None:
+        arguments = _arguments(node)
+        if arguments.get(flag) is not False:  # True, or only known at run time
+            stats = (arguments.get(name) for name in ("running_mean", "running_var"))
+            mutated += [s for s in stats if isinstance(s, torch.fx.Node)]
+    return mutated
 
 
 def calling_module(node: torch.fx.Node, gm: torch.fx.GraphModule) -> tuple[str | None, type | None]:
@@ -332,6 +391,35 @@ def _cast_reason(node: torch.fx.Node, dtype: torch.dtype, value: torch.fx.Node) 
     return f"{rule} {what}: input cast to {dtype_name(dtype)}"
 
 
+_WRITE_BACK_REASON = "write-back: {node} updates a cast of {value} in place; copied into {value}"
+
+
+def _write_back(
+    gm: torch.fx.GraphModule, node: torch.fx.Node, value: torch.fx.Node, cast: torch.fx.Node
+) -> None:
+    """After `node`, copy its in-place update of `cast` into `value` (the caller's tensor, a
+    buffer), as eager would have updated `value` itself: ``value.copy_(cast)``."""
+    reason = _WRITE_BACK_REASON.format(node=node.name, value=value.name)
+    with gm.graph.inserting_after(node):
+        copy = gm.graph.create_node("call_method", "copy_", (value, cast), name=f"{value.name}_write_back")
+    copy.meta[META_KEY] = NodeInfo(
+        op="copy_",
+        rule=Rule.PASSTHROUGH,
+        reason=reason,
+        in_dtypes=(node_info(value).out_dtype, node_info(cast).out_dtype),
+        out_dtype=node_info(value).out_dtype,
+        is_cast=True,  # amp_fx's own node: not cast again, skipped by disable_casts
+        cast_reason=reason,
+    )
+
+
+def is_write_back(node: torch.fx.Node) -> bool:
+    """True for the ``value.copy_(cast)`` that `insert_input_casts` adds after an in-place update
+    of a cast (see `mutated_inputs`)."""
+    info = node_info(node)
+    return info.is_cast and node.op == "call_method" and node.target == "copy_"
+
+
 def is_output_structure(node: torch.fx.Node) -> bool:
     """True for a node that only builds the model's return value: a tuple, list, dict or
     namedtuple constructed from the results and read by nothing but the output (or by another
@@ -374,8 +462,10 @@ def insert_input_casts(gm: torch.fx.GraphModule, node: torch.fx.Node, cache: Cas
     ``out_dtype`` differs. Returns the number of new cast nodes."""
     info = node_info(node)
     inputs = node.all_input_nodes
+    mutated = mutated_inputs(node)
     if len(info.in_dtypes) != len(inputs):
         logger.debug("%s has no dtypes for its inputs; left as is", node.name)
+        _forget_casts(cache, mutated)
         return 0
     created = 0
     for value, want in zip(inputs, info.in_dtypes, strict=True):
@@ -394,7 +484,16 @@ def insert_input_casts(gm: torch.fx.GraphModule, node: torch.fx.Node, cache: Cas
                 cache[(value, want)] = cast
             created += 1
         node.replace_input_with(value, cast)
+        if value in mutated:
+            _write_back(gm, node, value, cast)
+    _forget_casts(cache, mutated)
     return created
+
+
+def _forget_casts(cache: CastCache, mutated: list[torch.fx.Node]) -> None:
+    # Users after an in-place update must see it: casts of the value made before it are stale.
+    for key in [key for key in cache if key[0] in mutated]:
+        del cache[key]
 
 
 # ---------------------------------------------------------------------------------------------

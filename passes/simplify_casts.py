@@ -12,6 +12,11 @@ left as written. Reads the dtypes recorded by `propagate_dtypes` and `insert_cas
   float16 -> float32`` rounds, and stays;
 - erases casts left without users.
 
+In-place updates are respected (`mutated_inputs`): a cast made before an update of its value is
+not shared with users after it, a cast that is updated in place is never replaced by the value
+it copies (the update would land on that value), and a write-back that became ``x.copy_(x)``
+(its cast removed as a no-op) goes too.
+
 Example::
 
     before                                       after
@@ -33,7 +38,13 @@ import torch.fx
 
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Policy
-from amp_fx.passes.shared import dtype_is_assumed, is_exact_widening, may_share_cast
+from amp_fx.passes.shared import (
+    dtype_is_assumed,
+    is_exact_widening,
+    is_write_back,
+    may_share_cast,
+    mutated_inputs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +73,20 @@ def _replace(node: torch.fx.Node, replacement: torch.fx.Node) -> None:
             info.in_dtypes = tuple(seen if a is replacement else before.get(a) for a in user.all_input_nodes)
 
 
+def _updated_in_place(cast: torch.fx.Node) -> bool:
+    return any(cast in mutated_inputs(user) for user in cast.users)
+
+
+def _forget_updated(
+    first_cast: dict[tuple[torch.fx.Node, torch.dtype, object], torch.fx.Node], node: torch.fx.Node
+) -> None:
+    """After `node` updates a value (or a cast of it) in place, earlier casts of it are stale."""
+    updated = set(mutated_inputs(node))
+    updated |= {parts[0] for value in list(updated) if (parts := _cast_parts(value)) is not None}
+    for key in [key for key in first_cast if key[0] in updated]:
+        del first_cast[key]
+
+
 def simplify_casts(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
     """Remove no-op casts, merge duplicates, cancel exact round trips (see the module docstring).
 
@@ -73,6 +98,7 @@ def simplify_casts(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphMo
     first_cast: dict[tuple[torch.fx.Node, torch.dtype, object], torch.fx.Node] = {}
     removed = {"no-op": 0, "duplicate": 0, "round trip": 0, "unused": 0}
     for node in list(graph.nodes):
+        _forget_updated(first_cast, node)
         parts = _cast_parts(node)
         if parts is None:
             continue
@@ -90,6 +116,7 @@ def simplify_casts(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphMo
                     origin_dtype == dtype
                     and not dtype_is_assumed(origin)
                     and is_exact_widening(dtype, inner[1])
+                    and not _updated_in_place(node)
                 ):
                     replacement, why = origin, "round trip"
             if replacement is None and may_share_cast(source, dtype):
@@ -103,7 +130,10 @@ def simplify_casts(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphMo
             graph.erase_node(node)
             removed[why] += 1
     for node in reversed(list(graph.nodes)):
-        if _cast_parts(node) is not None and not node.users:
+        if is_write_back(node) and node.args[0] is node.args[1]:
+            graph.erase_node(node)  # the update already landed on the value itself
+            removed["no-op"] += 1
+        elif _cast_parts(node) is not None and not node.users:
             graph.erase_node(node)
             removed["unused"] += 1
     logger.debug("simplify_casts: removed %s", removed)

@@ -521,3 +521,80 @@ def test_conflicting_opt_level_with_a_policy_is_refused_before_any_work():
 def test_neither_opt_level_nor_policy():
     with pytest.raises(TypeError, match=r"needs an opt_level .* or a policy"):
         convert(_seeded(Mlp))
+
+
+# ---------------------------------------------------------------------------------------------
+# In-place updates of inputs and buffers behave as in eager at every level
+# ---------------------------------------------------------------------------------------------
+class _AddOne(nn.Module):
+    def forward(self, x):
+        x.add_(1)
+        return x
+
+
+@pytest.mark.parametrize("examples", [False, True])
+@pytest.mark.parametrize("opt_level", ["O0", "O1", "O2", "O3"])
+def test_forward_updating_its_input_in_place_updates_the_callers_tensor(opt_level, examples):
+    expected = _AddOne()(torch.zeros(2))  # eager
+    x = torch.zeros(2)
+    gm = convert(_AddOne(), opt_level, dtype=BF16, example_inputs=(torch.zeros(2),) if examples else None)
+    assert torch.equal(gm(x), expected)
+    assert torch.equal(x, expected)  # the caller's tensor, not a low-precision copy of it
+
+
+class _UpdateBetweenUses(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        before = self.fc(x)
+        x.mul_(2)
+        return before, self.fc(x), torch.softmax(x, -1)
+
+
+def test_users_after_an_in_place_update_see_it_o1_as_autocast():
+    model, x = _seeded(_UpdateBetweenUses), torch.arange(6.0).view(2, 3)
+    reference_x = x.clone()
+    with torch.autocast("cpu", dtype=BF16):
+        expected = model(reference_x)
+    outputs = convert(model, "O1", dtype=BF16)(x)
+    for out, ref in zip(outputs, expected, strict=True):
+        assert torch.equal(out, ref)  # no cast of x made before mul_ is reused after it
+    assert torch.equal(x, reference_x)
+
+
+def test_users_after_an_in_place_update_see_it_o2():
+    model, x = _seeded(_UpdateBetweenUses), torch.arange(6.0).view(2, 3)
+    reference_x = x.clone()
+    expected = model(reference_x)
+    before, after, probabilities = convert(model, "O2", dtype=BF16)(x)
+    assert torch.equal(x, reference_x)  # small integers: exact in bfloat16 too
+    # The FP32 softmax reads the updated caller's tensor; the low linear its updated copy.
+    torch.testing.assert_close(probabilities, expected[2], rtol=0, atol=0)
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, expected[1], rtol=2**-7, atol=2**-7 * 20)
+
+
+class _FunctionalBatchNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("running_mean", torch.zeros(3))
+        self.register_buffer("running_var", torch.ones(3))
+
+    def forward(self, x):
+        return F.batch_norm(x, self.running_mean, self.running_var, training=True)
+
+
+def test_running_statistics_read_through_a_cast_are_updated():
+    # LOWER batch_norm at O1 reads the float32 buffers through bfloat16 casts: the update of the
+    # statistics lands on those casts and is copied back into the buffers.
+    x = torch.arange(12.0).view(4, 3)
+    reference = _FunctionalBatchNorm()
+    reference(x)
+    gm = convert(_FunctionalBatchNorm(), policy=preset("O1", BF16, "cpu").set_op("batch_norm", Rule.LOWER))
+    assert any(n.target == "copy_" for n in gm.graph.nodes)
+    gm(x)
+    for name in ("running_mean", "running_var"):
+        assert gm.get_buffer(name).dtype == F32
+        torch.testing.assert_close(gm.get_buffer(name), reference.get_buffer(name), rtol=2**-7, atol=0)
