@@ -52,6 +52,7 @@ from amp_fx.ops.casts import cast_if_floating
 from amp_fx.passes.shared import (
     ASSUMED_DTYPE_NOTE,
     DERIVED_ASSUMED_DTYPE_NOTE,
+    UNKNOWN_INPUT_DTYPE_NOTE,
     dtype_is_assumed,
     is_output_structure,
     planned_parameter_dtypes,
@@ -568,10 +569,7 @@ class _Propagation:
             if node.op == "placeholder":
                 raw = self._placeholder_value(node, placeholder_index)
                 placeholder_index += 1
-                if self.exact and ASSUMED_DTYPE_NOTE in info.notes:
-                    info.notes.remove(ASSUMED_DTYPE_NOTE)
-                elif not self.exact and raw is torch.float32 and ASSUMED_DTYPE_NOTE not in info.notes:
-                    info.notes.append(ASSUMED_DTYPE_NOTE)
+                self._note_input_dtype(node, raw)
                 info.in_dtypes = ()
                 info.out_dtype = self._dtype_of(raw)
                 # Users of a model input see it cast to the entry dtype (O2/O3).
@@ -635,6 +633,20 @@ class _Propagation:
             self.env[node] = out
             info.out_dtype = None if returned else self._dtype_of(_abstract(out) if not static else out)
             self._note_assumed_dtype(node, inputs, static)
+
+    def _note_input_dtype(self, node: torch.fx.Node, raw: Any) -> None:
+        # Without example_inputs a model input's dtype is a guess: float32, or unknown for an
+        # optional input (``targets=None``). Its users still see it cast at entry, so views of it
+        # get a dtype; the note keeps the casts of those guarded (integer targets stay integer).
+        notes = node_info(node).notes
+        note = None
+        if not self.exact:
+            note = {torch.float32: ASSUMED_DTYPE_NOTE, UNKNOWN: UNKNOWN_INPUT_DTYPE_NOTE}.get(raw)
+        for stale in (ASSUMED_DTYPE_NOTE, UNKNOWN_INPUT_DTYPE_NOTE):
+            if stale != note and stale in notes:
+                notes.remove(stale)
+        if note is not None and note not in notes:
+            notes.append(note)
 
     def _note_assumed_dtype(self, node: torch.fx.Node, inputs: list[torch.fx.Node], static: bool) -> None:
         # A dtype-agnostic op's static dtype is only as certain as its inputs': integer targets

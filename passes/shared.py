@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "dtype_name",
     "ASSUMED_DTYPE_NOTE",
+    "UNKNOWN_INPUT_DTYPE_NOTE",
     "DERIVED_ASSUMED_DTYPE_NOTE",
     "dtype_is_assumed",
     "is_exact_widening",
@@ -74,6 +75,9 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 # The note `propagate_dtypes` leaves on a model input whose dtype it assumed (no example_inputs).
 ASSUMED_DTYPE_NOTE = "dtype assumed float32 (no example_inputs)"
+# ... on an optional model input (a default such as ``targets=None``): its users see it cast at
+# entry like any input, but it may as well be integer.
+UNKNOWN_INPUT_DTYPE_NOTE = "dtype unknown: optional input, may be integer (no example_inputs)"
 # ... and on a value whose dtype follows such an input's through dtype-agnostic ops (a view of
 # integer targets is integer too).
 DERIVED_ASSUMED_DTYPE_NOTE = "dtype follows a model input whose dtype is assumed"
@@ -84,7 +88,9 @@ def dtype_is_assumed(node: torch.fx.Node) -> bool:
     ``example_inputs``, or a view of one): it may be an integer tensor, so its casts must be
     guarded and are never no-ops to remove."""
     notes = node_info(node).notes
-    return ASSUMED_DTYPE_NOTE in notes or DERIVED_ASSUMED_DTYPE_NOTE in notes
+    return any(
+        note in notes for note in (ASSUMED_DTYPE_NOTE, UNKNOWN_INPUT_DTYPE_NOTE, DERIVED_ASSUMED_DTYPE_NOTE)
+    )
 
 
 _EXACT_WIDENINGS = {
