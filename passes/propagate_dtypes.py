@@ -34,6 +34,8 @@ Apex's O2), while the placeholder's own ``out_dtype`` stays the input's dtype.
 from __future__ import annotations
 
 import builtins
+import contextlib
+import copy
 import logging
 import operator
 from collections.abc import Iterator, Sequence
@@ -45,7 +47,7 @@ import torch.fx
 from torch import nn
 from torch.fx.node import map_aggregate, map_arg
 
-from amp_fx.core.node_info import node_info
+from amp_fx.core.node_info import META_KEY, node_info
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.ops.casts import cast_if_floating
@@ -60,7 +62,14 @@ from amp_fx.passes.shared import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["propagate_dtypes", "rule_cast_dtype", "is_eligible", "UNKNOWN", "NOT_TENSOR"]
+__all__ = [
+    "propagate_dtypes",
+    "ExampleInputsMismatch",
+    "rule_cast_dtype",
+    "is_eligible",
+    "UNKNOWN",
+    "NOT_TENSOR",
+]
 
 
 class _Marker:
@@ -557,7 +566,7 @@ class _Propagation:
             from torch._subclasses.fake_tensor import FakeTensorMode
 
             self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-            with self.fake_mode:
+            with self.fake_mode, _quiet_fake_tensor_errors():
                 self._walk()
         else:
             self._walk()
@@ -607,6 +616,8 @@ class _Propagation:
                         else self._run_fake(node, rule, target, seen)
                     )
                 except Exception as error:  # e.g. data-dependent control flow in untraced code
+                    if _rejects_shapes(error):
+                        raise ExampleInputsMismatch(self._mismatch_message(node, error)) from error
                     logger.info(
                         "fake tensors cannot run %s (%s: %s); its dtypes and those downstream of it "
                         "come from the static rules",
@@ -662,6 +673,18 @@ class _Propagation:
             notes.append(DERIVED_ASSUMED_DTYPE_NOTE)
         elif not derived and DERIVED_ASSUMED_DTYPE_NOTE in notes:
             notes.remove(DERIVED_ASSUMED_DTYPE_NOTE)
+
+    def _mismatch_message(self, node: torch.fx.Node, error: Exception) -> str:
+        shapes = ", ".join(
+            str(tuple(v.shape)) if isinstance(v, torch.Tensor) else type(v).__name__
+            for v in self.example_inputs
+        )
+        what = node_info(node).op or node.target
+        return (
+            f"example_inputs do not fit the model: {node.name} ({what}) rejects the shapes they lead to: "
+            f"{error} (example_inputs shapes: {shapes}); pass example_inputs of the shapes the forward "
+            "takes, or leave example_inputs out"
+        )
 
     def _run_returned(self, node: torch.fx.Node, seen: dict[torch.fx.Node, Any]) -> Any:
         """Build the returned tuple/namedtuple/dict from the values its constructor sees."""
@@ -762,6 +785,37 @@ class _Propagation:
         return self.policy.autocast_opaque
 
 
+class ExampleInputsMismatch(ValueError):
+    """`example_inputs` that the model's own ops reject (a wrong shape): convert cannot continue."""
+
+
+# Words of torch's argument checks about shapes ("size mismatch", "must match the size",
+# "same reduction dim", "shape '[-1, 4]' is invalid").
+_SHAPE_WORDS = ("shape", "size", "dim")
+
+
+def _rejects_shapes(error: Exception) -> bool:
+    """True when an op rejected the shapes of its fake inputs: torch's checks raise exactly
+    RuntimeError/ValueError/IndexError, while what fake tensors cannot do (data-dependent
+    outputs, unsupported ops) raises subclasses of them, which fall back to the static rules."""
+    return type(error) in (RuntimeError, ValueError, IndexError) and any(
+        word in str(error).lower() for word in _SHAPE_WORDS
+    )
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_errors() -> Iterator[None]:
+    # FakeTensorMode logs a traceback at ERROR for every op that raises; propagate_dtypes reports
+    # the failure itself (an error for a shape mismatch, else an INFO line and the static rules).
+    fake_logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_logger.level
+    fake_logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        fake_logger.setLevel(level)
+
+
 def _getattr_path(root: Any, path: str) -> Any:
     value = root
     for part in path.split("."):
@@ -777,6 +831,10 @@ def propagate_dtypes(
     With `example_inputs` (one per forward argument) the dtypes are exact, from a fake-tensor run;
     if that run fails (an op fake tensors do not support), the static rules are used and a
     warning is logged. Returns `gm` (graph unchanged).
+
+    Raises:
+        ExampleInputsMismatch (a ValueError): an op of the model rejects the shapes the example
+            inputs lead to (a wrong-shaped example); the graph's annotations are left as they were.
 
     Example::
 
@@ -806,8 +864,16 @@ def propagate_dtypes(
         )
         _Propagation(gm, policy, None).run()
         return gm
+    saved = {node: copy.deepcopy(node.meta.get(META_KEY)) for node in gm.graph.nodes}
     try:
         propagation.run()
+    except ExampleInputsMismatch:
+        for node, info in saved.items():  # the graph is left as it was
+            if info is None:
+                node.meta.pop(META_KEY, None)
+            else:
+                node.meta[META_KEY] = info
+        raise
     except Exception as error:  # e.g. an example input fake tensors cannot copy: all static
         logger.warning(
             "exact dtype propagation with example_inputs failed (%s: %s); using the static rules",

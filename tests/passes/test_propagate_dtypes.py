@@ -10,11 +10,18 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+import amp_fx
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Rule, preset
 from amp_fx.passes.classify import classify
 from amp_fx.passes.normalize_ops import normalize_ops
-from amp_fx.passes.propagate_dtypes import UNKNOWN, is_eligible, propagate_dtypes, rule_cast_dtype
+from amp_fx.passes.propagate_dtypes import (
+    UNKNOWN,
+    ExampleInputsMismatch,
+    is_eligible,
+    propagate_dtypes,
+    rule_cast_dtype,
+)
 from amp_fx.passes.shared import ASSUMED_DTYPE_NOTE
 from amp_fx.passes.trace import trace
 
@@ -182,3 +189,23 @@ def test_exact_propagation_continues_with_static_rules_where_fake_tensors_cannot
 def test_example_inputs_must_match_the_forward():
     with pytest.raises(ValueError, match="example_inputs has 2 values"):
         _propagated(Mlp(), preset("O1", BF16, "cpu"), (torch.randn(2, 4), torch.randn(2, 4)))
+
+
+def _annotations(gm: torch.fx.GraphModule) -> dict[str, tuple]:
+    return {
+        n.name: (node_info(n).in_dtypes, node_info(n).out_dtype, list(node_info(n).notes))
+        for n in gm.graph.nodes
+    }
+
+
+def test_wrong_shaped_example_inputs_are_refused_naming_the_mismatch_and_change_nothing():
+    model = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
+    policy = preset("O2", BF16, "cpu")
+    gm = classify(normalize_ops(trace(model)), policy)
+    before = _annotations(gm)
+    mismatch = r"_0 \(linear\) rejects the shapes .*\[3, 5\] X \[8, 4\].*shapes: \(3, 5\)"
+    with pytest.raises(ExampleInputsMismatch, match=mismatch):
+        propagate_dtypes(gm, policy, (torch.randn(3, 5),))
+    assert _annotations(gm) == before
+    with pytest.raises(ValueError, match="example_inputs do not fit the model"):
+        amp_fx.convert(model, "O2", dtype=BF16, example_inputs=(torch.randn(3, 5),))
