@@ -42,6 +42,7 @@ from amp_fx.core.policy import Decision, Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.ops.casts import cast_if_floating
 from amp_fx.ops.fused_batch_norm import FusedBatchNormAct
+from amp_fx.passes.normalize_ops import module_op
 
 logger = logging.getLogger(__name__)
 
@@ -326,6 +327,9 @@ def planned_parameter_dtypes(gm: torch.fx.GraphModule, policy: Policy) -> dict[s
             decision = decide_node(node, gm, policy)
             for name, tensor in module_tensors(module, path):
                 want(name, tensor, decision.param_dtype if decision is not None else None)
+            if decision is not None and decision.rule is Rule.OPAQUE:
+                for name, tensor, dtype in _opaque_parameter_dtypes(module, path, policy):
+                    want(name, tensor, dtype)
         elif node.op == "get_attr":
             tensor = _tensor_at(gm, node.target)
             if tensor is None:
@@ -344,6 +348,18 @@ def planned_parameter_dtypes(gm: torch.fx.GraphModule, policy: Policy) -> dict[s
             elif id(tensor) in names and name not in names[id(tensor)]:
                 names[id(tensor)].append(name)
     return {name: by_tensor[key] for key, aliases in names.items() for name in aliases}
+
+
+def _opaque_parameter_dtypes(
+    module: nn.Module, path: str, policy: Policy
+) -> Iterator[tuple[str, torch.Tensor, torch.dtype | None]]:
+    """Inside an opaque module each module's own tensors (its own too) get the storage dtype the
+    policy decides for that module's op: autocast runs a LayerNorm in the island on FP32 weights at O2,
+    as outside. Float32 wins over the island's own (low) decision in `planned_parameter_dtypes`."""
+    for sub_path, sub in module.named_modules(prefix=path):
+        decision = policy.decide(module_op(sub), module_name=sub_path, module_type=type(sub))
+        for attribute, tensor in [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]:
+            yield f"{sub_path}.{attribute}", tensor, decision.param_dtype
 
 
 def _tensor_at(gm: torch.fx.GraphModule, target: str) -> torch.Tensor | None:

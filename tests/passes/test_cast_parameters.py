@@ -8,11 +8,12 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+import amp_fx
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Rule, preset
 from amp_fx.passes.cast_parameters import cast_parameters
 from amp_fx.passes.classify import classify
-from amp_fx.passes.normalize_ops import normalize_ops
+from amp_fx.passes.normalize_ops import module_op, normalize_ops
 from amp_fx.passes.shared import planned_parameter_dtypes
 from amp_fx.passes.trace import trace
 
@@ -128,3 +129,42 @@ def test_existing_gradients_are_cast_with_their_parameter():
     assert weight.dtype == F16 and weight.grad.dtype == F16
     assert torch.equal(weight.grad, grad.to(F16))
 
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.ln = nn.LayerNorm(4)
+        self.gn = nn.GroupNorm(2, 4)
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.gn(self.ln(self.fc(x))))
+
+
+class _WithIslands(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _Block()
+        self.attn = nn.MultiheadAttention(4, 2)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.block(x)
+        return self.head(self.attn(h, h, h)[0])
+
+
+def test_o2_parameters_inside_autocast_islands_follow_each_modules_op():
+    torch.manual_seed(0)
+    policy = preset("O2", BF16, "cpu")
+    gm = amp_fx.convert(_WithIslands(), policy=policy, leaf_modules=[_Block])
+    dtypes = _dtypes(gm)
+    # As outside islands: norms keep FP32 weights (autocast expects them), matmuls go low.
+    for name in ("ln", "gn", "bn"):
+        for attribute in ("weight", "bias"):
+            expected = policy.decide(module_op(gm.get_submodule(f"block.{name}"))).param_dtype
+            assert dtypes[f"block.{name}.{attribute}"] == expected == F32
+    for name in ("block.fc.weight", "attn.in_proj_weight", "attn.out_proj.weight", "head.weight"):
+        assert dtypes[name] == BF16, name
+    x = torch.randn(3, 4)
+    assert gm(x).dtype == F32
