@@ -212,3 +212,56 @@ def test_moving_the_model_drops_its_graphs():
 def test_unknown_front_end_is_refused():
     with pytest.raises(ValueError, match="front_end must be one of 'auto', 'fx', 'export'"):
         amp_fx.convert(nn.Linear(2, 2), "O1", front_end="dynamo")
+
+
+def test_trains_under_torch_compile_with_one_capture_per_structure():
+    torch.manual_seed(0)
+    model, inputs = MODELS["llama"]()
+    converted = amp_fx.convert(model.eval(), "O2", dtype=BF16)
+    batch = inputs(2, 8)
+    eager = converted(**batch)
+    compiled = torch.compile(converted, backend="aot_eager")
+    output = compiled(**batch)
+    assert type(output) is type(eager) and torch.equal(output.logits, eager.logits)
+    output.loss.backward()
+    assert all(p.grad is not None for p in converted.parameters())
+    assert compiled(**inputs(3, 6)).logits.shape == (3, 6, 128)
+    assert capture_summary(converted).graphs == 2
+
+
+def test_trains_through_amp_initialize_and_scale_loss():
+    from amp_fx import amp
+
+    torch.manual_seed(0)
+    model, inputs = MODELS["gpt2"]()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    converted, optimizer = amp.initialize(model.eval(), optimizer, opt_level="O2", verbosity=0)
+    assert isinstance(converted, CapturedModel)
+    assert converted.transformer.h[0].attn.c_attn.weight.dtype == torch.float16
+    before = [p.detach().clone() for p in converted.parameters()]
+    loss = converted(**inputs(2, 8)).loss
+    assert loss.dtype == torch.float32
+    with amp.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    moved = [not torch.equal(p, b) for p, b in zip(converted.parameters(), before, strict=True)]
+    assert sum(moved) > len(moved) // 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_hugging_face_model_o1_equals_autocast_on_cuda_fp16(name):
+    torch.manual_seed(0)
+    model, inputs = MODELS[name]()
+    model = model.eval().cuda()
+    batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs(2, 8).items()}
+    with torch.autocast("cuda", dtype=torch.float16):
+        autocast = model(**batch)
+    reference = model(**batch)
+    output = amp_fx.convert(model, "O1")(**batch)
+    for got, want in zip(_floating(output), _floating(autocast), strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    o2 = amp_fx.convert(model, "O2")(**batch)
+    error, autocast_error = (_max_error(_floating(x), _floating(reference)) for x in (o2, autocast))
+    assert error <= 2 * autocast_error, (error, autocast_error)
