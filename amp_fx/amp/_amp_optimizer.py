@@ -303,8 +303,25 @@ class AmpOptimizer(abc.ABC):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._check_state_dict_type(state_dict)
         state_dict = {k: v for k, v in state_dict.items() if k != MASTERS_KEY}
-        self.original_methods["load_state_dict"](state_dict)
+        self._load_wrapped_state_dict(state_dict)
         self.zero_pending()
+
+    def _load_wrapped_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The wrapped optimizer's own ``load_state_dict``, undone if it raises.
+
+        torch.optim checks a state dict only partly before it changes anything: torch's AdamW given
+        a FusedAdam state dict raises KeyError: 'step' in ``__setstate__``, after its param groups
+        (lr included) and state were replaced. It replaces ``state`` and ``param_groups`` whole (it
+        does not write into the tensors it holds), so putting the old attributes back restores it.
+        """
+        optimizer = self.optimizer
+        before = dict(optimizer.__dict__)
+        try:
+            self.original_methods["load_state_dict"](state_dict)
+        except Exception:
+            optimizer.__dict__.clear()
+            optimizer.__dict__.update(before)
+            raise
 
     @staticmethod
     def _check_state_dict_type(state_dict: Any) -> None:

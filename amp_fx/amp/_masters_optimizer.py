@@ -125,7 +125,7 @@ class MasterWeightsAmpOptimizer(DirectAmpOptimizer):
         saved = state_dict.pop(MASTERS_KEY, None)
         if saved is not None:
             self._check_saved_masters(saved)
-        self.original_methods["load_state_dict"](state_dict)
+        self._load_wrapped_state_dict(state_dict)
         if saved is None:
             logger.info(
                 "the optimizer state dict has no FP32 master weights (not saved by amp_fx): the masters keep "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -163,3 +164,26 @@ def test_existing_optimizer_state_moves_to_the_masters(tiny_net, make_batch):
     moved = [optimizer.state[m]["momentum_buffer"] for m in amp.master_params(optimizer)]
     assert all(torch.equal(a, b) for a, b in zip(moved, buffers, strict=True))
     assert not any(p in optimizer.state for p in model.parameters())
+
+
+def test_a_refused_optimizer_load_leaves_it_exactly_as_it_was(tiny_net, make_batch):
+    opt_level = "O2"  # torch's AdamW on the masters: it raises after replacing its groups and state
+    model = tiny_net(seed=11)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gm, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+    inputs, target = make_batch(0)
+    with amp.scale_loss(F.cross_entropy(gm(inputs).float(), target), optimizer) as loss:
+        loss.backward()
+    optimizer.step()
+    before = copy.deepcopy(optimizer.state_dict())
+    foreign = amp_fx.optim.FusedAdam(
+        [torch.nn.Parameter(p.detach().clone()) for p in gm.parameters()], lr=0.5
+    )
+    with pytest.raises(KeyError, match="step"):
+        optimizer.load_state_dict(foreign.state_dict())
+    after = optimizer.state_dict()
+    assert optimizer.param_groups[0]["lr"] == 1e-3
+    assert before["param_groups"] == after["param_groups"]
+    assert before["state"].keys() == after["state"].keys()
+    for key, entry in before["state"].items():
+        assert all(torch.equal(v, after["state"][key][k]) for k, v in entry.items())
