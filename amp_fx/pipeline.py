@@ -32,6 +32,7 @@ from amp_fx.captured_model import CapturedModel, captured_model
 from amp_fx.core.dtypes import check_opt_level, default_device_type, short_repr
 from amp_fx.core.node_info import POLICY_KEY, node_info
 from amp_fx.core.policy import Policy, preset
+from amp_fx.optim.model_loads import follow_model_loads
 from amp_fx.passes.trace import TraceError, trace
 from amp_fx.rewrite import rewrite_graph
 
@@ -207,7 +208,7 @@ def convert(
         # autocast islands' context managers at trace time. Convert a copy of it as it is.
         gm = copy.deepcopy(model)
     elif front_end == "export":
-        return captured_model(model, resolved)
+        return follow_model_loads(captured_model(model, resolved))
     else:
         try:
             gm = trace(model, leaf_modules=leaf_modules, concrete_args=concrete_args)
@@ -215,7 +216,7 @@ def convert(
             if front_end == "fx" or concrete_args is not None:
                 raise
             logger.info("%s: torch.fx stopped (%s); using torch.export", type(model).__name__, error)
-            return captured_model(model, resolved)
+            return follow_model_loads(captured_model(model, resolved))
     rewrite_graph(gm, resolved, examples)
     logger.info(
         "converted %s at %s (%s, %s): %d cast nodes",
@@ -225,4 +226,4 @@ def convert(
         resolved.device_type,
         sum(1 for n in gm.graph.nodes if node_info(n).is_cast),
     )
-    return gm
+    return follow_model_loads(gm)

@@ -36,6 +36,7 @@ from amp_fx.core.dtypes import default_device_type
 from amp_fx.core.node_info import META_KEY
 from amp_fx.core.policy import preset
 from amp_fx.ops.autocast_island import AutocastIsland
+from amp_fx.optim.model_loads import follow_model_loads
 
 logger = logging.getLogger("amp_fx.amp")
 
@@ -123,27 +124,9 @@ def install_fp32_state_dict(gm: nn.Module, session: Any) -> None:
             master = masters.get(id(param)) if param is not None else None
             state_dict[key] = master.detach() if master is not None else value.detach().float()
 
-    captured: dict[str, Tensor] = {}
-
-    def capture_checkpoint(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        captured.clear()
-        for name, _ in module.named_parameters(remove_duplicate=False):
-            value = state_dict.get(prefix + name)
-            if isinstance(value, Tensor) and value.is_floating_point():
-                captured[name] = value
-
-    def update_masters(module: nn.Module, incompatible_keys: Any) -> None:
-        masters = session.masters_by_param()
-        with torch.no_grad():
-            for name, param in module.named_parameters(remove_duplicate=False):
-                master, value = masters.get(id(param)), captured.get(name)
-                if master is not None and value is not None and value.shape == master.shape:
-                    master.copy_(value)
-        captured.clear()
-
     gm.register_state_dict_post_hook(fp32_state_dict)
-    gm.register_load_state_dict_pre_hook(capture_checkpoint)
-    gm.register_load_state_dict_post_hook(update_masters)
+    # Loads set the masters from the checkpoint's values; the session's are found at each load.
+    follow_model_loads(gm, session.masters_by_param)
 
 
 # --------------------------------------------------------------------------------------------

@@ -54,10 +54,10 @@ from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.distributed import local_tensor
 from amp_fx.kernels import implementation_for
 from amp_fx.kernels.arguments import PARAM_DTYPES, is_dense
+from amp_fx.optim.model_loads import MASTER_KEY, track_params
 
 logger = logging.getLogger(__name__)
 
-MASTER_KEY = "master_param"
 STEP_KEY = "step"
 
 
@@ -172,6 +172,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._reset_pending()
         if "_found_inf_buffers" not in self.__dict__:
             self._reset_found_inf_buffers()
+        # A copy (deepcopy, unpickling) holds new params: loads into their model must reach its masters.
+        track_params(self, (p for group in self.param_groups for p in group["params"]))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (torch semantics); creates its FP32 masters and step counter (moments come
@@ -206,6 +208,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         group[STEP_KEY] = torch.zeros(1, dtype=torch.float32, device=device)
         for param in group["params"]:
             self._init_master(param, group)
+        track_params(self, group["params"])
 
     def _check_params(self, params: Sequence[Tensor]) -> None:
         name = type(self).__name__

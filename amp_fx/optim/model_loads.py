@@ -1,0 +1,172 @@
+"""FP32 masters that follow loads into the model: ``model.load_state_dict`` takes effect whenever it runs.
+
+An optimizer with FP32 masters (`FusedAdam`, `FusedSGD`, or amp's MASTERS kind) updates the master and
+writes the rounded result into the model. A load that changed only the model's fp16 parameters would be
+undone by the next step, which writes the stale master back. `follow_model_loads` gives a module three
+``load_state_dict`` hooks that prevent it:
+
+- before anything is loaded, the load is checked as torch would check it (missing and unexpected keys
+  when strict and ``module`` is the one loaded, shapes always) and refused with the model and its
+  masters untouched (torch itself would copy the matching parameters first and raise afterwards);
+- the checkpoint's values are kept for the parameters they load into, at the checkpoint's precision;
+- after the load, every master of those parameters is set from them: an FP32 checkpoint gives FP32
+  masters equal to its values, not the fp16-rounded ones.
+
+The masters are found through *sources*: `fused_masters` (every amp_fx fused optimizer holding the
+parameter, which registers itself with `track_params`) by default; ``amp.initialize`` adds its
+session's. It uses only the nn.Module API, so it works for a GraphModule, a `CapturedModel` or any module.
+
+Example:
+    >>> import torch
+    >>> from amp_fx.optim import FusedSGD, master_params
+    >>> model = follow_model_loads(torch.nn.Linear(2, 1).half())
+    >>> opt = FusedSGD(model.parameters(), lr=0.0)
+    >>> _ = model.load_state_dict({"weight": torch.full((1, 2), 0.1), "bias": torch.zeros(1)})
+    >>> next(master_params(opt))
+    tensor([[0.1000, 0.1000]])
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+MASTER_KEY = "master_param"
+MasterSource = Callable[[], dict[int, Tensor]]
+
+# param -> the fused optimizers that hold it (weak both ways: neither is kept alive by this table).
+_optimizers_by_param: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_SOURCES_ATTRIBUTE = "_amp_fx_master_sources"
+_CAPTURED_ATTRIBUTE = "_amp_fx_loaded_values"
+
+
+def track_params(optimizer: torch.optim.Optimizer, params: Iterable[Tensor]) -> None:
+    """Note that ``optimizer`` keeps masters (in ``state[p]["master_param"]``) for some of ``params``."""
+    for param in params:
+        owners = _optimizers_by_param.get(param)
+        if owners is None:
+            owners = _optimizers_by_param[param] = weakref.WeakSet()
+        owners.add(optimizer)
+
+
+def fused_masters(params: Iterable[Tensor]) -> dict[int, list[Tensor]]:
+    """id(param) -> the FP32 masters the tracked optimizers keep for it (params without any left out)."""
+    found: dict[int, list[Tensor]] = {}
+    for param in params:
+        for optimizer in _optimizers_by_param.get(param, ()):
+            master = optimizer.state.get(param, {}).get(MASTER_KEY)
+            if master is not None:
+                found.setdefault(id(param), []).append(master)
+    return found
+
+
+def _expected_keys(module: nn.Module, prefix: str) -> dict[str, Tensor | None]:
+    """The keys of ``module.state_dict(prefix=prefix)``, each with its parameter or buffer (torch's rules)."""
+    keys: dict[str, Tensor | None] = {}
+    for name, sub in module.named_modules(prefix=prefix.rstrip("."), remove_duplicate=False):
+        base = f"{name}." if name else ""
+        keys.update({base + k: v for k, v in sub._parameters.items() if v is not None})
+        keys.update(
+            {
+                base + k: v
+                for k, v in sub._buffers.items()
+                if v is not None and k not in sub._non_persistent_buffers_set
+            }
+        )
+        if type(sub).get_extra_state is not nn.Module.get_extra_state:
+            keys[base + "_extra_state"] = None
+    return keys
+
+
+def _check_load(module: nn.Module, state_dict: dict[str, Any], prefix: str, strict: bool) -> None:
+    """Raise RuntimeError, as torch's load_state_dict would, but before anything is loaded."""
+    expected = _expected_keys(module, prefix)
+    given = {k for k in state_dict if k.startswith(prefix)}
+    errors = []
+    if strict:
+        if missing := sorted(set(expected) - given):
+            errors.append(f"Missing key(s) in state_dict: {', '.join(map(repr, missing))}.")
+        if unexpected := sorted(given - set(expected)):
+            errors.append(f"Unexpected key(s) in state_dict: {', '.join(map(repr, unexpected))}.")
+    for key, tensor in expected.items():
+        value = state_dict.get(key)
+        if tensor is not None and isinstance(value, Tensor) and value.shape != tensor.shape:
+            errors.append(
+                f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, "
+                f"the shape in current model is {tensor.shape}."
+            )
+    if errors:
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(module).__name__}: {' '.join(errors)} Nothing was "
+            "loaded: the model and its FP32 master weights are unchanged."
+        )
+
+
+def follow_model_loads(module: nn.Module, source: MasterSource | None = None) -> nn.Module:
+    """Make ``module.load_state_dict`` set the FP32 masters of the parameters it loads; returns ``module``.
+
+    ``source`` (optional) returns id(param) -> master for masters kept outside amp_fx's fused
+    optimizers (``amp.initialize`` passes its session's); the hooks are installed once per module,
+    later calls only add sources. See the module docstring for what the hooks do.
+
+    Example:
+        >>> import torch
+        >>> model = follow_model_loads(torch.nn.Linear(2, 1))
+        >>> follow_model_loads(model) is model
+        True
+    """
+    sources: list[MasterSource] | None = getattr(module, _SOURCES_ATTRIBUTE, None)
+    if sources is not None:
+        if source is not None:
+            sources.append(source)
+        return module
+    setattr(module, _SOURCES_ATTRIBUTE, [] if source is None else [source])
+    # Module-level hooks and a bound method: a torch.save'd model pickles (closures would not).
+    module.register_load_state_dict_pre_hook(_check_and_capture)
+    module.register_load_state_dict_post_hook(_update_masters)
+    # Bound to the module, so a deepcopy rebinds it to the copy.
+    module.load_state_dict = types.MethodType(load_state_dict, module)
+    return module
+
+
+def _check_and_capture(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any, strict: bool, *args: Any
+) -> None:
+    # torch passes strict=True to every module's hooks whatever the caller asked; the missing
+    # and unexpected keys of a strict load are checked by load_state_dict below.
+    _check_load(module, state_dict, prefix, strict=False)
+    captured = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        value = state_dict.get(prefix + name)
+        if isinstance(value, Tensor) and value.is_floating_point() and value.shape == param.shape:
+            captured[id(param)] = value
+    module.__dict__[_CAPTURED_ATTRIBUTE] = captured
+
+
+def _update_masters(module: nn.Module, incompatible_keys: Any) -> None:
+    captured = module.__dict__.pop(_CAPTURED_ATTRIBUTE, {})
+    params = list(module.parameters())
+    masters = fused_masters(params)
+    for extra in getattr(module, _SOURCES_ATTRIBUTE, ()):
+        for key, master in extra().items():
+            masters.setdefault(key, []).append(master)
+    with torch.no_grad():
+        for param in params:
+            value = captured.get(id(param))
+            for master in masters.get(id(param), ()) if value is not None else ():
+                if master is not param:
+                    master.copy_(value)
+
+
+def load_state_dict(
+    self: nn.Module, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+) -> Any:
+    """``nn.Module.load_state_dict``, with a strict load's key check done before anything is loaded."""
+    _check_load(self, dict(state_dict), "", strict)
+    return type(self).load_state_dict(self, state_dict, strict=strict, assign=assign)
