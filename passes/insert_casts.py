@@ -14,6 +14,9 @@ rewrites make casts possible where a module call would hide them:
 - an OPAQUE node under O1/O2 becomes a call of an `AutocastIsland` that runs the module or
   function inside ``torch.autocast(device_type, dtype)``.
 
+An in-place update of a cast (``x.add_(1)`` on the O2 entry cast of ``x``, directly or through a
+view) is copied back into the value cast after it (`write_back_updates`), as eager updates ``x``.
+
 Example (O1, CPU, bf16)::
 
     before                                    after
@@ -48,7 +51,13 @@ from torch import nn
 from amp_fx.core.node_info import META_KEY, NodeInfo, node_info
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
-from amp_fx.passes.shared import CastCache, insert_input_casts, is_output_structure, planned_parameter_dtypes
+from amp_fx.passes.shared import (
+    CastCache,
+    insert_input_casts,
+    is_output_structure,
+    planned_parameter_dtypes,
+    write_back_updates,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -329,11 +338,13 @@ def insert_casts(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModu
                     _make_island(gm, node, policy, module, node.target)
                     islands += 1
         created += insert_input_casts(gm, node, cache)
+    write_backs = write_back_updates(gm)
     logger.debug(
-        "insert_casts %s: %d casts, %d functional forms, %d autocast islands",
+        "insert_casts %s: %d casts, %d functional forms, %d autocast islands, %d write-backs",
         policy.opt_level,
         created,
         functional,
         islands,
+        write_backs,
     )
     return gm

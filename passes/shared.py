@@ -11,8 +11,9 @@ one pass only stays in that pass. What is here:
   by `cast_parameters` and read by `propagate_dtypes` and `insert_casts` before it runs;
 - cast nodes (`make_cast`, `may_share_cast`, `insert_input_casts`, `CastCache`) and the nodes
   that build the return value (`is_output_structure`), for `insert_casts` and `cast_outputs`;
-- which inputs a node updates in place (`mutated_inputs`) and the write-back of an update that
-  lands on a cast (`is_write_back`), for `insert_casts` and `simplify_casts`;
+- which inputs a node updates in place (`mutated_inputs`, through views: `alias_base`,
+  `updates_in_place`) and the write-back of an update that lands on a cast
+  (`write_back_updates`, `is_write_back`), for `insert_casts` and `simplify_casts`;
 - which cross-entropy calls the fused loss computes (`is_fusable_loss`), for `fuse_losses` and
   `fuse_linear_loss`.
 
@@ -56,6 +57,9 @@ __all__ = [
     "is_inplace_call",
     "mutated_inputs",
     "is_write_back",
+    "alias_base",
+    "updates_in_place",
+    "write_back_updates",
     "calling_module",
     "decide_node",
     "module_tensors",
@@ -144,8 +148,12 @@ def is_inplace_call(node: torch.fx.Node) -> bool:
         name = node.target
         return name.endswith("_") and not name.endswith("__")
     if node.op == "call_function":
-        # torch.relu_(x), torch.exp_(x), F.relu_(x): torch's in-place functions end in "_" too.
-        name = getattr(node.target, "__name__", "")
+        # torch.relu_(x), torch.exp_(x), F.relu_(x), aten.add_.Tensor (torch.export's graphs):
+        # torch's in-place functions end in "_" too.
+        target = node.target
+        name = (
+            target._opname if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", "")
+        )
         return (
             node.target in _INPLACE_OPERATORS
             or node.kwargs.get("inplace") is True
@@ -176,16 +184,24 @@ def _arguments(node: torch.fx.Node) -> dict[str, Any]:
 
 def mutated_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The input nodes `node` updates in place: the tensor of an in-place call (``x.add_(1)``,
-    ``x[i] = y``, ``relu(x, inplace=True)``), an ``out=`` tensor, and the running statistics a
-    training ``F.batch_norm``/``F.instance_norm`` updates.
+    ``x[i] = y``, ``relu(x, inplace=True)``), an ``out=`` tensor, the running statistics a
+    training ``F.batch_norm``/``F.instance_norm`` updates, and an aten op's ``Tensor(a!)``.
 
     A cast between such an input and `node` would take the update (autocast never casts these);
-    `insert_input_casts` writes it back.
+    `write_back_updates` copies it back.
 
     >>> gm = torch.fx.symbolic_trace(lambda x: x.add_(1))
     >>> [[a.name for a in mutated_inputs(n)] for n in gm.graph.nodes]
     [[], ['x'], []]
     """
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        # An aten op (torch.export's graphs) says which arguments it writes: Tensor(a!).
+        written = [
+            node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            for i, argument in enumerate(node.target._schema.arguments)
+            if argument.alias_info is not None and argument.alias_info.is_write
+        ]
+        return [value for value in written if isinstance(value, torch.fx.Node)]
     if is_inplace_call(node):
         first = node.args[0] if node.args else next(iter(node.kwargs.values()), None)
         return [first] if isinstance(first, torch.fx.Node) else []
@@ -435,6 +451,88 @@ def _write_back(
     )
 
 
+# Ops whose result shares its first argument's storage: an update of the result updates it.
+_VIEW_OPS = frozenset(
+    {
+        "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "squeeze", "unsqueeze",
+        "expand", "expand_as", "narrow", "select", "t", "unflatten", "flatten", "as_strided", "unfold",
+        "diagonal", "movedim", "moveaxis", "swapaxes", "swapdims", "getitem", "contiguous", "detach",
+        "chunk", "split", "unbind", "tensor_split", "split_with_sizes", "real", "imag", "view_as_real",
+        "view_as_complex", "alias", "T", "mT",
+    }
+)  # fmt: skip
+
+
+def _is_alias_of_first_argument(node: torch.fx.Node) -> bool:
+    if node.op not in ("call_method", "call_function") or not node.args:
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):
+        returns = node.target._schema.returns
+        return bool(returns) and returns[0].alias_info is not None
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return name in _VIEW_OPS or (node_info(node).op or "") in _VIEW_OPS or is_inplace_call(node)
+
+
+def alias_base(node: torch.fx.Node) -> torch.fx.Node:
+    """The value whose storage `node` shares, through views and in-place results; an amp_fx cast
+    is a copy, so it is a base itself.
+
+    >>> gm = torch.fx.symbolic_trace(lambda x: x.view(-1).add_(1))
+    >>> [alias_base(n).name for n in gm.graph.nodes][:3]
+    ['x', 'x', 'x']
+    """
+    while _is_alias_of_first_argument(node) and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _aliases(base: torch.fx.Node) -> set[torch.fx.Node]:
+    found, todo = {base}, [base]
+    while todo:
+        for user in todo.pop().users:
+            if user not in found and _is_alias_of_first_argument(user) and user.args[0] in found:
+                found.add(user)
+                todo.append(user)
+    return found
+
+
+def updates_in_place(cast: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes that update `cast` in place, directly or through a view of it, in graph order."""
+    aliases = _aliases(cast)
+    users = {user for alias in aliases for user in alias.users}
+    updating = [user for user in users if not is_write_back(user) and set(mutated_inputs(user)) & aliases]
+    order = {node: index for index, node in enumerate(cast.graph.nodes)}
+    return sorted(updating, key=order.__getitem__)
+
+
+def write_back_updates(gm: torch.fx.GraphModule) -> int:
+    """After every in-place update of an amp_fx cast (the entry cast of a model input, the cast of
+    a buffer), copy the update into the value cast: ``value.copy_(cast)``, as eager would have
+    updated ``value`` itself. Returns the number of write-backs added.
+
+    Example (O2, bf16; ``x.add_(1); return x``)::
+
+        x_to_bfloat16 = amp_fx_ops_casts_cast_if_floating(x, torch.bfloat16)
+        add_ = x_to_bfloat16.add_(1)
+        x_write_back = x.copy_(x_to_bfloat16)
+        return x
+    """
+    added = 0
+    for cast in list(gm.graph.nodes):
+        if not node_info(cast).is_cast or is_write_back(cast) or not cast.args:
+            continue
+        value = cast.args[0]
+        if not isinstance(value, torch.fx.Node):
+            continue
+        for node in updates_in_place(cast):
+            following = node.next
+            if is_write_back(following) and following.args == (value, cast):
+                continue  # converted before
+            _write_back(gm, node, value, cast)
+            added += 1
+    return added
+
+
 def is_write_back(node: torch.fx.Node) -> bool:
     """True for the ``value.copy_(cast)`` that `insert_input_casts` adds after an in-place update
     of a cast (see `mutated_inputs`)."""
@@ -506,15 +604,15 @@ def insert_input_casts(gm: torch.fx.GraphModule, node: torch.fx.Node, cache: Cas
                 cache[(value, want)] = cast
             created += 1
         node.replace_input_with(value, cast)
-        if value in mutated:
-            _write_back(gm, node, value, cast)
     _forget_casts(cache, mutated)
     return created
 
 
 def _forget_casts(cache: CastCache, mutated: list[torch.fx.Node]) -> None:
-    # Users after an in-place update must see it: casts of the value made before it are stale.
-    for key in [key for key in cache if key[0] in mutated]:
+    # Users after an in-place update must see it: casts of the value (or of the value a view of
+    # it views) made before it are stale.
+    updated = {alias_base(value) for value in mutated}
+    for key in [key for key in cache if key[0] in updated]:
         del cache[key]
 
 

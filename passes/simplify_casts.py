@@ -39,11 +39,13 @@ import torch.fx
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Policy
 from amp_fx.passes.shared import (
+    alias_base,
     dtype_is_assumed,
     is_exact_widening,
     is_write_back,
     may_share_cast,
     mutated_inputs,
+    updates_in_place,
 )
 
 logger = logging.getLogger(__name__)
@@ -73,15 +75,11 @@ def _replace(node: torch.fx.Node, replacement: torch.fx.Node) -> None:
             info.in_dtypes = tuple(seen if a is replacement else before.get(a) for a in user.all_input_nodes)
 
 
-def _updated_in_place(cast: torch.fx.Node) -> bool:
-    return any(cast in mutated_inputs(user) for user in cast.users)
-
-
 def _forget_updated(
     first_cast: dict[tuple[torch.fx.Node, torch.dtype, object], torch.fx.Node], node: torch.fx.Node
 ) -> None:
     """After `node` updates a value (or a cast of it) in place, earlier casts of it are stale."""
-    updated = set(mutated_inputs(node))
+    updated = {alias_base(value) for value in mutated_inputs(node)}
     updated |= {parts[0] for value in list(updated) if (parts := _cast_parts(value)) is not None}
     for key in [key for key in first_cast if key[0] in updated]:
         del first_cast[key]
@@ -116,7 +114,7 @@ def simplify_casts(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphMo
                     origin_dtype == dtype
                     and not dtype_is_assumed(origin)
                     and is_exact_widening(dtype, inner[1])
-                    and not _updated_in_place(node)
+                    and not updates_in_place(node)
                 ):
                     replacement, why = origin, "round trip"
             if replacement is None and may_share_cast(source, dtype):
