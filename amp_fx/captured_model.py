@@ -53,10 +53,10 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from amp_fx.core.module_ops import module_op
 from amp_fx.core.node_info import PARAMETERS_STORED_KEY
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.passes.export import ExportError, accepts, export_graph, graph_inputs
-from amp_fx.passes.normalize_ops import module_op
 from amp_fx.rewrite import rewrite_graph
 
 logger = logging.getLogger(__name__)

@@ -37,13 +37,13 @@ from torch import nn
 from torch.fx.operator_schemas import normalize_function
 
 from amp_fx.core.dtypes import dtype_name
+from amp_fx.core.module_ops import module_op
 from amp_fx.core.node_info import META_KEY, PARAMETERS_STORED_KEY, NodeInfo, node_info
 from amp_fx.core.op_lists import OPAQUE_OP
 from amp_fx.core.policy import Decision, Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.ops.casts import cast_if_floating
 from amp_fx.ops.fused_batch_norm import FusedBatchNormAct
-from amp_fx.passes.normalize_ops import module_op
 
 logger = logging.getLogger(__name__)
 

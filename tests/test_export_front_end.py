@@ -16,8 +16,8 @@ from torch import nn
 
 import amp_fx
 from amp_fx.captured_model import CapturedModel, capture_summary
+from amp_fx.core.module_ops import module_op
 from amp_fx.optim import FusedAdam
-from amp_fx.passes.normalize_ops import module_op
 from tests.models.hf import MODELS
 from tests.models.small import GatedByValue, NanoGPT
 

@@ -51,6 +51,9 @@ class FusedBatchNormAct(nn.Module):
         relu: apply ReLU after the (optional) residual add.
     """
 
+    # The op `amp_fx.core.module_ops.module_op` names it by: the policy decides it as a BatchNorm.
+    amp_fx_op = "batch_norm"
+
     def __init__(self, batch_norm: nn.BatchNorm2d, name: str, relu: bool = True) -> None:
         super().__init__()
         if not is_fusable_batch_norm(batch_norm):
