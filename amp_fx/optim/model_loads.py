@@ -2,7 +2,7 @@
 
 An optimizer with FP32 masters (`FusedAdam`, `FusedSGD`, or amp's MASTERS kind) updates the master and
 writes the rounded result into the model. A load that changed only the model's fp16 parameters would be
-undone by the next step, which writes the stale master back. `follow_model_loads` gives a module three
+undone by the next step, which writes the stale master back. `follow_model_loads` gives a module two
 ``load_state_dict`` hooks that prevent it:
 
 - before anything is loaded, the load is checked as torch would check it (missing and unexpected keys
@@ -28,9 +28,9 @@ Example:
 
 from __future__ import annotations
 
-import types
+import inspect
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -127,20 +127,29 @@ def follow_model_loads(module: nn.Module, source: MasterSource | None = None) ->
             sources.append(source)
         return module
     setattr(module, _SOURCES_ATTRIBUTE, [] if source is None else [source])
-    # Module-level hooks and a bound method: a torch.save'd model pickles (closures would not).
+    # Module-level hooks: a torch.save'd model pickles (closures, or a bound method in the
+    # instance's __dict__, would not).
     module.register_load_state_dict_pre_hook(_check_and_capture)
     module.register_load_state_dict_post_hook(_update_masters)
-    # Bound to the module, so a deepcopy rebinds it to the copy.
-    module.load_state_dict = types.MethodType(load_state_dict, module)
     return module
+
+
+def _caller_strict() -> bool:
+    """The ``strict`` the caller gave ``nn.Module.load_state_dict`` (torch hands its hooks True)."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code is nn.Module.load_state_dict.__code__:
+            return bool(frame.f_locals.get("strict", True))
+        frame = frame.f_back
+    return True
 
 
 def _check_and_capture(
     module: nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any, strict: bool, *args: Any
 ) -> None:
-    # torch passes strict=True to every module's hooks whatever the caller asked; the missing
-    # and unexpected keys of a strict load are checked by load_state_dict below.
-    _check_load(module, state_dict, prefix, strict=False)
+    # torch passes strict=True to every module's hooks whatever the caller asked: the missing and
+    # unexpected keys are checked when this module is the one loaded, as its caller asked.
+    _check_load(module, state_dict, prefix, strict=prefix == "" and _caller_strict())
     captured = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         value = state_dict.get(prefix + name)
@@ -162,11 +171,3 @@ def _update_masters(module: nn.Module, incompatible_keys: Any) -> None:
             for master in masters.get(id(param), ()) if value is not None else ():
                 if master is not param:
                     master.copy_(value)
-
-
-def load_state_dict(
-    self: nn.Module, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-) -> Any:
-    """``nn.Module.load_state_dict``, with a strict load's key check done before anything is loaded."""
-    _check_load(self, dict(state_dict), "", strict)
-    return type(self).load_state_dict(self, state_dict, strict=strict, assign=assign)
