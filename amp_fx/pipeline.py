@@ -204,6 +204,16 @@ def convert(
         )
 
     if _is_converted(model):
+        previous = model.meta[POLICY_KEY]
+        if previous != resolved:
+            # Its weights are already stored for the old policy: converting again would keep fp16
+            # weights at O0 or round fp16 weights to bf16, a silent hybrid.
+            raise ValueError(
+                f"convert got a model amp_fx.convert already converted at {previous.opt_level} "
+                f"({previous.dtype}, {previous.device_type}); converting it at {resolved.opt_level} "
+                f"({resolved.dtype}, {resolved.device_type}) would mix the two: convert the original "
+                "model (its FP32 weights) instead"
+            )
         # Already amp_fx's: its graph is flat and annotated, and re-tracing would run the
         # autocast islands' context managers at trace time. Convert a copy of it as it is.
         gm = copy.deepcopy(model)

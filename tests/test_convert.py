@@ -651,3 +651,18 @@ def test_integer_targets_of_an_optional_input_are_never_cast(opt_level):
     expected = F.cross_entropy(logits.to(low).view(-1, 11), idx.view(-1)).float()
     rtol, atol = tolerances(F32)
     torch.testing.assert_close(loss, expected, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize(("first", "second"), [("O2", "O0"), ("O2", "O1"), ("O1", "O3")])
+def test_converting_a_converted_graph_at_another_level_is_refused(first, second):
+    converted = convert(_seeded(Mlp), first, dtype=torch.float16, device_type="cpu")
+    state = {k: v.clone() for k, v in converted.state_dict().items()}
+    with pytest.raises(ValueError, match=f"already converted at {first}.*convert the original model"):
+        convert(converted, second, dtype=torch.float16, device_type="cpu")
+    assert all(torch.equal(v, converted.state_dict()[k]) for k, v in state.items())
+
+
+def test_converting_a_converted_graph_to_another_dtype_is_refused():
+    converted = convert(_seeded(Mlp), "O2", dtype=torch.float16, device_type="cpu")
+    with pytest.raises(ValueError, match="torch.float16.*torch.bfloat16"):
+        convert(converted, "O2", dtype=torch.bfloat16, device_type="cpu")
