@@ -19,6 +19,8 @@ _EXPORTS = {
     "convert": "amp_fx.pipeline",
     "report": "amp_fx.reporting",
     "Report": "amp_fx.reporting",
+    "capture_summary": "amp_fx.captured_model",
+    "captured_graphs": "amp_fx.captured_model",
     "Policy": "amp_fx.core.policy",
     "Rule": "amp_fx.core.policy",
     "preset": "amp_fx.core.policy",

@@ -61,7 +61,7 @@ from amp_fx.rewrite import rewrite_graph
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CapturedModel", "CaptureSummary", "captured_model", "capture_summary"]
+__all__ = ["CapturedModel", "CaptureSummary", "captured_graphs", "captured_model", "capture_summary"]
 
 _STATE = "_amp_fx_capture"
 
@@ -109,6 +109,10 @@ class _CaptureState:
     def __deepcopy__(self, memo: dict[int, Any]) -> _CaptureState:
         # Graphs hold the model's tensors; a copy of the model captures its own.
         return _CaptureState(self.policy, self.root, islands=dict(self.islands))
+
+
+_NO_STATE = _CaptureState.__new__(_CaptureState)
+_NO_STATE.graphs = []
 
 
 class CapturedModel(nn.Module):
@@ -344,6 +348,20 @@ def capture_summary(model: nn.Module) -> CaptureSummary:
         sum(parameters[key] for key in covered if key in parameters) / total if total else 1.0
     )
     return summary
+
+
+def captured_graphs(model: nn.Module) -> list[torch.fx.GraphModule]:
+    """The rewritten graphs ``model`` (a result of the torch.export front end) has captured so far,
+    its children's included, in capture order; each can be printed or given to `amp_fx.report`.
+
+    >>> from amp_fx.core.policy import preset
+    >>> model = captured_model(nn.Linear(4, 2), preset("O1", torch.bfloat16, "cpu"))
+    >>> _ = model(torch.randn(3, 4))
+    >>> [type(g).__name__ for g in captured_graphs(model)]
+    ['Linear']
+    """
+    capture_summary(model)  # the same TypeError for a model of the other front end
+    return [graph for module in model.modules() for graph in module.__dict__.get(_STATE, _NO_STATE).graphs]
 
 
 def _attribute(root: nn.Module, target: str) -> Any:

@@ -334,8 +334,9 @@ def report(gm: torch.fx.GraphModule) -> Report:
     """
     if not isinstance(gm, torch.fx.GraphModule):
         raise TypeError(
-            f"report expects the torch.fx.GraphModule returned by amp_fx.convert, got {type(gm).__name__}; "
-            "call amp_fx.report(amp_fx.convert(model, opt_level))"
+            f"report expects a torch.fx.GraphModule returned by amp_fx.convert, got {type(gm).__name__}; "
+            "call amp_fx.report(amp_fx.convert(model, opt_level)), or for a model of the torch.export "
+            "front end report each of amp_fx.captured_graphs(model) and see amp_fx.capture_summary(model)"
         )
     policy = gm.meta.get(POLICY_KEY)
     parameters = [ParameterRow(name, p.dtype, p.numel(), False) for name, p in gm.named_parameters()]
