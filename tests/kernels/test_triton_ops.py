@@ -128,6 +128,11 @@ def scalar(value: float, device: str) -> torch.Tensor:
     return torch.full((1,), value, dtype=torch.float32, device=device)
 
 
+def step_counts(values: list[float], device: str) -> list[torch.Tensor]:
+    """One step count per param (``state[p]["step"]``), shape () as the optimizers keep them."""
+    return [torch.tensor(v, dtype=torch.float32, device=device) for v in values]
+
+
 @given(
     sizes=sizes_strategy,
     data=st.data(),
@@ -138,7 +143,6 @@ def scalar(value: float, device: str) -> torch.Tensor:
     weight_decay=st.sampled_from([0.0, 0.01, 0.1]),
     adam_w_mode=st.booleans(),
     multiplier=multiplier_strategy,
-    step_value=step_strategy,
     with_found_inf=st.booleans(),
     seed=st.integers(0, 2**16),
 )
@@ -153,11 +157,12 @@ def test_adam_matches_reference(
     weight_decay,
     adam_w_mode,
     multiplier,
-    step_value,
     with_found_inf,
     seed,
 ) -> None:
     dtypes = data.draw(st.lists(st.sampled_from(PARAM_DTYPES), min_size=len(sizes), max_size=len(sizes)))
+    # Each param its own count: a table column per tensor, not one count for the launch.
+    step_values = data.draw(st.lists(step_strategy, min_size=len(sizes), max_size=len(sizes)))
     with_masters = data.draw(st.booleans())
     ours = make_problem(sizes, dtypes, device, seed, ("exp_avgs", "exp_avg_sqs"), with_masters)
     expected = clone_problem(ours)
@@ -171,12 +176,12 @@ def test_adam_matches_reference(
         grad_multiplier=None if multiplier is None else scalar(multiplier, device),
         found_inf=scalar(0.0, device) if with_found_inf else None,
     )
-    step = scalar(step_value, device)
+    steps = step_counts(step_values, device)
     with launch_config(SMALL):
-        triton_ops.adam_step_(*ours.values(), step, **kwargs)
-    reference.adam_step_(*expected.values(), step, **kwargs)
+        triton_ops.adam_step_(*ours.values(), steps, **kwargs)
+    reference.adam_step_(*expected.values(), steps, **kwargs)
     assert_matches_reference(ours, expected)
-    assert step.item() == step_value
+    assert [s.item() for s in steps] == step_values
 
 
 @given(
@@ -188,14 +193,15 @@ def test_adam_matches_reference(
     ),
     weight_decay=st.sampled_from([0.0, 0.01]),
     multiplier=multiplier_strategy,
-    step_value=step_strategy,
     seed=st.integers(0, 2**16),
 )
 def test_sgd_matches_reference(
-    device, sizes, data, lr, momentum_setting, weight_decay, multiplier, step_value, seed
+    device, sizes, data, lr, momentum_setting, weight_decay, multiplier, seed
 ) -> None:
     momentum, dampening, nesterov = momentum_setting
     dtypes = data.draw(st.lists(st.sampled_from(PARAM_DTYPES), min_size=len(sizes), max_size=len(sizes)))
+    # Counts of 0 and > 0 in one launch: each param's first step starts its own buffer at its grad.
+    step_values = data.draw(st.lists(step_strategy, min_size=len(sizes), max_size=len(sizes)))
     # Without momentum the buffers may be left out (None).
     states = () if momentum == 0.0 and data.draw(st.booleans()) else ("momentum_buffers",)
     ours = make_problem(sizes, dtypes, device, seed, states, data.draw(st.booleans()))
@@ -209,10 +215,11 @@ def test_sgd_matches_reference(
         grad_multiplier=None if multiplier is None else scalar(multiplier, device),
         found_inf=scalar(0.0, device),
     )
-    step = scalar(step_value, device)
+    # Without momentum the counts may be left out (None), as FusedSGD keeps none.
+    steps = None if not states else step_counts(step_values, device)
     with launch_config(SMALL):
-        triton_ops.sgd_step_(*sgd_arguments(ours), step, **kwargs)
-    reference.sgd_step_(*sgd_arguments(expected), step, **kwargs)
+        triton_ops.sgd_step_(*sgd_arguments(ours), steps, **kwargs)
+    reference.sgd_step_(*sgd_arguments(expected), steps, **kwargs)
     assert_matches_reference(ours, expected)
 
 
@@ -257,15 +264,16 @@ def test_overflow_skips_everything(device, sizes, data, bad_value, optimizer, se
         tensor_index = data.draw(st.integers(0, len(sizes) - 1))
         element = data.draw(st.integers(0, sizes[tensor_index] - 1))
     problem["grads"][tensor_index][element] = bad_value
-    found_inf, sq_norm, step = scalar(0.0, device), scalar(0.0, device), scalar(3.0, device)
-    before = [t.clone() for t in all_tensors(problem)] + [step.clone()]
+    found_inf, sq_norm = scalar(0.0, device), scalar(0.0, device)
+    steps = step_counts([3.0, 0.0, 1.0, 5.0, 2.0][: len(sizes)], device)
+    before = [t.clone() for t in all_tensors(problem) + steps]
     with launch_config(SMALL):
         triton_ops.check_finite_and_norm_(problem["grads"], found_inf, sq_norm_out=sq_norm)
         assert found_inf.item() == 1.0
         if optimizer == "adam":
             triton_ops.adam_step_(
                 *problem.values(),
-                step,
+                steps,
                 lr=0.1,
                 beta1=0.9,
                 beta2=0.999,
@@ -277,7 +285,7 @@ def test_overflow_skips_everything(device, sizes, data, bad_value, optimizer, se
         else:
             triton_ops.sgd_step_(
                 *sgd_arguments(problem),
-                step,
+                steps,
                 lr=0.1,
                 momentum=0.9,
                 dampening=0.0,
@@ -285,8 +293,8 @@ def test_overflow_skips_everything(device, sizes, data, bad_value, optimizer, se
                 nesterov=True,
                 found_inf=found_inf,
             )
-        triton_ops.advance_step_(step, found_inf)
-    assert_bit_identical(before, all_tensors(problem) + [step])
+        triton_ops.advance_step_(steps, found_inf)
+    assert_bit_identical(before, all_tensors(problem) + steps)
     assert not math.isfinite(sq_norm.item())
     assert all(torch.isfinite(m).all() for m in problem["masters"] if m is not None)
 
@@ -304,7 +312,8 @@ def test_production_configuration_across_block_and_chunk_boundaries(device) -> N
     for optimizer, states in (("adam", ("exp_avgs", "exp_avg_sqs")), ("sgd", ("momentum_buffers",))):
         ours = make_problem(sizes, dtypes, device, 0, states)
         expected = clone_problem(ours)
-        found_inf, sq_norm, step = scalar(0.0, device), scalar(0.0, device), scalar(1.0, device)
+        found_inf, sq_norm = scalar(0.0, device), scalar(0.0, device)
+        steps = step_counts([1.0, 0.0, 4.0, 1.0], device)
         triton_ops.check_finite_and_norm_(ours["grads"], found_inf, sq_norm_out=sq_norm)
         if optimizer == "adam":
             kwargs = dict(
@@ -316,14 +325,14 @@ def test_production_configuration_across_block_and_chunk_boundaries(device) -> N
                 adam_w_mode=True,
                 found_inf=found_inf,
             )
-            triton_ops.adam_step_(*ours.values(), step, **kwargs)
-            reference.adam_step_(*expected.values(), step, **kwargs)
+            triton_ops.adam_step_(*ours.values(), steps, **kwargs)
+            reference.adam_step_(*expected.values(), steps, **kwargs)
         else:
             kwargs = dict(
                 lr=1e-2, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=False, found_inf=found_inf
             )
-            triton_ops.sgd_step_(*sgd_arguments(ours), step, **kwargs)
-            reference.sgd_step_(*sgd_arguments(expected), step, **kwargs)
+            triton_ops.sgd_step_(*sgd_arguments(ours), steps, **kwargs)
+            reference.sgd_step_(*sgd_arguments(expected), steps, **kwargs)
         assert found_inf.item() == 0.0
         expected_norm = sum(float(g.double().square().sum()) for g in ours["grads"])
         assert sq_norm.item() == pytest.approx(expected_norm, rel=1e-5)
@@ -343,8 +352,8 @@ def test_unaligned_views_are_updated_correctly(device) -> None:
     }
     expected = clone_problem(ours)
     kwargs = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adam_w_mode=True)
-    triton_ops.adam_step_(*ours.values(), scalar(0.0, device), **kwargs)
-    reference.adam_step_(*expected.values(), scalar(0.0, device), **kwargs)
+    triton_ops.adam_step_(*ours.values(), step_counts([0.0, 2.0], device), **kwargs)
+    reference.adam_step_(*expected.values(), step_counts([0.0, 2.0], device), **kwargs)
     assert_matches_reference(ours, expected)
 
 
@@ -378,14 +387,14 @@ def test_launch_count_does_not_grow_with_tensor_count(device, num_tensors, monke
             launcher.launches = 0
         adam_problem = make_problem(sizes, dtypes, device, 0, ("exp_avgs", "exp_avg_sqs"))
         sgd_problem = make_problem(sizes, dtypes, device, 0, ("momentum_buffers",))
-        found_inf, step = scalar(0.0, device), scalar(0.0, device)
+        found_inf, steps = scalar(0.0, device), step_counts([0.0] * num_tensors, device)
         with launch_config(SMALL):
             triton_ops.check_finite_and_norm_(
                 adam_problem["grads"], found_inf, sq_norm_out=scalar(0.0, device)
             )
             triton_ops.adam_step_(
                 *adam_problem.values(),
-                step,
+                steps,
                 lr=1e-3,
                 beta1=0.9,
                 beta2=0.999,
@@ -396,7 +405,7 @@ def test_launch_count_does_not_grow_with_tensor_count(device, num_tensors, monke
             )
             triton_ops.sgd_step_(
                 *sgd_arguments(sgd_problem),
-                step,
+                steps,
                 lr=1e-3,
                 momentum=0.9,
                 dampening=0.0,
@@ -419,7 +428,7 @@ def test_bad_input_is_refused_like_the_reference(device) -> None:
                 [p.half()],
                 [p],
                 [p],
-                scalar(0.0, device),
+                step_counts([0.0], device),
                 lr=0.1,
                 beta1=0.9,
                 beta2=0.999,
@@ -433,7 +442,7 @@ def test_bad_input_is_refused_like_the_reference(device) -> None:
             )
 
 
-def _o2_adam_step(problem: dict[str, list], step, found_inf, sq_norm, grad_multiplier) -> None:
+def _o2_adam_step(problem: dict[str, list], steps, found_inf, sq_norm, grad_multiplier) -> None:
     """One O2 step as the optimizers run it: check (+ norm), update, advance; all on the device."""
     found_inf.zero_()
     sq_norm.zero_()
@@ -442,24 +451,25 @@ def _o2_adam_step(problem: dict[str, list], step, found_inf, sq_norm, grad_multi
     )
     hyperparameters = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adam_w_mode=True)
     triton_ops.adam_step_(
-        *problem.values(), step, grad_multiplier=grad_multiplier, found_inf=found_inf, **hyperparameters
+        *problem.values(), steps, grad_multiplier=grad_multiplier, found_inf=found_inf, **hyperparameters
     )
-    triton_ops.advance_step_(step, found_inf)
+    triton_ops.advance_step_(steps, found_inf)
 
 
 @pytest.mark.gpu
 def test_step_never_syncs_with_the_host() -> None:
     problem = make_problem([3000, 17, 1], [torch.float16, torch.bfloat16, torch.float32], "cuda", 0,
                            ("exp_avgs", "exp_avg_sqs"))  # fmt: skip
-    step, found_inf, sq_norm, multiplier = (scalar(v, "cuda") for v in (0.0, 0.0, 0.0, 0.5))
+    found_inf, sq_norm, multiplier = (scalar(v, "cuda") for v in (0.0, 0.0, 0.5))
+    steps = step_counts([0.0, 0.0, 0.0], "cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(2):  # the first builds and uploads the tables, the second reuses them
-            _o2_adam_step(problem, step, found_inf, sq_norm, multiplier)
+            _o2_adam_step(problem, steps, found_inf, sq_norm, multiplier)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert step.item() == 2.0
+    assert [s.item() for s in steps] == [2.0] * 3
 
 
 @pytest.mark.gpu
@@ -467,8 +477,10 @@ def test_step_replays_in_a_cuda_graph() -> None:
     shapes_dtypes = ([3000, 17, 1], [torch.float16, torch.bfloat16, torch.float32])
     graphed = make_problem(*shapes_dtypes, "cuda", 0, ("exp_avgs", "exp_avg_sqs"))
     eager = clone_problem(graphed)
-    # (step, found_inf, sq_norm, grad_multiplier) for the graphed and the eager run
-    scalars = [[scalar(v, "cuda") for v in (0.0, 0.0, 0.0, 0.5)] for _ in range(2)]
+    # (steps, found_inf, sq_norm, grad_multiplier) for the graphed and the eager run
+    scalars = [
+        [step_counts([0.0] * 3, "cuda")] + [scalar(v, "cuda") for v in (0.0, 0.0, 0.5)] for _ in range(2)
+    ]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up outside the graph: compiles kernels, caches tables
@@ -483,5 +495,5 @@ def test_step_replays_in_a_cuda_graph() -> None:
         _o2_adam_step(eager, *scalars[1])
     for mine, theirs in zip(all_tensors(graphed), all_tensors(eager), strict=True):
         assert torch.equal(bits(mine), bits(theirs))
-    assert scalars[0][0].item() == scalars[1][0].item() == 3.0
+    assert [s.item() for s in scalars[0][0]] == [s.item() for s in scalars[1][0]] == [3.0] * 3
     assert scalars[0][2].item() == scalars[1][2].item() > 0.0
