@@ -13,7 +13,7 @@ $(STAMP): requirements-dev.txt pyproject.toml
 	@$(PYTHON) -m venv $(VENV)
 	@echo "[2/4] installing pip, setuptools>=77, wheel"
 	@$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel
-	@echo "[3/4] installing torch, torchvision, pytest, hypothesis, ruff, tqdm (requirements-dev.txt) ... (about 2 minutes)"
+	@echo "[3/4] installing torch, torchvision, transformers, pytest, hypothesis, ruff, tqdm (requirements-dev.txt) ... (about 2 minutes)"
 	@$(PY) -m pip install -q -r requirements-dev.txt
 	@echo "[4/4] installing amp_fx (editable)"
 	@$(PY) -m pip install -q --no-deps --no-build-isolation -e .
