@@ -18,13 +18,6 @@ Bytes per parameter (each input read once, each output written once):
   in place (4 + 4), the fused fp32 update (28 Adam / 20 SGD), masters -> fp16 params (4 + 2)
   = 48 (Adam) / 40 (SGD).
 
-The step counts are left out of these bytes, as the single group step count was before. Each
-parameter now has its own (fp32, one element: ``state[p]["step"]``, as torch.optim keeps it); every
-program of the update reads its tensor's count (a cache hit after the first) and ``advance_step_``
-reads and writes each count once: 12 bytes per tensor, under 4 KB for the 291 tensors against the
-update's gigabytes. The O2 step rows do include the time of ``advance_step_``, now one foreach add
-over the per-parameter counts instead of an add on one tensor.
-
 The copy row is a device-to-device copy (bytes read + written), the bandwidth ceiling.
 
 Variants (``--variants``): the update and check kernels alone at several block/chunk/warp settings,
@@ -137,12 +130,7 @@ class Problem:
         self.numel = sum(p.numel() for p in self.params)
         self.found_inf = torch.zeros(1, device=DEVICE)
         self.inv_scale = torch.full((1,), 1.0 / LOSS_SCALE, device=DEVICE)
-        # The steps each param has taken, one count per param (the kernels refuse a shared one).
-        self.steps = [torch.zeros((), device=DEVICE) for _ in shapes]
-
-    def set_steps(self, value: float) -> None:
-        for step in self.steps:
-            step.fill_(value)
+        self.step = torch.zeros(1, device=DEVICE)
 
     def check(self) -> None:
         triton_ops.check_finite_and_norm_(self.grads, self.found_inf, grad_multiplier=self.inv_scale)
@@ -154,7 +142,7 @@ class Problem:
             self.masters,
             self.states["exp_avgs"],
             self.states["exp_avg_sqs"],
-            self.steps,
+            self.step,
             grad_multiplier=self.inv_scale,
             found_inf=self.found_inf,
             **ADAM,
@@ -166,7 +154,7 @@ class Problem:
             self.grads,
             self.masters,
             self.states["momentum_buffers"],
-            self.steps,
+            self.step,
             grad_multiplier=self.inv_scale,
             found_inf=self.found_inf,
             **SGD,
@@ -176,13 +164,13 @@ class Problem:
         self.found_inf.zero_()
         self.check()
         self.adam_update()
-        triton_ops.advance_step_(self.steps, self.found_inf)
+        triton_ops.advance_step_(self.step, self.found_inf)
 
     def sgd_o2_step(self) -> None:
         self.found_inf.zero_()
         self.check()
         self.sgd_update()
-        triton_ops.advance_step_(self.steps, self.found_inf)
+        triton_ops.advance_step_(self.step, self.found_inf)
 
 
 def check_against_reference(shapes, kind: str) -> str:
@@ -194,7 +182,7 @@ def check_against_reference(shapes, kind: str) -> str:
             problem.found_inf.zero_()
             ops.check_finite_and_norm_(problem.grads, problem.found_inf, grad_multiplier=problem.inv_scale)
             (problem.adam_update if kind == "adam" else problem.sgd_update)(ops)
-            ops.advance_step_(problem.steps, problem.found_inf)
+            ops.advance_step_(problem.step, problem.found_inf)
     worst = 0.0
     for name in ("masters", *states):
         mine = ours.masters if name == "masters" else ours.states[name]
@@ -204,7 +192,7 @@ def check_against_reference(shapes, kind: str) -> str:
             worst = max(worst, (a - b).abs().max().item())
     for p, m in zip(ours.params, ours.masters, strict=True):
         assert torch.equal(p, m.half()), "fp16 param is not its master rounded to nearest"
-    assert ours.found_inf.item() == 0.0 and all(step.item() == 3.0 for step in ours.steps)
+    assert ours.found_inf.item() == 0.0 and ours.step.item() == 3.0
     return f"{worst:.2e}"
 
 
@@ -258,7 +246,7 @@ def adam_rows(shapes, rep_ms: int) -> list[Row]:
 
 def sgd_rows(shapes, rep_ms: int) -> list[Row]:
     problem = Problem(shapes, ("momentum_buffers",))
-    problem.set_steps(1.0)  # past the first step: the momentum buffer is read
+    problem.step.fill_(1.0)  # past the first step: the momentum buffer is read
     rows = [
         Row(
             "amp_fx SGD-momentum O2 step (check + update)",
@@ -366,7 +354,7 @@ def variant_rows(shapes, small_shapes, rep_ms: int) -> tuple[list[Row], dict[str
     rows, best = [], {}
     for kind, (states, bytes_per_param, keyword, variants) in VARIANT_KINDS.items():
         problem = Problem(shapes, states)
-        problem.set_steps(1.0)
+        problem.step.fill_(1.0)
         fn = {"adam": problem.adam_update, "sgd": problem.sgd_update, "check": problem.check}[kind]
         timings = {}
         for config in variants:
@@ -391,7 +379,7 @@ def best_variant_rows(shapes, best: dict[str, LaunchConfig], rep_ms: int) -> lis
     with launch_configs(adam_cfg=best["adam"], sgd_cfg=best["sgd"], check_cfg=best["check"]):
         for kind, bytes_per_param in (("adam", 30), ("sgd", 22)):
             problem = Problem(shapes, VARIANT_KINDS[kind][0])
-            problem.set_steps(1.0)
+            problem.step.fill_(1.0)
             fn = problem.adam_o2_step if kind == "adam" else problem.sgd_o2_step
             name = f"amp_fx {'Adam' if kind == 'adam' else 'SGD-momentum'} O2 step, best settings"
             note = f"{kind}: {best[kind]}; check: {best['check']}"

@@ -127,9 +127,7 @@ def main() -> None:
     if args.checkpoint and Path(args.checkpoint).exists():
         load_checkpoint(args.checkpoint, model, optimizer, scaler)
         if rank == 0:
-            # Every parameter of this model gets a grad at every step: any one's count is the step.
-            resumed_at = max(int(s["step"].item()) for s in optimizer.state.values() if "step" in s)
-            print(f"resumed from {args.checkpoint} at step {resumed_at}")
+            print(f"resumed from {args.checkpoint} at step {int(optimizer.param_groups[0]['step'].item())}")
 
     dataset = synthetic_dataset(samples=64 * args.global_batch_size, features=64, classes=10)
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0)

@@ -1,7 +1,6 @@
 """Fused Adam / AdamW step for many tensors in one launch, with FP32 master weights.
 
-What: for every element of every parameter, in fp32, with t = step + 1, step being the steps this
-parameter has taken (torch.optim.Adam/AdamW count per parameter)::
+What: for every element of every parameter, in fp32, with t = step + 1 (torch.optim.Adam/AdamW)::
 
     g  = grad * grad_multiplier                  grad_multiplier = 1 / loss_scale (x clip coefficient)
     g += weight_decay * w                        L2 (adam_w_mode=False)
@@ -24,14 +23,11 @@ kernel) every program sets its loop count to zero, so nothing is read or written
 and moments keep their exact bits and no NaN reaches a master. The decision is made on the device,
 per program, from the same flag, so it is all-or-nothing.
 
-Bias correction: 1 - beta^t = -expm1(t * ln(beta)), computed once per program from its tensor's
-step count (a program updates one chunk of one tensor); expm1 avoids the
+Bias correction: 1 - beta^t = -expm1(t * ln(beta)), computed once per program; expm1 avoids the
 cancellation of 1 - exp(x) when beta is close to 1 and t is small (beta2 = 0.999, t = 1).
 
 Layout: a pointer table (``pointer_table.py``) with columns param, grad, master, exp_avg,
-exp_avg_sq and the scalar column step; one launch per (param dtype, grad dtype, has master) group,
-never one per tensor. The step counts are advanced after the launch (``advance_step_``): inside
-it, one program would advance a count that other programs of the same tensor still read.
+exp_avg_sq; one launch per (param dtype, grad dtype, has master) group, never one per tensor.
 """
 
 from __future__ import annotations
@@ -119,9 +115,9 @@ def _adam_block(
 
 @triton.jit
 def _adam_kernel(
-    tensor_table,  # int64 [T, 7]: pointers to param, grad, master (0: none), exp_avg, exp_avg_sq,
-    # step (float32, one element: steps the tensor has taken; this step is t = step + 1); numel
+    tensor_table,  # int64 [T, 6]: pointers to param, grad, master (0: none), exp_avg, exp_avg_sq; numel
     chunk_table,  # int64 [C, 2]: (tensor index, first element) of the chunk this program updates
+    step_ptr,  # float32 [1]: steps already taken; this step is t = step + 1
     grad_multiplier_ptr,  # float32 [1]: multiplies every grad (read only if HAS_GRAD_MULTIPLIER)
     found_inf_ptr,  # float32 [1]: > 0 means skip the step (read only if HAS_FOUND_INF)
     lr,
@@ -148,14 +144,13 @@ def _adam_kernel(
     chunk = tl.program_id(0).to(tl.int64)
     tensor_index = tl.load(chunk_table + 2 * chunk)
     chunk_start = tl.load(chunk_table + 2 * chunk + 1)
-    row = tensor_table + 7 * tensor_index
+    row = tensor_table + 6 * tensor_index
     param_ptr = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
     grad_ptr = tl.load(row + 1).to(tl.pointer_type(GRAD_DTYPE))
     master_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
     exp_avg_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
     exp_avg_sq_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
-    step_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
-    numel = tl.load(row + 6)
+    numel = tl.load(row + 5)
     if ALIGNED:
         param_ptr = tl.multiple_of(param_ptr, 16)
         grad_ptr = tl.multiple_of(grad_ptr, 16)
@@ -238,7 +233,7 @@ def adam_step_(
     masters: Sequence[Tensor | None] | None,
     exp_avgs: Sequence[Tensor],
     exp_avg_sqs: Sequence[Tensor],
-    steps: Sequence[Tensor],
+    step: Tensor,
     *,
     lr: float,
     beta1: float,
@@ -250,14 +245,14 @@ def adam_step_(
     found_inf: Tensor | None = None,
 ) -> None:
     """One Adam/AdamW step over all tensors, in one launch per dtype group; same contract as
-    ``amp_fx.kernels.reference.adam_step_`` (t = steps[i] + 1; nothing written when found_inf > 0).
+    ``amp_fx.kernels.reference.adam_step_`` (t = step + 1; nothing written when found_inf > 0).
 
     Example:
         >>> import torch
         >>> p = torch.ones(3, dtype=torch.float16, device="cuda"); g = torch.ones_like(p)  # doctest: +SKIP
         >>> master = p.float(); m, v = torch.zeros_like(master), torch.zeros_like(master)  # doctest: +SKIP
-        >>> step = torch.zeros((), device="cuda")  # doctest: +SKIP
-        >>> adam_step_([p], [g], [master], [m], [v], [step], lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8,
+        >>> step = torch.zeros(1, device="cuda")  # doctest: +SKIP
+        >>> adam_step_([p], [g], [master], [m], [v], step, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8,
         ...            weight_decay=0.0, adam_w_mode=True)  # doctest: +SKIP
     """
     check_update(
@@ -265,21 +260,19 @@ def adam_step_(
         grads,
         masters,
         {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
-        steps,
+        step,
         grad_multiplier,
         found_inf,
         {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay},
     )
     check_adam_hyperparameters(lr, beta1, beta2, eps, weight_decay)
-    if len(params) == 0:
-        return
     if masters is None:
         masters = [None] * len(params)
     launch = LAUNCH
     groups = group_by_dtype(
         [p.dtype for p in params], [g.dtype for g in grads], [m is not None for m in masters]
     )
-    with on_device(params[0].device):
+    with on_device(step.device):
         for (param_dtype, grad_dtype, has_master), indices in groups.items():
             table = pointer_table(
                 [
@@ -290,16 +283,15 @@ def adam_step_(
                     [exp_avg_sqs[i] for i in indices],
                 ],
                 launch.chunk_size,
-                scalar_columns=[[steps[i] for i in indices]],
             )
             if table.num_chunks == 0:
                 continue
             _adam_kernel[(table.num_chunks,)](
                 table.tensors,
                 table.chunks,
-                # An absent pointer argument still needs a tensor (never read: its flag is False).
-                table.tensors if grad_multiplier is None else grad_multiplier,
-                table.tensors if found_inf is None else found_inf,
+                step,
+                step if grad_multiplier is None else grad_multiplier,
+                step if found_inf is None else found_inf,
                 lr,
                 beta1,
                 1.0 - beta1,

@@ -116,7 +116,7 @@ def check_update(
     grads: Sequence[Tensor],
     masters: Sequence[Tensor | None] | None,
     states: dict[str, Sequence[Tensor] | None],
-    steps: Sequence[Tensor] | None,
+    step: Tensor,
     grad_multiplier: Tensor | None,
     found_inf: Tensor | None,
     hyperparameters: dict[str, float],
@@ -126,9 +126,9 @@ def check_update(
     ``masters`` may be None (every param is its own master) or a list whose entries are float32
     tensors or None (that param is updated in place, in its own dtype, with fp32 arithmetic).
     ``states`` maps a name (``"exp_avgs"``) to a list of float32 tensors, or None when unused.
-    ``steps`` holds each param's count of steps already taken (a float32 tensor of one element on
-    the param's device, as torch.optim's fused Adam keeps ``state[p]["step"]``), or None when unused.
     """
+    if step is None:
+        raise TypeError("step must be a float32 tensor of one element (steps already taken)")
     # Only the params are checked for density: every other tensor must have its param's shape and
     # strides, hence its layout. This runs every step, so it reads each tensor's metadata once.
     _check_tensor_list("params", params, PARAM_DTYPES)
@@ -158,16 +158,9 @@ def check_update(
             tensor = tensors[i]
             if tensor is not None and (tensor.shape, tensor.stride(), tensor.device) != layout:
                 _raise_mismatch(name, i, tensor, param)
-    if steps is not None:
-        if not isinstance(steps, (list, tuple)):
-            raise TypeError(f"steps must be a list of tensors (one per param), got {type(steps).__name__}")
-        if len(steps) != len(params):
-            raise ValueError(f"got {len(params)} params but {len(steps)} steps; pass one per param")
-        for i, (step, param) in enumerate(zip(steps, params, strict=True)):
-            _check_scalar_tensor(f"steps[{i}]", step, param.device)
-    if params:
-        for name, value in (("grad_multiplier", grad_multiplier), ("found_inf", found_inf)):
-            _check_scalar_tensor(name, value, params[0].device)
+    device = params[0].device if params else step.device
+    for name, value in (("step", step), ("grad_multiplier", grad_multiplier), ("found_inf", found_inf)):
+        _check_scalar_tensor(name, value, device)
     for name, value in hyperparameters.items():
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
             raise TypeError(f"{name} must be a finite Python float, got {value!r}")
@@ -204,10 +197,8 @@ def check_sgd_hyperparameters(
     weight_decay: float,
     nesterov: bool,
     momentum_buffers: Sequence[Tensor] | None,
-    steps: Sequence[Tensor] | None = None,
 ) -> None:
-    """Raise ValueError for hyperparameters torch.optim.SGD would refuse, or missing momentum buffers
-    or step counts (pass ``()`` for both to check only the hyperparameters)."""
+    """Raise ValueError for hyperparameters torch.optim.SGD would refuse, or missing momentum buffers."""
     check_range("lr", lr, 0.0, float("inf"))
     check_range("momentum", momentum, 0.0, float("inf"))
     check_range("weight_decay", weight_decay, 0.0, float("inf"))
@@ -216,11 +207,6 @@ def check_sgd_hyperparameters(
     if momentum != 0.0 and momentum_buffers is None:
         raise ValueError(
             "momentum != 0 needs momentum_buffers (fp32, torch.zeros_like(param, dtype=torch.float32))"
-        )
-    if momentum != 0.0 and steps is None:
-        raise ValueError(
-            "momentum != 0 needs steps (one float32 tensor per param, torch.zeros(()) before its first "
-            "step): a param's first step starts its momentum buffer at the gradient"
         )
 
 

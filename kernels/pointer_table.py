@@ -4,9 +4,8 @@ An optimizer step touches hundreds of tensors (291 for a 24-layer GPT), of sizes
 elements. One launch per tensor would cost hundreds of launches; copying everything into one flat
 buffer would cost extra passes over memory. Instead, each launch gets two small int64 tables:
 
-    tensor table [T, K + S + 1]  row i: the data pointers of tensor i's K operands (param, grad,
-                              master, ...; 0 where absent), then of its S one-element scalars (its
-                              step count), then tensor i's element count
+    tensor table [T, K + 1]   row i: the data pointers of tensor i's K operands (param, grad,
+                              master, ...; 0 where absent), then tensor i's element count
     chunk table  [C, 2]       row c: (tensor index, first element) of the chunk program c updates
 
 Tensor i is cut into ceil(numel_i / chunk_size) chunks of ``chunk_size`` elements (the last one
@@ -20,7 +19,6 @@ narrow load per element. When every pointer in the table is a multiple of 16 byt
 allocator returns 512-byte aligned blocks; only views at odd offsets break this), ``aligned`` is
 True and the kernels tell the compiler so with ``tl.multiple_of``, which lets it issue 16-byte
 vector loads. Chunk starts are multiples of ``chunk_size``, itself a multiple of 16 elements.
-Scalars are read once per program, never vectorized: their pointers do not count for ``aligned``.
 
 Tables are cached, keyed on the pointers and sizes they hold, so a steady-state training step,
 whose tensors do not move, reuses them with no host-to-device copy. The key is the table's whole
@@ -74,7 +72,7 @@ class LaunchConfig:
 class PointerTable:
     """Device tables for one launch; see the module docstring for the layout."""
 
-    tensors: Tensor  # int64 [T, K + S + 1]
+    tensors: Tensor  # int64 [T, K + 1]
     chunks: Tensor  # int64 [C, 2]
     num_chunks: int
     aligned: bool
@@ -129,43 +127,26 @@ def _chunk_table(numels: tuple[int, ...], chunk_size: int, device: torch.device)
     return cached
 
 
-def _pointers(columns: Sequence[Sequence[Tensor | None]]) -> tuple[int, ...]:
-    return tuple(0 if t is None else t.data_ptr() for column in columns for t in column)
+def pointer_table(columns: Sequence[Sequence[Tensor | None]], chunk_size: int) -> PointerTable:
+    """Build (or fetch from the cache) the tables for tensors ``columns[k][i]``, operand k of tensor i.
 
-
-def pointer_table(
-    columns: Sequence[Sequence[Tensor | None]],
-    chunk_size: int,
-    scalar_columns: Sequence[Sequence[Tensor | None]] = (),
-) -> PointerTable:
-    """Build (or fetch from the cache) the tables for tensors ``columns[k][i]``, operand k of tensor i,
-    and one-element tensors ``scalar_columns[s][i]``, scalar s of tensor i (e.g. its step count).
-
-    ``columns[0]`` must hold tensors (its sizes define the chunks); later columns and the scalar
-    columns may hold None for an absent operand (pointer 0). All tensors must be on one device and
-    already validated (dense, same shape as ``columns[0][i]``; scalars of one element).
-
-    Example:
-        >>> a, step = torch.zeros(5), torch.zeros(())
-        >>> row = pointer_table([[a]], 4, scalar_columns=[[step]]).tensors[0].tolist()
-        >>> row == [a.data_ptr(), step.data_ptr(), 5]
-        True
+    ``columns[0]`` must hold tensors (its sizes define the chunks); later columns may hold None for
+    an absent operand (pointer 0). All tensors must be on one device and already validated (dense,
+    same shape as ``columns[0][i]``).
     """
     first = columns[0]
     if len(first) == 0:
         raise ValueError("pointer_table needs at least one tensor")
     device = first[0].device
-    operand_pointers = _pointers(columns)
-    pointers = operand_pointers + _pointers(scalar_columns)
+    pointers = tuple(0 if t is None else t.data_ptr() for column in columns for t in column)
     numels = tuple(t.numel() for t in first)
     chunks, num_chunks = _chunk_table(numels, chunk_size, device)
-    key = (device, len(columns), len(scalar_columns), pointers, numels)
+    key = (device, len(columns), pointers, numels)
     rows = _row_cache.lookup(key)
     if rows is None:
         num_tensors = len(first)
-        num_columns = len(columns) + len(scalar_columns)
-        host_rows = torch.tensor(pointers + numels, dtype=torch.int64).view(num_columns + 1, num_tensors)
-        aligned = all(p % ALIGNMENT_BYTES == 0 for p in operand_pointers)
+        host_rows = torch.tensor(pointers + numels, dtype=torch.int64).view(len(columns) + 1, num_tensors)
+        aligned = all(p % ALIGNMENT_BYTES == 0 for p in pointers)
         if not aligned:
             logger.info(
                 "pointer table for %d tensors is not 16-byte aligned: kernels use narrow loads", num_tensors

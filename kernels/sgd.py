@@ -3,8 +3,7 @@
 What: for every element of every parameter, in fp32 (torch.optim.SGD)::
 
     g   = grad * grad_multiplier + weight_decay * w
-    buf = g                                        the param's first step (its step == 0), as torch
-                                                   creates the buffer
+    buf = g                                        first step (step == 0), as torch creates the buffer
     buf = momentum * buf + (1 - dampening) * g     later steps
     g   = g + momentum * buf  (nesterov)   or   buf      (when momentum != 0)
     w  -= lr * g
@@ -19,10 +18,8 @@ per parameter (12 without momentum: no buffer), in one pass.
 Skip: when found_inf > 0 every program runs zero iterations, so nothing is read or written
 (all-or-nothing, decided on the device; see ``overflow_check.py`` for why the check runs first).
 
-Layout: a pointer table (``pointer_table.py``) with columns param, grad, master, momentum buffer
-and the scalar column step (the steps each param has taken; only with momentum); one launch per
-(param dtype, grad dtype, has master) group. The step counts are advanced after the launch
-(``advance_step_``), as for Adam.
+Layout: a pointer table (``pointer_table.py``) with columns param, grad, master, momentum buffer;
+one launch per (param dtype, grad dtype, has master) group.
 """
 
 from __future__ import annotations
@@ -88,9 +85,9 @@ def _sgd_block(
 
 @triton.jit
 def _sgd_kernel(
-    tensor_table,  # int64 [T, 6]: data pointers of param, grad, master (0 if none), momentum buffer,
-    # step (float32, one element, 0 if no momentum: 0 means the buffer starts as the grad); numel
+    tensor_table,  # int64 [T, 5]: data pointers of param, grad, master (0 if none), momentum buffer; numel
     chunk_table,  # int64 [C, 2]: (tensor index, first element) of the chunk this program updates
+    step_ptr,  # float32 [1]: steps already taken; 0 means the momentum buffer starts as the grad
     grad_multiplier_ptr,  # float32 [1]: multiplies every grad (read only if HAS_GRAD_MULTIPLIER)
     found_inf_ptr,  # float32 [1]: > 0 means skip the step (read only if HAS_FOUND_INF)
     lr,
@@ -112,13 +109,12 @@ def _sgd_kernel(
     chunk = tl.program_id(0).to(tl.int64)
     tensor_index = tl.load(chunk_table + 2 * chunk)
     chunk_start = tl.multiple_of(tl.load(chunk_table + 2 * chunk + 1), CHUNK_SIZE)
-    row = tensor_table + 6 * tensor_index
+    row = tensor_table + 5 * tensor_index
     param_ptr = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
     grad_ptr = tl.load(row + 1).to(tl.pointer_type(GRAD_DTYPE))
     master_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
     buffer_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    step_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
-    numel = tl.load(row + 5)
+    numel = tl.load(row + 4)
     if ALIGNED:
         param_ptr = tl.multiple_of(param_ptr, 16)
         grad_ptr = tl.multiple_of(grad_ptr, 16)
@@ -128,9 +124,7 @@ def _sgd_kernel(
     if HAS_FOUND_INF:
         # The skip: no iterations, so nothing is loaded or stored.
         chunk_end = tl.where(tl.load(found_inf_ptr) > 0, chunk_start, chunk_end)
-    first_step = False
-    if USE_MOMENTUM:
-        first_step = tl.load(step_ptr) == 0
+    first_step = tl.load(step_ptr) == 0
     grad_multiplier = 1.0
     if HAS_GRAD_MULTIPLIER:
         grad_multiplier = tl.load(grad_multiplier_ptr)
@@ -187,7 +181,7 @@ def sgd_step_(
     grads: Sequence[Tensor],
     masters: Sequence[Tensor | None] | None,
     momentum_buffers: Sequence[Tensor] | None,
-    steps: Sequence[Tensor] | None,
+    step: Tensor,
     *,
     lr: float,
     momentum: float,
@@ -204,8 +198,8 @@ def sgd_step_(
         >>> import torch
         >>> p = torch.ones(3, dtype=torch.float16, device="cuda"); g = torch.ones_like(p)  # doctest: +SKIP
         >>> master = p.float(); buf = torch.zeros_like(master)  # doctest: +SKIP
-        >>> step = torch.zeros((), device="cuda")  # doctest: +SKIP
-        >>> sgd_step_([p], [g], [master], [buf], [step], lr=0.1, momentum=0.9, dampening=0.0,
+        >>> step = torch.zeros(1, device="cuda")  # doctest: +SKIP
+        >>> sgd_step_([p], [g], [master], [buf], step, lr=0.1, momentum=0.9, dampening=0.0,
         ...           weight_decay=0.0, nesterov=False)  # doctest: +SKIP
     """
     check_update(
@@ -213,24 +207,21 @@ def sgd_step_(
         grads,
         masters,
         {"momentum_buffers": momentum_buffers},
-        steps,
+        step,
         grad_multiplier,
         found_inf,
         {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay},
     )
-    check_sgd_hyperparameters(lr, momentum, dampening, weight_decay, nesterov, momentum_buffers, steps)
-    if len(params) == 0:
-        return
+    check_sgd_hyperparameters(lr, momentum, dampening, weight_decay, nesterov, momentum_buffers)
     if masters is None:
         masters = [None] * len(params)
     use_momentum = momentum != 0.0
     buffers = momentum_buffers if use_momentum else [None] * len(params)
-    step_counts = steps if use_momentum else [None] * len(params)
     launch = LAUNCH
     groups = group_by_dtype(
         [p.dtype for p in params], [g.dtype for g in grads], [m is not None for m in masters]
     )
-    with on_device(params[0].device):
+    with on_device(step.device):
         for (param_dtype, grad_dtype, has_master), indices in groups.items():
             table = pointer_table(
                 [
@@ -240,16 +231,15 @@ def sgd_step_(
                     [buffers[i] for i in indices],
                 ],
                 launch.chunk_size,
-                scalar_columns=[[step_counts[i] for i in indices]],
             )
             if table.num_chunks == 0:
                 continue
             _sgd_kernel[(table.num_chunks,)](
                 table.tensors,
                 table.chunks,
-                # An absent pointer argument still needs a tensor (never read: its flag is False).
-                table.tensors if grad_multiplier is None else grad_multiplier,
-                table.tensors if found_inf is None else found_inf,
+                step,
+                step if grad_multiplier is None else grad_multiplier,
+                step if found_inf is None else found_inf,
                 lr,
                 momentum,
                 1.0 - dampening,

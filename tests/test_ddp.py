@@ -84,7 +84,7 @@ def training_state(optimizer: torch.optim.Optimizer, scaler: amp_fx.LossScaler) 
     return {
         "masters": [m.detach().cpu().clone() for m in master_params(optimizer)],
         "params": [p.detach().cpu().clone() for g in optimizer.param_groups for p in g["params"]],
-        "step": optimizer.state[optimizer.param_groups[0]["params"][0]]["step"].item(),
+        "step": optimizer.param_groups[0]["step"].item(),
         "scale": scaler.get_scale(),
     }
 

@@ -118,8 +118,7 @@ def full_weights(model: nn.Module) -> list[torch.Tensor]:
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes this rank holds of optimizer state (masters, moments) and of FP32 params (their own masters)."""
-    # Parameter-shaped state only: each rank keeps a whole copy of every step count (4 bytes each).
-    state = [t for s in optimizer.state.values() for k, t in s.items() if k != "step"]
+    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     params = [p for group in optimizer.param_groups for p in group["params"] if p.dtype == torch.float32]
     return sum(local_tensor(t).nbytes for t in state + params)
 

@@ -8,16 +8,11 @@ like the parameter) at the parameter's first step with a grad, as torch.optim an
 theirs: an optimizer that has not stepped holds no moments, and a training step's peak memory
 (the backward, before the first update) does not hold them either.
 
-With its moments a parameter gets its step count, ``state[p]["step"]``: a float32 device tensor of
-shape () as torch.optim's fused Adam keeps it, the steps this parameter has taken. It advances
-when the parameter takes a step (it has a grad) that was not skipped, so a parameter whose first
-grad comes late (a layer unfrozen later, a branch unused at first) starts as torch.optim starts
-it: Adam's bias correction counts its own steps, SGD's momentum buffer starts at its first grad.
-(Apex counts steps per param group instead; amp_fx did too, and loads such checkpoints.)
-
 One step, per parameter group: collect the params that have grads and hand all of them to one
 call of the kernel (Triton on CUDA, the pure-torch reference elsewhere; `amp_fx.kernels`), then
-advance their step counts on the device (one foreach add, no host sync).
+advance the group's step counter on the device. The step counter is a float32 tensor of shape (1,)
+in ``param_group["step"]``, one per group as in Apex's FusedAdam: all params of a group share it,
+and it advances whenever the group takes a step that was not skipped.
 
 Loss scaling reaches the kernel as two device tensors and is never read on the host:
 
@@ -27,7 +22,7 @@ Loss scaling reaches the kernel as two device tensors and is never read on the h
   through the `ScaledOptimizer` protocol (`amp_fx.optim.scaled_optimizer`), which
   `FusedOptimizer` implements.
 - ``found_inf`` > 0 makes the kernel write nothing (weights, masters, moments stay bit-identical)
-  and keeps the step counts where they were.
+  and keeps the step counter where it was.
 
 ``torch.amp.GradScaler`` drives the same path through the ``grad_scale``/``found_inf`` attributes
 that it sets on optimizers with ``_step_supports_amp_scaling = True``.
@@ -103,11 +98,6 @@ class _StepBatch:
     grads: list[Tensor] = field(default_factory=list)
     masters: list[Tensor | None] = field(default_factory=list)
     states: dict[str, list[Tensor]] = field(default_factory=lambda: defaultdict(list))
-    steps: list[Tensor] = field(default_factory=list)
-
-    def steps_or_none(self) -> list[Tensor] | None:
-        """The step counts, or None when the params keep none (SGD without momentum)."""
-        return self.steps or None
 
     def masters_or_none(self) -> list[Tensor | None] | None:
         """The masters list, or None when no param has one (all are updated in place)."""
@@ -158,10 +148,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     A subclass defines three methods:
 
     - ``_state_keys(group) -> tuple[str, ...]``: names of its FP32 state tensors besides the master
-      (``("exp_avg", "exp_avg_sq")``), each shaped like the parameter; a parameter with these also
-      keeps its step count (none when the tuple is empty: SGD without momentum);
+      (``("exp_avg", "exp_avg_sq")``), each shaped like the parameter;
     - ``_check_hyperparameters(group)``: raise TypeError/ValueError for bad values in a param group;
-    - ``_update(kernels, batch, group, grad_multiplier, found_inf)``: one kernel call that
+    - ``_update(kernels, batch, step, group, grad_multiplier, found_inf)``: one kernel call that
       updates all params of ``batch`` (a `_StepBatch`).
     """
 
@@ -187,7 +176,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         track_params(self, (p for group in self.param_groups for p in group["params"]))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group (torch semantics); creates its FP32 masters (moments and step counts come
+        """Add a param group (torch semantics); creates its FP32 masters and step counter (moments come
         with each parameter's first step).
 
         Example:
@@ -215,6 +204,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._check_hyperparameters(merged)
         super().add_param_group(param_group)  # torch's checks (duplicates, names) before it appends
         group = self.param_groups[-1]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        group[STEP_KEY] = torch.zeros(1, dtype=torch.float32, device=device)
         for param in group["params"]:
             self._init_master(param, group)
         track_params(self, group["params"])
@@ -250,7 +241,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if len(devices) > 1:
             raise ValueError(
                 f"a param group of {name} holds parameters on several devices ({sorted(map(str, devices))}); "
-                "one kernel call steps a group, so put each device's parameters in their own group"
+                "its step counter lives on one device, so put each device's parameters in their own group"
             )
 
     def _master_expected(self, param: Tensor, group: dict[str, Any]) -> bool:
@@ -266,16 +257,11 @@ class FusedOptimizer(torch.optim.Optimizer):
                 state[MASTER_KEY] = param.detach().to(torch.float32, copy=True)
 
     def _init_moments(self, param: Tensor, group: dict[str, Any]) -> None:
-        """Create the zeroed FP32 state tensors ``param`` lacks (its first step, or momentum 0 -> 0.9),
-        and with them its step count (0: no step taken)."""
+        """Create the zeroed FP32 state tensors ``param`` lacks (its first step, or momentum 0 -> 0.9)."""
         state = self.state[param]
-        keys = self._state_keys(group)
-        for key in keys:
+        for key in self._state_keys(group):
             if key not in state:
                 state[key] = torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
-        if keys and STEP_KEY not in state:
-            # A plain tensor on the shard's device, also for FSDP2's DTensors (as torch.optim's).
-            state[STEP_KEY] = torch.zeros((), dtype=torch.float32, device=local_tensor(param).device)
 
     # ----------------------------------------------------------------------------------------
     # Pending loss scaling (set by unscale_grads_ and fold_grad_multiplier_, consumed by step)
@@ -378,8 +364,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         return batch
 
     def _gather_state(self, group: dict[str, Any], batch: _StepBatch) -> None:
-        """Add the masters, state tensors and step counts of ``batch``'s params, creating moments
-        (and step counts) they lack."""
+        """Add the masters and state tensors of ``batch``'s params, creating moments they lack."""
         keys = self._state_keys(group)
         for param in batch.params:
             self._init_moments(param, group)
@@ -388,8 +373,6 @@ class FusedOptimizer(torch.optim.Optimizer):
             batch.masters.append(None if master is None else local_tensor(master))
             for key in keys:
                 batch.states[key].append(local_tensor(state[key]))
-            if keys:
-                batch.steps.append(state[STEP_KEY])
         batch.params = [local_tensor(param) for param in batch.params]
 
     def _scaling_for(
@@ -421,7 +404,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
         ``closure`` (optional) re-evaluates the model and returns the loss, as in torch.optim.
         Under a LossScaler (or torch.amp.GradScaler) the grads are unscaled and checked on the
-        device; an overflow leaves all weights, masters, moments and step counts bit-identical.
+        device; an overflow leaves all weights, masters, moments and step counters bit-identical.
         """
         loss = None
         if closure is not None:
@@ -434,10 +417,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             if batch is None:
                 continue
             self._gather_state(group, batch)
+            step = group[STEP_KEY]
             grad_multiplier, found_inf = self._scaling_for(batch.device, cache)
             kernels = implementation_for(batch.params)
-            self._update(kernels, batch, group, grad_multiplier, found_inf)
-            kernels.advance_step_(batch.steps, found_inf)
+            self._update(kernels, batch, step, group, grad_multiplier, found_inf)
+            kernels.advance_step_(step, found_inf)
         self._reset_pending()
         return loss
 
@@ -446,7 +430,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _check_loaded_group(self, index: int, saved: dict[str, Any], current: dict[str, Any]) -> None:
         name = type(self).__name__
-        missing = sorted(k for k in (*self.defaults, "params") if k not in saved)
+        missing = sorted(k for k in (*self.defaults, STEP_KEY, "params") if k not in saved)
         if missing:
             raise ValueError(
                 f"param group {index} of the loaded state dict lacks {missing}; it was not saved by a {name} "
@@ -461,21 +445,17 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._check_hyperparameters(saved)
         except (TypeError, ValueError) as error:
             raise ValueError(f"param group {index} of the loaded state dict: {error}") from error
-        if STEP_KEY in saved:  # a checkpoint of amp_fx before per-parameter step counts
-            _check_step_count(f"param group {index}", saved[STEP_KEY])
+        _check_step_count(f"param group {index}", saved[STEP_KEY])
 
     def _check_loaded_state(self, index: int, param: Tensor, saved_state: Any, group: dict[str, Any]) -> None:
         where = f"state of parameter {index} (shape {tuple(param.shape)}, {param.dtype})"
         if not isinstance(saved_state, dict):
             raise ValueError(f"the loaded {where} must be a dict, got {type(saved_state).__name__}")
-        # Moments and step count are all there or, for a parameter that never took a step, all
-        # absent; a checkpoint with one step count per group (STEP_KEY in the group) has none per param.
+        # Moments are all there or, for a parameter that never took a step, all absent.
         moments = set(self._state_keys(group))
         expected = {MASTER_KEY} if self._master_expected(param, group) else set()
         if moments & set(saved_state):
             expected |= moments
-            if STEP_KEY not in group or STEP_KEY in saved_state:
-                expected.add(STEP_KEY)
         missing, unexpected = sorted(expected - set(saved_state)), sorted(set(saved_state) - expected)
         if missing or unexpected:
             raise ValueError(
@@ -483,9 +463,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 f"{sorted(expected)} (missing {missing}, unexpected {unexpected}); was it saved by another "
                 "optimizer, another opt level or other hyperparameters (master_weights, momentum)?"
             )
-        if STEP_KEY in expected:
-            _check_step_count(f"the loaded {where}", saved_state[STEP_KEY])
-        for key in sorted(expected - {STEP_KEY}):
+        for key in sorted(expected):
             value = saved_state[key]
             if not isinstance(value, Tensor) or value.dtype != torch.float32 or value.shape != param.shape:
                 got = (
@@ -503,11 +481,9 @@ class FusedOptimizer(torch.optim.Optimizer):
 
         Refused with a ValueError (the optimizer left as it was): a different number of param
         groups or of params in a group, a state tensor of the wrong shape or dtype, missing or
-        unexpected state (another optimizer type, master_weights or momentum setting), a step
-        count that is not a finite number >= 0. Loaded tensors are copied into the parameters'
-        device and memory layout; the hyperparameters come from the state dict, as in torch.optim.
-        A checkpoint from before per-parameter step counts (one ``"step"`` per param group) gives
-        each parameter with moments its group's count, the count those moments were updated with.
+        unexpected state (another optimizer type, master_weights or momentum setting). Loaded
+        tensors are copied into the parameters' device and memory layout; the hyperparameters
+        come from the state dict, as in torch.optim.
 
         Example:
             >>> import io, torch
@@ -554,20 +530,16 @@ class FusedOptimizer(torch.optim.Optimizer):
                 group["params"] = current["params"]
                 if "param_names" in current and "param_names" not in saved:
                     group["param_names"] = current["param_names"]
+                step_device = current[STEP_KEY].device
+                group[STEP_KEY] = (
+                    torch.as_tensor(saved[STEP_KEY]).to(step_device, torch.float32).reshape(1).clone()
+                )
                 new_groups.append(group)
                 for saved_id, param in zip(saved["params"], current["params"], strict=True):
-                    entry = dict(saved_state[saved_id])
-                    has_moments = bool(set(self._state_keys(saved)) & set(entry))
-                    if has_moments and STEP_KEY not in entry:
-                        entry[STEP_KEY] = saved[STEP_KEY]  # an old checkpoint: its group's count
-                    for key, value in entry.items():
-                        if key == STEP_KEY:
-                            local = torch.empty((), dtype=torch.float32, device=local_tensor(param).device)
-                            value = torch.as_tensor(value).reshape(())
-                        else:
-                            local = torch.empty_like(
-                                param, dtype=torch.float32, memory_format=torch.preserve_format
-                            )
+                    for key, value in saved_state[saved_id].items():
+                        local = torch.empty_like(
+                            param, dtype=torch.float32, memory_format=torch.preserve_format
+                        )
                         new_state[param][key] = local.copy_(value)
         self.__setstate__({"state": new_state, "param_groups": new_groups})
         self._reset_pending()

@@ -19,11 +19,11 @@ class FusedAdam(FusedOptimizer):
     ``master_weights=True`` (the default) the optimizer keeps an FP32 master copy in
     ``state[p]["master_param"]`` and writes the rounded result back to the parameter; FP32
     parameters are updated in place. Moments (``exp_avg``, ``exp_avg_sq``) are FP32, created at a
-    parameter's first step with a grad (as torch.optim's and Apex's), and with them its step
-    count ``state[p]["step"]`` (a float32 device tensor of shape (), as torch's fused Adam keeps
-    it): it advances when the parameter takes a step that was not skipped, and the bias correction
-    of each parameter uses its own count, as torch.optim's (Apex counts per param group, which
-    differs for a parameter whose first grad comes late).
+    parameter's first step with a grad (as torch.optim's and Apex's). The step count is one
+    float32 device tensor per param group (``param_groups[i]["step"]``, Apex's convention): it
+    advances when the group takes a step that was not skipped, and every param of the group uses
+    it for bias correction (torch counts per param; the two agree whenever all params of a group
+    get a grad at every step).
 
     Hyperparameters are read from the param groups at each step as Python floats, so LR schedulers
     work as with torch.optim (when a step is captured in a CUDA graph, the values at capture time
@@ -87,6 +87,7 @@ class FusedAdam(FusedOptimizer):
         self,
         kernels: ModuleType,
         batch: _StepBatch,
+        step: Tensor,
         group: dict[str, Any],
         grad_multiplier: Tensor | None,
         found_inf: Tensor | None,
@@ -98,7 +99,7 @@ class FusedAdam(FusedOptimizer):
             batch.masters_or_none(),
             batch.states["exp_avg"],
             batch.states["exp_avg_sq"],
-            batch.steps_or_none(),
+            step,
             lr=float(group["lr"]),
             beta1=float(beta1),
             beta2=float(beta2),

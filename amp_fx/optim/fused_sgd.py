@@ -18,10 +18,10 @@ class FusedSGD(FusedOptimizer):
     For fp16/bf16 parameters with ``master_weights=True`` (the default) the optimizer keeps an
     FP32 master copy in ``state[p]["master_param"]`` and writes the rounded result back to the
     parameter; FP32 parameters are updated in place. With ``momentum != 0`` each parameter has an
-    FP32 ``momentum_buffer``, created at its first step with a grad and set to that gradient, as
-    torch does, also for a parameter whose first grad comes late. For that the parameter keeps a
-    step count with its buffer, ``state[p]["step"]`` (a float32 device tensor of shape ()): it
-    tells the kernel which step is the parameter's first and does not advance on a skipped step.
+    FP32 ``momentum_buffer``, created at its first step and set to the gradient on the group's
+    first step as torch does. The step count is one float32 device tensor per param group
+    (``param_groups[i]["step"]``); it tells the kernel which step is the first and does not
+    advance on a skipped step.
 
     Args:
         params: parameters or param groups, as for torch.optim.SGD.
@@ -72,13 +72,13 @@ class FusedSGD(FusedOptimizer):
             group["nesterov"],
             # The buffers are created at the first step; only the hyperparameters are checked here.
             momentum_buffers=(),
-            steps=(),
         )
 
     def _update(
         self,
         kernels: ModuleType,
         batch: _StepBatch,
+        step: Tensor,
         group: dict[str, Any],
         grad_multiplier: Tensor | None,
         found_inf: Tensor | None,
@@ -89,7 +89,7 @@ class FusedSGD(FusedOptimizer):
             batch.grads,
             batch.masters_or_none(),
             batch.states["momentum_buffer"] if momentum != 0 else None,
-            batch.steps_or_none(),
+            step,
             lr=float(group["lr"]),
             momentum=momentum,
             dampening=float(group["dampening"]),

@@ -20,12 +20,12 @@ Example:
     >>> import torch
     >>> from amp_fx.kernels import reference
     >>> p = torch.ones(3, dtype=torch.float16); g = torch.full((3,), 2.0, dtype=torch.float16)
-    >>> master = p.float(); m = torch.zeros(3); v = torch.zeros(3); step = torch.zeros(())
+    >>> master = p.float(); m = torch.zeros(3); v = torch.zeros(3); step = torch.zeros(1)
     >>> found_inf = torch.zeros(1)
     >>> reference.check_finite_and_norm_([g], found_inf)
-    >>> reference.adam_step_([p], [g], [master], [m], [v], [step], lr=0.1, beta1=0.9, beta2=0.999,
+    >>> reference.adam_step_([p], [g], [master], [m], [v], step, lr=0.1, beta1=0.9, beta2=0.999,
     ...                      eps=1e-8, weight_decay=0.0, adam_w_mode=True, found_inf=found_inf)
-    >>> reference.advance_step_([step], found_inf)
+    >>> reference.advance_step_(step, found_inf)
     >>> p
     tensor([0.8999, 0.8999, 0.8999], dtype=torch.float16)
 """

@@ -1,7 +1,6 @@
 """Pure-torch ``adam_step_``; the Triton twin is in ``amp_fx.kernels.adam``.
 
-Adam (torch.optim.Adam / AdamW), for each element, in fp32, with t = step + 1 (the param's own
-step count, as torch.optim counts)::
+Adam (torch.optim.Adam / AdamW), for each element, in fp32, with t = step + 1::
 
     g  = grad * grad_multiplier                      (grad_multiplier = 1 / loss_scale ...)
     g += weight_decay * w                            (L2, adam_w_mode=False)
@@ -40,7 +39,7 @@ def adam_step_(
     masters: Sequence[Tensor | None] | None,
     exp_avgs: Sequence[Tensor],
     exp_avg_sqs: Sequence[Tensor],
-    steps: Sequence[Tensor],
+    step: Tensor,
     *,
     lr: float,
     beta1: float,
@@ -53,15 +52,15 @@ def adam_step_(
 ) -> None:
     """One Adam (``adam_w_mode=False``) or AdamW (``adam_w_mode=True``) step, in place.
 
-    ``steps[i]`` holds the number of steps ``params[i]`` has taken; this step uses t = steps[i] + 1
-    and does not change it (call ``advance_step_`` afterwards). ``masters[i]`` is the fp32 copy of a
+    ``step`` holds the number of steps already taken; this step uses t = step + 1 and does not
+    change ``step`` (call ``advance_step_`` afterwards). ``masters[i]`` is the fp32 copy of a
     low-precision ``params[i]``; None (the whole list or one entry) means the param is its own
     master. If ``found_inf`` > 0 nothing is written.
 
     Example:
         >>> p, g = torch.ones(2), torch.ones(2)
-        >>> m, v, step = torch.zeros(2), torch.zeros(2), torch.zeros(())
-        >>> adam_step_([p], [g], None, [m], [v], [step], lr=0.5, beta1=0.9, beta2=0.999, eps=0.0,
+        >>> m, v, step = torch.zeros(2), torch.zeros(2), torch.zeros(1)
+        >>> adam_step_([p], [g], None, [m], [v], step, lr=0.5, beta1=0.9, beta2=0.999, eps=0.0,
         ...            weight_decay=0.0, adam_w_mode=False)
         >>> p
         tensor([0.5000, 0.5000])
@@ -71,7 +70,7 @@ def adam_step_(
         grads,
         masters,
         {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
-        steps,
+        step,
         grad_multiplier,
         found_inf,
         {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay},
@@ -80,12 +79,12 @@ def adam_step_(
     if len(params) == 0:
         return
     skip = skip_flag(found_inf)
-    for i, (param, grad, exp_avg, exp_avg_sq, step) in enumerate(
-        zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True)
+    t = step.reshape(()) + 1
+    step_size = lr / _bias_correction(beta1, t)
+    bias_correction2_sqrt = _bias_correction(beta2, t).sqrt()
+    for i, (param, grad, exp_avg, exp_avg_sq) in enumerate(
+        zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)
     ):
-        t = step.reshape(()) + 1
-        step_size = lr / _bias_correction(beta1, t)
-        bias_correction2_sqrt = _bias_correction(beta2, t).sqrt()
         master = None if masters is None else masters[i]
         weight = (param if master is None else master).float()
         g = scaled_grad(grad, grad_multiplier)

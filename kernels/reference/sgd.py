@@ -3,7 +3,7 @@
 SGD (torch.optim.SGD)::
 
     g  = grad * grad_multiplier + weight_decay * w
-    buf = g                                          (the param's first step, its step == 0)
+    buf = g                                          (first step, step == 0)
     buf = momentum * buf + (1 - dampening) * g       (later steps)
     g  = g + momentum * buf if nesterov else buf     (when momentum != 0)
     w -= lr * g
@@ -28,7 +28,7 @@ def sgd_step_(
     grads: Sequence[Tensor],
     masters: Sequence[Tensor | None] | None,
     momentum_buffers: Sequence[Tensor] | None,
-    steps: Sequence[Tensor] | None,
+    step: Tensor,
     *,
     lr: float,
     momentum: float,
@@ -40,13 +40,12 @@ def sgd_step_(
 ) -> None:
     """One SGD step (torch.optim.SGD math), in place; same master and skip rules as ``adam_step_``.
 
-    On a param's first step (``steps[i]`` == 0: the steps it has taken) its momentum buffer is
-    set to the gradient, as torch does when it creates the buffer; ``momentum_buffers`` and
-    ``steps`` may be None when ``momentum`` == 0 (torch.optim.SGD keeps no step count).
+    On the first step (``step`` == 0) the momentum buffer is set to the gradient, as torch does
+    when it creates the buffer; ``momentum_buffers`` may be None when ``momentum`` == 0.
 
     Example:
-        >>> p, g, buf, step = torch.ones(2), torch.ones(2), torch.zeros(2), torch.zeros(())
-        >>> sgd_step_([p], [g], None, [buf], [step], lr=0.1, momentum=0.9, dampening=0.0,
+        >>> p, g, buf, step = torch.ones(2), torch.ones(2), torch.zeros(2), torch.zeros(1)
+        >>> sgd_step_([p], [g], None, [buf], step, lr=0.1, momentum=0.9, dampening=0.0,
         ...           weight_decay=0.0, nesterov=False)
         >>> p, buf
         (tensor([0.9000, 0.9000]), tensor([1., 1.]))
@@ -56,29 +55,28 @@ def sgd_step_(
         grads,
         masters,
         {"momentum_buffers": momentum_buffers},
-        steps,
+        step,
         grad_multiplier,
         found_inf,
         {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay},
     )
-    check_sgd_hyperparameters(lr, momentum, dampening, weight_decay, nesterov, momentum_buffers, steps)
+    check_sgd_hyperparameters(lr, momentum, dampening, weight_decay, nesterov, momentum_buffers)
     if len(params) == 0:
         return
     skip = skip_flag(found_inf)
+    first_step = step.reshape(()) == 0
     for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
         master = None if masters is None else masters[i]
         weight = (param if master is None else master).float()
         g = scaled_grad(grad, grad_multiplier)
-        # torch.optim.SGD's operations (add with alpha: one rounding), so fp32 results are its bits.
         if weight_decay != 0.0:
-            g = g.add(weight, alpha=weight_decay)
+            g = g + weight_decay * weight
         if momentum != 0.0:
             buf = momentum_buffers[i]
-            first_step = steps[i].reshape(()) == 0
-            new_buf = torch.where(first_step, g, buf.mul(momentum).add_(g, alpha=1.0 - dampening))
-            g = g.add(new_buf, alpha=momentum) if nesterov else new_buf
+            new_buf = torch.where(first_step, g, momentum * buf + (1.0 - dampening) * g)
+            g = g + momentum * new_buf if nesterov else new_buf
             write_unless_skipped(buf, new_buf, skip)
-        new_weight = weight.add(g, alpha=-lr)
+        new_weight = weight - lr * g
         if master is not None:
             write_unless_skipped(master, new_weight, skip)
         write_unless_skipped(param, new_weight, skip)

@@ -1,18 +1,12 @@
 """What every optimizer kernel of the reference shares: the gradient multiplier, the skip rule and
-the step counts.
+the step counter.
 
 The skip rule: when ``found_inf`` is given and > 0, nothing is written. Here that is done with
 ``torch.where(skip, old, new)`` per tensor, so skipped tensors keep their exact bits; the Triton
 kernels do the same by not storing at all.
-
-The step counts: one float32 tensor of one element per parameter (``state[p]["step"]``, as
-torch.optim keeps it), the steps that parameter has taken. The update kernels read them and
-``advance_step_`` advances them afterwards, on the device, unless the step was skipped.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -40,21 +34,16 @@ def scaled_grad(grad: Tensor, grad_multiplier: Tensor | None) -> Tensor:
 
 
 @torch.no_grad()
-def advance_step_(steps: Sequence[Tensor], found_inf: Tensor | None) -> None:
-    """``step += 1`` for every step count of ``steps`` unless ``found_inf`` > 0, decided on the device
-    (one foreach launch; a skipped step adds 0.0, which keeps a count's bits).
+def advance_step_(step: Tensor, found_inf: Tensor | None) -> None:
+    """``step += 1`` unless ``found_inf`` > 0, decided on the device.
 
     Example:
-        >>> steps = [torch.zeros(()), torch.ones(())]
-        >>> advance_step_(steps, torch.ones(1)); advance_step_(steps, None)
-        >>> steps
-        [tensor(1.), tensor(2.)]
+        >>> step = torch.zeros(1)
+        >>> advance_step_(step, torch.ones(1)); advance_step_(step, None)
+        >>> step
+        tensor([1.])
     """
-    if len({step.data_ptr() for step in steps}) != len(steps):
-        raise ValueError("steps lists one step count twice; it would advance twice: give each param its own")
-    if not steps:
-        return
     if found_inf is None:
-        torch._foreach_add_(list(steps), 1.0)
+        step.add_(1.0)
     else:
-        torch._foreach_add_(list(steps), (found_inf.reshape(()) <= 0).to(torch.float32))
+        step.add_((found_inf.reshape(()) <= 0).to(step.dtype))

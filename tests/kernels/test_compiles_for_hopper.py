@@ -135,7 +135,7 @@ def _optimizer_state(dtypes: tuple[torch.dtype, ...], masters: bool) -> dict:
         "grads": [torch.zeros_like(p) for p in params],
         "masters": [p.float() if masters and p.dtype != torch.float32 else None for p in params],
         "states": [torch.zeros_like(p, dtype=torch.float32) for p in params],
-        "steps": [torch.zeros(()) for _ in params],
+        "step": torch.zeros(1),
     }
 
 
@@ -158,7 +158,7 @@ def _adam_calls() -> None:
             s["masters"],
             s["states"],
             [torch.zeros_like(t) for t in s["states"]],
-            s["steps"],
+            s["step"],
             lr=1e-3,
             beta1=0.9,
             beta2=0.999,
@@ -175,7 +175,7 @@ def _adam_calls() -> None:
         None,
         s["states"],
         [t.clone() for t in s["states"]],
-        s["steps"],
+        s["step"],
         lr=1e-3,
         beta1=0.9,
         beta2=0.999,
@@ -197,7 +197,7 @@ def _sgd_calls() -> None:
             s["grads"],
             s["masters"],
             s["states"] if momentum else None,
-            s["steps"] if momentum else None,
+            s["step"],
             lr=0.1,
             momentum=momentum,
             dampening=0.0,

@@ -61,13 +61,3 @@ def test_launch_config_is_validated() -> None:
         LaunchConfig(block_size=24, chunk_size=48, num_warps=1)
     with pytest.raises(ValueError, match="multiple of block_size"):
         LaunchConfig(block_size=16, chunk_size=40, num_warps=1)
-
-
-def test_scalar_columns_follow_the_operands_and_do_not_clear_aligned() -> None:
-    a, b = torch.zeros(5), torch.zeros(3)
-    steps = torch.zeros(8)[1:3]  # one-element views at odd offsets: read once per program, never vectorized
-    table = pointer_table([[a, b]], chunk_size=4, scalar_columns=[[steps[0], None]])
-    assert table.tensors.tolist() == [[a.data_ptr(), steps[0].data_ptr(), 5], [b.data_ptr(), 0, 3]]
-    assert table.aligned
-    # The same pointers split otherwise between operands and scalars are another table.
-    assert not pointer_table([[a, b], [steps[0], None]], chunk_size=4).aligned

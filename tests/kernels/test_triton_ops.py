@@ -128,11 +128,6 @@ def scalar(value: float, device: str) -> torch.Tensor:
     return torch.full((1,), value, dtype=torch.float32, device=device)
 
 
-def step_counts(values: list[float], device: str) -> list[torch.Tensor]:
-    """One step count per param (``state[p]["step"]``), shape () as the optimizers keep them."""
-    return [torch.tensor(v, dtype=torch.float32, device=device) for v in values]
-
-
 @given(
     sizes=sizes_strategy,
     data=st.data(),
@@ -143,6 +138,7 @@ def step_counts(values: list[float], device: str) -> list[torch.Tensor]:
     weight_decay=st.sampled_from([0.0, 0.01, 0.1]),
     adam_w_mode=st.booleans(),
     multiplier=multiplier_strategy,
+    step_value=step_strategy,
     with_found_inf=st.booleans(),
     seed=st.integers(0, 2**16),
 )
@@ -157,12 +153,11 @@ def test_adam_matches_reference(
     weight_decay,
     adam_w_mode,
     multiplier,
+    step_value,
     with_found_inf,
     seed,
 ) -> None:
     dtypes = data.draw(st.lists(st.sampled_from(PARAM_DTYPES), min_size=len(sizes), max_size=len(sizes)))
-    # Each param its own count: a table column per tensor, not one count for the launch.
-    step_values = data.draw(st.lists(step_strategy, min_size=len(sizes), max_size=len(sizes)))
     with_masters = data.draw(st.booleans())
     ours = make_problem(sizes, dtypes, device, seed, ("exp_avgs", "exp_avg_sqs"), with_masters)
     expected = clone_problem(ours)
@@ -176,12 +171,12 @@ def test_adam_matches_reference(
         grad_multiplier=None if multiplier is None else scalar(multiplier, device),
         found_inf=scalar(0.0, device) if with_found_inf else None,
     )
-    steps = step_counts(step_values, device)
+    step = scalar(step_value, device)
     with launch_config(SMALL):
-        triton_ops.adam_step_(*ours.values(), steps, **kwargs)
-    reference.adam_step_(*expected.values(), steps, **kwargs)
+        triton_ops.adam_step_(*ours.values(), step, **kwargs)
+    reference.adam_step_(*expected.values(), step, **kwargs)
     assert_matches_reference(ours, expected)
-    assert [s.item() for s in steps] == step_values
+    assert step.item() == step_value
 
 
 @given(
@@ -193,15 +188,14 @@ def test_adam_matches_reference(
     ),
     weight_decay=st.sampled_from([0.0, 0.01]),
     multiplier=multiplier_strategy,
+    step_value=step_strategy,
     seed=st.integers(0, 2**16),
 )
 def test_sgd_matches_reference(
-    device, sizes, data, lr, momentum_setting, weight_decay, multiplier, seed
+    device, sizes, data, lr, momentum_setting, weight_decay, multiplier, step_value, seed
 ) -> None:
     momentum, dampening, nesterov = momentum_setting
     dtypes = data.draw(st.lists(st.sampled_from(PARAM_DTYPES), min_size=len(sizes), max_size=len(sizes)))
-    # Counts of 0 and > 0 in one launch: each param's first step starts its own buffer at its grad.
-    step_values = data.draw(st.lists(step_strategy, min_size=len(sizes), max_size=len(sizes)))
     # Without momentum the buffers may be left out (None).
     states = () if momentum == 0.0 and data.draw(st.booleans()) else ("momentum_buffers",)
     ours = make_problem(sizes, dtypes, device, seed, states, data.draw(st.booleans()))
@@ -215,11 +209,10 @@ def test_sgd_matches_reference(
         grad_multiplier=None if multiplier is None else scalar(multiplier, device),
         found_inf=scalar(0.0, device),
     )
-    # Without momentum the counts may be left out (None), as FusedSGD keeps none.
-    steps = None if not states else step_counts(step_values, device)
+    step = scalar(step_value, device)
     with launch_config(SMALL):
-        triton_ops.sgd_step_(*sgd_arguments(ours), steps, **kwargs)
-    reference.sgd_step_(*sgd_arguments(expected), steps, **kwargs)
+        triton_ops.sgd_step_(*sgd_arguments(ours), step, **kwargs)
+    reference.sgd_step_(*sgd_arguments(expected), step, **kwargs)
     assert_matches_reference(ours, expected)
 
 
@@ -264,16 +257,15 @@ def test_overflow_skips_everything(device, sizes, data, bad_value, optimizer, se
         tensor_index = data.draw(st.integers(0, len(sizes) - 1))
         element = data.draw(st.integers(0, sizes[tensor_index] - 1))
     problem["grads"][tensor_index][element] = bad_value
-    found_inf, sq_norm = scalar(0.0, device), scalar(0.0, device)
-    steps = step_counts([3.0, 0.0, 1.0, 5.0, 2.0][: len(sizes)], device)
-    before = [t.clone() for t in all_tensors(problem) + steps]
+    found_inf, sq_norm, step = scalar(0.0, device), scalar(0.0, device), scalar(3.0, device)
+    before = [t.clone() for t in all_tensors(problem)] + [step.clone()]
     with launch_config(SMALL):
         triton_ops.check_finite_and_norm_(problem["grads"], found_inf, sq_norm_out=sq_norm)
         assert found_inf.item() == 1.0
         if optimizer == "adam":
             triton_ops.adam_step_(
                 *problem.values(),
-                steps,
+                step,
                 lr=0.1,
                 beta1=0.9,
                 beta2=0.999,
@@ -285,7 +277,7 @@ def test_overflow_skips_everything(device, sizes, data, bad_value, optimizer, se
         else:
             triton_ops.sgd_step_(
                 *sgd_arguments(problem),
-                steps,
+                step,
                 lr=0.1,
                 momentum=0.9,
                 dampening=0.0,
@@ -293,8 +285,8 @@ def test_overflow_skips_everything(device, sizes, data, bad_value, optimizer, se
                 nesterov=True,
                 found_inf=found_inf,
             )
-        triton_ops.advance_step_(steps, found_inf)
-    assert_bit_identical(before, all_tensors(problem) + steps)
+        triton_ops.advance_step_(step, found_inf)
+    assert_bit_identical(before, all_tensors(problem) + [step])
     assert not math.isfinite(sq_norm.item())
     assert all(torch.isfinite(m).all() for m in problem["masters"] if m is not None)
 
@@ -312,8 +304,7 @@ def test_production_configuration_across_block_and_chunk_boundaries(device) -> N
     for optimizer, states in (("adam", ("exp_avgs", "exp_avg_sqs")), ("sgd", ("momentum_buffers",))):
         ours = make_problem(sizes, dtypes, device, 0, states)
         expected = clone_problem(ours)
-        found_inf, sq_norm = scalar(0.0, device), scalar(0.0, device)
-        steps = step_counts([1.0, 0.0, 4.0, 1.0], device)
+        found_inf, sq_norm, step = scalar(0.0, device), scalar(0.0, device), scalar(1.0, device)
         triton_ops.check_finite_and_norm_(ours["grads"], found_inf, sq_norm_out=sq_norm)
         if optimizer == "adam":
             kwargs = dict(
@@ -325,14 +316,14 @@ def test_production_configuration_across_block_and_chunk_boundaries(device) -> N
                 adam_w_mode=True,
                 found_inf=found_inf,
             )
-            triton_ops.adam_step_(*ours.values(), steps, **kwargs)
-            reference.adam_step_(*expected.values(), steps, **kwargs)
+            triton_ops.adam_step_(*ours.values(), step, **kwargs)
+            reference.adam_step_(*expected.values(), step, **kwargs)
         else:
             kwargs = dict(
                 lr=1e-2, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=False, found_inf=found_inf
             )
-            triton_ops.sgd_step_(*sgd_arguments(ours), steps, **kwargs)
-            reference.sgd_step_(*sgd_arguments(expected), steps, **kwargs)
+            triton_ops.sgd_step_(*sgd_arguments(ours), step, **kwargs)
+            reference.sgd_step_(*sgd_arguments(expected), step, **kwargs)
         assert found_inf.item() == 0.0
         expected_norm = sum(float(g.double().square().sum()) for g in ours["grads"])
         assert sq_norm.item() == pytest.approx(expected_norm, rel=1e-5)
@@ -352,8 +343,8 @@ def test_unaligned_views_are_updated_correctly(device) -> None:
     }
     expected = clone_problem(ours)
     kwargs = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adam_w_mode=True)
-    triton_ops.adam_step_(*ours.values(), step_counts([0.0, 2.0], device), **kwargs)
-    reference.adam_step_(*expected.values(), step_counts([0.0, 2.0], device), **kwargs)
+    triton_ops.adam_step_(*ours.values(), scalar(0.0, device), **kwargs)
+    reference.adam_step_(*expected.values(), scalar(0.0, device), **kwargs)
     assert_matches_reference(ours, expected)
 
 
@@ -387,14 +378,14 @@ def test_launch_count_does_not_grow_with_tensor_count(device, num_tensors, monke
             launcher.launches = 0
         adam_problem = make_problem(sizes, dtypes, device, 0, ("exp_avgs", "exp_avg_sqs"))
         sgd_problem = make_problem(sizes, dtypes, device, 0, ("momentum_buffers",))
-        found_inf, steps = scalar(0.0, device), step_counts([0.0] * num_tensors, device)
+        found_inf, step = scalar(0.0, device), scalar(0.0, device)
         with launch_config(SMALL):
             triton_ops.check_finite_and_norm_(
                 adam_problem["grads"], found_inf, sq_norm_out=scalar(0.0, device)
             )
             triton_ops.adam_step_(
                 *adam_problem.values(),
-                steps,
+                step,
                 lr=1e-3,
                 beta1=0.9,
                 beta2=0.999,
@@ -405,7 +396,7 @@ def test_launch_count_does_not_grow_with_tensor_count(device, num_tensors, monke
             )
             triton_ops.sgd_step_(
                 *sgd_arguments(sgd_problem),
-                steps,
+                step,
                 lr=1e-3,
                 momentum=0.9,
                 dampening=0.0,
@@ -428,7 +419,7 @@ def test_bad_input_is_refused_like_the_reference(device) -> None:
                 [p.half()],
                 [p],
                 [p],
-                step_counts([0.0], device),
+                scalar(0.0, device),
                 lr=0.1,
                 beta1=0.9,
                 beta2=0.999,
@@ -442,7 +433,7 @@ def test_bad_input_is_refused_like_the_reference(device) -> None:
             )
 
 
-def _o2_adam_step(problem: dict[str, list], steps, found_inf, sq_norm, grad_multiplier) -> None:
+def _o2_adam_step(problem: dict[str, list], step, found_inf, sq_norm, grad_multiplier) -> None:
     """One O2 step as the optimizers run it: check (+ norm), update, advance; all on the device."""
     found_inf.zero_()
     sq_norm.zero_()
@@ -451,25 +442,24 @@ def _o2_adam_step(problem: dict[str, list], steps, found_inf, sq_norm, grad_mult
     )
     hyperparameters = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adam_w_mode=True)
     triton_ops.adam_step_(
-        *problem.values(), steps, grad_multiplier=grad_multiplier, found_inf=found_inf, **hyperparameters
+        *problem.values(), step, grad_multiplier=grad_multiplier, found_inf=found_inf, **hyperparameters
     )
-    triton_ops.advance_step_(steps, found_inf)
+    triton_ops.advance_step_(step, found_inf)
 
 
 @pytest.mark.gpu
 def test_step_never_syncs_with_the_host() -> None:
     problem = make_problem([3000, 17, 1], [torch.float16, torch.bfloat16, torch.float32], "cuda", 0,
                            ("exp_avgs", "exp_avg_sqs"))  # fmt: skip
-    found_inf, sq_norm, multiplier = (scalar(v, "cuda") for v in (0.0, 0.0, 0.5))
-    steps = step_counts([0.0, 0.0, 0.0], "cuda")
+    step, found_inf, sq_norm, multiplier = (scalar(v, "cuda") for v in (0.0, 0.0, 0.0, 0.5))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(2):  # the first builds and uploads the tables, the second reuses them
-            _o2_adam_step(problem, steps, found_inf, sq_norm, multiplier)
+            _o2_adam_step(problem, step, found_inf, sq_norm, multiplier)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert [s.item() for s in steps] == [2.0] * 3
+    assert step.item() == 2.0
 
 
 @pytest.mark.gpu
@@ -477,10 +467,8 @@ def test_step_replays_in_a_cuda_graph() -> None:
     shapes_dtypes = ([3000, 17, 1], [torch.float16, torch.bfloat16, torch.float32])
     graphed = make_problem(*shapes_dtypes, "cuda", 0, ("exp_avgs", "exp_avg_sqs"))
     eager = clone_problem(graphed)
-    # (steps, found_inf, sq_norm, grad_multiplier) for the graphed and the eager run
-    scalars = [
-        [step_counts([0.0] * 3, "cuda")] + [scalar(v, "cuda") for v in (0.0, 0.0, 0.5)] for _ in range(2)
-    ]
+    # (step, found_inf, sq_norm, grad_multiplier) for the graphed and the eager run
+    scalars = [[scalar(v, "cuda") for v in (0.0, 0.0, 0.0, 0.5)] for _ in range(2)]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up outside the graph: compiles kernels, caches tables
@@ -495,5 +483,5 @@ def test_step_replays_in_a_cuda_graph() -> None:
         _o2_adam_step(eager, *scalars[1])
     for mine, theirs in zip(all_tensors(graphed), all_tensors(eager), strict=True):
         assert torch.equal(bits(mine), bits(theirs))
-    assert [s.item() for s in scalars[0][0]] == [s.item() for s in scalars[1][0]] == [3.0] * 3
+    assert scalars[0][0].item() == scalars[1][0].item() == 3.0
     assert scalars[0][2].item() == scalars[1][2].item() > 0.0

@@ -39,24 +39,15 @@ class Problem:
         return grads
 
 
-# The state tensors the fused optimizers create at a parameter's first step: moments, step count.
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer", "step")
-
-
-def step_counts(optimizer: torch.optim.Optimizer) -> list[float | None]:
-    """Each parameter's step count (``state[p]["step"]``), in param-group order; None where it has none."""
-    return [
-        optimizer.state[p]["step"].item() if "step" in optimizer.state.get(p, {}) else None
-        for group in optimizer.param_groups
-        for p in group["params"]
-    ]
+# The state tensors the fused optimizers create at a parameter's first step.
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when both tensors have the same dtype, shape and bit pattern (NaN == NaN)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
+    return torch.equal(a.detach().contiguous().view(torch.uint8), b.detach().contiguous().view(torch.uint8))
 
 
 def snapshot(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -84,10 +75,9 @@ def assert_snapshots_equal(before: dict[str, Any], after: dict[str, Any]) -> Non
         for p_old, p_new in zip(old["params"], new["params"], strict=True):
             assert bits_equal(p_old, p_new)
         for s_old, s_new in zip(old["states"], new["states"], strict=True):
-            # A parameter's first step creates its moments and step count before the device knows
-            # whether the step overflows (knowing would take a host sync); a skipped first step
-            # leaves them at zero, the state of a parameter that took no step. Anything else must
-            # stay as it was.
+            # A parameter's first step creates its moments before the device knows whether the step
+            # overflows (knowing would take a host sync); a skipped first step leaves them at zero,
+            # the state of moments that were never updated. Anything else must stay as it was.
             for key in s_new.keys() - s_old.keys():
                 assert key in MOMENT_KEYS and not s_new[key].any(), key
             assert s_old.keys() <= s_new.keys()
