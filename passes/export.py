@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import logging
 import os
+import sys
 import traceback
 from typing import Any
 
@@ -90,6 +92,35 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
 
+# When a capture meets data-dependent code, torch logs and prints the partial graph (hundreds of
+# lines); the ExportError, or the island's warning, names the line instead. The graph goes to
+# amp_fx's DEBUG log; what a capture that succeeds writes to stderr is passed on as it was.
+_NOISY_TORCH_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export")
+
+
+@contextlib.contextmanager
+def _torch_failure_output_to_debug_log() -> Any:
+    loggers = [logging.getLogger(name) for name in _NOISY_TORCH_LOGGERS]
+    levels = [each.level for each in loggers]
+    for each in loggers:
+        each.setLevel(logging.ERROR)
+    printed = io.StringIO()
+    failed = False
+    try:
+        with contextlib.redirect_stderr(printed):
+            yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        for each, level in zip(loggers, levels, strict=True):
+            each.setLevel(level)
+        if failed:
+            logger.debug("torch.export's output:\n%s", printed.getvalue())
+        else:
+            sys.stderr.write(printed.getvalue())
+
+
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic: bool) -> Any:
     shapes = _dynamic_shapes(model, args, kwargs) if dynamic else None
     return torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
@@ -118,7 +149,8 @@ def export_graph(
     with region:
         for sizes in (True, False) if dynamic else (False,):
             try:
-                program = _export(model, args, kwargs, sizes)
+                with _torch_failure_output_to_debug_log():
+                    program = _export(model, args, kwargs, sizes)
                 break
             except Exception as error:  # torch.export raises many types; each is reported
                 errors.append(error)
