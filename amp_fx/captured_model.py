@@ -97,7 +97,6 @@ class CaptureSummary:
 @dataclasses.dataclass
 class _CaptureState:
     policy: Policy
-    root: bool
     graphs: list[torch.fx.GraphModule] = dataclasses.field(default_factory=list)
     seconds: list[float] = dataclasses.field(default_factory=list)
     # Argument structure (see `_structure`) -> why calls of that structure run in an island.
@@ -108,11 +107,7 @@ class _CaptureState:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _CaptureState:
         # Graphs hold the model's tensors; a copy of the model captures its own.
-        return _CaptureState(self.policy, self.root, islands=dict(self.islands))
-
-
-_NO_STATE = _CaptureState.__new__(_CaptureState)
-_NO_STATE.graphs = []
+        return _CaptureState(self.policy, islands=dict(self.islands))
 
 
 class CapturedModel(nn.Module):
@@ -153,9 +148,9 @@ def _captured_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def _make_captured(module: nn.Module, policy: Policy, root: bool) -> None:
+def _make_captured(module: nn.Module, policy: Policy) -> None:
     module.__class__ = _captured_class(type(module))
-    module.__dict__[_STATE] = _CaptureState(policy, root)
+    module.__dict__[_STATE] = _CaptureState(policy)
 
 
 def _original_forward(module: nn.Module) -> Any:
@@ -197,7 +192,7 @@ def captured_model(model: nn.Module, policy: Policy) -> nn.Module:
     converted = copy.deepcopy(model)
     if policy.cast_parameters:
         _store_parameters(converted, policy)
-    _make_captured(converted, policy, root=True)
+    _make_captured(converted, policy)
     return converted
 
 
@@ -285,7 +280,7 @@ def _become_island(module: nn.Module, state: _CaptureState, key: tuple[Any, ...]
     logger.warning("%s runs in an autocast island: %s", type(module).__name__, state.islands[key])
     for child in _called_children(module):
         if _STATE not in child.__dict__ and any(True for _ in child.parameters()):
-            _make_captured(child, state.policy, root=False)
+            _make_captured(child, state.policy)
 
 
 def _called_children(module: nn.Module) -> list[nn.Module]:
@@ -361,7 +356,8 @@ def captured_graphs(model: nn.Module) -> list[torch.fx.GraphModule]:
     ['Linear']
     """
     capture_summary(model)  # the same TypeError for a model of the other front end
-    return [graph for module in model.modules() for graph in module.__dict__.get(_STATE, _NO_STATE).graphs]
+    states = [module.__dict__[_STATE] for module in model.modules() if _STATE in module.__dict__]
+    return [graph for state in states for graph in state.graphs]
 
 
 def _attribute(root: nn.Module, target: str) -> Any:
