@@ -23,10 +23,10 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
+from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.core.node_info import POLICY_KEY
 from amp_fx.testing.dtype_tolerances import grad_tolerances, tolerances
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Fixed seed for the loss weights and for dropout: both models see the same randomness.
 _SEED = 0
 
@@ -141,7 +141,7 @@ def infer_dtype(converted: torch.nn.Module) -> torch.dtype:
     if policy is not None:
         return torch.float32 if policy.opt_level == "O0" else policy.dtype
     for tensor in [*converted.parameters(), *converted.buffers()]:
-        if tensor.dtype in _LOW_PRECISION:
+        if tensor.dtype in LOW_PRECISION_DTYPES:
             return tensor.dtype
     return torch.float32
 
