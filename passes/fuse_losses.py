@@ -35,6 +35,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.losses import fp32_cross_entropy
@@ -120,7 +121,7 @@ def _low_precision_source(cast: torch.fx.Node) -> torch.fx.Node | None:
         return None
     # Only a known low dtype: a value of unknown or assumed dtype (a model input without
     # example_inputs) may hold float64, which autocast and the guarded cast leave as it is.
-    if dtype_is_assumed(source) or node_info(source).out_dtype not in (torch.float16, torch.bfloat16):
+    if dtype_is_assumed(source) or node_info(source).out_dtype not in LOW_PRECISION_DTYPES:
         return None
     return source
 
