@@ -11,17 +11,22 @@
     node                op          rule   in    out   reason
     input_1             -           -      -     fp32  input
     input_1_to_float16  to          cast   fp32  fp16  LOWER linear: input cast to float16
-    _0                  linear      lower  fp16  fp16  O2: linear is on autocast's lower_precision_fp list
+    _0                  linear      lower  fp16  fp16  O2: linear is on autocast's lower_precision_fp
+                                                       list
     _0_to_float32       to          cast   fp16  fp32  FP32 layer_norm: input cast to float32
-    _1                  layer_norm  fp32   fp32  fp32  O2: norms run in FP32 with FP32 params (as under ...
-    _2                  softmax     fp32   fp32  fp32  O2 FP32 island: softmax is unstable in ...
+    _1                  layer_norm  fp32   fp32  fp32  O2: norms run in FP32 with FP32 params (as under
+                                                       autocast)
+    _2                  softmax     fp32   fp32  fp32  O2 FP32 island: softmax is unstable in low
+                                                       precision (exp overflows fp16; the normalizing
+                                                       sum loses bits)
     <BLANKLINE>
     3 ops, 2 casts inserted
     ops per rule: fp32 2 (layer_norm×1, softmax×1), lower 1 (linear×1)
     parameters and buffers: fp16 2 tensors (72 elements), fp32 2 tensors (16 elements)
     stayed FP32:
       _1 (layer_norm): O2: norms run in FP32 with FP32 params (as under autocast)
-      _2 (softmax): O2 FP32 island: softmax is unstable in low precision (...)
+      _2 (softmax): O2 FP32 island: softmax is unstable in low precision (exp overflows fp16; the
+        normalizing sum loses bits)
     >>> print(rep.diff())  # doctest: +SKIP
     --- traced
     +++ converted
@@ -37,6 +42,7 @@ the converted module's parameters, and ``gm.meta`` (the policy and the traced co
 from __future__ import annotations
 
 import difflib
+import textwrap
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +53,16 @@ import torch.fx
 from amp_fx.core.dtypes import short_dtype_name
 from amp_fx.core.node_info import META_KEY, ORIGINAL_CODE_KEY, POLICY_KEY, NodeInfo
 
-__all__ = ["NodeRow", "Report", "report"]
+__all__ = ["REPORT_WIDTH", "NodeRow", "Report", "report"]
+
+# No line of str(report) is wider than this: it reads in a terminal or a log without wrapping.
+REPORT_WIDTH = 100
+# The reason column keeps at least this width (about three words); past that the widest of the
+# node, op and in columns wraps to make room.
+_MIN_REASON_WIDTH = 24
+# Those columns wrap no narrower than this.
+_MIN_WRAPPED_COLUMN_WIDTH = 8
+_COLUMN_GAP = "  "
 
 
 # The table's "rule" column for amp_fx's own casts, which are PASSTHROUGH nodes to the passes.
@@ -120,8 +135,9 @@ class ParameterRow:
 class Report:
     """The decisions recorded on a converted GraphModule; `report(gm)` builds it.
 
-    ``str(report)`` is an aligned table (one line per node) followed by a summary; `diff` is the
-    code before and after the casts; `to_dict` is the same content as plain data for tools.
+    ``str(report)`` is an aligned table (a line per node, long cells continued on the lines below)
+    followed by a summary, no line wider than REPORT_WIDTH; `diff` is the code before and after the
+    casts; `to_dict` is the same content as plain data for tools.
     """
 
     rows: list[NodeRow]
@@ -222,7 +238,11 @@ class Report:
         }
 
     def table(self) -> str:
-        """The per-node table: node, op, rule, input dtypes, output dtype, reason."""
+        """The per-node table: node, op, rule, input dtypes, output dtype, reason.
+
+        A cell too long for its column (mostly the reason) continues on the next lines, aligned
+        under its column; a node's first line is the one whose "out" cell is filled.
+        """
         header = ("node", "op", "rule", "in", "out", "reason")
         cells = [
             (
@@ -236,36 +256,100 @@ class Report:
             for r in self.rows
             if r.kind != "output"
         ]
-        widths = [max(len(row[i]) for row in [header, *cells]) for i in range(len(header) - 1)]
+        widths = _column_widths([header, *cells])
         lines = []
         for row in [header, *cells]:
-            padded = "  ".join(cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True))
-            lines.append(f"{padded}  {row[-1]}".rstrip())
+            wrapped = [_wrap(cell, width) for cell, width in zip(row, widths, strict=True)]
+            for k in range(max(len(parts) for parts in wrapped)):
+                parts = [column[k] if k < len(column) else "" for column in wrapped]
+                padded = _COLUMN_GAP.join(p.ljust(w) for p, w in zip(parts[:-1], widths, strict=False))
+                lines.append(f"{padded}{_COLUMN_GAP}{parts[-1]}".rstrip())
         return "\n".join(lines)
 
     def summary(self) -> str:
-        """Counts, the ops kept in FP32 and why, and the opaque nodes."""
+        """Counts, the ops kept in FP32 and why, and the opaque nodes (lines wrapped at REPORT_WIDTH)."""
         lines = [f"{len(self.ops)} ops, {self.casts_inserted} casts inserted"]
-        per_rule = ", ".join(
-            f"{rule} {sum(ops.values())} ({', '.join(f'{op}×{n}' for op, n in sorted(ops.items()))})"
-            for rule, ops in sorted(self.ops_by_rule.items())
-        )
-        lines.append(f"ops per rule: {per_rule or 'none'}")
-        params = ", ".join(
+        # Broken only between ops: "passthrough 48 (add×5," starts a rule, ")" ends it.
+        per_rule = []
+        for rule, ops in sorted(self.ops_by_rule.items()):
+            entries = [f"{op}×{n}" for op, n in sorted(ops.items())]
+            entries[0] = f"{rule} {sum(ops.values())} ({entries[0]}"
+            entries[-1] += ")"
+            per_rule += entries
+        lines += _fill_items("ops per rule: ", per_rule or ["none"])
+        params = [
             f"{short_dtype_name(d)} {n} tensors ({numel:,} elements)"
             for d, (n, numel) in sorted(self.params_by_dtype.items(), key=lambda item: str(item[0]))
-        )
-        lines.append(f"parameters and buffers: {params or 'none'}")
+        ]
+        lines += _fill_items("parameters and buffers: ", params or ["none"])
         if self.fp32_ops:
             lines.append("stayed FP32:")
-            lines += [f"  {r.name} ({r.op}): {r.reason}" for r in self.fp32_ops]
+            for r in self.fp32_ops:
+                lines += _wrap(f"{r.name} ({r.op}): {r.reason}", REPORT_WIDTH, "  ", "    ")
         if self.opaque:
             lines.append("opaque:")
-            lines += [f"  {r.name} ({r.target}): {r.opaque_reason or r.reason}" for r in self.opaque]
+            for r in self.opaque:
+                lines += _wrap(
+                    f"{r.name} ({r.target}): {r.opaque_reason or r.reason}", REPORT_WIDTH, "  ", "    "
+                )
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return f"{self._header}\n{self.table()}\n\n{self.summary()}"
+
+
+def _column_widths(rows: list[tuple[str, ...]]) -> list[int]:
+    """Widths of the table's columns, fitting REPORT_WIDTH: the widest of node, op and in narrows
+    (its cells then wrap) while the reason column would get less than _MIN_REASON_WIDTH."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    fixed = widths[:-1]
+    shrinkable = (0, 1, 3)  # node, op, in; rule and out are short words that never wrap
+    gaps = len(_COLUMN_GAP) * len(fixed)
+    while sum(fixed) + gaps + _MIN_REASON_WIDTH > REPORT_WIDTH:
+        widest = max(shrinkable, key=lambda i: fixed[i])
+        if fixed[widest] <= _MIN_WRAPPED_COLUMN_WIDTH:
+            break
+        fixed[widest] -= 1
+    return [*fixed, max(REPORT_WIDTH - sum(fixed) - gaps, _MIN_REASON_WIDTH)]
+
+
+def _wrap(text: str, width: int, first_indent: str = "", indent: str = "") -> list[str]:
+    """`text` in lines of at most `width` columns, broken at spaces; a word longer than a line
+    starts a line of its own and is cut into pieces of the full width."""
+    lines = textwrap.wrap(
+        text,
+        width,
+        initial_indent=first_indent,
+        subsequent_indent=indent,
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+    fitted = []
+    for line in lines:
+        while len(line) > width:
+            fitted.append(line[:width])
+            line = indent + line[width:]
+        fitted.append(line)
+    return fitted or [first_indent.rstrip()]
+
+
+def _fill_items(prefix: str, items: list[str]) -> list[str]:
+    """``prefix`` then the items separated by ", ", breaking lines only between items; continuation
+    lines are indented by two spaces. An item too long for a line of its own is wrapped inside."""
+    indent = "  "
+    pieces = []
+    for i, item in enumerate(items):
+        pieces += _wrap(item if i == len(items) - 1 else f"{item},", REPORT_WIDTH - len(indent))
+    lines: list[str] = []
+    line, fresh = prefix, True
+    for piece in pieces:
+        if len(line) + (0 if fresh else 1) + len(piece) > REPORT_WIDTH:
+            lines.append(line.rstrip())
+            line, fresh = indent, True
+        line = f"{line}{piece}" if fresh else f"{line} {piece}"
+        fresh = False
+    lines.append(line)
+    return lines
 
 
 def _dtype_str(dtype: torch.dtype | None) -> str | None:

@@ -17,6 +17,7 @@ from torch import nn
 
 import amp_fx
 from amp_fx.core.node_info import node_info
+from amp_fx.reporting import REPORT_WIDTH
 
 
 class Block(nn.Module):
@@ -61,6 +62,55 @@ def _convert(model: nn.Module, level: str, dtype: torch.dtype = torch.float16) -
 
 def _calls(gm: torch.fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.op.startswith("call_"))
+
+
+TABLE_COLUMNS = ("node", "op", "rule", "in", "out", "reason")
+
+
+def _table_cells(table: str) -> list[dict[str, list[str]]]:
+    """The table's rows as column -> the cell's pieces, one per line it takes.
+
+    Columns are cut where the header's names start; a row starts at a line whose "out" cell is
+    filled (that cell never wraps).
+    """
+    header, *body = table.splitlines()
+    starts = [header.index(name) for name in ("node", " op ", " rule ", " in ", " out ", " reason")]
+    starts = [starts[0], *(start + 1 for start in starts[1:])]
+    bounds = list(zip(starts, [*starts[1:], None], strict=True))
+    rows: list[dict[str, list[str]]] = []
+    for line in body:
+        cells = {name: line[a:b].strip() for name, (a, b) in zip(TABLE_COLUMNS, bounds, strict=True)}
+        if cells["out"]:
+            rows.append({name: [] for name in TABLE_COLUMNS})
+        for name, cell in cells.items():
+            if cell:
+                rows[-1][name].append(cell)
+    return rows
+
+
+def _summary_entries(summary: str, heading: str) -> list[list[str]]:
+    """The entries listed under `heading` ("stayed FP32:", "opaque:"), each as its lines' pieces."""
+    lines = summary.splitlines()
+    entries: list[list[str]] = []
+    if heading not in lines:
+        return entries
+    for line in lines[lines.index(heading) + 1 :]:
+        if line.startswith("    "):
+            entries[-1].append(line.strip())
+        elif line.startswith("  "):
+            entries.append([line.strip()])
+        else:
+            break
+    return entries
+
+
+def _is_wrapped(pieces: list[str], text: str) -> bool:
+    """Whether `pieces` are `text` wrapped onto lines: broken at a space, or inside a long word."""
+    return re.fullmatch(" ?".join(re.escape(piece) for piece in pieces), text) is not None
+
+
+def _widest_line(text: str) -> int:
+    return max(len(line) for line in text.splitlines())
 
 
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
@@ -116,11 +166,11 @@ def test_o2_lists_fp32_islands_and_low_precision_parameters() -> None:
     assert gm.get_parameter("conv.weight").dtype == torch.float16
     assert gm.get_parameter("bn.weight").dtype == torch.float32
     assert torch.float16 in rep.params_by_dtype and torch.float32 in rep.params_by_dtype
-    text = str(rep)
-    if rep.fp32_ops:
-        assert "stayed FP32:" in text
-        for r in rep.fp32_ops:
-            assert f"  {r.name} ({r.op}): {r.reason}" in text
+    assert rep.fp32_ops and "stayed FP32:" in str(rep)
+    entries = _summary_entries(rep.summary(), "stayed FP32:")
+    assert len(entries) == len(rep.fp32_ops)
+    for pieces, r in zip(entries, rep.fp32_ops, strict=True):
+        assert _is_wrapped(pieces, f"{r.name} ({r.op}): {r.reason}"), pieces
 
 
 def test_o0_has_no_casts_and_an_empty_diff() -> None:
@@ -140,10 +190,11 @@ def test_opaque_nodes_are_named_with_their_reason() -> None:
     # The line that stopped the tracer is named.
     assert by_name["gate"].opaque_reason.startswith("untraceable:")
     assert "if x.sum() > 0:" in by_name["gate"].opaque_reason
-    text = str(rep)
-    assert "opaque:" in text
-    for r in rep.opaque:
-        assert r.opaque_reason in text
+    assert "opaque:" in str(rep)
+    entries = _summary_entries(rep.summary(), "opaque:")
+    assert len(entries) == len(rep.opaque)
+    for pieces, r in zip(entries, rep.opaque, strict=True):
+        assert _is_wrapped(pieces, f"{r.name} ({r.target}): {r.opaque_reason}"), pieces
     data = rep.to_dict()["summary"]["opaque"]
     assert {d["name"] for d in data} == {"attention", "gate"}
 
@@ -153,23 +204,80 @@ def test_table_is_aligned_and_complete() -> None:
     rep = amp_fx.report(gm)
     table = rep.table().splitlines()
     header = table[0]
-    assert header.split() == ["node", "op", "rule", "in", "out", "reason"]
+    assert header.split() == list(TABLE_COLUMNS)
     columns = [header.index(name) for name in (" op ", " rule ", " in ", " out ", " reason")]
-    body = table[1:]
-    names = [n.name for n in gm.graph.nodes if n.op != "output"]
-    assert [line.split()[0] for line in body] == names
-    for line in body:
+    for line in table[1:]:
         # Every column starts where its header does: the cell before it ends with padding.
         for col in columns:
             assert len(line) <= col or line[col] == " ", line
-    for row, line in zip([r for r in rep.rows if r.kind != "output"], body, strict=True):
-        cells = re.split(r"\s{2,}", line, maxsplit=5)
-        expected_rule = "cast" if row.is_cast else (row.rule or "-")
-        assert cells[2] == expected_rule
+    assert len(table) > len(gm.graph.nodes)  # some reasons continue on a second line
+    shown = [r for r in rep.rows if r.kind != "output"]
+    cells = _table_cells(rep.table())
+    assert len(cells) == len(shown)
+    for row, cell in zip(shown, cells, strict=True):
+        assert cell["node"] == [row.name] and cell["op"] == [row.op or "-"]
+        assert cell["rule"] == ["cast" if row.is_cast else (row.rule or "-")]
+        assert _is_wrapped(cell["reason"], row.why), cell  # the whole reason, however many lines
     summary = rep.summary()
     assert f"{len(rep.ops)} ops, {rep.casts_inserted} casts inserted" in summary
     assert "ops per rule: " in summary and "parameters and buffers: " in summary
     assert "bf16" in str(rep) and "amp_fx report: O1, torch.bfloat16, cpu" in str(rep)
+
+
+def _resnet18() -> nn.Module:
+    return pytest.importorskip("torchvision").models.resnet18()
+
+
+def _small_transformer() -> nn.Module:
+    layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, batch_first=True)
+    return nn.Sequential(nn.Linear(16, 32), nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
+
+
+@pytest.mark.parametrize(
+    "build, example",
+    [
+        (_resnet18, torch.randn(2, 3, 32, 32)),
+        (_small_transformer, torch.randn(2, 5, 16)),
+    ],
+    ids=["resnet18", "transformer"],
+)
+def test_no_line_is_wider_than_the_limit(build, example) -> None:
+    """Realistic models have long reasons and long "ops per rule" lists: they wrap, and still say
+    every node, every reason and every op count."""
+    gm = amp_fx.convert(build().eval(), "O2", device_type="cpu", example_inputs=(example,))
+    rep = amp_fx.report(gm)
+    text = str(rep)
+    assert _widest_line(text) <= REPORT_WIDTH
+    shown = [r for r in rep.rows if r.kind != "output"]
+    cells = _table_cells(rep.table())
+    assert len(cells) == len(shown)
+    for row, cell in zip(shown, cells, strict=True):
+        assert cell["node"] == [row.name] and _is_wrapped(cell["reason"], row.why), cell
+    per_rule = " ".join(line.strip() for line in rep.summary().splitlines()[1:] if "×" in line)
+    for rule, ops in rep.ops_by_rule.items():
+        for op, n in ops.items():
+            assert re.search(rf"[ (]{re.escape(op)}×{n}[,)]", per_rule), (rule, op)
+        assert f"{rule} {sum(ops.values())} (" in per_rule
+    entries = _summary_entries(rep.summary(), "stayed FP32:")
+    assert len(entries) == len(rep.fp32_ops)
+    for pieces, r in zip(entries, rep.fp32_ops, strict=True):
+        assert _is_wrapped(pieces, f"{r.name} ({r.op}): {r.reason}"), pieces
+
+
+def test_long_names_and_lists_wrap_within_the_limit() -> None:
+    """Node names too long to leave the reason its minimum width wrap inside their column."""
+    names = [f"very_long_submodule_name_{i}_" * 3 for i in range(4)]
+    model = nn.Sequential()
+    for name in names:
+        model.add_module(name, nn.Linear(4, 4))
+    rep = amp_fx.report(_convert(model, "O2"))
+    assert _widest_line(str(rep)) <= REPORT_WIDTH
+    shown = [r for r in rep.rows if r.kind != "output"]
+    cells = _table_cells(rep.table())
+    assert len(cells) == len(shown)
+    assert any(len(cell["node"]) > 1 for cell in cells)  # the names did wrap
+    for row, cell in zip(shown, cells, strict=True):
+        assert _is_wrapped(cell["node"], row.name) and _is_wrapped(cell["reason"], row.why), cell
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
