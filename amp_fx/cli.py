@@ -246,7 +246,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         shape = shape or _TOKEN_INPUT_SHAPE
         print(
             f"input: int64 token ids of shape {','.join(map(str, shape))} (the first layer is an "
-            "nn.Embedding; --input-dtype and --input-shape change this)"
+            "nn.Embedding;\n  --input-dtype and --input-shape change this)"
         )
     example_inputs = None
     if shape is not None:

@@ -13,6 +13,7 @@ import torch.fx
 
 from amp_fx.cli import main, parse_shape
 from amp_fx.dot import CAST_COLOUR, RULE_COLOURS, to_dot
+from amp_fx.reporting import REPORT_WIDTH
 
 MODEL_FILE = textwrap.dedent(
     """
@@ -65,6 +66,13 @@ def _dot_graph(text: str) -> tuple[dict[str, str], list[tuple[str, str]]]:
     return nodes, edges
 
 
+def _assert_fits(out: str, *echoed: str) -> None:
+    """No line of the output is wider than the report's limit, except lines echoing the user's
+    `echoed` paths back (their length is the user's)."""
+    wide = [line for line in out.splitlines() if len(line) > REPORT_WIDTH]
+    assert [line for line in wide if not any(path in line for path in echoed)] == []
+
+
 def test_inspect_a_torchvision_model(tmp_path, capsys):
     dot = tmp_path / "resnet18.dot"
     args = ["--opt-level", "O2", "--dtype", "bf16", "--input-shape", "1,3,32,32", "--dot", str(dot)]
@@ -73,6 +81,7 @@ def test_inspect_a_torchvision_model(tmp_path, capsys):
     assert "amp_fx report: O2, torch.bfloat16" in out
     assert re.search(r"conv1\s+conv2d\s+lower\s+bf16", out)
     assert re.search(r"\d+ casts inserted", out)
+    _assert_fits(out, str(dot))
     nodes, edges = _dot_graph(dot.read_text())
     assert nodes["x_to_bfloat16"] == CAST_COLOUR and nodes["conv1"] == RULE_COLOURS["LOWER"]
     assert ("x", "x_to_bfloat16") in edges and ("x_to_bfloat16", "conv1") in edges
@@ -83,6 +92,7 @@ def test_inspect_a_model_from_a_file_shows_fp32_islands(model_file, tmp_path, ca
     assert main(["inspect", f"{model_file}:Attention", "--input-shape", "2,5,16", "--dot", str(dot)]) == 0
     out = capsys.readouterr().out
     assert "stayed FP32" in out and "softmax" in out
+    _assert_fits(out, str(dot))
     nodes, _ = _dot_graph(dot.read_text())
     assert nodes["softmax"] == RULE_COLOURS["FP32"]
     assert CAST_COLOUR in nodes.values()
@@ -99,6 +109,7 @@ def test_inspect_a_model_with_an_embedding_first_takes_token_ids(model_file, cap
     assert "input: int64 token ids of shape 1,8" in out
     assert re.search(r"^idx +- +- +- +i64 +input", out, flags=re.M)
     assert "idx_to_float16" not in out  # no phantom cast of the integer input
+    _assert_fits(out)
     assert main(["inspect", f"{model_file}:TokenModel", "--input-shape", "2,4", "--input-dtype", "long"]) == 0
     out = capsys.readouterr().out
     assert "token ids" not in out and "idx_to_float16" not in out

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import amp_fx.amp._state as amp_state
+from amp_fx.reporting import REPORT_WIDTH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -100,7 +101,10 @@ def test_demo(capsys):
     assert "amp_fx report: O2" in out and "stayed FP32" in out
     assert "--full-report" in out and "\nnode " not in out  # the summary, not the per-node table
     demo.main(["--steps", "1", "--batch-size", "2", "--full-report"])
-    assert "\nnode " in capsys.readouterr().out
+    full = capsys.readouterr().out
+    assert "\nnode " in full
+    for text in (out, full):
+        assert [line for line in text.splitlines() if len(line) > REPORT_WIDTH] == []
 
 
 def test_ddp_without_torchrun_says_how_to_run_it(monkeypatch):
