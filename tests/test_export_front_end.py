@@ -19,7 +19,7 @@ from amp_fx.captured_model import CapturedModel, capture_summary
 from amp_fx.core.module_ops import module_op
 from amp_fx.optim import FusedAdam
 from tests.models.hf import MODELS
-from tests.models.small import GatedByValue, NanoGPT
+from tests.models.small import DtypeReading, GatedByValue, NanoGPT
 
 pytest.importorskip("transformers")
 
@@ -162,6 +162,25 @@ def test_data_dependent_forward_runs_in_an_island_around_captured_children():
     assert 0.5 < summary.parameter_coverage < 1.0  # the head not taken was never run
     assert o2.encoder[0].weight.dtype == BF16 and o2.encoder[1].weight.dtype == torch.float32
     _check_state_dicts(o2, model)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_code_that_reads_the_running_dtype_sees_the_converted_dtype(level):
+    torch.manual_seed(0)
+    model = DtypeReading()
+    x = torch.randn(3, 5, 16)
+    keep = torch.ones(3, 5, dtype=torch.bool)
+    keep[1] = False  # a fully masked row: finite only if the fill value is bf16's own minimum
+    with torch.autocast("cpu", dtype=BF16):
+        autocast = model(x, keep)
+    reference = model(x, keep)
+    output = amp_fx.convert(model, level, dtype=BF16)(x, keep)
+    assert torch.isfinite(output).all() and torch.isfinite(autocast).all()
+    if level == "O1":
+        assert torch.equal(output, autocast)
+    else:
+        assert output.dtype == torch.float32
+        assert (output - reference).abs().max() <= 2 * (autocast.float() - reference).abs().max()
 
 
 def test_a_call_that_fails_eagerly_raises_its_error_and_leaves_no_island():

@@ -91,3 +91,24 @@ class GatedByValue(nn.Module):
         h = self.encoder(x)
         head = self.positive if h.mean() > 0 else self.negative
         return head(h).softmax(-1)
+
+
+class DtypeReading(nn.Module):
+    """Reads its activations' dtype as transformers' eager attention and RMSNorm do: the mask's
+    fill value is ``finfo(dtype).min`` of the running dtype, and the norm computes in float32 and
+    returns the dtype it was given. Captured at float32 and cast afterwards, the fill value
+    (-3.4e38) would round to -inf in bf16 and a fully masked row would become NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.out = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.norm_weight = nn.Parameter(torch.ones(16))
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        h = self.q(x)
+        input_dtype = h.dtype
+        variance = h.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        h = (h.to(torch.float32) * torch.rsqrt(variance + 1e-6)).to(input_dtype) * self.norm_weight
+        scores = h @ self.k(x).transpose(-1, -2)
+        scores = scores.masked_fill(~keep[:, None, :], torch.finfo(scores.dtype).min)
+        return self.out(scores.softmax(-1) @ h)
