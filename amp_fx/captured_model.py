@@ -42,7 +42,6 @@ Example::
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import time
@@ -57,6 +56,7 @@ from amp_fx.core.module_ops import module_op
 from amp_fx.core.node_info import PARAMETERS_STORED_KEY
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.passes.export import ExportError, accepts, export_graph, graph_inputs
+from amp_fx.passes.shared import copy_model
 from amp_fx.rewrite import rewrite_graph
 
 logger = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ def captured_model(model: nn.Module, policy: Policy) -> nn.Module:
 
     The model passed in is never modified.
     """
-    converted = copy.deepcopy(model)
+    converted = copy_model(model)
     if policy.cast_parameters:
         _store_parameters(converted, policy)
     _make_captured(converted, policy)

@@ -49,7 +49,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import inspect
 import keyword
@@ -69,6 +68,7 @@ from torch import nn
 
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Rule
+from amp_fx.passes.shared import copy_model
 
 logger = logging.getLogger(__name__)
 
@@ -390,7 +390,7 @@ def trace(
         )
     opaque_types, leaf_names = _validate_leaf_modules(model, leaf_modules)
 
-    root = copy.deepcopy(model)
+    root = copy_model(model)
     untraceable: dict[str, tuple[str, str]] = {}  # qualified name -> (opaque_reason, the error)
     while True:
         tracer = _PrimitiveLeafTracer(opaque_types, leaf_names | set(untraceable))
