@@ -249,7 +249,13 @@ def _capture(
     region = (policy.device_type, policy.dtype) if policy.opt_level != "O0" else None
     # The module's own class runs during the capture (CapturedModel.forward would recurse).
     cls = type(module)
-    module.__class__ = cls.__mro__[2]
+    if cls.__bases__[0] is not CapturedModel:
+        raise TypeError(
+            f"{cls.__name__} is a converted model whose class another library replaced (FSDP2's "
+            "fully_shard does); the torch.export front end cannot capture it: shard the model's "
+            "submodules, or convert a model torch.fx can trace (front_end='fx')"
+        )
+    module.__class__ = cls.__bases__[1]
     try:
         graph = export_graph(module, args, kwargs, autocast=region, dynamic=dynamic)
     except ExportError as error:

@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from amp_fx.captured_model import CapturedModel
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.core.node_info import POLICY_KEY, node_info
 from amp_fx.loss_scaler import LossScaler
@@ -69,6 +70,12 @@ __all__ = ["fully_shard_converted", "mixed_precision_policies", "save_checkpoint
 def _check_converted(gm: Any) -> torch.fx.GraphModule:
     if isinstance(gm, FSDPModule):
         raise TypeError("fully_shard_converted got a model that is already sharded; pass the converted model")
+    if isinstance(gm, CapturedModel):
+        raise TypeError(
+            f"fully_shard_converted takes models of amp_fx.convert's torch.fx front end; {type(gm).__name__} "
+            "came from the torch.export front end (captured call by call), which FSDP2 sharding does not "
+            "support yet: convert with front_end='fx' where torch.fx can trace the model"
+        )
     if not (isinstance(gm, torch.fx.GraphModule) and POLICY_KEY in gm.meta):
         raise TypeError(
             f"fully_shard_converted needs a GraphModule from amp_fx.convert, got {type(gm).__name__}; "
