@@ -131,6 +131,8 @@ class Problem:
         self.found_inf = torch.zeros(1, device=DEVICE)
         self.inv_scale = torch.full((1,), 1.0 / LOSS_SCALE, device=DEVICE)
         self.step = torch.zeros(1, device=DEVICE)
+        # Per-parameter step offsets, as FusedAdam/FusedSGD pass them (one pointer column more).
+        self.step_offsets = [torch.zeros((), device=DEVICE) for _ in shapes]
 
     def check(self) -> None:
         triton_ops.check_finite_and_norm_(self.grads, self.found_inf, grad_multiplier=self.inv_scale)
@@ -145,6 +147,7 @@ class Problem:
             self.step,
             grad_multiplier=self.inv_scale,
             found_inf=self.found_inf,
+            step_offsets=self.step_offsets,
             **ADAM,
         )
 
@@ -157,6 +160,7 @@ class Problem:
             self.step,
             grad_multiplier=self.inv_scale,
             found_inf=self.found_inf,
+            step_offsets=self.step_offsets,
             **SGD,
         )
 

@@ -1,6 +1,7 @@
 """Fused Adam / AdamW step for many tensors in one launch, with FP32 master weights.
 
-What: for every element of every parameter, in fp32, with t = step + 1 (torch.optim.Adam/AdamW)::
+What: for every element of every parameter, in fp32, with t = step - step_offset + 1, the steps
+this parameter has taken plus this one (torch.optim.Adam/AdamW; step_offset is 0 without offsets)::
 
     g  = grad * grad_multiplier                  grad_multiplier = 1 / loss_scale (x clip coefficient)
     g += weight_decay * w                        L2 (adam_w_mode=False)
@@ -27,7 +28,9 @@ Bias correction: 1 - beta^t = -expm1(t * ln(beta)), computed once per program; e
 cancellation of 1 - exp(x) when beta is close to 1 and t is small (beta2 = 0.999, t = 1).
 
 Layout: a pointer table (``pointer_table.py``) with columns param, grad, master, exp_avg,
-exp_avg_sq; one launch per (param dtype, grad dtype, has master) group, never one per tensor.
+exp_avg_sq, step_offset (a pointer to the parameter's one-element offset, read once per program,
+so an offset changed in place on the device is seen without rebuilding the table); one launch per
+(param dtype, grad dtype, has master) group, never one per tensor.
 """
 
 from __future__ import annotations
@@ -115,7 +118,8 @@ def _adam_block(
 
 @triton.jit
 def _adam_kernel(
-    tensor_table,  # int64 [T, 6]: pointers to param, grad, master (0: none), exp_avg, exp_avg_sq; numel
+    tensor_table,  # int64 [T, 7]: pointers to param, grad, master (0: none), exp_avg, exp_avg_sq,
+    # step_offset (0: none); numel
     chunk_table,  # int64 [C, 2]: (tensor index, first element) of the chunk this program updates
     step_ptr,  # float32 [1]: steps already taken; this step is t = step + 1
     grad_multiplier_ptr,  # float32 [1]: multiplies every grad (read only if HAS_GRAD_MULTIPLIER)
@@ -137,20 +141,21 @@ def _adam_kernel(
     USE_WEIGHT_DECAY: tl.constexpr,
     HAS_GRAD_MULTIPLIER: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
-    ALIGNED: tl.constexpr,  # every pointer in the table is 16-byte aligned
+    HAS_STEP_OFFSETS: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every vector pointer in the table is 16-byte aligned
     CHUNK_SIZE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
     chunk = tl.program_id(0).to(tl.int64)
     tensor_index = tl.load(chunk_table + 2 * chunk)
     chunk_start = tl.load(chunk_table + 2 * chunk + 1)
-    row = tensor_table + 6 * tensor_index
+    row = tensor_table + 7 * tensor_index
     param_ptr = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
     grad_ptr = tl.load(row + 1).to(tl.pointer_type(GRAD_DTYPE))
     master_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
     exp_avg_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
     exp_avg_sq_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
-    numel = tl.load(row + 5)
+    numel = tl.load(row + 6)
     if ALIGNED:
         param_ptr = tl.multiple_of(param_ptr, 16)
         grad_ptr = tl.multiple_of(grad_ptr, 16)
@@ -163,7 +168,10 @@ def _adam_kernel(
         # The skip: no iterations, so nothing is loaded or stored.
         chunk_end = tl.where(tl.load(found_inf_ptr) > 0, chunk_start, chunk_end)
 
-    t = tl.load(step_ptr) + 1.0
+    own_step = tl.load(step_ptr)
+    if HAS_STEP_OFFSETS:
+        own_step = own_step - tl.load(tl.load(row + 5).to(tl.pointer_type(tl.float32)))
+    t = own_step + 1.0
     step_size = lr / one_minus_pow(log_beta1, t)
     bias_correction2_sqrt = tl.sqrt_rn(one_minus_pow(log_beta2, t))
     grad_multiplier = 1.0
@@ -243,9 +251,11 @@ def adam_step_(
     adam_w_mode: bool,
     grad_multiplier: Tensor | None = None,
     found_inf: Tensor | None = None,
+    step_offsets: Sequence[Tensor] | None = None,
 ) -> None:
     """One Adam/AdamW step over all tensors, in one launch per dtype group; same contract as
-    ``amp_fx.kernels.reference.adam_step_`` (t = step + 1; nothing written when found_inf > 0).
+    ``amp_fx.kernels.reference.adam_step_`` (t = step - step_offsets[i] + 1; nothing written when
+    found_inf > 0).
 
     Example:
         >>> import torch
@@ -264,10 +274,12 @@ def adam_step_(
         grad_multiplier,
         found_inf,
         {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay},
+        step_offsets,
     )
     check_adam_hyperparameters(lr, beta1, beta2, eps, weight_decay)
     if masters is None:
         masters = [None] * len(params)
+    offsets = [None] * len(params) if step_offsets is None else step_offsets
     launch = LAUNCH
     groups = group_by_dtype(
         [p.dtype for p in params], [g.dtype for g in grads], [m is not None for m in masters]
@@ -281,8 +293,10 @@ def adam_step_(
                     [masters[i] for i in indices],
                     [exp_avgs[i] for i in indices],
                     [exp_avg_sqs[i] for i in indices],
+                    [offsets[i] for i in indices],
                 ],
                 launch.chunk_size,
+                scalar_columns=1,
             )
             if table.num_chunks == 0:
                 continue
@@ -309,6 +323,7 @@ def adam_step_(
                 USE_WEIGHT_DECAY=weight_decay != 0.0,
                 HAS_GRAD_MULTIPLIER=grad_multiplier is not None,
                 HAS_FOUND_INF=found_inf is not None,
+                HAS_STEP_OFFSETS=step_offsets is not None,
                 ALIGNED=table.aligned,
                 CHUNK_SIZE=launch.chunk_size,
                 BLOCK_SIZE=launch.block_size,

@@ -120,12 +120,14 @@ def check_update(
     grad_multiplier: Tensor | None,
     found_inf: Tensor | None,
     hyperparameters: dict[str, float],
+    step_offsets: Sequence[Tensor] | None = None,
 ) -> None:
     """Validate the arguments of an optimizer update (``adam_step_``, ``sgd_step_``).
 
     ``masters`` may be None (every param is its own master) or a list whose entries are float32
     tensors or None (that param is updated in place, in its own dtype, with fp32 arithmetic).
     ``states`` maps a name (``"exp_avgs"``) to a list of float32 tensors, or None when unused.
+    ``step_offsets`` (None: all 0) holds one float32 tensor of one element per param.
     """
     if step is None:
         raise TypeError("step must be a float32 tensor of one element (steps already taken)")
@@ -161,6 +163,14 @@ def check_update(
     device = params[0].device if params else step.device
     for name, value in (("step", step), ("grad_multiplier", grad_multiplier), ("found_inf", found_inf)):
         _check_scalar_tensor(name, value, device)
+    if step_offsets is not None:
+        if not isinstance(step_offsets, (list, tuple)) or len(step_offsets) != len(params):
+            raise ValueError(
+                f"step_offsets must be a list with one float32 tensor of one element per param "
+                f"({len(params)}), or None; got {type(step_offsets).__name__}"
+            )
+        for i, offset in enumerate(step_offsets):
+            _check_scalar_tensor(f"step_offsets[{i}]", offset, device)
     for name, value in hyperparameters.items():
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
             raise TypeError(f"{name} must be a finite Python float, got {value!r}")

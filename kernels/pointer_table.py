@@ -127,12 +127,16 @@ def _chunk_table(numels: tuple[int, ...], chunk_size: int, device: torch.device)
     return cached
 
 
-def pointer_table(columns: Sequence[Sequence[Tensor | None]], chunk_size: int) -> PointerTable:
+def pointer_table(
+    columns: Sequence[Sequence[Tensor | None]], chunk_size: int, scalar_columns: int = 0
+) -> PointerTable:
     """Build (or fetch from the cache) the tables for tensors ``columns[k][i]``, operand k of tensor i.
 
     ``columns[0]`` must hold tensors (its sizes define the chunks); later columns may hold None for
     an absent operand (pointer 0). All tensors must be on one device and already validated (dense,
-    same shape as ``columns[0][i]``).
+    same shape as ``columns[0][i]``), except the last ``scalar_columns`` columns: they point to one
+    value per tensor (a per-parameter step offset), read once per program, so their alignment does
+    not decide ``aligned``.
     """
     first = columns[0]
     if len(first) == 0:
@@ -141,12 +145,13 @@ def pointer_table(columns: Sequence[Sequence[Tensor | None]], chunk_size: int) -
     pointers = tuple(0 if t is None else t.data_ptr() for column in columns for t in column)
     numels = tuple(t.numel() for t in first)
     chunks, num_chunks = _chunk_table(numels, chunk_size, device)
-    key = (device, len(columns), pointers, numels)
+    key = (device, len(columns), scalar_columns, pointers, numels)
     rows = _row_cache.lookup(key)
     if rows is None:
         num_tensors = len(first)
         host_rows = torch.tensor(pointers + numels, dtype=torch.int64).view(len(columns) + 1, num_tensors)
-        aligned = all(p % ALIGNMENT_BYTES == 0 for p in pointers)
+        vector_pointers = pointers[: (len(columns) - scalar_columns) * num_tensors]
+        aligned = all(p % ALIGNMENT_BYTES == 0 for p in vector_pointers)
         if not aligned:
             logger.info(
                 "pointer table for %d tensors is not 16-byte aligned: kernels use narrow loads", num_tensors

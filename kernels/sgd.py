@@ -3,7 +3,8 @@
 What: for every element of every parameter, in fp32 (torch.optim.SGD)::
 
     g   = grad * grad_multiplier + weight_decay * w
-    buf = g                                        first step (step == 0), as torch creates the buffer
+    buf = g                                        the param's first step (step - step_offset == 0),
+                                                   as torch creates the buffer
     buf = momentum * buf + (1 - dampening) * g     later steps
     g   = g + momentum * buf  (nesterov)   or   buf      (when momentum != 0)
     w  -= lr * g
@@ -18,8 +19,9 @@ per parameter (12 without momentum: no buffer), in one pass.
 Skip: when found_inf > 0 every program runs zero iterations, so nothing is read or written
 (all-or-nothing, decided on the device; see ``overflow_check.py`` for why the check runs first).
 
-Layout: a pointer table (``pointer_table.py``) with columns param, grad, master, momentum buffer;
-one launch per (param dtype, grad dtype, has master) group.
+Layout: a pointer table (``pointer_table.py``) with columns param, grad, master, momentum buffer,
+step_offset (a pointer to the parameter's one-element offset, read once per program); one launch per
+(param dtype, grad dtype, has master) group.
 """
 
 from __future__ import annotations
@@ -85,7 +87,8 @@ def _sgd_block(
 
 @triton.jit
 def _sgd_kernel(
-    tensor_table,  # int64 [T, 5]: data pointers of param, grad, master (0 if none), momentum buffer; numel
+    tensor_table,  # int64 [T, 6]: data pointers of param, grad, master (0 if none), momentum buffer,
+    # step_offset (0 if none); numel
     chunk_table,  # int64 [C, 2]: (tensor index, first element) of the chunk this program updates
     step_ptr,  # float32 [1]: steps already taken; 0 means the momentum buffer starts as the grad
     grad_multiplier_ptr,  # float32 [1]: multiplies every grad (read only if HAS_GRAD_MULTIPLIER)
@@ -102,19 +105,20 @@ def _sgd_kernel(
     USE_WEIGHT_DECAY: tl.constexpr,
     HAS_GRAD_MULTIPLIER: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
-    ALIGNED: tl.constexpr,  # every pointer in the table is 16-byte aligned
+    HAS_STEP_OFFSETS: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every vector pointer in the table is 16-byte aligned
     CHUNK_SIZE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
     chunk = tl.program_id(0).to(tl.int64)
     tensor_index = tl.load(chunk_table + 2 * chunk)
     chunk_start = tl.multiple_of(tl.load(chunk_table + 2 * chunk + 1), CHUNK_SIZE)
-    row = tensor_table + 5 * tensor_index
+    row = tensor_table + 6 * tensor_index
     param_ptr = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
     grad_ptr = tl.load(row + 1).to(tl.pointer_type(GRAD_DTYPE))
     master_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
     buffer_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    numel = tl.load(row + 4)
+    numel = tl.load(row + 5)
     if ALIGNED:
         param_ptr = tl.multiple_of(param_ptr, 16)
         grad_ptr = tl.multiple_of(grad_ptr, 16)
@@ -124,7 +128,10 @@ def _sgd_kernel(
     if HAS_FOUND_INF:
         # The skip: no iterations, so nothing is loaded or stored.
         chunk_end = tl.where(tl.load(found_inf_ptr) > 0, chunk_start, chunk_end)
-    first_step = tl.load(step_ptr) == 0
+    own_step = tl.load(step_ptr)
+    if HAS_STEP_OFFSETS:
+        own_step = own_step - tl.load(tl.load(row + 4).to(tl.pointer_type(tl.float32)))
+    first_step = own_step == 0
     grad_multiplier = 1.0
     if HAS_GRAD_MULTIPLIER:
         grad_multiplier = tl.load(grad_multiplier_ptr)
@@ -190,6 +197,7 @@ def sgd_step_(
     nesterov: bool,
     grad_multiplier: Tensor | None = None,
     found_inf: Tensor | None = None,
+    step_offsets: Sequence[Tensor] | None = None,
 ) -> None:
     """One SGD step over all tensors, in one launch per dtype group; same contract as
     ``amp_fx.kernels.reference.sgd_step_``.
@@ -211,12 +219,16 @@ def sgd_step_(
         grad_multiplier,
         found_inf,
         {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay},
+        step_offsets,
     )
     check_sgd_hyperparameters(lr, momentum, dampening, weight_decay, nesterov, momentum_buffers)
     if masters is None:
         masters = [None] * len(params)
     use_momentum = momentum != 0.0
     buffers = momentum_buffers if use_momentum else [None] * len(params)
+    # Only the momentum buffer's first step depends on the step; without momentum nothing reads it.
+    use_offsets = use_momentum and step_offsets is not None
+    offsets = step_offsets if use_offsets else [None] * len(params)
     launch = LAUNCH
     groups = group_by_dtype(
         [p.dtype for p in params], [g.dtype for g in grads], [m is not None for m in masters]
@@ -229,8 +241,10 @@ def sgd_step_(
                     [grads[i] for i in indices],
                     [masters[i] for i in indices],
                     [buffers[i] for i in indices],
+                    [offsets[i] for i in indices],
                 ],
                 launch.chunk_size,
+                scalar_columns=1,
             )
             if table.num_chunks == 0:
                 continue
@@ -252,6 +266,7 @@ def sgd_step_(
                 USE_WEIGHT_DECAY=weight_decay != 0.0,
                 HAS_GRAD_MULTIPLIER=grad_multiplier is not None,
                 HAS_FOUND_INF=found_inf is not None,
+                HAS_STEP_OFFSETS=use_offsets,
                 ALIGNED=table.aligned,
                 CHUNK_SIZE=launch.chunk_size,
                 BLOCK_SIZE=launch.block_size,

@@ -117,8 +117,16 @@ def full_weights(model: nn.Module) -> list[torch.Tensor]:
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes this rank holds of optimizer state (masters, moments) and of FP32 params (their own masters)."""
-    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    """Bytes this rank holds of optimizer state (masters, moments) and of FP32 params (their own masters).
+
+    Not the step offsets: one 4-byte count per parameter that every rank keeps whole, as torch.optim
+    keeps ``state[p]["step"]``; sharded state is what must halve."""
+    state = [
+        t
+        for s in optimizer.state.values()
+        for key, t in s.items()
+        if isinstance(t, torch.Tensor) and key != "step_offset"
+    ]
     params = [p for group in optimizer.param_groups for p in group["params"] if p.dtype == torch.float32]
     return sum(local_tensor(t).nbytes for t in state + params)
 

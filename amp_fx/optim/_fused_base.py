@@ -11,8 +11,19 @@ theirs: an optimizer that has not stepped holds no moments, and a training step'
 One step, per parameter group: collect the params that have grads and hand all of them to one
 call of the kernel (Triton on CUDA, the pure-torch reference elsewhere; `amp_fx.kernels`), then
 advance the group's step counter on the device. The step counter is a float32 tensor of shape (1,)
-in ``param_group["step"]``, one per group as in Apex's FusedAdam: all params of a group share it,
-and it advances whenever the group takes a step that was not skipped.
+in ``param_group["step"]``, one per group as in Apex's FusedAdam: it advances whenever the group
+takes a step that was not skipped.
+
+Steps are counted per parameter, as torch.optim counts them, without a per-parameter counter to
+advance at every step: each parameter with moments holds ``state[p]["step_offset"]`` (float32,
+0-dim, on the device), the group steps it did not take. It is set to the group's count when its
+moments are created (its first step with a grad) and grows by one, on the device, at each
+not-skipped step of its group in which it has no grad; its own count is ``step - step_offset``.
+So a layer that is unfrozen late, or a branch used only now and then, starts Adam's bias correction
+at t = 1 and SGD's momentum buffer at its grad, as torch.optim does; a step in which every param
+has a grad does no per-parameter work for it. The kernels read the offsets through the pointer
+table (one more pointer per parameter), so they stay one launch per dtype group. A checkpoint
+stores the offsets; one saved before they existed loads with offset 0 (the group's count).
 
 Loss scaling reaches the kernel as two device tensors and is never read on the host:
 
@@ -59,6 +70,7 @@ from amp_fx.optim.model_loads import MASTER_KEY, track_params
 logger = logging.getLogger(__name__)
 
 STEP_KEY = "step"
+STEP_OFFSET_KEY = "step_offset"
 
 
 def is_fused_optimizer(optimizer: Any) -> bool:
@@ -98,6 +110,13 @@ class _StepBatch:
     grads: list[Tensor] = field(default_factory=list)
     masters: list[Tensor | None] = field(default_factory=list)
     states: dict[str, list[Tensor]] = field(default_factory=lambda: defaultdict(list))
+    step_offsets: list[Tensor] = field(default_factory=list)
+    # Offsets of the group's params that have moments but no grad this step (they do not count it).
+    idle_step_offsets: list[Tensor] = field(default_factory=list)
+
+    def step_offsets_or_none(self) -> list[Tensor] | None:
+        """The offsets, one per param, or None when the group keeps no moments (nothing reads them)."""
+        return self.step_offsets if self.step_offsets else None
 
     def masters_or_none(self) -> list[Tensor | None] | None:
         """The masters list, or None when no param has one (all are updated in place)."""
@@ -113,26 +132,28 @@ def _as_float(name: str, value: Any) -> float:
     return float(value)
 
 
-def _check_step_count(where: str, step: Any) -> None:
-    """Raise ValueError unless ``step`` is a finite count of steps (>= 0): a Python number or a float
-    tensor of one element. Reads a tensor's value (a host sync), so it is for checkpoints only: a
-    negative, NaN or inf step would make the next update's bias correction NaN everywhere."""
+def _check_step_count(where: str, step: Any, key: str = STEP_KEY) -> float:
+    """Return the count of steps ``step`` holds; raise ValueError unless it is finite and >= 0 (a
+    Python number or a float tensor of one element). Reads a tensor's value (a host sync), so it is
+    for checkpoints only: a negative, NaN or inf step would make the next update's bias correction
+    NaN everywhere."""
     if isinstance(step, Tensor):
         if step.numel() != 1 or not step.is_floating_point():
             raise ValueError(
-                f"{where}: 'step' must be a float tensor of one element, got dtype {step.dtype} with "
+                f"{where}: '{key}' must be a float tensor of one element, got dtype {step.dtype} with "
                 f"{step.numel()} elements"
             )
         value = float(step.detach().reshape(()).item())
     elif isinstance(step, bool) or not isinstance(step, (int, float)):
-        raise ValueError(f"{where}: 'step' must be a count of steps (a number >= 0), got {step!r}")
+        raise ValueError(f"{where}: '{key}' must be a count of steps (a number >= 0), got {step!r}")
     else:
         value = float(step)
     if not (math.isfinite(value) and value >= 0):
         raise ValueError(
-            f"{where}: 'step' must be a finite count of steps (>= 0), got {step!r}; the checkpoint is "
+            f"{where}: '{key}' must be a finite count of steps (>= 0), got {step!r}; the checkpoint is "
             "corrupt (a NaN or negative step would turn every weight NaN at the next step)"
         )
+    return value
 
 
 def _param_tensors(params: Iterable[Any]) -> list[Tensor]:
@@ -257,11 +278,18 @@ class FusedOptimizer(torch.optim.Optimizer):
                 state[MASTER_KEY] = param.detach().to(torch.float32, copy=True)
 
     def _init_moments(self, param: Tensor, group: dict[str, Any]) -> None:
-        """Create the zeroed FP32 state tensors ``param`` lacks (its first step, or momentum 0 -> 0.9)."""
+        """Create the zeroed FP32 state tensors ``param`` lacks (its first step, or momentum 0 -> 0.9),
+        and its step offset: the group's count now, so that this is its step t = 1."""
         state = self.state[param]
-        for key in self._state_keys(group):
+        keys = self._state_keys(group)
+        created = False
+        for key in keys:
             if key not in state:
                 state[key] = torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
+                created = True
+        if created or (keys and STEP_OFFSET_KEY not in state):
+            # A device copy: no host-to-device transfer, no sync (CUDA graphs, sync-debug mode).
+            state[STEP_OFFSET_KEY] = group[STEP_KEY].detach().reshape(()).clone()
 
     # ----------------------------------------------------------------------------------------
     # Pending loss scaling (set by unscale_grads_ and fold_grad_multiplier_, consumed by step)
@@ -343,9 +371,13 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _collect(self, group: dict[str, Any]) -> _StepBatch | None:
         """Gather the params of ``group`` that have grads; checks only, no state is created here."""
         batch: _StepBatch | None = None
+        idle_step_offsets = []
         for param in group["params"]:
             grad = param.grad
             if grad is None:
+                offset = self.state.get(param, {}).get(STEP_OFFSET_KEY)
+                if offset is not None:
+                    idle_step_offsets.append(offset)
                 continue
             if grad.is_sparse:
                 raise ValueError(
@@ -361,6 +393,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 batch = _StepBatch(device=local.device)
             batch.params.append(param)
             batch.grads.append(grad)
+        if batch is not None:
+            batch.idle_step_offsets = idle_step_offsets
         return batch
 
     def _gather_state(self, group: dict[str, Any], batch: _StepBatch) -> None:
@@ -373,6 +407,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             batch.masters.append(None if master is None else local_tensor(master))
             for key in keys:
                 batch.states[key].append(local_tensor(state[key]))
+            if keys:
+                batch.step_offsets.append(state[STEP_OFFSET_KEY])
         batch.params = [local_tensor(param) for param in batch.params]
 
     def _scaling_for(
@@ -422,6 +458,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             kernels = implementation_for(batch.params)
             self._update(kernels, batch, step, group, grad_multiplier, found_inf)
             kernels.advance_step_(step, found_inf)
+            for offset in batch.idle_step_offsets:
+                kernels.advance_step_(offset, found_inf)  # a step it does not take: its own count stays
         self._reset_pending()
         return loss
 
@@ -454,9 +492,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         # Moments are all there or, for a parameter that never took a step, all absent.
         moments = set(self._state_keys(group))
         expected = {MASTER_KEY} if self._master_expected(param, group) else set()
+        # The step offset comes with the moments; a checkpoint saved before offsets existed has none.
+        optional = set()
         if moments & set(saved_state):
             expected |= moments
-        missing, unexpected = sorted(expected - set(saved_state)), sorted(set(saved_state) - expected)
+            optional.add(STEP_OFFSET_KEY)
+        missing = sorted(expected - set(saved_state))
+        unexpected = sorted(set(saved_state) - expected - optional)
         if missing or unexpected:
             raise ValueError(
                 f"the loaded {where} has keys {sorted(saved_state)} but {type(self).__name__} expects "
@@ -474,6 +516,15 @@ class FusedOptimizer(torch.optim.Optimizer):
                 raise ValueError(
                     f"the loaded {where}: '{key}' must be a float32 tensor of shape {tuple(param.shape)}, "
                     f"got {got}; the checkpoint belongs to a different model"
+                )
+        if STEP_OFFSET_KEY in saved_state:
+            offset = _check_step_count(f"the loaded {where}", saved_state[STEP_OFFSET_KEY], STEP_OFFSET_KEY)
+            group_step = _check_step_count("its param group", group[STEP_KEY])
+            if offset > group_step:
+                raise ValueError(
+                    f"the loaded {where}: '{STEP_OFFSET_KEY}' ({offset:g}) exceeds its param group's "
+                    f"'{STEP_KEY}' ({group_step:g}); the parameter would have taken a negative number of "
+                    "steps, so the checkpoint is corrupt"
                 )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -535,12 +586,20 @@ class FusedOptimizer(torch.optim.Optimizer):
                     torch.as_tensor(saved[STEP_KEY]).to(step_device, torch.float32).reshape(1).clone()
                 )
                 new_groups.append(group)
+                moments = set(self._state_keys(saved))
                 for saved_id, param in zip(saved["params"], current["params"], strict=True):
                     for key, value in saved_state[saved_id].items():
+                        if key == STEP_OFFSET_KEY:
+                            offset = torch.as_tensor(value).to(step_device, torch.float32).reshape(())
+                            new_state[param][key] = offset.clone()
+                            continue
                         local = torch.empty_like(
                             param, dtype=torch.float32, memory_format=torch.preserve_format
                         )
                         new_state[param][key] = local.copy_(value)
+                    if moments & set(new_state[param]) and STEP_OFFSET_KEY not in new_state[param]:
+                        # Saved before per-parameter counts: the group's count is the param's own.
+                        new_state[param][STEP_OFFSET_KEY] = torch.zeros((), device=step_device)
         self.__setstate__({"state": new_state, "param_groups": new_groups})
         self._reset_pending()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():

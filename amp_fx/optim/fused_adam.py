@@ -19,11 +19,11 @@ class FusedAdam(FusedOptimizer):
     ``master_weights=True`` (the default) the optimizer keeps an FP32 master copy in
     ``state[p]["master_param"]`` and writes the rounded result back to the parameter; FP32
     parameters are updated in place. Moments (``exp_avg``, ``exp_avg_sq``) are FP32, created at a
-    parameter's first step with a grad (as torch.optim's and Apex's). The step count is one
-    float32 device tensor per param group (``param_groups[i]["step"]``, Apex's convention): it
-    advances when the group takes a step that was not skipped, and every param of the group uses
-    it for bias correction (torch counts per param; the two agree whenever all params of a group
-    get a grad at every step).
+    parameter's first step with a grad (as torch.optim's and Apex's). Bias correction counts
+    each parameter's own steps, as torch.optim.Adam does: the group's count
+    (``param_groups[i]["step"]``, one float32 device tensor, advanced at each step of the group that
+    was not skipped) minus ``state[p]["step_offset"]``, the group steps the parameter took no part
+    in (before its first grad, or without a grad since); see `amp_fx.optim._fused_base`.
 
     Hyperparameters are read from the param groups at each step as Python floats, so LR schedulers
     work as with torch.optim (when a step is captured in a CUDA graph, the values at capture time
@@ -108,4 +108,5 @@ class FusedAdam(FusedOptimizer):
             adam_w_mode=group["adam_w_mode"],
             grad_multiplier=grad_multiplier,
             found_inf=found_inf,
+            step_offsets=batch.step_offsets_or_none(),
         )

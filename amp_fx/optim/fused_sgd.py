@@ -18,10 +18,11 @@ class FusedSGD(FusedOptimizer):
     For fp16/bf16 parameters with ``master_weights=True`` (the default) the optimizer keeps an
     FP32 master copy in ``state[p]["master_param"]`` and writes the rounded result back to the
     parameter; FP32 parameters are updated in place. With ``momentum != 0`` each parameter has an
-    FP32 ``momentum_buffer``, created at its first step and set to the gradient on the group's
-    first step as torch does. The step count is one float32 device tensor per param group
-    (``param_groups[i]["step"]``); it tells the kernel which step is the first and does not
-    advance on a skipped step.
+    FP32 ``momentum_buffer``, created at its first step with a grad and set to that gradient (no
+    dampening), as torch does, also for a parameter whose first grad comes late. The kernel tells
+    a parameter's first step from the group's count (``param_groups[i]["step"]``, one float32
+    device tensor, not advanced on a skipped step) minus ``state[p]["step_offset"]``, the group
+    steps the parameter took no part in; see `amp_fx.optim._fused_base`.
 
     Args:
         params: parameters or param groups, as for torch.optim.SGD.
@@ -97,4 +98,5 @@ class FusedSGD(FusedOptimizer):
             nesterov=group["nesterov"],
             grad_multiplier=grad_multiplier,
             found_inf=found_inf,
+            step_offsets=batch.step_offsets_or_none(),
         )

@@ -1,6 +1,7 @@
 """Pure-torch ``adam_step_``; the Triton twin is in ``amp_fx.kernels.adam``.
 
-Adam (torch.optim.Adam / AdamW), for each element, in fp32, with t = step + 1::
+Adam (torch.optim.Adam / AdamW), for each element, in fp32, with t = step - step_offset + 1 (the
+steps this param has taken, plus this one; ``step_offset`` is 0 unless ``step_offsets`` is given)::
 
     g  = grad * grad_multiplier                      (grad_multiplier = 1 / loss_scale ...)
     g += weight_decay * w                            (L2, adam_w_mode=False)
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor
 
 from amp_fx.kernels.arguments import check_adam_hyperparameters, check_update, log_beta
-from amp_fx.kernels.reference.step import scaled_grad, skip_flag, write_unless_skipped
+from amp_fx.kernels.reference.step import own_step, scaled_grad, skip_flag, write_unless_skipped
 
 __all__ = ["adam_step_"]
 
@@ -49,13 +50,15 @@ def adam_step_(
     adam_w_mode: bool,
     grad_multiplier: Tensor | None = None,
     found_inf: Tensor | None = None,
+    step_offsets: Sequence[Tensor] | None = None,
 ) -> None:
     """One Adam (``adam_w_mode=False``) or AdamW (``adam_w_mode=True``) step, in place.
 
     ``step`` holds the number of steps already taken; this step uses t = step + 1 and does not
-    change ``step`` (call ``advance_step_`` afterwards). ``masters[i]`` is the fp32 copy of a
-    low-precision ``params[i]``; None (the whole list or one entry) means the param is its own
-    master. If ``found_inf`` > 0 nothing is written.
+    change ``step`` (call ``advance_step_`` afterwards). ``step_offsets[i]`` (a float32 tensor of
+    one element) is subtracted from ``step`` for ``params[i]`` alone: the group steps it did not
+    take. ``masters[i]`` is the fp32 copy of a low-precision ``params[i]``; None (the whole list or
+    one entry) means the param is its own master. If ``found_inf`` > 0 nothing is written.
 
     Example:
         >>> p, g = torch.ones(2), torch.ones(2)
@@ -74,17 +77,18 @@ def adam_step_(
         grad_multiplier,
         found_inf,
         {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay},
+        step_offsets,
     )
     check_adam_hyperparameters(lr, beta1, beta2, eps, weight_decay)
     if len(params) == 0:
         return
     skip = skip_flag(found_inf)
-    t = step.reshape(()) + 1
-    step_size = lr / _bias_correction(beta1, t)
-    bias_correction2_sqrt = _bias_correction(beta2, t).sqrt()
     for i, (param, grad, exp_avg, exp_avg_sq) in enumerate(
         zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)
     ):
+        t = own_step(step, step_offsets, i) + 1
+        step_size = lr / _bias_correction(beta1, t)
+        bias_correction2_sqrt = _bias_correction(beta2, t).sqrt()
         master = None if masters is None else masters[i]
         weight = (param if master is None else master).float()
         g = scaled_grad(grad, grad_multiplier)

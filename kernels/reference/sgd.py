@@ -3,7 +3,7 @@
 SGD (torch.optim.SGD)::
 
     g  = grad * grad_multiplier + weight_decay * w
-    buf = g                                          (first step, step == 0)
+    buf = g                                          (first step: step - step_offset == 0)
     buf = momentum * buf + (1 - dampening) * g       (later steps)
     g  = g + momentum * buf if nesterov else buf     (when momentum != 0)
     w -= lr * g
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from amp_fx.kernels.arguments import check_sgd_hyperparameters, check_update
-from amp_fx.kernels.reference.step import scaled_grad, skip_flag, write_unless_skipped
+from amp_fx.kernels.reference.step import own_step, scaled_grad, skip_flag, write_unless_skipped
 
 __all__ = ["sgd_step_"]
 
@@ -37,11 +37,13 @@ def sgd_step_(
     nesterov: bool,
     grad_multiplier: Tensor | None = None,
     found_inf: Tensor | None = None,
+    step_offsets: Sequence[Tensor] | None = None,
 ) -> None:
     """One SGD step (torch.optim.SGD math), in place; same master and skip rules as ``adam_step_``.
 
-    On the first step (``step`` == 0) the momentum buffer is set to the gradient, as torch does
-    when it creates the buffer; ``momentum_buffers`` may be None when ``momentum`` == 0.
+    On a param's first step (``step`` - ``step_offsets[i]`` == 0; offsets None: all 0) its momentum
+    buffer is set to the gradient, as torch does when it creates the buffer; ``momentum_buffers``
+    may be None when ``momentum`` == 0.
 
     Example:
         >>> p, g, buf, step = torch.ones(2), torch.ones(2), torch.zeros(2), torch.zeros(1)
@@ -59,13 +61,14 @@ def sgd_step_(
         grad_multiplier,
         found_inf,
         {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay},
+        step_offsets,
     )
     check_sgd_hyperparameters(lr, momentum, dampening, weight_decay, nesterov, momentum_buffers)
     if len(params) == 0:
         return
     skip = skip_flag(found_inf)
-    first_step = step.reshape(()) == 0
     for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
+        first_step = own_step(step, step_offsets, i) == 0
         master = None if masters is None else masters[i]
         weight = (param if master is None else master).float()
         g = scaled_grad(grad, grad_multiplier)

@@ -8,10 +8,12 @@ kernels do the same by not storing at all.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
-__all__ = ["advance_step_", "scaled_grad", "skip_flag", "write_unless_skipped"]
+__all__ = ["advance_step_", "own_step", "scaled_grad", "skip_flag", "write_unless_skipped"]
 
 
 def skip_flag(found_inf: Tensor | None) -> Tensor | None:
@@ -25,6 +27,12 @@ def write_unless_skipped(target: Tensor, new_value: Tensor, skip: Tensor | None)
     if skip is not None:
         new_value = torch.where(skip, target, new_value)
     target.copy_(new_value)
+
+
+def own_step(step: Tensor, step_offsets: Sequence[Tensor] | None, i: int) -> Tensor:
+    """The steps param ``i`` has taken (0-dim): ``step`` minus its offset, the group steps it missed."""
+    step = step.reshape(())
+    return step if step_offsets is None else step - step_offsets[i].reshape(())
 
 
 def scaled_grad(grad: Tensor, grad_multiplier: Tensor | None) -> Tensor:

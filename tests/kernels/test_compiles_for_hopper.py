@@ -136,6 +136,7 @@ def _optimizer_state(dtypes: tuple[torch.dtype, ...], masters: bool) -> dict:
         "masters": [p.float() if masters and p.dtype != torch.float32 else None for p in params],
         "states": [torch.zeros_like(p, dtype=torch.float32) for p in params],
         "step": torch.zeros(1),
+        "step_offsets": [torch.zeros(()) for _ in params],
     }
 
 
@@ -167,6 +168,7 @@ def _adam_calls() -> None:
             adam_w_mode=adam_w_mode,
             grad_multiplier=_flag() if scaled else None,
             found_inf=_flag() if scaled else None,
+            step_offsets=s["step_offsets"] if scaled else None,  # per-param counts, as the optimizer
         )
     s = _optimizer_state((torch.float16,), masters=False)  # O3: fp16 params updated in place
     triton_ops.adam_step_(
@@ -205,6 +207,7 @@ def _sgd_calls() -> None:
             nesterov=nesterov,
             grad_multiplier=_flag() if scaled else None,
             found_inf=_flag() if scaled else None,
+            step_offsets=s["step_offsets"] if scaled else None,
         )
 
 

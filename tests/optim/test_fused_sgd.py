@@ -49,7 +49,8 @@ def test_momentum_buffers_exist_only_with_momentum() -> None:
     for param in (with_momentum, plain):
         param.grad = torch.ones(3, dtype=torch.float16)
     optimizer.step()
-    assert set(optimizer.state[with_momentum]) == {"master_param", "momentum_buffer"}
+    # The step offset comes with the buffer (the group steps before the param's first, here none).
+    assert set(optimizer.state[with_momentum]) == {"master_param", "momentum_buffer", "step_offset"}
     assert set(optimizer.state[plain]) == {"master_param"}
 
 
