@@ -258,7 +258,7 @@ def test_scale_handles_nested_outputs() -> None:
     assert isinstance(scaled, list) and isinstance(scaled[1], tuple)
     assert torch.equal(scaled[1][1], torch.full((3,), 4.0))
     assert scaler.scale(b).shape == ()
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"scale\(\) takes a tensor or an iterable of tensors, got float"):
         scaler.scale(3.0)
 
 
@@ -390,7 +390,7 @@ def test_update_with_a_new_scale() -> None:
     assert scaler.get_scale() == 8.0
     scaler.update(new_scale=torch.tensor(16.0))
     assert scaler.get_scale() == 16.0
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"new_scale must be > 0, got -1.0"):
         scaler.update(new_scale=-1.0)
 
 

@@ -356,7 +356,7 @@ def test_errors_of_the_torch_expression(fused_calls) -> None:
     x = torch.randn(1, 3, 1, 1).to(memory_format=torch.channels_last)
     with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
         batch_norm_act(x, None, None, torch.zeros(3), torch.ones(3), MOMENTUM, EPS)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="weight should contain 3 elements not 4"):
         batch_norm_act(torch.randn(2, 3, 2, 2), torch.ones(4), None, None, None, MOMENTUM, EPS)
     assert not fused_calls
 

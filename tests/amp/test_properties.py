@@ -50,7 +50,7 @@ def test_a_refused_initialize_changes_nothing(tiny_net):
     model = tiny_net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(AmpConfigError):
+    with pytest.raises(AmpConfigError, match="loss_scale must be 'dynamic' or a number"):
         amp.initialize(model, optimizer, opt_level="O2", loss_scale="big", verbosity=0)
     assert not hasattr(optimizer, "_amp_fx") and "step" not in vars(optimizer)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

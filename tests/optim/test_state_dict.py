@@ -263,7 +263,7 @@ def test_add_param_group_creates_masters_and_matches_torch(problem) -> None:
 def test_add_param_group_refuses_a_duplicate_without_changing_anything(problem) -> None:
     case = problem(torch.float16, seed=61)
     optimizer = FusedAdam(case.params)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="appear in more than one parameter group"):
         optimizer.add_param_group({"params": case.params[:1]})
     assert len(optimizer.param_groups) == 1
     with pytest.raises(ValueError, match="dtype"):
