@@ -458,8 +458,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             kernels = implementation_for(batch.params)
             self._update(kernels, batch, step, group, grad_multiplier, found_inf)
             kernels.advance_step_(step, found_inf)
-            for offset in batch.idle_step_offsets:
-                kernels.advance_step_(offset, found_inf)  # a step it does not take: its own count stays
+            # Params with moments but no grad do not take this step: their own counts stay.
+            kernels.advance_step_(batch.idle_step_offsets, found_inf)
         self._reset_pending()
         return loss
 

@@ -42,16 +42,30 @@ def scaled_grad(grad: Tensor, grad_multiplier: Tensor | None) -> Tensor:
 
 
 @torch.no_grad()
-def advance_step_(step: Tensor, found_inf: Tensor | None) -> None:
-    """``step += 1`` unless ``found_inf`` > 0, decided on the device.
+def advance_step_(step: Tensor | Sequence[Tensor], found_inf: Tensor | None) -> None:
+    """``step += 1`` unless ``found_inf`` > 0, decided on the device. A list of counts (the step
+    offsets of params without a grad this step) advances in one foreach launch; the increment is a
+    tensor list, never a device scalar, so nothing is read on the host.
 
     Example:
         >>> step = torch.zeros(1)
         >>> advance_step_(step, torch.ones(1)); advance_step_(step, None)
         >>> step
         tensor([1.])
+        >>> offsets = [torch.zeros(()), torch.zeros(())]
+        >>> advance_step_(offsets, torch.zeros(1)); offsets
+        [tensor(1.), tensor(1.)]
     """
+    steps = [step] if isinstance(step, Tensor) else list(step)
+    if not steps:
+        return
     if found_inf is None:
-        step.add_(1.0)
+        increment: float | Tensor = 1.0
     else:
-        step.add_((found_inf.reshape(()) <= 0).to(step.dtype))
+        increment = (found_inf.reshape(()) <= 0).to(steps[0].dtype)
+    if isinstance(step, Tensor):
+        step.add_(increment)
+    elif isinstance(increment, Tensor):
+        torch._foreach_add_(steps, [increment] * len(steps))
+    else:
+        torch._foreach_add_(steps, increment)
