@@ -466,7 +466,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------------------------------
     # Checkpoints
 
-    def _check_loaded_group(self, index: int, saved: dict[str, Any], current: dict[str, Any]) -> None:
+    def _check_loaded_group(self, index: int, saved: dict[str, Any], current: dict[str, Any]) -> float:
+        """Check one loaded param group; returns its step count (read once: a host sync)."""
         name = type(self).__name__
         missing = sorted(k for k in (*self.defaults, STEP_KEY, "params") if k not in saved)
         if missing:
@@ -483,9 +484,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._check_hyperparameters(saved)
         except (TypeError, ValueError) as error:
             raise ValueError(f"param group {index} of the loaded state dict: {error}") from error
-        _check_step_count(f"param group {index}", saved[STEP_KEY])
+        return _check_step_count(f"param group {index}", saved[STEP_KEY])
 
-    def _check_loaded_state(self, index: int, param: Tensor, saved_state: Any, group: dict[str, Any]) -> None:
+    def _check_loaded_state(
+        self, index: int, param: Tensor, saved_state: Any, group: dict[str, Any], group_step: float
+    ) -> None:
         where = f"state of parameter {index} (shape {tuple(param.shape)}, {param.dtype})"
         if not isinstance(saved_state, dict):
             raise ValueError(f"the loaded {where} must be a dict, got {type(saved_state).__name__}")
@@ -519,7 +522,6 @@ class FusedOptimizer(torch.optim.Optimizer):
                 )
         if STEP_OFFSET_KEY in saved_state:
             offset = _check_step_count(f"the loaded {where}", saved_state[STEP_OFFSET_KEY], STEP_OFFSET_KEY)
-            group_step = _check_step_count("its param group", group[STEP_KEY])
             if offset > group_step:
                 raise ValueError(
                     f"the loaded {where}: '{STEP_OFFSET_KEY}' ({offset:g}) exceeds its param group's "
@@ -560,16 +562,18 @@ class FusedOptimizer(torch.optim.Optimizer):
                 f"the loaded state dict has {len(saved_groups)} param groups but this optimizer has "
                 f"{len(self.param_groups)}; build the optimizer with the same param groups"
             )
-        for index, (saved, current) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
+        group_steps = [
             self._check_loaded_group(index, saved, current)
+            for index, (saved, current) in enumerate(zip(saved_groups, self.param_groups, strict=True))
+        ]
         position = 0
-        for saved, current in zip(saved_groups, self.param_groups, strict=True):
+        for saved, current, group_step in zip(saved_groups, self.param_groups, group_steps, strict=True):
             for saved_id, param in zip(saved["params"], current["params"], strict=True):
                 if saved_id not in saved_state:
                     raise ValueError(
                         f"the loaded state dict has no state for parameter {position} (id {saved_id})"
                     )
-                self._check_loaded_state(position, param, saved_state[saved_id], saved)
+                self._check_loaded_state(position, param, saved_state[saved_id], saved, group_step)
                 position += 1
 
         # Everything checked: build the new state as copies (never aliasing the given dict).
