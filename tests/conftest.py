@@ -63,6 +63,26 @@ def device(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+@pytest.fixture(
+    params=[
+        "reference",
+        pytest.param(
+            "triton",
+            marks=pytest.mark.skipif(
+                os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1"
+            ),
+        ),
+    ]
+)
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs the test once on the pure-torch reference kernels and once on the Triton kernels (on CPU
+    tensors, under TRITON_INTERPRET=1), chosen through AMP_FX_FORCE_TRITON; returns which."""
+    from amp_fx.kernels import FORCE_TRITON_ENV
+
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1" if request.param == "triton" else "0")
+    return request.param
+
+
 @pytest.fixture
 def mkldnn_disabled():
     """Run the test with oneDNN (mkldnn) off, so CPU convolutions take torch's native kernels.
