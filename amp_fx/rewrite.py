@@ -19,10 +19,10 @@ import torch.fx
 
 from amp_fx.core.node_info import ORIGINAL_CODE_KEY, POLICY_KEY
 from amp_fx.core.policy import Policy
+from amp_fx.passes.attention_masks import simplify_attention_masks
 from amp_fx.passes.cast_outputs import cast_outputs
 from amp_fx.passes.cast_parameters import cast_parameters
 from amp_fx.passes.classify import classify
-from amp_fx.passes.drop_true_masks import drop_true_masks
 from amp_fx.passes.fuse_batch_norm import fuse_batch_norm
 from amp_fx.passes.fuse_linear_loss import fuse_linear_loss
 from amp_fx.passes.fuse_losses import fuse_losses
@@ -38,8 +38,8 @@ __all__ = ["rewrite_graph"]
 def rewrite_graph(
     gm: torch.fx.GraphModule, policy: Policy, example_inputs: tuple[Any, ...] | None = None
 ) -> torch.fx.GraphModule:
-    """Run the passes after capture on ``gm`` in place and return it: drop_true_masks ->
-    normalize_ops -> classify ->
+    """Run the passes after capture on ``gm`` in place and return it: simplify_attention_masks
+    -> normalize_ops -> classify ->
     propagate_dtypes -> insert_casts -> cast_parameters -> simplify_casts -> cast_outputs ->
     fuse_losses -> fuse_linear_loss -> fuse_batch_norm -> replace_max_pool, then lint and recompile.
 
@@ -47,7 +47,7 @@ def rewrite_graph(
     runs on fake tensors of them and is exact). The policy and the graph's code before any cast
     are kept in ``gm.meta`` for `amp_fx.report`.
     """
-    drop_true_masks(gm)
+    simplify_attention_masks(gm)
     normalize_ops(gm)
     original_code = gm.code
     classify(gm, policy)

@@ -1,0 +1,167 @@
+"""simplify_attention_masks drops SDPA masks proved True everywhere, turns masks proved to be the
+causal triangle into ``is_causal=True``, and keeps every other mask; the attention output is
+unchanged (against the same graph run with its mask), at the captured size and, for graphs with
+dynamic shapes, at other sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from amp_fx.passes.attention_masks import SDPA, simplify_attention_masks
+from tests.models import hf
+
+
+class Attention(nn.Module):
+    def __init__(self, make_mask) -> None:
+        super().__init__()
+        self.make_mask = make_mask
+
+    def forward(self, q: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        mask = self.make_mask(q, keep)
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=mask.expand(q.shape[0], 1, -1, -1))
+
+
+def _positions(q: torch.Tensor) -> torch.Tensor:
+    return torch.arange(q.shape[-2], device=q.device) + 0
+
+
+def _q(q: torch.Tensor) -> torch.Tensor:
+    return _positions(q)[:, None]
+
+
+def _kv(q: torch.Tensor) -> torch.Tensor:
+    return _positions(q)[None, :]
+
+
+def _packed_sequence_ids(q: torch.Tensor) -> torch.Tensor:
+    # transformers' packed-sequence detection on position ids that are a plain arange: all zeros.
+    positions = _positions(q)[None].expand(q.shape[0], -1)
+    step = torch.diff(positions, dim=-1, prepend=positions[:, :1] - 1)
+    return (step != 1).cumsum(-1)
+
+
+def _same_sequence(q: torch.Tensor) -> torch.Tensor:
+    ids, batch = _packed_sequence_ids(q), torch.arange(q.shape[0])[:, None, None, None]
+    pos = _positions(q)
+    return ids[batch, pos[None, None, :, None]] == ids[batch, pos[None, None, None, :]]
+
+
+ALL_TRUE = {
+    "arange >= 0": lambda q, keep: (_positions(q) >= 0)[None, None, None, :],
+    "arange > -1": lambda q, keep: (_positions(q) > -1)[None, None, :, None],
+    "new_ones & (arange >= 0)": lambda q, keep: (
+        q.new_ones((), dtype=torch.bool) & (_positions(q) >= 0)[None, None, None, :]
+    ),
+    "(arange >= 0) | keep": lambda q, keep: ((_positions(q) >= 0)[None, :] | keep)[:, None, None, :],
+    "not (arange < 0)": lambda q, keep: ~(_positions(q) < 0)[None, None, None, :],
+    "same packed sequence": lambda q, keep: _same_sequence(q),
+}
+CAUSAL = {
+    "kv <= q": lambda q, keep: (_kv(q) <= _q(q))[None, None],
+    "q >= kv": lambda q, keep: (_q(q) >= _kv(q))[None, None],
+    "kv < q + 1": lambda q, keep: (_kv(q) < _q(q) + 1)[None, None],
+    "not (kv > q)": lambda q, keep: ~(_kv(q) > _q(q))[None, None],
+    "causal & same packed sequence": lambda q, keep: (_kv(q) <= _q(q))[None, None] & _same_sequence(q),
+}
+KEPT = {
+    "padding": lambda q, keep: keep[:, None, None, :],
+    "arange >= 1": lambda q, keep: (_positions(q) >= 1)[None, None, None, :],
+    "padding & (arange >= 0)": lambda q, keep: (keep & (_positions(q) >= 0)[None, :])[:, None, None, :],
+    "kv < q (diagonal masked)": lambda q, keep: (_kv(q) < _q(q))[None, None],
+    "kv >= q (upper triangle)": lambda q, keep: (_kv(q) >= _q(q))[None, None],
+    "causal & padding": lambda q, keep: (_kv(q) <= _q(q))[None, None] & keep[:, None, None, :],
+    "sliding window": lambda q, keep: ((_kv(q) <= _q(q)) & (_kv(q) > _q(q) - 2))[None, None],
+    "position ids from input": lambda q, keep: (keep.cumsum(-1)[:, None, :] <= keep.cumsum(-1)[:, :, None])[
+        :, None
+    ],
+}
+
+
+def _inputs(length: int):
+    keep = torch.ones(2, length, dtype=torch.bool)
+    keep[1, 2] = False
+    return torch.randn(2, 1, length, 8), keep
+
+
+def _export(make_mask, dynamic: bool = False):
+    shapes = None
+    if dynamic:
+        length = torch.export.Dim("length", min=2, max=64)
+        shapes = ({2: length}, {1: length})
+    return torch.export.export(Attention(make_mask), _inputs(5), dynamic_shapes=shapes, strict=False).module()
+
+
+def _sdpa_args(node):
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
+    return mask, causal
+
+
+def _sdpa(gm):
+    (node,) = gm.graph.find_nodes(op="call_function", target=SDPA)
+    return _sdpa_args(node)
+
+
+def _check(make_mask, dynamic: bool, expect_mask: bool, expect_causal: bool) -> None:
+    gm = _export(make_mask, dynamic)
+    sizes = (5, 3, 9) if dynamic else (5,)
+    inputs = [_inputs(n) for n in sizes]
+    before = [gm(*i) for i in inputs]
+    mask, causal = _sdpa(simplify_attention_masks(gm))
+    assert (mask is not None, causal) == (expect_mask, expect_causal)
+    if not expect_mask:
+        assert not gm.graph.find_nodes(op="call_function", target=torch.ops.aten.arange.default)
+    for i, expected in zip(inputs, before, strict=True):
+        torch.testing.assert_close(gm(*i), expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("name", sorted(ALL_TRUE))
+def test_all_true_masks_are_dropped(name, dynamic):
+    _check(ALL_TRUE[name], dynamic, expect_mask=False, expect_causal=False)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("name", sorted(CAUSAL))
+def test_causal_masks_become_is_causal(name, dynamic):
+    _check(CAUSAL[name], dynamic, expect_mask=False, expect_causal=True)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("name", sorted(KEPT))
+def test_other_masks_stay(name, dynamic):
+    _check(KEPT[name], dynamic, expect_mask=True, expect_causal=False)
+
+
+def test_a_window_wider_than_the_sequence_is_causal_at_static_sizes_only():
+    # Mistral's sliding window (4096) with a shorter sequence: eagerly transformers then sets
+    # is_causal. Only a graph whose sizes are fixed can prove the window changes nothing.
+    def wide_window(q, keep):
+        return ((_kv(q) <= _q(q)) & (_kv(q) > _q(q) - 16))[None, None]
+
+    _check(wide_window, dynamic=False, expect_mask=False, expect_causal=True)
+    _check(wide_window, dynamic=True, expect_mask=True, expect_causal=False)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mistral", "vit"])
+def test_hugging_face_masks_built_while_traced_are_undone(family):
+    # Called without a padding mask, eager transformers passes no mask (causal decoders set
+    # is_causal); traced, it materialises one. The pass gives SDPA back what eager code gives it.
+    model, make_inputs = hf.MODELS[family]()
+    inputs = make_inputs(2, 6)
+    inputs.pop("attention_mask", None)
+    model.eval()
+    gm = torch.export.export(model, (), inputs, strict=False).module()
+    before = gm(**inputs)
+    simplify_attention_masks(gm)
+    nodes = gm.graph.find_nodes(op="call_function", target=SDPA)
+    assert nodes and all(_sdpa_args(n) == (None, family != "vit") for n in nodes)
+    with torch.no_grad():
+        eager = model(**inputs)
+    after = gm(**inputs)
+    torch.testing.assert_close(after.logits, eager.logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(after.logits, before.logits, rtol=0, atol=1e-5)
+
