@@ -417,13 +417,13 @@ def mask_kind(mask: Any) -> str | None:
 
 def _erase_unused(node: torch.fx.Node) -> None:
     # The mask's own nodes are pure (the rules above admit no in-place op): erase those no longer read.
-    stack = [node]
+    stack, erased = [node], set()
     while stack:
         current = stack.pop()
-        if current.op == "call_function" and not current.users:
-            inputs = current.all_input_nodes
+        if current not in erased and current.op == "call_function" and not current.users:
+            stack.extend(current.all_input_nodes)
             current.graph.erase_node(current)
-            stack.extend(inputs)
+            erased.add(current)
 
 
 def _argument(node: torch.fx.Node, index: int, name: str, default: Any) -> Any:
