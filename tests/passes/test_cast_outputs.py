@@ -95,3 +95,44 @@ def test_o2_returning_a_model_input_keeps_it_exact():
     out, same = gm(x)
     assert out.dtype == F32
     assert same is x  # seen float32 by the output, as it came in: no lossy round trip
+
+
+class LossAndLogits(nn.Module):
+    """A Hugging Face causal LM's tail: the loss on ``logits.float()``, the logits returned."""
+
+    def __init__(self, update_copy: bool = False) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 6)
+        self.update_copy = update_copy
+
+    def forward(self, x, labels):
+        logits = self.head(x)
+        wide = logits.float()
+        if self.update_copy:
+            wide.mul_(2)
+        return torch.nn.functional.cross_entropy(wide, labels), logits
+
+
+def test_o2_returns_the_models_own_float32_copy_instead_of_a_second_one():
+    gm = _converted(LossAndLogits(), preset("O2", BF16, "cpu"))
+    x, labels = torch.randn(3, 4), torch.tensor([0, 5, 2])
+    loss, logits = gm(x, labels)
+    (returned,) = [
+        n for n in gm.graph.find_nodes(op="output")[0].all_input_nodes if n.name != "cross_entropy"
+    ]
+    assert returned.op == "call_method" and returned.target == "float"  # the model's copy
+    assert not _output_casts(gm)
+    assert logits.dtype == F32
+    head = gm.head
+    expected = torch.nn.functional.linear(x.to(BF16), head.weight.to(BF16), head.bias.to(BF16)).float()
+    assert torch.equal(logits, expected)
+
+
+def test_o2_copies_again_when_the_models_copy_is_updated_in_place():
+    gm = _converted(LossAndLogits(update_copy=True), preset("O2", BF16, "cpu"))
+    x, labels = torch.randn(3, 4), torch.tensor([0, 5, 2])
+    _, logits = gm(x, labels)
+    assert [n.name for n in _output_casts(gm)] == ["head_to_float32"]
+    head = gm.head
+    expected = torch.nn.functional.linear(x.to(BF16), head.weight.to(BF16), head.bias.to(BF16)).float()
+    assert torch.equal(logits, expected)  # not the doubled copy
