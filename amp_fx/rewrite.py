@@ -19,7 +19,6 @@ import torch.fx
 
 from amp_fx.core.node_info import ORIGINAL_CODE_KEY, POLICY_KEY
 from amp_fx.core.policy import Policy
-from amp_fx.passes.attention_masks import simplify_attention_masks
 from amp_fx.passes.cast_outputs import cast_outputs
 from amp_fx.passes.cast_parameters import cast_parameters
 from amp_fx.passes.classify import classify
@@ -30,6 +29,7 @@ from amp_fx.passes.insert_casts import insert_casts
 from amp_fx.passes.normalize_ops import normalize_ops
 from amp_fx.passes.propagate_dtypes import propagate_dtypes
 from amp_fx.passes.replace_max_pool import replace_max_pool
+from amp_fx.passes.simplify_attention import simplify_attention
 from amp_fx.passes.simplify_casts import simplify_casts
 
 __all__ = ["rewrite_graph"]
@@ -38,7 +38,7 @@ __all__ = ["rewrite_graph"]
 def rewrite_graph(
     gm: torch.fx.GraphModule, policy: Policy, example_inputs: tuple[Any, ...] | None = None
 ) -> torch.fx.GraphModule:
-    """Run the passes after capture on ``gm`` in place and return it: simplify_attention_masks
+    """Run the passes after capture on ``gm`` in place and return it: simplify_attention
     -> normalize_ops -> classify ->
     propagate_dtypes -> insert_casts -> cast_parameters -> simplify_casts -> cast_outputs ->
     fuse_losses -> fuse_linear_loss -> fuse_batch_norm -> replace_max_pool, then lint and recompile.
@@ -47,7 +47,7 @@ def rewrite_graph(
     runs on fake tensors of them and is exact). The policy and the graph's code before any cast
     are kept in ``gm.meta`` for `amp_fx.report`.
     """
-    simplify_attention_masks(gm)
+    simplify_attention(gm)
     normalize_ops(gm)
     original_code = gm.code
     classify(gm, policy)

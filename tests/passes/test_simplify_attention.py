@@ -1,7 +1,8 @@
-"""simplify_attention_masks drops SDPA masks proved True everywhere, turns masks proved to be the
-causal triangle into ``is_causal=True``, and keeps every other mask; the attention output is
-unchanged (against the same graph run with its mask), at the captured size and, for graphs with
-dynamic shapes, at other sizes."""
+"""simplify_attention drops SDPA masks proved True everywhere, turns masks proved to be the causal
+triangle into ``is_causal=True``, keeps every other mask, and gives SDPA grouped-query key/value
+heads unrepeated with ``enable_gqa=True``; the attention output and its gradients are unchanged
+(against the same graph before the pass), at the captured size and, for graphs with dynamic
+shapes, at other sizes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amp_fx.passes.attention_masks import SDPA, simplify_attention_masks
+from amp_fx.passes.simplify_attention import SDPA, simplify_attention
 from tests.models import hf
 
 
@@ -110,7 +111,7 @@ def _check(make_mask, dynamic: bool, expect_mask: bool, expect_causal: bool) -> 
     sizes = (5, 3, 9) if dynamic else (5,)
     inputs = [_inputs(n) for n in sizes]
     before = [gm(*i) for i in inputs]
-    mask, causal = _sdpa(simplify_attention_masks(gm))
+    mask, causal = _sdpa(simplify_attention(gm))
     assert (mask is not None, causal) == (expect_mask, expect_causal)
     if not expect_mask:
         assert not gm.graph.find_nodes(op="call_function", target=torch.ops.aten.arange.default)
@@ -147,21 +148,80 @@ def test_a_window_wider_than_the_sequence_is_causal_at_static_sizes_only():
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "mistral", "vit"])
-def test_hugging_face_masks_built_while_traced_are_undone(family):
+def test_hugging_face_attention_built_while_traced_is_undone(family):
     # Called without a padding mask, eager transformers passes no mask (causal decoders set
-    # is_causal); traced, it materialises one. The pass gives SDPA back what eager code gives it.
+    # is_causal, grouped heads enable_gqa); traced, it materialises one and repeats the key/value
+    # heads. The pass gives SDPA back what eager code gives it.
     model, make_inputs = hf.MODELS[family]()
     inputs = make_inputs(2, 6)
     inputs.pop("attention_mask", None)
     model.eval()
     gm = torch.export.export(model, (), inputs, strict=False).module()
     before = gm(**inputs)
-    simplify_attention_masks(gm)
+    simplify_attention(gm)
     nodes = gm.graph.find_nodes(op="call_function", target=SDPA)
     assert nodes and all(_sdpa_args(n) == (None, family != "vit") for n in nodes)
+    grouped = family in ("llama", "mistral")  # 4 query heads, 2 key/value heads
+    assert all(n.kwargs.get("enable_gqa", False) == grouped for n in nodes)
+    heads = [(n.args[0].meta["val"].shape[1], n.args[1].meta["val"].shape[1]) for n in nodes]
+    assert all(query == key * (2 if grouped else 1) for query, key in heads)
     with torch.no_grad():
         eager = model(**inputs)
     after = gm(**inputs)
     torch.testing.assert_close(after.logits, eager.logits, rtol=0, atol=1e-5)
     torch.testing.assert_close(after.logits, before.logits, rtol=0, atol=1e-5)
 
+
+class GroupedAttention(nn.Module):
+    """Two key/value heads for four query heads, the key/value heads repeated as ``repeat``
+    does it, with an optional causal mask."""
+
+    def __init__(self, repeat, causal_mask: bool = False) -> None:
+        super().__init__()
+        self.repeat, self.causal_mask = repeat, causal_mask
+
+    def forward(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        k, v = self.repeat(kv), self.repeat(kv * 2)
+        mask = (_kv(q) <= _q(q))[None, None] if self.causal_mask else None
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not self.causal_mask)
+
+
+def _repeat_kv(x: torch.Tensor) -> torch.Tensor:
+    b, h, s, d = x.shape  # transformers' repeat_kv: head i becomes heads 2i, 2i + 1
+    return x[:, :, None, :, :].expand(b, h, 2, s, d).reshape(b, h * 2, s, d)
+
+
+REPEATS = {
+    "repeat_kv": (_repeat_kv, True),
+    "repeat_interleave": (lambda x: x.repeat_interleave(2, dim=1), False),  # another spelling: kept
+    "tiled (heads 0, 1, 0, 1)": (
+        lambda x: x[:, None].expand(x.shape[0], 2, *x.shape[1:]).reshape(x.shape[0], -1, *x.shape[2:]),
+        False,
+    ),
+}
+
+
+def _grouped_inputs(length: int):
+    return torch.randn(2, 4, length, 8, requires_grad=True), torch.randn(2, 2, length, 8, requires_grad=True)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("causal_mask", [False, True], ids=["is_causal", "causal mask"])
+@pytest.mark.parametrize("name", sorted(REPEATS))
+def test_repeated_key_value_heads_become_enable_gqa(name, causal_mask, dynamic):
+    repeat, recognised = REPEATS[name]
+    shapes = None
+    if dynamic:
+        length = torch.export.Dim("length", min=2, max=64)
+        shapes = ({2: length}, {2: length})
+    gm = torch.export.export(
+        GroupedAttention(repeat, causal_mask), _grouped_inputs(5), dynamic_shapes=shapes, strict=False
+    ).module()
+    inputs = [_grouped_inputs(n) for n in ((5, 3, 9) if dynamic else (5,))]
+    before = [torch.autograd.functional.vjp(gm, i, torch.ones(2, 4, i[0].shape[2], 8)) for i in inputs]
+    (node,) = simplify_attention(gm).graph.find_nodes(op="call_function", target=SDPA)
+    assert node.kwargs.get("enable_gqa", False) == recognised
+    assert (node.args[1].meta["val"].shape[1] == 2) == recognised
+    for i, expected in zip(inputs, before, strict=True):
+        got = torch.autograd.functional.vjp(gm, i, torch.ones(2, 4, i[0].shape[2], 8))
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
