@@ -55,7 +55,7 @@ from torch import nn
 from amp_fx.core.module_ops import module_op
 from amp_fx.core.node_info import PARAMETERS_STORED_KEY
 from amp_fx.core.policy import Policy, Rule
-from amp_fx.passes.export import ExportError, accepts, export_graph, graph_inputs
+from amp_fx.passes.export import ExportError, accepts, call_signature, export_graph, graph_inputs
 from amp_fx.passes.shared import copy_model
 from amp_fx.rewrite import rewrite_graph
 
@@ -115,7 +115,9 @@ class CapturedModel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state: _CaptureState = self.__dict__[_STATE]
-        graph = _graph_for(self, args, kwargs)
+        graph = _traced_choice(state, self.training, args, kwargs) if torch.compiler.is_compiling() else None
+        if graph is None:
+            graph = _graph_for(self, args, kwargs)
         if graph is None:
             new, state.new_island = state.new_island, None
             try:
@@ -194,6 +196,25 @@ def captured_model(model: nn.Module, policy: Policy) -> nn.Module:
         _store_parameters(converted, policy)
     _make_captured(converted, policy)
     return converted
+
+
+def _traced_choice(
+    state: _CaptureState, training: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> torch.fx.GraphModule | None:
+    # Under torch.compile, the graph for this call chosen in code Dynamo traces and guards on
+    # (`CallSignature.matches`): a graph break here would make the model's whole output, float32
+    # logits included, tensors the compiled code must materialise. None: the call needs `accepts`
+    # or a capture, which run eagerly (`_compiled_graph_for`); the graph list they extend is
+    # guarded, so the next call recompiles and finds the new graph here.
+    for graph in state.graphs:
+        signature = call_signature(graph)
+        if (
+            graph.meta["amp_fx_training"] == training
+            and signature is not None
+            and signature.matches(args, kwargs)
+        ):
+            return graph
+    return None
 
 
 def _graph_for(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -13,6 +13,10 @@ ops torch.autocast's lists name, so the convert passes run on it unchanged.
 argument ``Dim.AUTO`` (export keeps a dimension dynamic unless the code pins it), so a smaller last
 batch or another sequence length runs the same graph; `accepts` says whether a call fits a
 captured graph (same argument structure, constants and dtypes; sizes within the captured ranges).
+`call_signature` says the same for calls whose arguments are tensors and constants, in plain
+Python that torch.compile traces and guards on: `accepts` reads the graph, which Dynamo cannot
+trace, and a graph break inside a model's forward makes every output of the model (a causal LM's
+float32 logits) a tensor the compiled code must materialise.
 It captures inside ``torch.autocast`` when asked, so Python code that reads a dtype
 (``finfo(dtype).min`` for a mask, ``x.to(input_dtype)`` in an RMSNorm) sees the dtypes the
 converted model runs with; the ops recorded are those before autocast, with no autocast region
@@ -31,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import io
 import logging
@@ -46,11 +51,12 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ExportError", "export_graph", "accepts", "graph_inputs"]
+__all__ = ["ExportError", "export_graph", "accepts", "graph_inputs", "CallSignature", "call_signature"]
 
 # Where export keeps what `accepts` checks a call against.
 _RANGES_ATTR = "_amp_fx_range_constraints"
 _KWARGS_ATTR = "_amp_fx_keyword_names"
+_SIGNATURE_ATTR = "_amp_fx_call_signature"
 # Nodes of an exported graph that check what the capture saw: the dtype asserts would refuse the
 # casts the passes insert, and `accepts` checks the inputs before the graph runs.
 _CAPTURE_CHECKS = {torch.ops.aten._assert_tensor_metadata.default}
@@ -162,7 +168,9 @@ def export_graph(
             ) from error
     if errors:
         logger.info("%s: dynamic sizes refused (%s); captured static sizes", type(model).__name__, errors[0])
-    return _clean(program, type(model).__name__, kwargs)
+    gm = _clean(program, type(model).__name__, kwargs)
+    setattr(gm, _SIGNATURE_ATTR, _signature(gm, args, kwargs))
+    return gm
 
 
 def _clean(program: Any, name: str, keywords: dict[str, Any]) -> torch.fx.GraphModule:
@@ -191,6 +199,126 @@ def graph_inputs(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[s
 
 def _in_capture_order(gm: torch.fx.GraphModule, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {key: kwargs[key] for key in getattr(gm, _KWARGS_ATTR)}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """A tensor argument: dtype, device type, and each size as an int or a size symbol's name."""
+
+    dtype: torch.dtype
+    device_type: str
+    sizes: tuple[int | str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Constant:
+    """A non-tensor argument, captured as this value."""
+
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class CallSignature:
+    """The calls a graph of `export_graph` computes, for arguments that are tensors and constants.
+
+    `matches` is `accepts` in plain Python: under torch.compile, Dynamo traces it and guards on
+    the sizes, dtypes and values it compares.
+    """
+
+    positional: int
+    keywords: tuple[str, ...]
+    arguments: tuple[TensorSpec | Constant, ...]  # positional, then keywords in capture order
+    ranges: tuple[tuple[str, int | None, int | None], ...]  # size symbol, lowest, highest (None: no bound)
+
+    def matches(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        if len(args) != self.positional or len(kwargs) != len(self.keywords):
+            return False
+        values = list(args)
+        for key in self.keywords:
+            if key not in kwargs:
+                return False
+            values.append(kwargs[key])
+        sizes: dict[str, Any] = {}
+        for value, spec in zip(values, self.arguments, strict=True):
+            if isinstance(spec, Constant):
+                if (
+                    isinstance(value, torch.Tensor)
+                    or type(value) is not type(spec.value)
+                    or value != spec.value
+                ):
+                    return False
+                continue
+            if not isinstance(value, torch.Tensor) or value.dtype != spec.dtype:
+                return False
+            if value.device.type != spec.device_type or value.dim() != len(spec.sizes):
+                return False
+            for size, want in zip(value.shape, spec.sizes, strict=True):
+                if isinstance(want, str):
+                    if sizes.setdefault(want, size) != size:
+                        return False
+                elif size != want:
+                    return False
+        for name, lowest, highest in self.ranges:
+            if (lowest is not None and sizes[name] < lowest) or (
+                highest is not None and sizes[name] > highest
+            ):
+                return False
+        return True
+
+
+def _size_spec(size: Any, ranges: dict[Any, Any]) -> int | str | None:
+    if isinstance(size, int):
+        return size
+    expr = size.node.expr if isinstance(size, torch.SymInt) else None
+    return str(expr) if expr is not None and expr.is_Symbol and expr in ranges else None
+
+
+def _bound(value: Any) -> int | None:
+    # A sympy Integer, or torch's int_oo / -int_oo (no bound).
+    return int(value) if value.is_Integer else None
+
+
+def _signature(
+    gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> CallSignature | None:
+    """The `CallSignature` of ``gm`` captured from this call, or None when an argument is a container
+    (then only `accepts` decides)."""
+    ranges = getattr(gm, _RANGES_ATTR)
+    placeholders = iter(node for node in gm.graph.nodes if node.op == "placeholder")
+    specs: list[TensorSpec | Constant] = []
+    for value in (*args, *_in_capture_order(gm, kwargs).values()):
+        if value is None:  # pytree leaves no placeholder for None
+            specs.append(Constant(None))
+            continue
+        if not isinstance(value, (torch.Tensor, bool, int, float, str)):
+            return None
+        expected = next(placeholders).meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            specs.append(Constant(value))
+            continue
+        sizes = tuple(_size_spec(size, ranges) for size in expected.shape)
+        if any(size is None for size in sizes):
+            return None  # a size that is an expression of symbols: `accepts` checks it
+        specs.append(TensorSpec(expected.dtype, expected.device.type, sizes))
+    used = {
+        size for spec in specs if isinstance(spec, TensorSpec) for size in spec.sizes if isinstance(size, str)
+    }
+    bounds = []
+    for symbol, values in ranges.items():
+        if str(symbol) in used:
+            bounds.append((str(symbol), _bound(values.lower), _bound(values.upper)))
+    return CallSignature(len(args), tuple(getattr(gm, _KWARGS_ATTR)), tuple(specs), tuple(sorted(bounds)))
+
+
+def call_signature(gm: torch.fx.GraphModule) -> CallSignature | None:
+    """The `CallSignature` of a graph of `export_graph`; None when a call argument was a container.
+
+    >>> gm = export_graph(nn.Linear(4, 2), (torch.randn(3, 4),), {})
+    >>> sig = call_signature(gm)
+    >>> sig.matches((torch.randn(3, 4),), {}), sig.matches((torch.randn(5, 4),), {})
+    (True, False)
+    """
+    return getattr(gm, _SIGNATURE_ATTR, None)
 
 
 def accepts(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -265,6 +265,25 @@ def test_trains_under_torch_compile_with_one_capture_per_structure():
     assert capture_summary(converted).graphs == 2
 
 
+def test_compiled_loss_keeps_the_graph_whole_once_captured():
+    # The graph for a call is chosen in code Dynamo traces: no graph break inside the model, so
+    # a compiled `model(...).loss` outputs the loss only, not O2's float32 logits as well.
+    torch.manual_seed(0)
+    model, inputs = MODELS["gpt2"]()
+    converted = amp_fx.convert(model.eval(), "O2", dtype=BF16)
+    batch = inputs(2, 8)
+    eager = converted(**batch).loss
+    outputs = []
+
+    def recording(gm, example_inputs):
+        outputs.append([node.name for node in gm.graph.find_nodes(op="output")[0].all_input_nodes])
+        return gm
+
+    compiled = torch.compile(lambda **kwargs: converted(**kwargs).loss, backend=recording)
+    assert torch.equal(compiled(**batch), eager)
+    assert len(outputs) == 1 and len(outputs[0]) == 1
+
+
 def test_trains_through_amp_initialize_and_scale_loss():
     from amp_fx import amp
 
