@@ -295,9 +295,13 @@ def build_step(
     optimizer = make_optimizer(variant, work, params)
     scaler = make_scaler(variant, work.inputs.device)
     forward_loss = make_forward_loss(variant, model)
-    if mode == "compile":
-        forward_loss = torch.compile(forward_loss, backend=compile_backend)
     inputs = work.inputs
+    if mode == "compile":
+        if variant.framework == "amp_fx":
+            # One eager call captures the torch.export front end's graph first: a capture during
+            # a compiled call is a graph break inside the model, and its compiled code keeps it.
+            forward_loss(inputs, work.targets)
+        forward_loss = torch.compile(forward_loss, backend=compile_backend)
     if variant.framework == "torch" and not variant.autocast and inputs.is_floating_point():
         inputs = inputs.to(variant.dtype)  # `.half()` models take fp16 images
     targets = work.targets
