@@ -204,8 +204,8 @@ def _traced_choice(
     # Under torch.compile, the graph for this call chosen in code Dynamo traces and guards on
     # (`CallSignature.matches`): a graph break here would make the model's whole output, float32
     # logits included, tensors the compiled code must materialise. None: the call needs `accepts`
-    # or a capture, which run eagerly (`_compiled_graph_for`); the graph list they extend is
-    # guarded, so the next call recompiles and finds the new graph here.
+    # or a capture, which run eagerly (`_compiled_graph_for`): a graph break, which Dynamo's code
+    # for that call keeps (so the model is called once before it is compiled; docs/DESIGN.md).
     for graph in state.graphs:
         signature = call_signature(graph)
         if (
