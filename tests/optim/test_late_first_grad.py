@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from amp_fx import LossScaler
-from amp_fx.kernels import FORCE_TRITON_ENV
 from amp_fx.optim import FusedAdam, FusedSGD
 
 STEPS = 20
@@ -72,15 +71,8 @@ def _assert_match(fused: list[torch.Tensor], expected: list[torch.Tensor], step:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"step {step}, param {i}")
 
 
-@pytest.fixture(params=["reference", "triton"])
-def path(request, monkeypatch) -> str:
-    if request.param == "triton":
-        monkeypatch.setenv(FORCE_TRITON_ENV, "1")
-    return request.param
-
-
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_late_and_intermittent_grads_match_torch(name: str, path: str) -> None:
+def test_late_and_intermittent_grads_match_torch(name: str, kernels: str) -> None:
     make_torch, make_fused = OPTIMIZERS[name]
     params, twins = _params(), _params()
     fused, reference = make_fused(params), make_torch(twins)
