@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from amp_fx.kernels import reference
 from amp_fx.ops import norms
 from amp_fx.ops.norms import batch_norm_act, batch_norm_act_backward, batch_norm_act_forward
-from amp_fx.testing import assert_close_normwise, grad_tolerances, tolerances
+from amp_fx.testing import assert_close_normwise, grad_tolerances, rounding_tolerances, tolerances
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 PARAMS = ["float32", "input dtype", "none"]
@@ -31,21 +31,16 @@ EPS = 1e-5
 def assert_rounded_once_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """Results in the input's dtype, each side rounded once from fp32 math (or float64): one unit
     in the last place of that dtype (eps, relative), plus fp32's absolute tolerance for entries
-    near 0. fp32 results: fp32 tolerance. The rule of tests/test_losses.py (amp_fx.testing has
-    no rounding tolerance yet)."""
+    near 0; fp32 results: fp32 tolerance (amp_fx.testing's `rounding_tolerances`)."""
     assert actual.dtype == expected.dtype
-    rtol, atol = tolerances(torch.float32)
-    if actual.dtype != torch.float32:
-        rtol = torch.finfo(actual.dtype).eps
+    rtol, atol = rounding_tolerances(actual.dtype)
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True)
 
 
 def assert_channel_sums_close(actual: torch.Tensor, expected: torch.Tensor, scale: float) -> None:
     """Parameter gradients: per-channel fp32 sums whose error is relative to ``scale``, the sum of
     the magnitudes of their terms (the rule of tests/kernels/test_batch_norm.py)."""
-    rtol, atol = tolerances(torch.float32)
-    if actual.dtype != torch.float32:
-        rtol = torch.finfo(actual.dtype).eps
+    rtol, atol = rounding_tolerances(actual.dtype)
     assert_close_normwise(actual, expected, rtol=rtol, atol=atol, scale=scale, name="channel sums")
 
 

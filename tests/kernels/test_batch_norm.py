@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from amp_fx.kernels import batch_norm, reference, triton_ops
 from amp_fx.kernels.batch_norm import BatchNormLaunch
-from amp_fx.testing import assert_close_normwise, tolerances
+from amp_fx.testing import assert_close_normwise, rounding_tolerances, tolerances
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # Finalize programs of 4 channels reading 2 rows of partial sums at a time: several programs, the
@@ -53,12 +53,10 @@ def launch_config(config: BatchNormLaunch) -> Iterator[None]:
 def assert_rounded_once_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """Outputs and input gradients in the input's dtype, each side rounded once from fp32 math (or
     float64): one unit in the last place of that dtype (eps, relative), plus fp32's absolute
-    tolerance for entries near 0. fp32 results: fp32 tolerance. The rule of tests/test_losses.py
-    (amp_fx.testing has no rounding tolerance yet)."""
+    tolerance for entries near 0; fp32 results: fp32 tolerance (amp_fx.testing's
+    `rounding_tolerances`)."""
     assert actual.dtype == expected.dtype
-    rtol, atol = tolerances(torch.float32)
-    if actual.dtype != torch.float32:
-        rtol = torch.finfo(actual.dtype).eps
+    rtol, atol = rounding_tolerances(actual.dtype)
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True)
 
 
@@ -74,9 +72,7 @@ def assert_channel_sums_close(actual: torch.Tensor, expected: torch.Tensor, term
     another order differ by up to M fp32 units of the sum of |terms|, far from 0 when the sum
     cancels. compare_tensors' ``scale`` is that magnitude; fp32 tolerances, or one unit in the
     last place for gradients rounded to fp16/bf16 parameters."""
-    rtol, atol = tolerances(torch.float32)
-    if actual.dtype != torch.float32:
-        rtol = torch.finfo(actual.dtype).eps
+    rtol, atol = rounding_tolerances(actual.dtype)
     dims = [d for d in range(terms.dim()) if d != 1]
     scale = terms.double().abs().sum(dims).max().item()
     assert_close_normwise(actual, expected, rtol=rtol, atol=atol, scale=scale, name="channel sums")

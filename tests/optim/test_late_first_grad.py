@@ -18,6 +18,7 @@ import torch
 
 from amp_fx import LossScaler
 from amp_fx.optim import FusedAdam, FusedSGD
+from amp_fx.testing import rounding_tolerances
 
 STEPS = 20
 SHAPES = ((5, 7), (33,), (3,), (2, 3, 4))
@@ -67,8 +68,9 @@ def _assert_match(fused: list[torch.Tensor], expected: list[torch.Tensor], step:
     # computes Adam's bias corrections in Python doubles; the fused kernels round each fp32 op.
     # A wrong count is far outside this (a momentum buffer off by the dampening, a bias correction
     # off by a factor of up to 10).
+    rtol, atol = rounding_tolerances(torch.float32)
     for i, (got, want) in enumerate(zip(fused, expected, strict=True)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"step {step}, param {i}")
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=f"step {step}, param {i}")
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
