@@ -7,9 +7,8 @@ of a global batch and are compared with one process training on the whole batch:
 - an overflow in one rank's batch (inf in its inputs, so in its local grads) skips the step on
   every rank: DDP's all-reduce sums the grads, and inf/NaN on one rank makes the sum inf/NaN on all;
 - an inf written into one rank's grads *after* backward (after DDP's all-reduce, e.g. by a grad
-  hook or a post-processing bug) is seen by that rank only. LossScaler has no all-reduce of its
-  found_inf, so that rank skips and the others step: the ranks diverge. The test for it is an
-  expected failure until LossScaler reduces found_inf across the process group.
+  hook or a post-processing bug) is seen by that rank only; LossScaler all-reduces its found_inf
+  across the process group, so every rank skips that step and the ranks stay equal.
 
 All scenarios run in one spawn of two processes (starting Python and torch dominates the cost).
 """
