@@ -195,6 +195,22 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._reset_found_inf_buffers()
         # A copy (deepcopy, unpickling) holds new params: loads into their model must reach its masters.
         track_params(self, (p for group in self.param_groups for p in group["params"]))
+        self._fill_missing_step_offsets()
+
+    def _fill_missing_step_offsets(self) -> None:
+        """Give offset 0 (the group's count is the param's own) to params that hold moments but no
+        step offset: state saved, pickled or deep-copied before per-parameter counts existed.
+
+        Done here, once, because load_state_dict, unpickling and deepcopy all end here; the step then
+        meets only params with both moments and offset, or neither (a first step)."""
+        for group in self.param_groups:
+            step_device = group[STEP_KEY].device
+            for param in group["params"]:
+                state = self.state.get(param)
+                # Any key but the master is a moment, also one the group's hyperparameters no longer use
+                # (momentum set to 0): it is used again, with this offset, if they change back.
+                if state and STEP_OFFSET_KEY not in state and set(state) - {MASTER_KEY}:
+                    state[STEP_OFFSET_KEY] = torch.zeros((), dtype=torch.float32, device=step_device)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (torch semantics); creates its FP32 masters and step counter (moments come
@@ -279,15 +295,16 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _init_moments(self, param: Tensor, group: dict[str, Any]) -> None:
         """Create the zeroed FP32 state tensors ``param`` lacks (its first step, or momentum 0 -> 0.9),
-        and its step offset: the group's count now, so that this is its step t = 1."""
+        and with them its step offset: the group's count now, so that this is its step t = 1.
+
+        Moments without an offset (an old checkpoint or pickle) got offset 0 in ``__setstate__``."""
         state = self.state[param]
-        keys = self._state_keys(group)
         created = False
-        for key in keys:
+        for key in self._state_keys(group):
             if key not in state:
                 state[key] = torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
                 created = True
-        if created or (keys and STEP_OFFSET_KEY not in state):
+        if created:
             # A device copy: no host-to-device transfer, no sync (CUDA graphs, sync-debug mode).
             state[STEP_OFFSET_KEY] = group[STEP_KEY].detach().reshape(()).clone()
 
@@ -590,7 +607,6 @@ class FusedOptimizer(torch.optim.Optimizer):
                     torch.as_tensor(saved[STEP_KEY]).to(step_device, torch.float32).reshape(1).clone()
                 )
                 new_groups.append(group)
-                moments = set(self._state_keys(saved))
                 for saved_id, param in zip(saved["params"], current["params"], strict=True):
                     for key, value in saved_state[saved_id].items():
                         if key == STEP_OFFSET_KEY:
@@ -601,9 +617,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                             param, dtype=torch.float32, memory_format=torch.preserve_format
                         )
                         new_state[param][key] = local.copy_(value)
-                    if moments & set(new_state[param]) and STEP_OFFSET_KEY not in new_state[param]:
-                        # Saved before per-parameter counts: the group's count is the param's own.
-                        new_state[param][STEP_OFFSET_KEY] = torch.zeros((), device=step_device)
+        # Also gives a checkpoint saved before per-parameter counts its step offsets.
         self.__setstate__({"state": new_state, "param_groups": new_groups})
         self._reset_pending()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
