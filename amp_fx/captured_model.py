@@ -115,9 +115,12 @@ class CapturedModel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state: _CaptureState = self.__dict__[_STATE]
-        graph = _traced_choice(state, self.training, args, kwargs) if torch.compiler.is_compiling() else None
-        if graph is None:
-            graph = _graph_for(self, args, kwargs)
+        if torch.compiler.is_compiling():
+            graph = _traced_choice(state, self.training, args, kwargs)
+            if graph is None:
+                graph = _compiled_graph_for(self, args, kwargs)
+        else:
+            graph = _select_or_capture(self, args, kwargs)
         if graph is None:
             new, state.new_island = state.new_island, None
             try:
@@ -198,29 +201,37 @@ def captured_model(model: nn.Module, policy: Policy) -> nn.Module:
     return converted
 
 
+def _fits(
+    graph: torch.fx.GraphModule,
+    training: bool,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    traced: bool = False,
+) -> bool:
+    """Whether ``graph`` computes this call: its `CallSignature` decides (plain Python, microseconds,
+    and traceable by torch.compile); `accepts`, which reads the graph and checks sizes with sympy,
+    only where there is none (container arguments), and never in ``traced`` code."""
+    if graph.meta["amp_fx_training"] != training:
+        return False
+    signature = call_signature(graph)
+    if signature is not None:
+        return signature.matches(args, kwargs)
+    return not traced and accepts(graph, args, kwargs)
+
+
 def _traced_choice(
     state: _CaptureState, training: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> torch.fx.GraphModule | None:
-    # Under torch.compile, the graph for this call chosen in code Dynamo traces and guards on
-    # (`CallSignature.matches`): a graph break here would make the model's whole output, float32
-    # logits included, tensors the compiled code must materialise. None: the call needs `accepts`
-    # or a capture, which run eagerly (`_compiled_graph_for`): a graph break, which Dynamo's code
-    # for that call keeps (so the model is called once before it is compiled; docs/DESIGN.md).
+    # Under torch.compile, the graph for this call chosen in code Dynamo traces and guards on: a
+    # graph break here would make the model's whole output, float32 logits included, tensors the
+    # compiled code must materialise. None: the call needs `accepts` or a capture, which run
+    # eagerly (`_compiled_graph_for`): a graph break, which Dynamo's code for that call keeps (so
+    # the model is called once before it is compiled; docs/DESIGN.md).
     for graph in state.graphs:
-        signature = call_signature(graph)
-        if (
-            graph.meta["amp_fx_training"] == training
-            and signature is not None
-            and signature.matches(args, kwargs)
-        ):
+        if _fits(graph, training, args, kwargs, traced=True):
             return graph
     return None
-
-
-def _graph_for(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if torch.compiler.is_compiling():
-        return _compiled_graph_for(module, args, kwargs)
-    return _select_or_capture(module, args, kwargs)
 
 
 @torch.compiler.disable
@@ -246,7 +257,7 @@ def _select_or_capture(module: nn.Module, args: tuple[Any, ...], kwargs: dict[st
     state: _CaptureState = module.__dict__[_STATE]
     mode = module.training
     for graph in state.graphs:
-        if graph.meta["amp_fx_training"] == mode and accepts(graph, args, kwargs):
+        if _fits(graph, mode, args, kwargs):
             return graph
     key = _structure(module, args, kwargs)
     if key in state.islands:

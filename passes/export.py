@@ -284,7 +284,7 @@ def _signature(
     """The `CallSignature` of ``gm`` captured from this call, or None when an argument is a container
     (then only `accepts` decides)."""
     ranges = getattr(gm, _RANGES_ATTR)
-    placeholders = iter(node for node in gm.graph.nodes if node.op == "placeholder")
+    placeholders = iter(gm.graph.find_nodes(op="placeholder"))
     specs: list[TensorSpec | Constant] = []
     for value in (*args, *_in_capture_order(gm, kwargs).values()):
         if value is None:  # pytree leaves no placeholder for None
@@ -329,7 +329,7 @@ def accepts(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, A
     flat, spec = pytree.tree_flatten_with_path((args, _in_capture_order(gm, kwargs)))
     if spec != gm._in_spec:
         return False
-    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    placeholders = gm.graph.find_nodes(op="placeholder")
     for node, (_, value) in zip(placeholders, flat, strict=True):
         expected = node.meta.get("val")
         if isinstance(expected, torch.Tensor) and (
