@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from amp_fx.kernels.arguments import check_adam_hyperparameters, check_update, log_beta
-from amp_fx.kernels.reference.step import own_step, scaled_grad, skip_flag, write_unless_skipped
+from amp_fx.kernels.reference.step import own_steps, scaled_grad, skip_flag, write_unless_skipped
 
 __all__ = ["adam_step_"]
 
@@ -83,12 +83,13 @@ def adam_step_(
     if len(params) == 0:
         return
     skip = skip_flag(found_inf)
+    t = own_steps(step, step_offsets, len(params)) + 1
+    step_sizes = (lr / _bias_correction(beta1, t)).unbind()
+    bias_corrections2_sqrt = _bias_correction(beta2, t).sqrt().unbind()
     for i, (param, grad, exp_avg, exp_avg_sq) in enumerate(
         zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)
     ):
-        t = own_step(step, step_offsets, i) + 1
-        step_size = lr / _bias_correction(beta1, t)
-        bias_correction2_sqrt = _bias_correction(beta2, t).sqrt()
+        step_size, bias_correction2_sqrt = step_sizes[i], bias_corrections2_sqrt[i]
         master = None if masters is None else masters[i]
         weight = (param if master is None else master).float()
         g = scaled_grad(grad, grad_multiplier)

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from amp_fx.kernels.arguments import check_sgd_hyperparameters, check_update
-from amp_fx.kernels.reference.step import own_step, scaled_grad, skip_flag, write_unless_skipped
+from amp_fx.kernels.reference.step import own_steps, scaled_grad, skip_flag, write_unless_skipped
 
 __all__ = ["sgd_step_"]
 
@@ -67,8 +67,9 @@ def sgd_step_(
     if len(params) == 0:
         return
     skip = skip_flag(found_inf)
+    if momentum != 0.0:
+        first_steps = (own_steps(step, step_offsets, len(params)) == 0).unbind()
     for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
-        first_step = own_step(step, step_offsets, i) == 0
         master = None if masters is None else masters[i]
         weight = (param if master is None else master).float()
         g = scaled_grad(grad, grad_multiplier)
@@ -76,7 +77,7 @@ def sgd_step_(
             g = g + weight_decay * weight
         if momentum != 0.0:
             buf = momentum_buffers[i]
-            new_buf = torch.where(first_step, g, momentum * buf + (1.0 - dampening) * g)
+            new_buf = torch.where(first_steps[i], g, momentum * buf + (1.0 - dampening) * g)
             g = g + momentum * new_buf if nesterov else new_buf
             write_unless_skipped(buf, new_buf, skip)
         new_weight = weight - lr * g

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["advance_step_", "own_step", "scaled_grad", "skip_flag", "write_unless_skipped"]
+__all__ = ["advance_step_", "own_steps", "scaled_grad", "skip_flag", "write_unless_skipped"]
 
 
 def skip_flag(found_inf: Tensor | None) -> Tensor | None:
@@ -29,10 +29,21 @@ def write_unless_skipped(target: Tensor, new_value: Tensor, skip: Tensor | None)
     target.copy_(new_value)
 
 
-def own_step(step: Tensor, step_offsets: Sequence[Tensor] | None, i: int) -> Tensor:
-    """The steps param ``i`` has taken (0-dim): ``step`` minus its offset, the group steps it missed."""
-    step = step.reshape(())
-    return step if step_offsets is None else step - step_offsets[i].reshape(())
+def own_steps(step: Tensor, step_offsets: Sequence[Tensor] | None, count: int) -> Tensor:
+    """The steps each of ``count`` params has taken, one tensor of shape (count,): ``step`` minus
+    each param's offset (the group steps it missed); offsets None: ``step`` for all.
+
+    One tensor, so that what is computed from the counts (Adam's bias corrections) is a few ops for
+    the whole list rather than a few per parameter.
+
+    Example:
+        >>> own_steps(torch.full((1,), 5.0), [torch.tensor(0.0), torch.tensor(3.0)], 2)
+        tensor([5., 2.])
+    """
+    step = step.reshape(1)
+    if step_offsets is None:
+        return step.expand(count)
+    return step - torch.stack([offset.reshape(()) for offset in step_offsets])
 
 
 def scaled_grad(grad: Tensor, grad_multiplier: Tensor | None) -> Tensor:
