@@ -85,24 +85,18 @@ class FusedAmpOptimizer(AmpOptimizer):
     def _materialize_master_grads(self) -> None:
         if self.materialized is not None:
             return
+        pairs = [(p, self._fused_master(p)) for p in self.params() if p.grad is not None]
         multipliers: dict[torch.device, Tensor | None] = {}
+        for device in dict.fromkeys(p.grad.device for p, _ in pairs):
+            pending = self.scaled.pending_scaling(device)[0]
+            multipliers[device] = None if pending is None else pending.reshape(())
         with torch.no_grad():
-            for param in self.params():
-                if param.grad is None:
-                    continue
-                device = param.grad.device
-                if device not in multipliers:
-                    pending = self.scaled.pending_scaling(device)[0]
-                    # 0-dim, so that it scales 0-dim grads (scalar parameters) in place too.
-                    multipliers[device] = None if pending is None else pending.reshape(())
-                multiplier = multipliers[device]
-                master = self._fused_master(param)
-                if master is param:
-                    if multiplier is not None:
-                        param.grad.mul_(multiplier.to(param.grad.dtype))
-                else:
-                    grad = param.grad.to(torch.float32)
-                    master.grad = grad if multiplier is None else grad.mul_(multiplier)
+            _grads.mul_([p.grad for p, master in pairs if master is p], multipliers)
+            mastered = [(p, master) for p, master in pairs if master is not p]
+            grads = _grads.converted([p.grad for p, _ in mastered], torch.float32)
+            _grads.mul_(grads, multipliers)
+            for (_, master), grad in zip(mastered, grads, strict=True):
+                master.grad = grad
         self.materialized = multipliers
 
     def _write_back_master_grads(self) -> None:
@@ -111,18 +105,13 @@ class FusedAmpOptimizer(AmpOptimizer):
         if multipliers is None:
             return
         with torch.no_grad():
-            for param in self.params():
-                if param.grad is None:
-                    continue
-                multiplier = multipliers.get(param.grad.device)
-                master = self._fused_master(param)
-                if master is param:
-                    if multiplier is not None:
-                        param.grad.div_(multiplier.to(param.grad.dtype))
-                elif master.grad is not None:
-                    value = master.grad if multiplier is None else master.grad / multiplier
-                    param.grad.copy_(value)
-                    master.grad = None
+            pairs = [(p, self._fused_master(p)) for p in self.params() if p.grad is not None]
+            _grads.div_([p.grad for p, master in pairs if master is p], multipliers)
+            mastered = [(p, master) for p, master in pairs if master is not p and master.grad is not None]
+            values = _grads.divided([master.grad for _, master in mastered], multipliers)
+            _grads.copy_([p.grad for p, _ in mastered], values)
+            for _, master in mastered:
+                master.grad = None
 
     # ------------------------------------------------------------------------------------------
     # Around a backward
@@ -146,15 +135,20 @@ class FusedAmpOptimizer(AmpOptimizer):
         carried = self.stash_scale if self.stash_scale is not None else torch.ones_like(used_scale)
         common = torch.minimum(used_scale, carried.to(used_scale.device))
         new_factor, old_factor = common / used_scale, common / carried.to(used_scale.device)
-        for param, old in stashed:
-            combined = old.to(torch.float32) * old_factor.to(old.device)
-            if param.grad is not None:
-                combined += param.grad.to(torch.float32) * new_factor.to(old.device)
-            param.grad = combined.to(param.dtype)
+        # combined = old * old_factor + new * new_factor in FP32, then in the parameter's dtype.
+        combined = _grads.converted([old for _, old in stashed], torch.float32, copy=True)
+        _grads.mul_(combined, old_factor)
+        both = [i for i, (param, _) in enumerate(stashed) if param.grad is not None]
+        new = _grads.converted([stashed[i][0].grad for i in both], torch.float32, copy=True)
+        _grads.mul_(new, new_factor)
+        _grads.add_([combined[i] for i in both], new)
+        rounded = _grads.converted(combined, [param.dtype for param, _ in stashed])
+        for (param, _), grad in zip(stashed, rounded, strict=True):
+            param.grad = grad
         stashed_ids = {id(p) for p, _ in stashed}
-        for param in self.params():
-            if param.grad is not None and id(param) not in stashed_ids:
-                param.grad.mul_(new_factor.to(param.grad.device, param.grad.dtype))
+        _grads.mul_(
+            [p.grad for p in self.params() if p.grad is not None and id(p) not in stashed_ids], new_factor
+        )
         self.grad_scale = common
         self.stash_scale = None
         # Checks the combined grads (an overflowed earlier loss is still inf in them) for the step.
