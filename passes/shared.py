@@ -503,6 +503,8 @@ def updates_in_place(cast: torch.fx.Node) -> list[torch.fx.Node]:
     aliases = _aliases(cast)
     users = {user for alias in aliases for user in alias.users}
     updating = [user for user in users if not is_write_back(user) and set(mutated_inputs(user)) & aliases]
+    if len(updating) < 2:
+        return updating  # nothing to order: the usual case, and ordering walks the whole graph
     order = {node: index for index, node in enumerate(cast.graph.nodes)}
     return sorted(updating, key=order.__getitem__)
 
