@@ -84,7 +84,7 @@ class MasterWeightsAmpOptimizer(DirectAmpOptimizer):
         pairs = [(p, master) for p, master in self._master_pairs() if p.grad is not None]
         if not pairs:
             return
-        new_grads = [p.grad.to(torch.float32) for p, _ in pairs]
+        new_grads = _grads.converted([p.grad for p, _ in pairs], torch.float32)
         _grads.unscale_and_check_(new_grads, inv_scale, found)
         existing = [
             (master.grad, grad)
