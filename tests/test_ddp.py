@@ -15,17 +15,13 @@ All scenarios run in one spawn of two processes (starting Python and torch domin
 
 from __future__ import annotations
 
-import datetime
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -33,27 +29,22 @@ from torch.nn.parallel import DistributedDataParallel
 import amp_fx
 from amp_fx.optim import master_params
 from amp_fx.testing import assert_close_normwise, tolerances
+from tests.distributed_launch import (
+    CLASSES,
+    IN_FEATURES,
+    file_store_process_group,
+    make_model,
+    run_ranks,
+    save_rank_result,
+)
 
 WORLD_SIZE = 2
-IN_FEATURES, HIDDEN, CLASSES = 16, 32, 4
 GLOBAL_BATCH = 8
 STEPS = 6
 OVERFLOW_STEP = 3  # the step at which rank 1's inputs carry an inf
 DTYPE = torch.float16
 TIMEOUT_S = 120
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(IN_FEATURES, HIDDEN),
-        nn.LayerNorm(HIDDEN),
-        nn.GELU(),
-        nn.Linear(HIDDEN, HIDDEN),
-        nn.ReLU(),
-        nn.Linear(HIDDEN, CLASSES),
-    )
 
 
 def global_batches(device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -130,41 +121,19 @@ def worker(rank: int, backend: str, out_dir: str) -> None:
     device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend,
-        # A file store in the test's own directory: no port to pick, release and race for.
-        init_method=Path(out_dir, "store").as_uri(),
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
+    with file_store_process_group(backend, rank, WORLD_SIZE, out_dir):
         out: dict[str, object] = {}
         model, optimizer, scaler = make_training(device)
         ddp = DistributedDataParallel(model, device_ids=[rank] if device.type == "cuda" else None)
         out["losses"] = train(ddp, optimizer, scaler, global_batches(device), rank)
         out["trained"] = training_state(optimizer, scaler)
         inject_inf_after_backward(rank, device, out)
-        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+        save_rank_result(out, out_dir, rank)
 
 
-def run_ranks(backend: str, out_dir: Path) -> list[dict[str, object]]:
-    """Spawn WORLD_SIZE workers, wait at most TIMEOUT_S, return each rank's results."""
-    context = mp.start_processes(
-        worker, args=(backend, str(out_dir)), nprocs=WORLD_SIZE, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the {backend} workers did not finish within {TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(WORLD_SIZE)]
+def run_workers(backend: str, out_dir: Path) -> list[dict[str, object]]:
+    """Each rank's results of `worker` on ``backend``."""
+    return run_ranks(worker, out_dir, world_size=WORLD_SIZE, timeout_s=TIMEOUT_S, args=(backend,))
 
 
 def single_process_reference(device: torch.device) -> tuple[list[float], dict[str, object]]:
@@ -175,7 +144,7 @@ def single_process_reference(device: torch.device) -> tuple[list[float], dict[st
 
 @pytest.fixture(scope="module")
 def gloo_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, object]]:
-    return run_ranks("gloo", tmp_path_factory.mktemp("ddp_gloo"))
+    return run_workers("gloo", tmp_path_factory.mktemp("ddp_gloo"))
 
 
 def check_ranks_agree_and_match_one_process(results: list[dict[str, object]], device: torch.device) -> None:
@@ -220,7 +189,7 @@ def test_inf_injected_after_backward_on_one_rank_skips_on_all(gloo_results: list
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < WORLD_SIZE, reason="needs 2 CUDA devices")
 def test_ddp_nccl_ranks_agree_and_match_a_single_process(tmp_path: Path) -> None:
-    results = run_ranks("nccl", tmp_path)
+    results = run_workers("nccl", tmp_path)
     check_ranks_agree_and_match_one_process(results, torch.device("cuda:0"))
 
 

@@ -4,25 +4,23 @@ trains on the whole global batch, within bf16's rounding."""
 
 from __future__ import annotations
 
-import datetime
-import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 import amp_fx
 from amp_fx.captured_model import CapturedModel
 from amp_fx.optim import FusedAdam
 from amp_fx.testing import tolerances
+from tests.distributed_launch import file_store_process_group, run_ranks, save_rank_result
 
 pytest.importorskip("transformers")
 
 WORLD_SIZE = 2
 STEPS = 3
+TIMEOUT_S = 150
 
 
 def _training():
@@ -42,25 +40,18 @@ def _half(batch: dict, rank: int) -> dict:
 
 def _worker(rank: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    store = Path(out_dir, "store").as_uri()
-    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=WORLD_SIZE,
-                            timeout=datetime.timedelta(seconds=60))  # fmt: skip
-    try:
+    with file_store_process_group("gloo", rank, WORLD_SIZE, out_dir):
         model, optimizer, batches = _training()
         ddp = DistributedDataParallel(model)
         for batch in batches:
             optimizer.zero_grad()
             ddp(**_half(batch, rank)).loss.backward()
             optimizer.step()
-        weights = {n: p.detach().float() for n, p in model.named_parameters()}
-        torch.save(weights, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+        save_rank_result({n: p.detach().float() for n, p in model.named_parameters()}, out_dir, rank)
 
 
 def test_ddp_ranks_agree_and_match_one_process(tmp_path: Path) -> None:
-    mp.start_processes(_worker, args=(str(tmp_path),), nprocs=WORLD_SIZE, start_method="spawn")
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD_SIZE)]
+    ranks = run_ranks(_worker, tmp_path, world_size=WORLD_SIZE, timeout_s=TIMEOUT_S)
     model, optimizer, batches = _training()
     assert isinstance(model, CapturedModel)
     for batch in batches:

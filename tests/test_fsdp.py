@@ -17,14 +17,11 @@ and torch dominates the cost):
 
 from __future__ import annotations
 
-import datetime
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -34,9 +31,16 @@ from amp_fx.distributed import local_tensor
 from amp_fx.fsdp import fully_shard_converted, load_checkpoint, mixed_precision_policies, save_checkpoint
 from amp_fx.optim import master_params
 from amp_fx.testing import assert_close_normwise, tolerances
+from tests.distributed_launch import (
+    CLASSES,
+    IN_FEATURES,
+    file_store_process_group,
+    make_model,
+    run_ranks,
+    save_rank_result,
+)
 
 WORLD_SIZE = 2
-IN_FEATURES, HIDDEN, CLASSES = 16, 32, 4
 GLOBAL_BATCH = 8
 STEPS = 5
 OVERFLOW_STEP = 2  # rank 1's half of this batch holds an inf
@@ -55,18 +59,6 @@ CASES = [
 def case_name(case: tuple[str, torch.dtype, str]) -> str:
     level, dtype, optimizer = case
     return f"{level}-{str(dtype).removeprefix('torch.')}-{optimizer}"
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(IN_FEATURES, HIDDEN),
-        nn.LayerNorm(HIDDEN),
-        nn.GELU(),
-        nn.Linear(HIDDEN, HIDDEN),
-        nn.ReLU(),
-        nn.Linear(HIDDEN, CLASSES),
-    )
 
 
 def make_optimizer(name: str, params: object) -> torch.optim.Optimizer:
@@ -180,14 +172,7 @@ def inject_inf_after_backward(rank: int, out: dict) -> None:
 
 def worker(rank: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=Path(out_dir, "store").as_uri(),  # no port to pick, release and race for
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
+    with file_store_process_group("gloo", rank, WORLD_SIZE, out_dir):
         out: dict[str, object] = {}
         for case in CASES:
             model, optimizer, scaler = sharded_training(case)
@@ -200,27 +185,13 @@ def worker(rank: int, out_dir: str) -> None:
             }
         inject_inf_after_backward(rank, out)
         checkpoint_scenario(rank, out_dir, out)
-        torch.save(out, Path(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+        save_rank_result(out, out_dir, rank)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out_dir = tmp_path_factory.mktemp("fsdp_gloo")
-    context = mp.start_processes(
-        worker, args=(str(out_dir),), nprocs=WORLD_SIZE, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the FSDP2 workers did not finish within {TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(WORLD_SIZE)]
+    return run_ranks(worker, out_dir, world_size=WORLD_SIZE, timeout_s=TIMEOUT_S)
 
 
 def single_process(case, batches=None):
