@@ -213,10 +213,6 @@ class AmpOptimizer(abc.ABC):
         """The model parameters this optimizer updates (through masters or directly)."""
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def master_of(self, param: Tensor) -> Tensor | None:
-        """The FP32 master this optimizer keeps for model parameter `param` (None if it keeps none)."""
-        return self.masters_by_param().get(id(param))
-
     def masters_by_param(self) -> dict[int, Tensor]:
         """id(model parameter) -> its FP32 master, for every parameter that has one."""
         return {}

@@ -67,10 +67,6 @@ class FusedAmpOptimizer(AmpOptimizer):
     def masters_by_param(self) -> dict[int, Tensor]:
         return {id(p): m for p in self.params() if (m := self._fused_master(p)) is not p}
 
-    def master_of(self, param: Tensor) -> Tensor | None:
-        master = self._fused_master(param)
-        return None if master is param else master
-
     def master_params(self) -> Iterator[Tensor]:
         """The FP32 masters (the params without one themselves), with unscaled grads.
 
