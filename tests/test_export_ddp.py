@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 import amp_fx
 from amp_fx.captured_model import CapturedModel
 from amp_fx.optim import FusedAdam
-from amp_fx.testing import tolerances
+from amp_fx.testing import assert_close_normwise, tolerances
 from tests.distributed_launch import file_store_process_group, run_ranks, save_rank_result
 
 pytest.importorskip("transformers")
@@ -62,4 +62,4 @@ def test_ddp_ranks_agree_and_match_one_process(tmp_path: Path) -> None:
     rtol, atol = tolerances(torch.bfloat16)
     for name, param in model.named_parameters():
         assert torch.equal(ranks[0][name], ranks[1][name]), name
-        torch.testing.assert_close(ranks[0][name], param.detach().float(), rtol=rtol, atol=atol, msg=name)
+        assert_close_normwise(ranks[0][name], param.detach().float(), rtol=rtol, atol=atol, name=name)
