@@ -10,7 +10,6 @@ from torch import Tensor
 
 from amp_fx.amp import _grads
 from amp_fx.amp._amp_optimizer import AmpOptimizer, OptimizerKind, new_master
-from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.optim._fused_base import MASTER_KEY
 from amp_fx.optim.scaled_optimizer import ScaledOptimizer
 from amp_fx.optim.torch_optimizer_scaling import FoundInf
@@ -52,7 +51,7 @@ class FusedAmpOptimizer(AmpOptimizer):
         state = self.optimizer.state
         for original, param in zip(originals, mapped, strict=True):
             entry = state[param]
-            if param.dtype in LOW_PRECISION_DTYPES and group.get("master_weights", True):
+            if self.optimizer._master_expected(param, group):
                 if MASTER_KEY not in entry:
                     entry[MASTER_KEY] = new_master(param, original).requires_grad_(False)
             else:
@@ -178,12 +177,12 @@ class FusedAmpOptimizer(AmpOptimizer):
     ) -> None:
         # Masters from the FP32 originals where the caller passed those, before the optimizer
         # would make them from the rounded parameters.
-        master_weights = group.get("master_weights", self.optimizer.defaults.get("master_weights", True))
+        merged = {**self.optimizer.defaults, **group}  # the group as the optimizer will complete it
         state = self.optimizer.state
         added = [
             (original, param)
             for original, param in zip(originals, mapped, strict=True)
-            if param.dtype in LOW_PRECISION_DTYPES and master_weights and param not in state
+            if self.optimizer._master_expected(param, merged) and param not in state
         ]
         with torch.no_grad():
             for original, param in added:
