@@ -37,40 +37,34 @@ logger = logging.getLogger(__name__)
 __all__ = ["cast_outputs"]
 
 aten = torch.ops.aten
-_DTYPE_METHODS = {
-    "float": torch.float32,
-    "double": torch.float64,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+_DTYPE_METHODS = {"float", "double", "half", "bfloat16"}
 
 
-def _plain_conversion(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.dtype] | None:
-    """``(source, dtype)`` when `node` only copies ``source`` to ``dtype`` (no device, layout or
-    memory-format change, no extra arguments)."""
+def _plain_conversion_source(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The value `node` copies when it only converts its dtype (no device, layout or memory-format
+    change, no extra arguments); the dtype is the one `propagate_dtypes` recorded."""
     args, kwargs = node.args, node.kwargs
     if not args or not isinstance(args[0], torch.fx.Node):
         return None
     if node.op == "call_method" and node.target in _DTYPE_METHODS and len(args) == 1 and not kwargs:
-        return args[0], _DTYPE_METHODS[node.target]
-    dtype = args[1] if len(args) == 2 else None
-    if not kwargs and isinstance(dtype, torch.dtype):
-        if (node.op == "call_method" and node.target == "to") or node.target is aten.to.dtype:
-            return args[0], dtype
+        return args[0]
+    converts = (node.op == "call_method" and node.target == "to") or node.target is aten.to.dtype
+    if converts and len(args) == 2 and isinstance(args[1], torch.dtype) and not kwargs:
+        return args[0]
     if node.target is aten._to_copy.default and len(args) == 1 and set(kwargs) == {"dtype"}:
-        return args[0], kwargs["dtype"]
+        return args[0]
     return None
 
 
-def _existing_copies(gm: torch.fx.GraphModule) -> CastCache:
-    """The graph's copies of a value to another dtype, by (value, dtype): the first of each."""
+def _existing_copies(gm: torch.fx.GraphModule, returned: set[torch.fx.Node]) -> CastCache:
+    """The graph's copies of a ``returned`` value to another dtype, by (value, dtype): the first of each."""
     copies: CastCache = {}
     for node in gm.graph.nodes:
-        conversion = _plain_conversion(node)
-        if conversion is None:
+        source = _plain_conversion_source(node)
+        if source not in returned:
             continue
-        source, dtype = conversion
-        if node_info(source).out_dtype in (None, dtype) or node_info(node).out_dtype != dtype:
+        dtype = node_info(node).out_dtype
+        if dtype is None or node_info(source).out_dtype in (None, dtype):
             continue  # not known to be a copy
         if (source, dtype) not in copies and not updates_in_place(node) and not updates_in_place(source):
             copies[(source, dtype)] = node
@@ -84,10 +78,10 @@ def cast_outputs(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModu
 
         >>> gm = cast_outputs(gm, preset("O2", torch.float16, "cpu"))   # doctest: +SKIP
     """
-    cache = _existing_copies(gm)
+    readers = [node for node in gm.graph.nodes if node.op == "output" or is_output_structure(node)]
+    cache = _existing_copies(gm, {value for reader in readers for value in reader.all_input_nodes})
     created = 0
-    for node in list(gm.graph.nodes):
-        if node.op == "output" or is_output_structure(node):
-            created += insert_input_casts(gm, node, cache)
+    for node in readers:
+        created += insert_input_casts(gm, node, cache)
     logger.debug("cast_outputs %s: %d casts to %s", policy.opt_level, created, policy.cast_model_outputs)
     return gm
