@@ -33,6 +33,7 @@ from torch import nn
 
 import amp_fx
 from amp_fx import amp
+from tests.bit_equality import bits_equal
 
 STEPS = 200
 INJECT_PROBABILITY = 0.08
@@ -153,11 +154,7 @@ def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, to
 def assert_bits_equal(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], what: str) -> None:
     assert before.keys() == after.keys(), what
     for name, old in before.items():
-        new = after[name]
-        same = old.dtype == new.dtype and old.shape == new.shape
-        assert same and torch.equal(old.reshape(-1).view(torch.uint8), new.reshape(-1).view(torch.uint8)), (
-            f"{what}: {name} changed"
-        )
+        assert bits_equal(old, after[name]), f"{what}: {name} changed"
 
 
 def assert_all_finite(model: nn.Module, optimizer: torch.optim.Optimizer, what: str) -> None:

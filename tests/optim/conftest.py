@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.bit_equality import bits_equal
+
 # Odd sizes, a single element, and a 3-d tensor; small, so the tests stay fast on CPU.
 SHAPES = ((5, 7), (3,), (1,), (2, 3, 4))
 
@@ -41,16 +43,6 @@ class Problem:
 
 # The state tensors the fused optimizers create at a parameter's first step.
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when both tensors have the same dtype, shape and bit pattern (NaN == NaN)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(
-        a.detach().reshape(-1).contiguous().view(torch.uint8),
-        b.detach().reshape(-1).contiguous().view(torch.uint8),
-    )
 
 
 def snapshot(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
