@@ -10,7 +10,7 @@ from torch import Tensor
 
 from amp_fx.amp import _grads
 from amp_fx.amp._amp_optimizer import AmpOptimizer, OptimizerKind, new_master
-from amp_fx.optim._fused_base import MASTER_KEY
+from amp_fx.optim._fused_base import MASTER_KEY, master_params
 from amp_fx.optim.scaled_optimizer import ScaledOptimizer
 from amp_fx.optim.torch_optimizer_scaling import FoundInf
 
@@ -60,11 +60,12 @@ class FusedAmpOptimizer(AmpOptimizer):
 
     # ------------------------------------------------------------------------------------------
     # Masters and their FP32 grads
-    def _fused_master(self, param: Tensor) -> Tensor:
-        return self.optimizer.state.get(param, {}).get(MASTER_KEY, param)
+    def _params_and_masters(self) -> list[tuple[Tensor, Tensor]]:
+        """(model parameter, its FP32 master or itself when it has none), in param-group order."""
+        return list(zip(self.params(), master_params(self.optimizer), strict=True))
 
     def masters_by_param(self) -> dict[int, Tensor]:
-        return {id(p): m for p in self.params() if (m := self._fused_master(p)) is not p}
+        return {id(p): m for p, m in self._params_and_masters() if m is not p}
 
     def master_params(self) -> Iterator[Tensor]:
         """The FP32 masters (the params without one themselves), with unscaled grads.
@@ -74,13 +75,12 @@ class FusedAmpOptimizer(AmpOptimizer):
         next ``step`` folds whatever was done to them back into the model grads.
         """
         self._materialize_master_grads()
-        for param in self.params():
-            yield self._fused_master(param)
+        yield from master_params(self.optimizer)
 
     def _materialize_master_grads(self) -> None:
         if self.materialized is not None:
             return
-        pairs = [(p, self._fused_master(p)) for p in self.params() if p.grad is not None]
+        pairs = [(p, master) for p, master in self._params_and_masters() if p.grad is not None]
         multipliers: dict[torch.device, Tensor | None] = {}
         for device in dict.fromkeys(p.grad.device for p, _ in pairs):
             pending = self.scaled.pending_scaling(device)[0]
@@ -100,7 +100,7 @@ class FusedAmpOptimizer(AmpOptimizer):
         if multipliers is None:
             return
         with torch.no_grad():
-            pairs = [(p, self._fused_master(p)) for p in self.params() if p.grad is not None]
+            pairs = [(p, master) for p, master in self._params_and_masters() if p.grad is not None]
             _grads.div_([p.grad for p, master in pairs if master is p], multipliers)
             mastered = [(p, master) for p, master in pairs if master is not p and master.grad is not None]
             values = _grads.divided([master.grad for _, master in mastered], multipliers)
@@ -158,8 +158,7 @@ class FusedAmpOptimizer(AmpOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self.scaled.finish_scaling()
-        for param in self.params():
-            master = self._fused_master(param)
+        for param, master in self._params_and_masters():
             if master is not param:
                 master.grad = None
         self.grad_scale = self.stash_scale = None
