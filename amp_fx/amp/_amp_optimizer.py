@@ -26,7 +26,6 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from amp_fx.amp import _grads
 from amp_fx.optim._fused_base import is_fused_optimizer
 from amp_fx.optim.torch_optimizer_scaling import FoundInf
 
@@ -234,6 +233,13 @@ class AmpOptimizer(abc.ABC):
     def _stash_grads(self) -> None:
         """Take aside (or drop) the grads that the next backward must not add to."""
 
+    def _take_grads_aside(self, params: list[Tensor]) -> None:
+        """Move the grads of `params` into ``stashed`` (their ``.grad`` becomes None)."""
+        for param in params:
+            if param.grad is not None:
+                self.stashed.append((param, param.grad))
+                param.grad = None
+
     def finish_backward(self, inv_scale: Tensor, used_scale: Tensor) -> FoundInf:
         """After a backward at scale `used_scale`: check this loss's new grads and unscale them.
 
@@ -248,15 +254,6 @@ class AmpOptimizer(abc.ABC):
     @abc.abstractmethod
     def _finish_backward(self, inv_scale: Tensor, used_scale: Tensor, found: FoundInf) -> None:
         """Unscale and check the new grads, set this loss's flags in `found`."""
-
-    def _add_back_stashed(self) -> None:
-        stashed, self.stashed = self.stashed, []
-        both = [(p.grad, old) for p, old in stashed if p.grad is not None]
-        for param, old in stashed:
-            if param.grad is None:
-                param.grad = old
-        if both:
-            _grads.add_([new for new, _ in both], [old for _, old in both])
 
     def mark_delayed(self) -> None:
         """After a backward with delay_unscale=True: its grads wait, scaled, for the next backward."""

@@ -56,10 +56,7 @@ class DirectAmpOptimizer(AmpOptimizer):
         return self.params()
 
     def _stash_grads(self) -> None:
-        for param in self._direct_params():
-            if param.grad is not None:
-                self.stashed.append((param, param.grad))
-                param.grad = None
+        self._take_grads_aside(self._direct_params())
 
     def _finish_backward(self, inv_scale: Tensor, used_scale: Tensor, found: FoundInf) -> None:
         self._unscale_new_grads(inv_scale, found)
@@ -71,6 +68,15 @@ class DirectAmpOptimizer(AmpOptimizer):
         direct = [p for p in self._direct_params() if p.grad is not None]
         _grads.unscale_and_check_([p.grad for p in direct], inv_scale, found)
         self._add_back_stashed()
+
+    def _add_back_stashed(self) -> None:
+        stashed, self.stashed = self.stashed, []
+        both = [(p.grad, old) for p, old in stashed if p.grad is not None]
+        for param, old in stashed:
+            if param.grad is None:
+                param.grad = old
+        if both:
+            _grads.add_([new for new, _ in both], [old for _, old in both])
 
     def _step(self, original_step: Callable[..., Any], closure: Callable[[], Any] | None) -> Any:
         found, self.found = self.found, {}

@@ -112,10 +112,7 @@ class FusedAmpOptimizer(AmpOptimizer):
     # Around a backward
     def _stash_grads(self) -> None:
         self._write_back_master_grads()
-        for param in self.params():
-            if param.grad is not None:
-                self.stashed.append((param, param.grad))
-                param.grad = None
+        self._take_grads_aside(self.params())
         self.stash_scale = self.grad_scale
 
     def _finish_backward(self, inv_scale: Tensor, used_scale: Tensor, found: FoundInf) -> None:
