@@ -53,6 +53,7 @@ from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.passes.shared import (
     CastCache,
+    call_argument,
     insert_input_casts,
     is_output_structure,
     planned_parameter_dtypes,
@@ -73,12 +74,6 @@ _CONV_TRANSPOSE = {
     nn.ConvTranspose2d: F.conv_transpose2d,
     nn.ConvTranspose3d: F.conv_transpose3d,
 }
-
-
-def _module_input(node: torch.fx.Node, position: int, keyword: str) -> Any:
-    if len(node.args) > position:
-        return node.args[position]
-    return node.kwargs.get(keyword)
 
 
 class _Param(str):
@@ -105,19 +100,19 @@ def _functional_form(module: nn.Module, node: torch.fx.Node) -> tuple[Callable[.
     cls = type(module)
     arguments = len(node.args) + len(node.kwargs)
     if isinstance(module, nn.Linear) and cls.forward is nn.Linear.forward and arguments == 1:
-        return F.linear, [_module_input(node, 0, "input"), _WEIGHT, _BIAS]
+        return F.linear, [call_argument(node, 0, "input"), _WEIGHT, _BIAS]
     if isinstance(module, nn.Bilinear) and cls.forward is nn.Bilinear.forward and arguments == 2:
         return F.bilinear, [
-            _module_input(node, 0, "input1"),
-            _module_input(node, 1, "input2"),
+            call_argument(node, 0, "input1"),
+            call_argument(node, 1, "input2"),
             _WEIGHT,
             _BIAS,
         ]
     if isinstance(module, nn.PReLU) and cls.forward is nn.PReLU.forward and arguments == 1:
-        return F.prelu, [_module_input(node, 0, "input"), _WEIGHT]
+        return F.prelu, [call_argument(node, 0, "input"), _WEIGHT]
     for base, function in _CONV.items():
         if isinstance(module, base) and cls.forward is base.forward and arguments == 1:
-            x = _module_input(node, 0, "input")
+            x = call_argument(node, 0, "input")
             if module.padding_mode == "zeros":
                 return function, [
                     x,
@@ -136,7 +131,7 @@ def _functional_form(module: nn.Module, node: torch.fx.Node) -> tuple[Callable[.
         if isinstance(module, base) and cls.forward is base.forward and arguments == 1:
             # ConvTranspose raises for padding modes other than zeros; without output_size its
             # output_padding is the module's.
-            x = _module_input(node, 0, "input")
+            x = call_argument(node, 0, "input")
             template = [x, _WEIGHT, _BIAS, module.stride, module.padding, module.output_padding]
             return function, [*template, module.groups, module.dilation]
     return None

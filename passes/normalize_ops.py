@@ -53,6 +53,7 @@ from amp_fx.core.module_ops import MODULE_OPS, module_op, upsample_op
 from amp_fx.core.node_info import node_info
 from amp_fx.core.op_lists import OPAQUE_OP, canonical_op_name, is_known_op
 from amp_fx.core.policy import Rule
+from amp_fx.passes.shared import call_argument
 
 logger = logging.getLogger(__name__)
 
@@ -179,17 +180,11 @@ def _canonical_name(name: str) -> str:
     return canonical_op_name(_ALIASES.get(name, name))
 
 
-def _argument(node: torch.fx.Node, position: int, keyword: str, default: Any = None) -> Any:
-    if keyword in node.kwargs:
-        return node.kwargs[keyword]
-    return node.args[position] if len(node.args) > position else default
-
-
 def _function_op(node: torch.fx.Node) -> str:
     target = node.target
     if target is builtins.getattr:
         # x.shape is recorded as getattr(x, "shape"): named by the attribute where that is an op.
-        attribute = _argument(node, 1, "name")
+        attribute = call_argument(node, 1, "name")
         if isinstance(attribute, str) and is_known_op(attribute):
             return attribute
     if target in OPERATOR_OPS:
@@ -200,11 +195,13 @@ def _function_op(node: torch.fx.Node) -> str:
         if target is F.upsample_bilinear:
             return "upsample_bilinear2d"
         if target is F.upsample_nearest:
-            return upsample_op("nearest", _argument(node, 1, "size"), _argument(node, 2, "scale_factor"))
+            return upsample_op(
+                "nearest", call_argument(node, 1, "size"), call_argument(node, 2, "scale_factor")
+            )
         return upsample_op(
-            _argument(node, 3, "mode", "nearest"),
-            _argument(node, 1, "size"),
-            _argument(node, 2, "scale_factor"),
+            call_argument(node, 3, "mode", "nearest"),
+            call_argument(node, 1, "size"),
+            call_argument(node, 2, "scale_factor"),
         )
     return _canonical_name(_name_of_callable(target))
 

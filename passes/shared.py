@@ -3,6 +3,8 @@
 Passes import `amp_fx.core`, `amp_fx.ops` and this module, nothing else of amp_fx; a helper used by
 one pass only stays in that pass. What is here:
 
+- a call's argument by position or keyword (`call_argument`), for `normalize_ops`,
+  `insert_casts` and `simplify_attention`;
 - dtype facts: `dtype_name`, the notes on assumed dtypes (`ASSUMED_DTYPE_NOTE`,
   `DERIVED_ASSUMED_DTYPE_NOTE`, `dtype_is_assumed`) and `is_exact_widening`;
 - the policy's decision for one node (`decide_node`, with `is_inplace_call` and
@@ -49,6 +51,7 @@ from amp_fx.ops.fused_batch_norm import FusedBatchNormAct
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "call_argument",
     "dtype_name",
     "ASSUMED_DTYPE_NOTE",
     "UNKNOWN_INPUT_DTYPE_NOTE",
@@ -171,6 +174,13 @@ def _is_torch_function(target: Any) -> bool:
 
 # Functional norms that update the running statistics they are given while training.
 _RUNNING_STATS_OPS = {"batch_norm": "training", "instance_norm": "use_input_stats"}
+
+
+def call_argument(node: torch.fx.Node, position: int, keyword: str, default: Any = None) -> Any:
+    """The argument of the call `node` at ``position`` or named ``keyword``, else ``default``."""
+    if len(node.args) > position:
+        return node.args[position]
+    return node.kwargs.get(keyword, default)
 
 
 def _arguments(node: torch.fx.Node) -> dict[str, Any]:
@@ -684,4 +694,3 @@ def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, (list, tuple)):
         for item in value:
             yield from _tensors_in(item)
-

@@ -52,6 +52,8 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from amp_fx.passes.shared import call_argument
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["simplify_attention", "mask_kind", "repeated_heads", "SDPA"]
@@ -436,20 +438,16 @@ def _erase_unused(node: torch.fx.Node) -> None:
             erased.add(current)
 
 
-def _argument(node: torch.fx.Node, index: int, name: str, default: Any) -> Any:
-    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
-
-
 def _simplify_mask(node: torch.fx.Node) -> str | None:
     """Drop the mask of the SDPA call `node` if it is all True or causal (then ``is_causal``); the kind."""
-    mask = _argument(node, _MASK_INDEX, "attn_mask", None)
+    mask = call_argument(node, _MASK_INDEX, "attn_mask", None)
     value = mask.meta.get("val") if isinstance(mask, torch.fx.Node) else None
     if not (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
         return None
     kind = mask_kind(mask)
-    if kind is None or _argument(node, _CAUSAL_INDEX, "is_causal", False):
+    if kind is None or call_argument(node, _CAUSAL_INDEX, "is_causal", False):
         return None
-    args = list(node.args[:_MASK_INDEX]) + [None, _argument(node, _DROPOUT_INDEX, "dropout_p", 0.0)]
+    args = list(node.args[:_MASK_INDEX]) + [None, call_argument(node, _DROPOUT_INDEX, "dropout_p", 0.0)]
     args.append(kind == "causal")
     kwargs = {k: v for k, v in node.kwargs.items() if k not in ("attn_mask", "dropout_p", "is_causal")}
     node.args, node.kwargs = tuple(args) + tuple(node.args[_CAUSAL_INDEX + 1 :]), kwargs
@@ -519,7 +517,7 @@ def repeated_heads(node: Any) -> tuple[torch.fx.Node, int] | None:
 
 def _use_grouped_heads(node: torch.fx.Node) -> bool:
     """Give the SDPA call `node` its key and value before repeat_kv, with ``enable_gqa=True``."""
-    if _argument(node, _MASK_INDEX, "attn_mask", None) is not None or node.kwargs.get("enable_gqa"):
+    if call_argument(node, _MASK_INDEX, "attn_mask", None) is not None or node.kwargs.get("enable_gqa"):
         return False  # eager transformers uses enable_gqa only without a mask (the fused kernels)
     key, value = repeated_heads(node.args[1]), repeated_heads(node.args[2])
     if key is None or value is None or key[1] != value[1]:
