@@ -164,12 +164,13 @@ _MATMUL_COMPOSITES = frozenset({"einsum", "tensordot", "linalg_multi_dot", "chai
 # --------------------------------------------------------------------------------------------
 # Validation helpers: each raises a clear error naming the problem and the fix.
 # --------------------------------------------------------------------------------------------
-_DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# "float16" -> torch.float16, "bfloat16" -> torch.bfloat16 (also spelt with "torch.").
+_LOW_PRECISION_BY_NAME = {dtype_name(dtype): dtype for dtype in LOW_PRECISION_DTYPES}
 
 
 def _check_low_dtype(dtype: Any) -> torch.dtype:
-    if isinstance(dtype, str) and dtype.removeprefix("torch.") in ("float16", "bfloat16"):
-        return _DTYPE_NAMES[dtype.removeprefix("torch.")]
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _LOW_PRECISION_BY_NAME:
+        return _LOW_PRECISION_BY_NAME[dtype.removeprefix("torch.")]
     if dtype not in LOW_PRECISION_DTYPES:
         raise ValueError(
             f"dtype must be torch.float16 or torch.bfloat16, got {short_repr(dtype)}; for float32 training "
