@@ -32,7 +32,6 @@ from amp_fx.optim.torch_optimizer_scaling import FoundInf
 logger = logging.getLogger("amp_fx.amp")
 
 MASTERS_KEY = "amp_fx_master_params"
-PATCHED_METHODS = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
 
 
 class OptimizerKind(enum.Enum):
@@ -92,6 +91,8 @@ _PATCHES = {
     "load_state_dict": _amp_load_state_dict,
     "add_param_group": _amp_add_param_group,
 }
+# The optimizer methods `AmpOptimizer.install` replaces, in the order it patches them.
+PATCHED_METHODS = tuple(_PATCHES)
 
 
 class AmpOptimizer(abc.ABC):
