@@ -30,9 +30,9 @@ import torch.fx
 from torch import Tensor, nn
 
 import amp_fx
-from amp_fx.amp._properties import LOW_PRECISION_DTYPES, Properties
+from amp_fx.amp._properties import Properties
 from amp_fx.amp._registry import apply_registered_functions
-from amp_fx.core.dtypes import default_device_type
+from amp_fx.core.dtypes import LOW_PRECISION_DTYPES, default_device_type
 from amp_fx.core.node_info import META_KEY
 from amp_fx.core.policy import preset
 from amp_fx.ops.autocast_island import AutocastIsland
