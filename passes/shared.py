@@ -11,8 +11,9 @@ one pass only stays in that pass. What is here:
   `calling_module`), read by `classify` for rules and by `planned_parameter_dtypes` for storage;
 - the storage dtype of every parameter (`planned_parameter_dtypes`, `module_tensors`), planned
   by `cast_parameters` and read by `propagate_dtypes` and `insert_casts` before it runs;
-- cast nodes (`make_cast`, `may_share_cast`, `insert_input_casts`, `CastCache`) and the nodes
-  that build the return value (`is_output_structure`), for `insert_casts` and `cast_outputs`;
+- cast nodes (`make_cast`, `may_share_cast`, `insert_input_casts`, `CastCache`, `forget_casts`)
+  and the nodes that build the return value (`is_output_structure`), for `insert_casts`,
+  `simplify_casts` and `cast_outputs`;
 - which inputs a node updates in place (`mutated_inputs`, through views: `alias_base`,
   `updates_in_place`) and the write-back of an update that lands on a cast
   (`write_back_updates`, `is_write_back`), for `insert_casts` and `simplify_casts`;
@@ -52,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "call_argument",
+    "forget_casts",
     "dtype_name",
     "ASSUMED_DTYPE_NOTE",
     "UNKNOWN_INPUT_DTYPE_NOTE",
@@ -622,12 +624,17 @@ def insert_input_casts(gm: torch.fx.GraphModule, node: torch.fx.Node, cache: Cas
     return created
 
 
+def forget_casts(cache: dict[Any, torch.fx.Node], updated: set[torch.fx.Node]) -> None:
+    """Drop the cached casts (keyed by value first) of the values ``updated`` in place: users after
+    an update must see it, and casts made before it are stale."""
+    if updated:
+        for key in [key for key in cache if key[0] in updated]:
+            del cache[key]
+
+
 def _forget_casts(cache: CastCache, mutated: list[torch.fx.Node]) -> None:
-    # Users after an in-place update must see it: casts of the value (or of the value a view of
-    # it views) made before it are stale.
-    updated = {alias_base(value) for value in mutated}
-    for key in [key for key in cache if key[0] in updated]:
-        del cache[key]
+    # The value a mutated view views is the one whose casts are stale.
+    forget_casts(cache, {alias_base(value) for value in mutated})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from amp_fx.core.policy import Policy
 from amp_fx.passes.shared import (
     alias_base,
     dtype_is_assumed,
+    forget_casts,
     is_exact_widening,
     is_write_back,
     may_share_cast,
@@ -81,8 +82,7 @@ def _forget_updated(
     """After `node` updates a value (or a cast of it) in place, earlier casts of it are stale."""
     updated = {alias_base(value) for value in mutated_inputs(node)}
     updated |= {parts[0] for value in list(updated) if (parts := _cast_parts(value)) is not None}
-    for key in [key for key in first_cast if key[0] in updated]:
-        del first_cast[key]
+    forget_casts(first_cast, updated)
 
 
 def simplify_casts(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
