@@ -57,7 +57,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from amp_fx.captured_model import CapturedModel
-from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
+from amp_fx.core.dtypes import LOW_PRECISION_DTYPES, default_device_type
 from amp_fx.core.node_info import POLICY_KEY, node_info
 from amp_fx.loss_scaler import LossScaler
 from amp_fx.optim._fused_base import is_fused_optimizer
@@ -155,8 +155,7 @@ def _default_mesh(gm: nn.Module) -> DeviceMesh:
             "fully_shard_converted needs torch.distributed: call dist.init_process_group() first "
             "(torchrun sets up the environment for it)"
         )
-    device = next((p.device for p in gm.parameters()), torch.device("cpu"))
-    return init_device_mesh(device.type, (dist.get_world_size(),))
+    return init_device_mesh(default_device_type(gm), (dist.get_world_size(),))
 
 
 def fully_shard_converted(
