@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -224,9 +223,11 @@ _COMPARISONS = {
     "eq": lambda d: (d, "=="),
     "ne": lambda d: (d, "!="),
 }
-_VIEWS = {
-    aten.expand.default, aten.expand_as.default, aten.clone.default, aten.contiguous.default,
-    aten.alias.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default,
+# Ops that give their first argument's values unchanged (copies), and with these, shape and dtype moves.
+_SAME_VALUE = {aten.clone.default, aten.contiguous.default, aten.alias.default}
+_VIEWS = _SAME_VALUE | {
+    aten.expand.default, aten.expand_as.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
+    aten._to_copy.default,
 }  # fmt: skip
 _CONSTANT_FILLS = {
     aten.ones.default: True, aten.new_ones.default: True, aten.ones_like.default: True,
@@ -289,7 +290,7 @@ class _Evaluator:
             if not (isinstance(a, Affine) and isinstance(b, Affine)):
                 return None
             return _compare(*_COMPARISONS[name](a.combine(b, -1)))
-        if target in (aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, operator.add):
+        if target in (aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar):
             a, b = self.value(args[0]), self.value(args[1])
             if not (isinstance(a, Affine) and isinstance(b, Affine)):
                 return None
@@ -428,11 +429,17 @@ def mask_kind(mask: Any) -> str | None:
 
 
 def _erase_unused(node: torch.fx.Node) -> None:
-    # A mask's or repeat's own nodes are pure (the rules admit no in-place op): erase those no longer read.
+    # Erase what only the mask or the repeat read; `_and`/`_or` may decide from one operand, so
+    # the other's nodes were never evaluated: an impure one stays.
     stack, erased = [node], set()
     while stack:
         current = stack.pop()
-        if current not in erased and current.op == "call_function" and not current.users:
+        if (
+            current not in erased
+            and current.op == "call_function"
+            and not current.users
+            and not current.is_impure()
+        ):
             stack.extend(current.all_input_nodes)
             current.graph.erase_node(current)
             erased.add(current)
@@ -459,7 +466,6 @@ def _simplify_mask(node: torch.fx.Node) -> str | None:
 # Grouped-query attention: transformers' repeat_kv,
 # x[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d)
 # ---------------------------------------------------------------------------------------------
-_SAME_VALUE = {aten.clone.default, aten.contiguous.default, aten.alias.default}
 _RESHAPES = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
 
 
@@ -485,10 +491,6 @@ def _skip_identities(node: Any) -> Any:
     return node
 
 
-def _same_size(a: Any, b: Any) -> bool:
-    return statically_known_true(a == b)
-
-
 def repeated_heads(node: Any) -> tuple[torch.fx.Node, int] | None:
     """``(x, n)`` when `node` is ``x`` of shape (b, h, s, d) with each head repeated ``n`` times in
     place, heads ``0, 0, 1, 1, ...`` (what SDPA's ``enable_gqa`` does), else None."""
@@ -508,7 +510,7 @@ def repeated_heads(node: Any) -> tuple[torch.fx.Node, int] | None:
     if not (isinstance(h, int) and isinstance(n, int) and out[1] == h * n):
         return None
     if not all(
-        _same_size(x, y)
+        statically_known_true(x == y)
         for x, y in ((b, b2), (b, out[0]), (h, h2), (s, s2), (s, out[2]), (d, d2), (d, out[3]))
     ):
         return None
