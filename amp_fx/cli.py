@@ -3,11 +3,17 @@
 ``amp-fx inspect MODEL --opt-level O2 [--dtype bf16] [--input-shape 1,3,224,224] [--dot out.dot]``
 converts MODEL and prints `amp_fx.report` of the rewritten graph: each node's rule and dtypes, the
 casts inserted, what stayed FP32 and why. MODEL is ``torchvision:NAME`` (built with weights=None,
-nothing is downloaded), ``path/to/file.py:ClassName`` or ``package.module:ClassName``; the class is
-built with no arguments. A model whose first layer is an ``nn.Embedding`` is given int64 token ids
-(not a float input, which the report would show cast to fp16/bf16). Example::
+nothing is downloaded), ``transformers:ClassName`` (built from its config class with small sizes,
+random weights, nothing downloaded), ``path/to/file.py:ClassName`` or ``package.module:ClassName``
+(built with no arguments). A model whose first layer is an ``nn.Embedding`` is given int64 token
+ids (not a float input, which the report would show cast to fp16/bf16). A model that torch.fx
+cannot trace (every transformers model) is converted by the torch.export front end, which
+captures at the first call: it is called once on the example input (a transformers model on
+inputs made from its forward's parameters and config) and each captured graph is reported, after
+`amp_fx.capture_summary`. Example::
 
     $ amp-fx inspect torchvision:resnet18 --opt-level O2 --dtype bf16 --dot resnet18.dot
+    $ amp-fx inspect transformers:LlamaForCausalLM --opt-level O2
 
 A model that cannot be found or built, or that convert refuses, ends the command with exit status
 1 and one line on stderr that names the problem and the fix; bad arguments exit with status 2.
@@ -139,8 +145,85 @@ def _class_from(module: object, class_name: str, where: str) -> torch.nn.Module:
     return _build(cls, f"{where}:{class_name}")
 
 
+# Sizes for ``transformers:ClassName``: each given to the config class that takes it, and to the
+# sub-configs (CLIP's text and vision). Vocabularies keep their size: special token ids index them.
+_SMALL_TRANSFORMERS_SIZES = {
+    "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "intermediate_size": 128, "max_position_embeddings": 128, "n_embd": 64,
+    "n_layer": 2, "n_head": 4, "n_positions": 128, "d_model": 64, "d_kv": 16, "d_ff": 128,
+    "num_heads": 4, "num_layers": 2, "num_decoder_layers": 2, "encoder_layers": 2,
+    "decoder_layers": 2, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "max_source_positions": 64,
+    "max_target_positions": 64, "image_size": 32, "patch_size": 8, "projection_dim": 32,
+    "use_cache": False,
+}  # fmt: skip
+_TRANSFORMERS_SEQUENCE = 8
+
+
+def _small_config(config_class: type) -> object:
+    accepted = pyinspect.signature(config_class.__init__).parameters
+    values: dict[str, object] = {k: v for k, v in _SMALL_TRANSFORMERS_SIZES.items() if k in accepted}
+    for name, sub_class in getattr(config_class, "sub_configs", {}).items():
+        if name in accepted and isinstance(sub_class, type):
+            values[name] = _small_config(sub_class).to_dict()
+    return config_class(**values)
+
+
+def _load_transformers(name: str) -> torch.nn.Module:
+    try:
+        import transformers
+    except ImportError:
+        raise ModelSpecError(
+            "transformers is not installed: install it (pip install transformers) to inspect its models"
+        ) from None
+    cls = getattr(transformers, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module) and hasattr(cls, "config_class")):
+        models = [n for n in dir(transformers) if n.endswith(("Model", "LMHeadModel")) or "For" in n]
+        close = difflib.get_close_matches(name, models, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ModelSpecError(f"transformers has no model class {name!r}{hint}")
+    try:
+        return cls(_small_config(cls.config_class))
+    except Exception as error:
+        raise ModelSpecError(
+            f"could not build transformers:{name} from a small {cls.config_class.__name__} "
+            f"({type(error).__name__}: {error})"
+        ) from error
+
+
+def transformers_inputs(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Keyword inputs for a transformers model, one example of each input its forward takes
+    (token ids, images, audio features, decoder token ids), sized from its config.
+
+    >>> import transformers
+    >>> model = transformers.BertModel(transformers.BertConfig(num_hidden_layers=1))
+    >>> {name: tuple(value.shape) for name, value in transformers_inputs(model).items()}
+    {'input_ids': (1, 8)}
+    """
+    config = model.config
+    text = getattr(config, "text_config", None) or config
+    vision = getattr(config, "vision_config", None) or config
+    accepted = pyinspect.signature(model.forward).parameters
+    generator = torch.Generator().manual_seed(0)
+    inputs: dict[str, torch.Tensor] = {}
+    if "input_ids" in accepted:
+        inputs["input_ids"] = torch.randint(
+            0, text.vocab_size, (1, _TRANSFORMERS_SEQUENCE), generator=generator
+        )
+    if "pixel_values" in accepted:
+        size = vision.image_size
+        inputs["pixel_values"] = torch.randn(1, vision.num_channels, size, size, generator=generator)
+    if "input_features" in accepted:
+        frames = 2 * config.max_source_positions  # the encoder's two convolutions halve them once
+        inputs["input_features"] = torch.randn(1, config.num_mel_bins, frames, generator=generator)
+    if "decoder_input_ids" in accepted:
+        inputs["decoder_input_ids"] = torch.randint(0, text.vocab_size, (1, 4), generator=generator)
+    return inputs
+
+
 def load_model(spec: str) -> torch.nn.Module:
-    """Build the model MODEL names: ``torchvision:NAME``, ``file.py:Class`` or ``pkg.module:Class``.
+    """Build the model MODEL names: ``torchvision:NAME``, ``transformers:ClassName``,
+    ``file.py:Class`` or ``pkg.module:Class``.
 
     >>> load_model("torchvision:resnet18").__class__.__name__
     'ResNet'
@@ -148,10 +231,13 @@ def load_model(spec: str) -> torch.nn.Module:
     source, sep, name = spec.rpartition(":")
     if not sep or not source or not name:
         raise ModelSpecError(
-            f"MODEL {spec!r} must be torchvision:NAME, path/to/file.py:ClassName or package.module:ClassName"
+            f"MODEL {spec!r} must be torchvision:NAME, transformers:ClassName, path/to/file.py:ClassName "
+            "or package.module:ClassName"
         )
     if source == "torchvision":
         return _load_torchvision(name)
+    if source == "transformers":
+        return _load_transformers(name)
     if source.endswith(".py") or os.sep in source or "/" in source:
         return _load_from_file(source, name)
     return _load_from_module(source, name)
@@ -230,13 +316,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_inspect(args: argparse.Namespace) -> int:
-    # Through the package: importing the amp_fx.convert / amp_fx.report submodules directly would
-    # leave those modules, not the functions, under the package's names.
-    import amp_fx
-    from amp_fx.dot import write_dot
-
-    model = load_model(args.model).eval()
+def _example(
+    args: argparse.Namespace, model: torch.nn.Module
+) -> tuple[tuple[object, ...], dict[str, object]]:
+    """The call the model is inspected on: keyword inputs for a transformers model, else one
+    positional input of --input-shape (none without a shape)."""
+    if args.model.startswith("transformers:"):
+        inputs = transformers_inputs(model)
+        described = ", ".join(f"{name} {'x'.join(map(str, value.shape))}" for name, value in inputs.items())
+        print(f"inputs: {described} (sized from the model's config)")
+        return (), inputs
     shape = args.input_shape or default_input_shape(args.model)
     input_dtype_name = args.input_dtype
     if input_dtype_name is None and takes_token_ids(model):
@@ -248,35 +337,75 @@ def run_inspect(args: argparse.Namespace) -> int:
             f"input: int64 token ids of shape {','.join(map(str, shape))} (the first layer is an "
             "nn.Embedding;\n  --input-dtype and --input-shape change this)"
         )
-    example_inputs = None
-    if shape is not None:
-        if _positional_inputs(model) > 1:
-            raise ModelSpecError(
-                f"{args.model} takes several inputs; --input-shape describes one: leave it out "
-                "(dtypes are then propagated statically)"
-            )
-        input_dtype = INPUT_DTYPES[input_dtype_name or "float32"]
-        example = (
-            torch.zeros(shape, dtype=input_dtype) if not input_dtype.is_floating_point else torch.randn(shape)
+    if shape is None:
+        return (), {}
+    if _positional_inputs(model) > 1:
+        raise ModelSpecError(
+            f"{args.model} takes several inputs; --input-shape describes one: leave it out "
+            "(dtypes are then propagated statically)"
         )
-        example_inputs = (example,)
+    input_dtype = INPUT_DTYPES[input_dtype_name or "float32"]
+    example = (
+        torch.zeros(shape, dtype=input_dtype) if not input_dtype.is_floating_point else torch.randn(shape)
+    )
+    return (example,), {}
+
+
+def _graphs_to_report(
+    converted: torch.nn.Module, spec: str, call: tuple[tuple[object, ...], dict[str, object]]
+) -> list[torch.fx.GraphModule]:
+    """The converted graph, or for the torch.export front end the graphs its example call captures."""
+    import amp_fx
+
+    if isinstance(converted, torch.fx.GraphModule):
+        return [converted]
+    args, kwargs = call
+    if not args and not kwargs:
+        raise ModelSpecError(
+            f"{spec} is converted by the torch.export front end, which captures at the first call: give "
+            "--input-shape (the input it is called on)"
+        )
     try:
-        gm = amp_fx.convert(
+        with torch.no_grad():
+            converted(*args, **kwargs)
+    except Exception as error:  # the model's own code on the example: report it on one line
+        raise ModelSpecError(
+            f"calling the converted {spec} on the example failed ({type(error).__name__}: {error}); "
+            "give an --input-shape it takes"
+        ) from error
+    print(amp_fx.capture_summary(converted))
+    return amp_fx.captured_graphs(converted)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    # Through the package: importing the amp_fx.convert / amp_fx.report submodules directly would
+    # leave those modules, not the functions, under the package's names.
+    import amp_fx
+    from amp_fx.dot import write_dot
+
+    model = load_model(args.model).eval()
+    call = _example(args, model)
+    try:
+        converted = amp_fx.convert(
             model,
             args.opt_level,
             dtype=DTYPES[args.dtype],
             device_type=args.device_type,
-            example_inputs=example_inputs,
+            example_inputs=call[0] or None,
         )
     except (TypeError, ValueError, RuntimeError) as error:
         raise ModelSpecError(f"converting {args.model} failed: {error}") from error
-    report = amp_fx.report(gm)
-    print(report)
-    if args.diff:
-        print(report.diff())
-    if args.dot:
-        write_dot(gm, args.dot)
-        print(f"wrote {args.dot} (render with: dot -Tsvg {args.dot} -o graph.svg)")
+    graphs = _graphs_to_report(converted, args.model, call)
+    root, extension = os.path.splitext(args.dot or "")
+    for index, gm in enumerate(graphs):
+        report = amp_fx.report(gm)
+        print(report)
+        if args.diff:
+            print(report.diff())
+        if args.dot:
+            path = args.dot if len(graphs) == 1 else f"{root}.{index}{extension}"
+            write_dot(gm, path)
+            print(f"wrote {path} (render with: dot -Tsvg {path} -o graph.svg)")
     return 0
 
 

@@ -42,6 +42,17 @@ MODEL_FILE = textwrap.dedent(
             return self.head(torch.relu(self.embedding(idx)))
 
 
+    class Asserting(nn.Module):  # nanoGPT's size assert: torch.fx stops at it, torch.export takes it
+
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            assert x.shape[-2] <= 32, "sequence too long"
+            return self.fc(x)
+
+
     class NeedsArguments(nn.Module):
         def __init__(self, width):
             super().__init__()
@@ -123,7 +134,9 @@ def test_inspect_a_model_with_an_embedding_first_takes_token_ids(model_file, cap
         ("{file}:Atention", "'Atention' is not defined in .*; nn.Module classes there: Attention"),
         ("{file}:NeedsArguments", "could not build .*NeedsArguments with no arguments"),
         ("{file}:torch", "'torch' is not a torch.nn.Module class"),
-        ("resnet18", "must be torchvision:NAME, path/to/file.py:ClassName"),
+        ("resnet18", "must be torchvision:NAME, transformers:ClassName, path/to/file.py:ClassName"),
+        ("transformers:GPT2LMHeadModl", "no model class 'GPT2LMHeadModl'; did you mean GPT2LMHeadModel"),
+        ("{file}:Asserting", "captures at the first call: give --input-shape"),
         ("no_such_package_xyz:Net", "cannot import 'no_such_package_xyz'"),
     ],
 )
@@ -162,3 +175,23 @@ def test_dot_of_a_plain_fx_graph():
     assert text.startswith("digraph amp_fx {") and text.rstrip().endswith("}")
     assert set(nodes) == {n.name for n in gm.graph.nodes}
     assert len(edges) == sum(len(n.all_input_nodes) for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("name", ["GPT2LMHeadModel", "T5ForConditionalGeneration", "CLIPModel"])
+def test_inspect_a_transformers_model_reports_its_captured_graph(name, tmp_path, capsys):
+    # Built from a small config (decoder, encoder-decoder, text and vision), called once on inputs
+    # made from its forward and config: the torch.export front end's graph is reported.
+    pytest.importorskip("transformers")
+    dot = tmp_path / "graph.dot"
+    assert main(["inspect", f"transformers:{name}", "--opt-level", "O2", "--diff", "--dot", str(dot)]) == 0
+    out = capsys.readouterr().out
+    assert "torch.export front end: 1 graph(s) captured" in out and "100% of the parameters" in out
+    assert "amp_fx report: O2" in out and "_to_float16" in out
+    nodes, edges = _dot_graph(dot.read_text())
+    assert nodes and edges
+
+
+def test_inspect_a_model_torch_fx_cannot_trace_calls_it_on_the_input_shape(model_file, capsys):
+    assert main(["inspect", f"{model_file}:Asserting", "--opt-level", "O1", "--input-shape", "2,8,16"]) == 0
+    out = capsys.readouterr().out
+    assert "torch.export front end: 1 graph(s) captured" in out and "amp_fx report: O1" in out
