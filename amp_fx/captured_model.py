@@ -55,6 +55,7 @@ from torch import nn
 from amp_fx.core.module_ops import module_op
 from amp_fx.core.node_info import PARAMETERS_STORED_KEY
 from amp_fx.core.policy import Policy, Rule
+from amp_fx.ops.casts import cast_if_floating
 from amp_fx.passes.export import ExportError, accepts, call_signature, export_graph, graph_inputs
 from amp_fx.passes.shared import copy_model
 from amp_fx.rewrite import rewrite_graph
@@ -341,9 +342,8 @@ def _run_island(module: nn.Module, policy: Policy, args: tuple[Any, ...], kwargs
     target = policy.cast_model_outputs
     if target is None:
         return output
-    return pytree.tree_map_only(
-        torch.Tensor, lambda t: t.to(target) if t.is_floating_point() and t.dtype != target else t, output
-    )
+    # As the fx front end casts outputs of unknown dtype: floating ones, float64 left as it is.
+    return pytree.tree_map_only(torch.Tensor, lambda t: cast_if_floating(t, target), output)
 
 
 def capture_summary(model: nn.Module) -> CaptureSummary:

@@ -172,6 +172,20 @@ def test_data_dependent_forward_runs_in_an_island_around_captured_children():
     _check_state_dicts(o2, model)
 
 
+def test_island_outputs_in_float64_stay_float64_at_o2():
+    # As on the fx front end (cast_if_floating) and under autocast: float64 is never cast.
+    class GatedWithStatistics(GatedByValue):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            probabilities = super().forward(x)
+            return probabilities, probabilities.double().sum(-1)
+
+    torch.manual_seed(0)
+    o2 = amp_fx.convert(GatedWithStatistics(), "O2", dtype=BF16)
+    probabilities, sums = o2(torch.randn(4, 8))
+    assert capture_summary(o2).islands  # the outputs come from the island
+    assert (probabilities.dtype, sums.dtype) == (torch.float32, torch.float64)
+
+
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_code_that_reads_the_running_dtype_sees_the_converted_dtype(level):
     torch.manual_seed(0)
