@@ -178,7 +178,8 @@ def convert(
             `opt_level` nor `policy` given; `policy` or
             `example_inputs` of the wrong type; the top-level forward cannot be traced (TraceError).
         ValueError: unknown opt level, dtype, device type; a policy naming an unknown op;
-            arguments that contradict `policy`.
+            arguments that contradict `policy`; `leaf_modules` or `concrete_args` with
+            ``front_end="export"``.
 
     The result has every parameter and buffer of ``model`` under its name, also those the forward
     never reads (cast by the rule for the rest of their module), so state dicts load both ways strictly.
@@ -196,6 +197,11 @@ def convert(
     if front_end not in FRONT_ENDS:
         raise ValueError(
             f"front_end must be one of {', '.join(map(repr, FRONT_ENDS))}, got {short_repr(front_end)}"
+        )
+    if front_end == "export" and (leaf_modules or concrete_args is not None):
+        raise ValueError(
+            "leaf_modules and concrete_args are torch.fx's: front_end='export' captures with torch.export, "
+            "which takes neither; leave them out, or use front_end='fx'"
         )
     if isinstance(model, CapturedModel):
         raise TypeError(
@@ -226,6 +232,11 @@ def convert(
             if front_end == "fx" or concrete_args is not None:
                 raise
             logger.info("%s: torch.fx stopped (%s); using torch.export", type(model).__name__, error)
+            if leaf_modules:
+                logger.warning(
+                    "%s: leaf_modules are torch.fx's and the torch.export front end ignores them",
+                    type(model).__name__,
+                )
             return follow_model_loads(captured_model(model, resolved))
     rewrite_graph(gm, resolved, examples)
     logger.info(

@@ -267,6 +267,16 @@ def test_moving_the_model_drops_its_graphs():
     assert converted(x).dtype == BF16 and capture_summary(converted).graphs == 1
 
 
+def test_torch_fx_options_with_the_export_front_end_are_refused_or_logged(caplog):
+    model = NanoGPT()
+    with pytest.raises(ValueError, match="leaf_modules and concrete_args are torch.fx's"):
+        amp_fx.convert(model, "O1", dtype=BF16, front_end="export", leaf_modules=[nn.Linear])
+    with caplog.at_level("WARNING", logger="amp_fx.pipeline"):
+        converted = amp_fx.convert(model, "O1", dtype=BF16, leaf_modules=[nn.Linear])
+    assert isinstance(converted, CapturedModel)  # torch.fx stopped at nanoGPT's assert
+    assert "leaf_modules are torch.fx's and the torch.export front end ignores them" in caplog.text
+
+
 def test_unknown_front_end_is_refused():
     with pytest.raises(ValueError, match="front_end must be one of 'auto', 'fx', 'export'"):
         amp_fx.convert(nn.Linear(2, 2), "O1", front_end="dynamo")
