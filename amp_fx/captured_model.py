@@ -36,8 +36,8 @@ Example::
     >>> model = captured_model(Net(), preset("O2", torch.bfloat16, "cpu"))
     >>> model(torch.randn(2, 4), scale=2.0).dtype
     torch.float32
-    >>> capture_summary(model).graphs, capture_summary(model).parameter_coverage
-    (1, 1.0)
+    >>> len(capture_states(model)[0][1].graphs)
+    1
 """
 
 from __future__ import annotations
@@ -62,41 +62,15 @@ from amp_fx.rewrite import rewrite_graph
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CapturedModel", "CaptureSummary", "captured_graphs", "captured_model", "capture_summary"]
+__all__ = ["CapturedModel", "CaptureState", "capture_states", "captured_model"]
 
 _STATE = "_amp_fx_capture"
 
 
 @dataclasses.dataclass
-class CaptureSummary:
-    """What the torch.export front end did for a converted model so far.
+class CaptureState:
+    """What the torch.export front end keeps on each captured module (read by `amp_fx.capture_summary`)."""
 
-    Attributes:
-        graphs: graphs captured and rewritten (one per argument structure and size range).
-        capture_seconds: seconds each capture took (export plus the passes), in order.
-        parameter_coverage: share of the model's parameters (by element count) read by a rewritten
-            graph in the calls so far; the rest ran in islands or were not reached.
-        islands: qualified module name -> why it runs in an autocast island (the line that
-            stopped torch.export, and what to do).
-    """
-
-    graphs: int = 0
-    capture_seconds: list[float] = dataclasses.field(default_factory=list)
-    parameter_coverage: float = 0.0
-    islands: dict[str, str] = dataclasses.field(default_factory=dict)
-
-    def __str__(self) -> str:
-        lines = [
-            f"torch.export front end: {self.graphs} graph(s) captured in "
-            f"{sum(self.capture_seconds):.2f} s; {self.parameter_coverage:.0%} of the parameters "
-            "ran in rewritten graphs"
-        ]
-        lines += [f"  island {name or '<model>'}: {why}" for name, why in self.islands.items()]
-        return "\n".join(lines)
-
-
-@dataclasses.dataclass
-class _CaptureState:
     policy: Policy
     graphs: list[torch.fx.GraphModule] = dataclasses.field(default_factory=list)
     seconds: list[float] = dataclasses.field(default_factory=list)
@@ -106,16 +80,16 @@ class _CaptureState:
     # eagerly too is the caller's error, raised as it is, not a reason for an island).
     new_island: tuple[Any, ...] | None = None
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _CaptureState:
+    def __deepcopy__(self, memo: dict[int, Any]) -> CaptureState:
         # Graphs hold the model's tensors; a copy of the model captures its own.
-        return _CaptureState(self.policy, islands=dict(self.islands))
+        return CaptureState(self.policy, islands=dict(self.islands))
 
 
 class CapturedModel(nn.Module):
     """Base placed before the model's class in a converted model's class (see the module docstring)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        state: _CaptureState = self.__dict__[_STATE]
+        state: CaptureState = self.__dict__[_STATE]
         if torch.compiler.is_compiling():
             graph = _traced_choice(state, self.training, args, kwargs)
             if graph is None:
@@ -156,7 +130,7 @@ def _captured_class(cls: type) -> type:
 
 def _make_captured(module: nn.Module, policy: Policy) -> None:
     module.__class__ = _captured_class(type(module))
-    module.__dict__[_STATE] = _CaptureState(policy)
+    module.__dict__[_STATE] = CaptureState(policy)
 
 
 def _original_forward(module: nn.Module) -> Any:
@@ -222,7 +196,7 @@ def _fits(
 
 
 def _traced_choice(
-    state: _CaptureState, training: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
+    state: CaptureState, training: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> torch.fx.GraphModule | None:
     # Under torch.compile, the graph for this call chosen in code Dynamo traces and guards on: a
     # graph break here would make the model's whole output, float32 logits included, tensors the
@@ -255,7 +229,7 @@ def _structure(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
 
 
 def _select_or_capture(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    state: _CaptureState = module.__dict__[_STATE]
+    state: CaptureState = module.__dict__[_STATE]
     mode = module.training
     for graph in state.graphs:
         if _fits(graph, mode, args, kwargs):
@@ -269,7 +243,7 @@ def _select_or_capture(module: nn.Module, args: tuple[Any, ...], kwargs: dict[st
 
 def _capture(
     module: nn.Module,
-    state: _CaptureState,
+    state: CaptureState,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     key: tuple[Any, ...],
@@ -310,7 +284,7 @@ def _capture(
     return graph
 
 
-def _become_island(module: nn.Module, state: _CaptureState, key: tuple[Any, ...], reason: str) -> None:
+def _become_island(module: nn.Module, state: CaptureState, key: tuple[Any, ...], reason: str) -> None:
     state.new_island = key
     state.islands[key] = (
         f"{reason}; its own code runs under torch.autocast and each child module is captured on its "
@@ -346,60 +320,9 @@ def _run_island(module: nn.Module, policy: Policy, args: tuple[Any, ...], kwargs
     return pytree.tree_map_only(torch.Tensor, lambda t: cast_if_floating(t, target), output)
 
 
-def capture_summary(model: nn.Module) -> CaptureSummary:
-    """What the torch.export front end did for ``model`` (a result of `amp_fx.convert`) so far.
-
-    >>> capture_summary(nn.Linear(2, 2))
-    Traceback (most recent call last):
-    ...
-    TypeError: capture_summary expects a model converted by amp_fx.convert's torch.export front end, ...
-    """
-    if _STATE not in model.__dict__:
-        raise TypeError(
-            "capture_summary expects a model converted by amp_fx.convert's torch.export front end, "
-            f"got {type(model).__name__}"
-        )
-    summary = CaptureSummary()
-    covered: set[int] = set()
-    for name, module in model.named_modules():
-        state = module.__dict__.get(_STATE)
-        if state is None:
-            continue
-        summary.graphs += len(state.graphs)
-        summary.capture_seconds += state.seconds
-        for reason in dict.fromkeys(state.islands.values()):
-            summary.islands[name] = reason
-        for graph in state.graphs:
-            for node in graph.graph.nodes:
-                if node.op == "get_attr":
-                    value = _attribute(graph, node.target)
-                    if isinstance(value, nn.Parameter):
-                        covered.add(id(value))
-    parameters = {id(p): p.numel() for p in model.parameters()}
-    total = sum(parameters.values())
-    summary.parameter_coverage = (
-        sum(parameters[key] for key in covered if key in parameters) / total if total else 1.0
-    )
-    return summary
-
-
-def captured_graphs(model: nn.Module) -> list[torch.fx.GraphModule]:
-    """The rewritten graphs ``model`` (a result of the torch.export front end) has captured so far,
-    its children's included, in capture order; each can be printed or given to `amp_fx.report`.
-
-    >>> from amp_fx.core.policy import preset
-    >>> model = captured_model(nn.Linear(4, 2), preset("O1", torch.bfloat16, "cpu"))
-    >>> _ = model(torch.randn(3, 4))
-    >>> [type(g).__name__ for g in captured_graphs(model)]
-    ['Linear']
-    """
-    capture_summary(model)  # the same TypeError for a model of the other front end
-    states = [module.__dict__[_STATE] for module in model.modules() if _STATE in module.__dict__]
-    return [graph for state in states for graph in state.graphs]
-
-
-def _attribute(root: nn.Module, target: str) -> Any:
-    value: Any = root
-    for part in target.split("."):
-        value = getattr(value, part, None)
-    return value
+def capture_states(model: nn.Module) -> list[tuple[str, CaptureState]]:
+    """(qualified name, its `CaptureState`) for ``model`` and each descendant the torch.export front
+    end captures, in ``named_modules`` order; empty for a model of the torch.fx front end."""
+    return [
+        (name, module.__dict__[_STATE]) for name, module in model.named_modules() if _STATE in module.__dict__
+    ]

@@ -15,7 +15,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 import amp_fx
-from amp_fx.captured_model import CapturedModel, capture_summary
+from amp_fx.capture_summary import capture_summary
+from amp_fx.captured_model import CapturedModel
 from amp_fx.core.module_ops import module_op
 from amp_fx.optim import FusedAdam
 from tests.models.hf import MODELS
