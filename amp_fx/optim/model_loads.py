@@ -66,6 +66,41 @@ def fused_masters(params: Iterable[Tensor]) -> dict[int, list[Tensor]]:
     return found
 
 
+def masters_of(module: nn.Module) -> dict[int, list[Tensor]]:
+    """id(param) -> the FP32 masters kept for each of ``module``'s parameters (params without any left out).
+
+    The sources are those `_update_masters` uses: every fused optimizer holding the parameter, and the
+    sources given to `follow_model_loads` on ``module`` or any of its submodules. Each master appears
+    once per parameter, however many sources report it; a parameter that is its own master is left out.
+
+    Example:
+        >>> import torch
+        >>> from amp_fx.optim import FusedSGD
+        >>> model = torch.nn.Linear(2, 1).half()
+        >>> opt = FusedSGD(model.parameters(), lr=0.1)
+        >>> [m[0].dtype for m in masters_of(model).values()]
+        [torch.float32, torch.float32]
+    """
+    params = {id(param): param for param in module.parameters()}
+    found: dict[int, list[Tensor]] = {}
+
+    def add(key: int, master: Tensor) -> None:
+        masters = found.setdefault(key, [])
+        if master is not params[key] and not any(m is master for m in masters):
+            masters.append(master)
+
+    for key, masters in fused_masters(params.values()).items():
+        for master in masters:
+            add(key, master)
+    for sub in module.modules():
+        for source in getattr(sub, _SOURCES_ATTRIBUTE, ()):
+            # A source may cover other models' parameters too (one amp.initialize, several models).
+            for key, master in source().items():
+                if key in params:
+                    add(key, master)
+    return {key: masters for key, masters in found.items() if masters}
+
+
 def _expected_keys(module: nn.Module, prefix: str) -> dict[str, Tensor | None]:
     """The keys of ``module.state_dict(prefix=prefix)``, each with its parameter or buffer (torch's rules)."""
     keys: dict[str, Tensor | None] = {}
@@ -161,13 +196,9 @@ def _check_and_capture(
 def _update_masters(module: nn.Module, incompatible_keys: Any) -> None:
     captured = module.__dict__.pop(_CAPTURED_ATTRIBUTE, {})
     params = list(module.parameters())
-    masters = fused_masters(params)
-    for extra in getattr(module, _SOURCES_ATTRIBUTE, ()):
-        for key, master in extra().items():
-            masters.setdefault(key, []).append(master)
+    masters = masters_of(module)
     with torch.no_grad():
         for param in params:
             value = captured.get(id(param))
             for master in masters.get(id(param), ()) if value is not None else ():
-                if master is not param:
-                    master.copy_(value)
+                master.copy_(value)
