@@ -58,6 +58,25 @@ def _check_model(model: Any) -> None:
             f"convert expects a torch.nn.Module, got {type(model).__name__}; pass the model itself "
             "(wrap a plain function in an nn.Module whose forward calls it)"
         )
+    if isinstance(model, torch.jit.ScriptModule):
+        raise TypeError(
+            f"convert got a TorchScript module ({type(model).__name__}); TorchScript modules cannot be "
+            "converted (their forward is compiled TorchScript, not Python that torch.fx or torch.export "
+            "can capture): pass the original nn.Module, before torch.jit.script / torch.jit.trace"
+        )
+    _check_not_meta(model)
+
+
+def _check_not_meta(model: nn.Module) -> None:
+    on_meta = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if on_meta:
+        shown = ", ".join(on_meta[:3]) + (", ..." if len(on_meta) > 3 else "")
+        raise ValueError(
+            f"convert got a model with {len(on_meta)} tensors on the meta device ({shown}); meta tensors "
+            "hold no values, so there is nothing to convert: materialise the model first, e.g. "
+            "model.to_empty(device='cpu') then initialise it (reset_parameters() / your init) or load "
+            "its weights with model.load_state_dict(...), then convert it"
+        )
 
 
 def _check_example_inputs(example_inputs: Any) -> tuple[Any, ...] | None:
@@ -174,10 +193,12 @@ def convert(
             `concrete_args` and `example_inputs` are torch.fx's.
 
     Raises:
-        TypeError: `model` is not an nn.Module or is wrapped in DDP/DataParallel; neither
+        TypeError: `model` is not an nn.Module, is wrapped in DDP/DataParallel or is a TorchScript
+            module; neither
             `opt_level` nor `policy` given; `policy` or
             `example_inputs` of the wrong type; the top-level forward cannot be traced (TraceError).
-        ValueError: unknown opt level, dtype, device type; a policy naming an unknown op;
+        ValueError: `model` has tensors on the meta device; unknown opt level, dtype, device type;
+            a policy naming an unknown op;
             arguments that contradict `policy`; `leaf_modules` or `concrete_args` with
             ``front_end="export"``.
 
