@@ -287,7 +287,11 @@ def _signature(
     placeholders = iter(gm.graph.find_nodes(op="placeholder"))
     specs: list[TensorSpec | Constant] = []
     for value in (*args, *_in_capture_order(gm, kwargs).values()):
-        if value is None:  # pytree leaves no placeholder for None
+        if value is None:
+            # A placeholder where pytree counts None as a leaf (torch 2.14), none where it is an
+            # empty node (torch 2.11); either way the value is a constant.
+            for _ in pytree.tree_leaves(value):
+                next(placeholders)
             specs.append(Constant(None))
             continue
         if not isinstance(value, (torch.Tensor, bool, int, float, str)):
