@@ -27,6 +27,7 @@ _EXPORTS = {
     "LossScaler": "amp_fx.loss_scaler",
     "clip_grad_norm_": "amp_fx.clip_grad",
     "fp32_cross_entropy": "amp_fx.ops.losses",
+    "master_state_dict": "amp_fx.saving",
 }
 _SUBMODULES = {"optim", "testing", "amp", "passes", "kernels", "core", "ops", "training_step"}
 
