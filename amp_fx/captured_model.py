@@ -43,8 +43,10 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,37 +78,87 @@ class CaptureState:
     seconds: list[float] = dataclasses.field(default_factory=list)
     # Argument structure (see `_structure`) -> why calls of that structure run in an island.
     islands: dict[tuple[Any, ...], str] = dataclasses.field(default_factory=dict)
-    # An island made by this call: kept only once its first run succeeds (a call that fails
-    # eagerly too is the caller's error, raised as it is, not a reason for an island).
-    new_island: tuple[Any, ...] | None = None
+    # Whether the module's forward ran eagerly yet (an island descends past children never called).
+    called: bool = False
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CaptureState:
         # Graphs hold the model's tensors; a copy of the model captures its own.
-        return CaptureState(self.policy, islands=dict(self.islands))
+        return CaptureState(self.policy, islands=dict(self.islands), called=self.called)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled without graphs, as deep-copied: they are captured again at the next call.
+        return {"policy": self.policy, "islands": dict(self.islands), "called": self.called}
+
+    def __setstate__(self, values: dict[str, Any]) -> None:
+        self.__init__(**values)  # type: ignore[misc]
+
+
+class _Journal:
+    """What one eager call changed in the capture state, undone if the call fails.
+
+    Capture is transactional: a call that raises (a typo'd keyword, float token ids) and a call
+    on fake tensors (someone else's torch.export of the model) leave every module's graphs,
+    islands and class as they were. Nested calls hand their changes to the enclosing call's
+    journal; the outermost one logs the islands made, as one notice.
+    """
+
+    def __init__(self) -> None:
+        self.undo: list[Callable[[], None]] = []
+        self.islands: list[tuple[nn.Module, str]] = []
+
+    def rollback(self) -> None:
+        for action in reversed(self.undo):
+            action()
+
+    def merge_into(self, outer: _Journal) -> None:
+        outer.undo += self.undo
+        outer.islands += self.islands
+
+
+# Open journals of the eager calls in progress, innermost last; and whether one of our own
+# torch.export captures is running (then captured descendants run their own code, so the graph
+# being captured records it and no graph is captured on the capture's fake tensors).
+_JOURNALS: list[_Journal] = []
+_EXPORTING: list[bool] = []
+
+
+def _record(undo: Callable[[], None]) -> None:
+    if _JOURNALS:
+        _JOURNALS[-1].undo.append(undo)
 
 
 class CapturedModel(nn.Module):
     """Base placed before the model's class in a converted model's class (see the module docstring)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        state: CaptureState = self.__dict__[_STATE]
+        state = _state(self)
+        if _EXPORTING:
+            return _original_forward(self)(*args, **kwargs)
         if torch.compiler.is_compiling():
             graph = _traced_choice(state, self.training, args, kwargs)
             if graph is None:
                 graph = _compiled_graph_for(self, args, kwargs)
-        else:
+            return _run(self, state, graph, args, kwargs)
+        journal = _Journal()
+        _JOURNALS.append(journal)
+        try:
+            state.called = True
             graph = _select_or_capture(self, args, kwargs)
-        if graph is None:
-            new, state.new_island = state.new_island, None
-            try:
-                return _run_island(self, state.policy, args, kwargs)
-            except Exception:
-                if new is not None:
-                    del state.islands[new]
-                raise
-        # The graph's casts are explicit: an autocast region around it would cast again.
-        with torch.autocast(state.policy.device_type, enabled=False):
-            return graph(*args, **kwargs)
+            output = _run(self, state, graph, args, kwargs)
+            if graph is None:
+                _descend_past_uncalled(self, state.policy)
+        except BaseException:
+            _JOURNALS.pop()
+            journal.rollback()
+            raise
+        _JOURNALS.pop()
+        if _on_fake_tensors(args, kwargs):
+            journal.rollback()  # graphs captured on fake tensors would compute fake values later
+        elif _JOURNALS:
+            journal.merge_into(_JOURNALS[-1])
+        elif journal.islands:
+            _log_islands(self, journal.islands)
+        return output
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         # Buffers are replaced by new tensors (``.to``, ``.cuda``): graphs would read the old ones.
@@ -116,21 +168,98 @@ class CapturedModel(nn.Module):
                 module.__dict__[_STATE].graphs.clear()
         return result
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # The class is made at run time (`_captured_class`), so pickle could not find it by name:
+        # the model pickles as its original class and becomes a converted one again when loaded.
+        cls = type(self)
+        self.__class__ = _original_class(cls)
+        try:
+            rebuild, arguments, *rest = self.__reduce_ex__(protocol)
+        finally:
+            self.__class__ = cls
+        return (_rebuild_captured, (rebuild, arguments), *rest)
+
+
+def _run(
+    module: nn.Module,
+    state: CaptureState,
+    graph: torch.fx.GraphModule | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    if graph is None:
+        return _run_island(module, state.policy, args, kwargs)
+    # The graph's casts are explicit: an autocast region around it would cast again.
+    with torch.autocast(state.policy.device_type, enabled=False):
+        return graph(*args, **kwargs)
+
+
+def _state(module: nn.Module) -> CaptureState:
+    state = module.__dict__.get(_STATE)
+    if state is None:
+        raise RuntimeError(
+            f"this {type(module).__name__} was built from amp_fx's converted class, not by "
+            "amp_fx.convert, so it has no policy: build or load the model with its original class "
+            f"({_original_class(type(module)).__name__}), then amp_fx.convert it"
+        )
+    return state
+
+
+def _on_fake_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    return torch._guards.detect_fake_mode(pytree.tree_leaves((args, kwargs))) is not None
+
 
 _CLASSES: dict[type, type] = {}
+
+
+def _original_class(cls: type) -> type:
+    return cls.__bases__[1]
+
+
+def _rebuild_captured(rebuild: Callable[..., Any], arguments: tuple[Any, ...]) -> nn.Module:
+    module = rebuild(*arguments)
+    module.__class__ = _captured_class(type(module))
+    return module
+
+
+def _refuse_from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
+    original = _original_class(cls)
+    raise TypeError(
+        f"{cls.__name__}.from_pretrained was called on amp_fx's converted class, which has no opt "
+        f"level to load at: load with the original class and convert the result, "
+        f"amp_fx.convert({original.__name__}.from_pretrained(...), 'O2')"
+    )
 
 
 def _captured_class(cls: type) -> type:
     if issubclass(cls, CapturedModel):
         return cls
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(cls.__name__, (CapturedModel, cls), {"__module__": cls.__module__})
+        original_forward = cls.forward
+
+        @functools.wraps(original_forward)
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return CapturedModel.forward(self, *args, **kwargs)
+
+        # The original's signature (functools.wraps): Hugging Face's Trainer reads it to choose
+        # dataset columns.
+        namespace: dict[str, Any] = {"__module__": cls.__module__, "forward": forward}
+        if hasattr(cls, "from_pretrained"):
+            namespace["from_pretrained"] = classmethod(_refuse_from_pretrained)
+        _CLASSES[cls] = type(cls.__name__, (CapturedModel, cls), namespace)
     return _CLASSES[cls]
 
 
 def _make_captured(module: nn.Module, policy: Policy) -> None:
-    module.__class__ = _captured_class(type(module))
+    original = type(module)
+    module.__class__ = _captured_class(original)
     module.__dict__[_STATE] = CaptureState(policy)
+
+    def undo() -> None:
+        module.__class__ = original
+        del module.__dict__[_STATE]
+
+    _record(undo)
 
 
 def _original_forward(module: nn.Module) -> Any:
@@ -229,7 +358,7 @@ def _structure(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
 
 
 def _select_or_capture(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    state: CaptureState = module.__dict__[_STATE]
+    state = _state(module)
     mode = module.training
     for graph in state.graphs:
         if _fits(graph, mode, args, kwargs):
@@ -262,7 +391,8 @@ def _capture(
             "fully_shard does); the torch.export front end cannot capture it: shard the model's "
             "submodules, or convert a model torch.fx can trace (front_end='fx')"
         )
-    module.__class__ = cls.__bases__[1]
+    module.__class__ = _original_class(cls)
+    _EXPORTING.append(True)
     try:
         graph = export_graph(module, args, kwargs, autocast=region, dynamic=dynamic)
     except ExportError as error:
@@ -270,30 +400,52 @@ def _capture(
     else:
         failure = None
     finally:
+        _EXPORTING.pop()
         module.__class__ = cls
     if failure is not None:
-        _become_island(module, state, key, str(failure))
+        _become_island(module, state, key, failure)
         return None
     graph.meta[PARAMETERS_STORED_KEY] = True
     graph.meta["amp_fx_training"] = module.training
     rewrite_graph(graph, policy, tuple(graph_inputs(graph, args, kwargs)))
     state.graphs.append(graph)
     state.seconds.append(time.perf_counter() - start)
+
+    def undo() -> None:
+        state.graphs.remove(graph)
+        state.seconds.pop()
+
+    _record(undo)
     sizes = "dynamic" if dynamic else "static"
     logger.info("captured %s (%s sizes) in %.2f s", type(module).__name__, sizes, state.seconds[-1])
     return graph
 
 
-def _become_island(module: nn.Module, state: CaptureState, key: tuple[Any, ...], reason: str) -> None:
-    state.new_island = key
-    state.islands[key] = (
-        f"{reason}; its own code runs under torch.autocast and each child module is captured on its "
-        "own (to convert it whole, make that line independent of tensor values)"
-    )
-    logger.warning("%s runs in an autocast island: %s", type(module).__name__, state.islands[key])
+def _become_island(
+    module: nn.Module, state: CaptureState, key: tuple[Any, ...], failure: ExportError
+) -> None:
+    state.islands[key] = f"{failure}; fix: {failure.advice}"
+    _record(lambda: state.islands.pop(key))
+    if _JOURNALS:
+        _JOURNALS[-1].islands.append((module, state.islands[key]))
+    _capture_children(module, state.policy)
+
+
+def _capture_children(module: nn.Module, policy: Policy) -> None:
+    """The children an island's code calls are captured on their own (those holding parameters)."""
     for child in _called_children(module):
         if _STATE not in child.__dict__ and any(True for _ in child.parameters()):
-            _make_captured(child, state.policy)
+            _make_captured(child, policy)
+
+
+def _descend_past_uncalled(module: nn.Module, policy: Policy) -> None:
+    # After an island's run: a captured child its code never called (it called the child's own
+    # children, or ``child.inner.forward``) hands the capture down a level, at any depth.
+    for child in _called_children(module):
+        state = child.__dict__.get(_STATE)
+        if state is not None and not state.called:
+            _capture_children(child, policy)
+            _descend_past_uncalled(child, policy)
 
 
 def _called_children(module: nn.Module) -> list[nn.Module]:
@@ -305,6 +457,25 @@ def _called_children(module: nn.Module) -> list[nn.Module]:
         else:
             children.append(child)
     return children
+
+
+def _log_islands(model: nn.Module, islands: list[tuple[nn.Module, str]]) -> None:
+    """One notice for the islands one call made, modules with the same cause listed together."""
+    names = {id(module): name or "<model>" for name, module in model.named_modules()}
+    by_reason: dict[str, list[str]] = {}
+    for module, reason in islands:
+        name = names.get(id(module), type(module).__name__)
+        cause = reason.replace(type(module).__name__, "<module>")
+        by_reason.setdefault(cause, []).append(f"{name} ({type(module).__name__})")
+    lines = [f"  {', '.join(modules)}: {cause}" for cause, modules in by_reason.items()]
+    logger.warning(
+        "%s: %d module(s) run in autocast islands for calls like this one; their own code runs under "
+        "torch.autocast and the modules they call are captured on their own "
+        "(amp_fx.capture_summary(model) tells more):\n%s",
+        type(model).__name__,
+        len(islands),
+        "\n".join(lines),
+    )
 
 
 def _run_island(module: nn.Module, policy: Policy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

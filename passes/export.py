@@ -65,7 +65,35 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
 class ExportError(RuntimeError):
-    """``torch.export`` could not capture a call; the message names the line that stopped it."""
+    """``torch.export`` could not capture a call; the message names the line that stopped it.
+
+    ``advice`` says what would let the call capture, for the kind of failure it was (`_advice`).
+    """
+
+    def __init__(self, message: str, advice: str) -> None:
+        super().__init__(message)
+        self.advice = advice
+
+
+# What stops torch.export, recognised by its message, and what makes the code capture.
+_DATA_DEPENDENT = ("data-dependent", "data dependent", "guard_on_data_dependent", ".item()")
+_UNFLATTENABLE = ("not a known type", "unsupported input type", "register a pytree", "pytree container")
+
+
+def _advice(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".lower()
+    if any(marker in text for marker in _UNFLATTENABLE):
+        return (
+            "a value of a type torch.export cannot flatten crosses the module's boundary: register "
+            "the type with torch.utils._pytree.register_pytree_node (torch.export.register_dataclass "
+            "for a dataclass), or pass and return its tensors instead"
+        )
+    if any(marker in text for marker in _DATA_DEPENDENT):
+        return (
+            "control flow or a size depends on a tensor's values: make that line independent of "
+            "them (torch.where, torch.cond, or sizes known from the inputs' shapes)"
+        )
+    return "the module's own code runs correctly in the island; the error above is what torch.export refused"
 
 
 def _dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -85,7 +113,7 @@ def _stopping_line(error: BaseException) -> str:
     frames = [
         frame
         for frame in traceback.extract_tb(error.__traceback__)
-        if not frame.filename.startswith(_TORCH_DIR) and frame.filename != __file__
+        if not frame.filename.startswith((_TORCH_DIR, "<")) and frame.filename != __file__
     ]
     if not frames:
         return "inside torch"
@@ -93,9 +121,18 @@ def _stopping_line(error: BaseException) -> str:
     return f"{os.path.basename(frame.filename)}:{frame.lineno}: {(frame.line or '').strip()}"
 
 
+_MESSAGE_LIMIT = 300
+
+
 def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+    """The error's type and first line, cut after a whole sentence (or word) near `_MESSAGE_LIMIT`."""
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0] if lines else ''}"
+    if len(text) <= _MESSAGE_LIMIT:
+        return text
+    head = text[:_MESSAGE_LIMIT]
+    end = head.rfind(". ")
+    return head[: end + 1] if end > 0 else head[: head.rfind(" ")] + " ..."
 
 
 # When a capture meets data-dependent code, torch logs and prints the partial graph (hundreds of
@@ -164,7 +201,8 @@ def export_graph(
             error = errors[-1]
             raise ExportError(
                 f"torch.export could not capture {type(model).__name__}: {_first_line(error)} "
-                f"(stopped at {_stopping_line(error)})"
+                f"(stopped at {_stopping_line(error)})",
+                _advice(error),
             ) from error
     if errors:
         logger.info("%s: dynamic sizes refused (%s); captured static sizes", type(model).__name__, errors[0])

@@ -1,0 +1,311 @@
+"""A model converted by the torch.export front end behaves like the original (issue 21).
+
+A failed call changes nothing, `generate()` and islands are followed by real training, any argument
+structure captures (``None`` anywhere), the signature is the original's, the model follows
+``.train()``/``.eval()``, pickles, deep-copies and keeps its tied weights, and an island's
+descendants are captured at any depth. Models are called as their docs show: Hugging Face ones with
+their default arguments.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import io
+import logging
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import amp_fx
+from amp_fx.captured_model import CapturedModel, capture_states
+from amp_fx.optim import FusedAdam
+from amp_fx.testing import with_autocast
+from tests.bit_equality import bits_equal
+
+transformers = pytest.importorskip("transformers")
+
+BF16 = torch.bfloat16
+
+
+def _gpt2() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2, n_positions=64)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _ids(batch: int = 2, length: int = 8) -> torch.Tensor:
+    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+def _capture_picture(model: nn.Module) -> list[tuple]:
+    """Every module's class and capture state: what a failed call must leave as it was."""
+    states = dict(capture_states(model))
+    return [
+        (
+            name,
+            type(module),
+            len(states[name].graphs) if name in states else None,
+            dict(states[name].islands) if name in states else None,
+        )
+        for name, module in model.named_modules()
+    ]
+
+
+def _check_trains(model: nn.Module, loss: torch.Tensor) -> FusedAdam:
+    """Real tensors, and one optimizer step moves every trainable parameter."""
+    assert type(loss) is torch.Tensor
+    loss.backward()
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    for name, param in trainable:
+        assert type(param.grad) is torch.Tensor, name
+    before = [p.detach().clone() for _, p in trainable]
+    optimizer = FusedAdam([p for _, p in trainable], lr=1e-2)
+    optimizer.step()
+    for (name, param), old in zip(trainable, before, strict=True):
+        assert type(param) is nn.Parameter and not torch.equal(param, old), f"{name} did not move"
+    return optimizer
+
+
+@pytest.mark.parametrize(
+    "mistake",
+    [
+        pytest.param(lambda ids: {"input_idz": ids}, id="keyword-typo"),
+        pytest.param(lambda ids: {"input_ids": ids.float()}, id="float-ids"),
+    ],
+)
+def test_a_failed_call_changes_nothing_and_training_follows(mistake) -> None:
+    converted = amp_fx.convert(_gpt2(), "O2", dtype=BF16)
+    ids = _ids()
+    before = _capture_picture(converted)
+    with pytest.raises((TypeError, ValueError, RuntimeError)):
+        converted(**mistake(ids))
+    assert _capture_picture(converted) == before
+    _check_trains(converted, converted(input_ids=ids, labels=ids).loss)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_generate_then_train(opt_level: str) -> None:
+    converted = amp_fx.convert(_gpt2(), opt_level, dtype=BF16)
+    ids = _ids()
+    tokens = converted.generate(ids, max_new_tokens=3, do_sample=False)
+    assert type(tokens) is torch.Tensor and tokens.shape == (2, 11)
+    _check_trains(converted, converted(input_ids=ids, labels=ids).loss)
+
+
+def test_a_call_on_fake_tensors_keeps_no_graph() -> None:
+    """A capture on someone else's fake tensors (their torch.export of the model) is not kept:
+    its graph would compute fake values at the next real call."""
+    converted = amp_fx.convert(
+        nn.Sequential(nn.Linear(4, 4), nn.ReLU()), "O2", dtype=BF16, front_end="export"
+    )
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        converted(mode.from_tensor(torch.randn(2, 4)))
+    assert all(not state.graphs for _, state in capture_states(converted))
+    assert type(converted(torch.randn(2, 4))) is torch.Tensor
+
+
+class _Optional(nn.Module):
+    """A forward with optional arguments before and after tensor ones, positional or keyword."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x, mask=None, bias=None, *, scale=None, shift=None):
+        out = self.proj(x)
+        if mask is not None:
+            out = out * mask
+        if bias is not None:
+            out = out + bias
+        if scale is not None:
+            out = out * scale
+        return out if shift is None else out + shift
+
+
+@pytest.mark.parametrize(
+    "args, kwargs",
+    [
+        pytest.param((None,), {}, id="positional-none"),
+        pytest.param((None, "t"), {}, id="none-then-tensor"),
+        pytest.param((), {"mask": None, "bias": "t"}, id="keyword-none-then-tensor"),
+        pytest.param(("t", None), {"scale": None, "shift": "t"}, id="both"),
+        pytest.param((), {"scale": 2.0, "shift": None}, id="constant-and-none"),
+    ],
+)
+def test_any_argument_structure_captures(args, kwargs) -> None:
+    """None for any argument, in any position, captures; O1 equals torch.autocast bit for bit."""
+    torch.manual_seed(0)
+    model, x, t = _Optional(), torch.randn(3, 4), torch.randn(3, 4)
+    resolve = {"t": t}
+    args = tuple(resolve.get(a, a) if isinstance(a, str) else a for a in args)
+    kwargs = {k: resolve.get(v, v) if isinstance(v, str) else v for k, v in kwargs.items()}
+    converted = amp_fx.convert(model, "O1", dtype=BF16, front_end="export")
+    output = converted(x, *args, **kwargs)
+    reference = with_autocast(model, "cpu", BF16)(x, *args, **kwargs)
+    assert type(output) is torch.Tensor and bits_equal(output, reference)
+    assert not any(state.islands for _, state in capture_states(converted))
+
+
+def test_hugging_face_encoder_with_explicit_none() -> None:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64
+    )
+    model = transformers.BertModel(config).eval()
+    converted = amp_fx.convert(model, "O1", dtype=BF16)
+    ids = _ids()
+    output = converted(input_ids=ids, token_type_ids=None, attention_mask=None)
+    reference = with_autocast(model, "cpu", BF16)(input_ids=ids, token_type_ids=None, attention_mask=None)
+    assert type(output.last_hidden_state) is torch.Tensor
+    assert bits_equal(output.last_hidden_state, reference.last_hidden_state)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(_gpt2, id="gpt2"),
+        pytest.param(
+            lambda: transformers.BertForSequenceClassification(
+                transformers.BertConfig(
+                    vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                    intermediate_size=64,
+                )
+            ),
+            id="bert",
+        ),
+        pytest.param(_Optional, id="hand-written"),
+    ],
+)  # fmt: skip
+def test_signature_is_the_originals(build) -> None:
+    model = build()
+    converted = amp_fx.convert(model, "O2", dtype=BF16, front_end="export")
+    assert inspect.signature(converted.forward) == inspect.signature(model.forward)
+    assert converted.forward.__doc__ == model.forward.__doc__
+
+
+class _ReadsTraining(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        out = self.proj(x)
+        return out * 2 if self.training else out
+
+
+@pytest.mark.parametrize("start_in_train", [True, False])
+def test_follows_train_and_eval(start_in_train: bool) -> None:
+    torch.manual_seed(0)
+    model = _ReadsTraining().train(start_in_train)
+    converted = amp_fx.convert(model, "O1", dtype=BF16, front_end="export")
+    x = torch.randn(3, 4)
+    for mode in (start_in_train, not start_in_train, start_in_train):
+        model.train(mode)
+        converted.train(mode)
+        assert bits_equal(converted(x), with_autocast(model, "cpu", BF16)(x)), mode
+
+
+def _round_trips(converted: nn.Module) -> dict[str, nn.Module]:
+    buffer = io.BytesIO()
+    torch.save(converted, buffer)
+    buffer.seek(0)
+    return {
+        "pickle": pickle.loads(pickle.dumps(converted)),
+        "deepcopy": copy.deepcopy(converted),
+        "torch.save": torch.load(buffer, weights_only=False),
+    }
+
+
+def test_pickle_torch_save_and_deepcopy_round_trip() -> None:
+    converted = amp_fx.convert(_gpt2(), "O2", dtype=BF16).eval()
+    ids = _ids()
+    expected = converted(input_ids=ids, labels=ids)
+    for how, copied in _round_trips(converted).items():
+        assert type(copied) is type(converted) and isinstance(copied, CapturedModel), how
+        assert copied.lm_head.weight is copied.transformer.wte.weight, how  # still tied
+        output = copied(input_ids=ids, labels=ids)
+        assert type(output.logits) is torch.Tensor, how
+        assert bits_equal(output.logits, expected.logits) and bits_equal(output.loss, expected.loss), how
+        assert copied.state_dict().keys() == converted.state_dict().keys(), how
+
+
+def test_tied_weights_stay_tied_through_convert() -> None:
+    converted = amp_fx.convert(_gpt2(), "O2", dtype=BF16)
+    assert converted.lm_head.weight is converted.transformer.wte.weight
+
+
+def test_from_pretrained_on_the_converted_class_refuses(tmp_path) -> None:
+    converted = amp_fx.convert(_gpt2(), "O2", dtype=BF16)
+    converted.save_pretrained(tmp_path)
+    with pytest.raises(TypeError, match=r"amp_fx.convert\(GPT2LMHeadModel.from_pretrained"):
+        type(converted).from_pretrained(tmp_path)
+
+
+class _Gated(nn.Module):
+    """Data-dependent control flow: an island whose code reaches its parameters two levels down."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Module()  # never called itself: the island calls its children
+        self.inner.first = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+        self.inner.second = nn.Linear(8, 4)
+
+    def forward(self, x):
+        hidden = self.inner.first(x)
+        if hidden.sum() > 0:  # data-dependent: this module is an island
+            hidden = hidden * 2
+        return self.inner.second(hidden)
+
+
+def test_island_descendants_are_captured_at_any_depth(caplog) -> None:
+    torch.manual_seed(0)
+    model = _Gated()
+    converted = amp_fx.convert(model, "O1", dtype=BF16, front_end="export")
+    x = torch.randn(3, 4)
+    with caplog.at_level(logging.WARNING, logger="amp_fx.captured_model"):
+        for _ in range(2):
+            output = converted(x)
+    assert bits_equal(output, with_autocast(model, "cpu", BF16)(x))
+    states = dict(capture_states(converted))
+    assert states[""].islands and "torch.where" in next(iter(states[""].islands.values()))
+    assert len(states["inner.first"].graphs) == 1 and len(states["inner.second"].graphs) == 1
+    assert len([r for r in caplog.records if "autocast islands" in r.getMessage()]) == 1
+
+
+def test_one_notice_per_model_and_call_structure(caplog) -> None:
+    converted = amp_fx.convert(_gpt2(), "O2", dtype=BF16)
+    ids = _ids()
+    with caplog.at_level(logging.WARNING, logger="amp_fx.captured_model"):
+        for _ in range(2):
+            converted(input_ids=ids, labels=ids)
+    notices = [r.getMessage() for r in caplog.records if "autocast islands" in r.getMessage()]
+    islands = sum(len(state.islands) for _, state in capture_states(converted))
+    assert len(notices) <= 1 and (islands == 0) == (not notices)
+
+
+def test_lora_model_trains_only_its_adapters() -> None:
+    """PEFT's LoRA wrapper reaches the transformer through a grandchild; the islands on the way
+    still capture it, and only the adapters are trained (masters for them alone)."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        _gpt2(),
+        peft.LoraConfig(r=4, target_modules=["c_attn"], task_type="CAUSAL_LM", init_lora_weights=False),
+    )
+    converted = amp_fx.convert(model, "O2", dtype=BF16)
+    ids = _ids()
+    loss = converted(input_ids=ids, labels=ids).loss
+    graphs = sum(len(state.graphs) for _, state in capture_states(converted))
+    assert graphs > 0
+    read = {id(p) for _, state in capture_states(converted) for g in state.graphs for p in g.parameters()}
+    assert all(id(p) in read for p in converted.parameters())
+    trainable = {id(p) for p in converted.parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n, p in converted.named_parameters() if p.requires_grad)
+    optimizer = _check_trains(converted, loss)
+    with_masters = {id(p) for p in converted.parameters() if "master_param" in optimizer.state.get(p, {})}
+    low = {id(p) for p in converted.parameters() if p.requires_grad and p.dtype == BF16}
+    assert low and with_masters == low
