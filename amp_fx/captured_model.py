@@ -61,6 +61,7 @@ from amp_fx.ops.casts import cast_if_floating
 from amp_fx.passes.export import ExportError, accepts, call_signature, export_graph, graph_inputs
 from amp_fx.passes.shared import copy_model
 from amp_fx.rewrite import rewrite_graph
+from amp_fx.saving import master_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -231,6 +232,14 @@ def _refuse_from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
     )
 
 
+def _save_pretrained_with_masters(self: nn.Module, *args: Any, state_dict: Any = None, **kwargs: Any) -> Any:
+    # The FP32 masters an amp_fx optimizer holds, not their rounded copies, under the config's
+    # float32: the original class's from_pretrained then gives back exactly the masters.
+    if state_dict is None:
+        state_dict = master_state_dict(self)
+    return super(CapturedModel, self).save_pretrained(*args, state_dict=state_dict, **kwargs)
+
+
 def _captured_class(cls: type) -> type:
     if issubclass(cls, CapturedModel):
         return cls
@@ -246,6 +255,8 @@ def _captured_class(cls: type) -> type:
         namespace: dict[str, Any] = {"__module__": cls.__module__, "forward": forward}
         if hasattr(cls, "from_pretrained"):
             namespace["from_pretrained"] = classmethod(_refuse_from_pretrained)
+        if hasattr(cls, "save_pretrained"):
+            namespace["save_pretrained"] = _save_pretrained_with_masters
         _CLASSES[cls] = type(cls.__name__, (CapturedModel, cls), namespace)
     return _CLASSES[cls]
 

@@ -239,6 +239,29 @@ def test_tied_weights_stay_tied_through_convert() -> None:
     assert converted.lm_head.weight is converted.transformer.wte.weight
 
 
+def test_save_pretrained_saves_the_masters(tmp_path) -> None:
+    """After optimizer steps the masters differ from the rounded copies; save_pretrained writes the
+    masters, and the original class's from_pretrained gives them back bit for bit, tied."""
+    converted = amp_fx.convert(_gpt2(), "O2", dtype=BF16)
+    optimizer = FusedAdam(converted.parameters(), lr=1e-2)
+    ids = _ids()
+    for _ in range(2):
+        converted(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    masters = {id(p): s["master_param"] for p, s in optimizer.state.items() if "master_param" in s}
+    rounded = converted.transformer.h[0].attn.c_attn.weight
+    assert not torch.equal(masters[id(rounded)].to(BF16).float(), masters[id(rounded)])
+    converted.save_pretrained(tmp_path)
+    loaded = type(_gpt2()).from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    parameters = dict(converted.named_parameters())
+    for name, param in loaded.named_parameters():
+        saved = parameters[name]
+        expected = masters.get(id(saved), saved.detach())
+        assert bits_equal(param.detach(), expected), name
+
+
 def test_from_pretrained_on_the_converted_class_refuses(tmp_path) -> None:
     converted = amp_fx.convert(_gpt2(), "O2", dtype=BF16)
     converted.save_pretrained(tmp_path)
