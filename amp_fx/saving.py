@@ -43,8 +43,8 @@ def master_state_dict(model: nn.Module) -> dict[str, Tensor]:
     (``save_pretrained``, which deletes them from the dict it is given) see the tie. Hugging Face
     models save their masters with ``model.save_pretrained(path, state_dict=master_state_dict(model))``.
 
-    If several optimizers keep a master for one parameter, the first one found is used and a
-    warning is logged.
+    If several optimizers keep a master for one parameter, one of them is used (which one is not
+    specified) and a warning is logged.
 
     Raises:
         TypeError: ``model`` is not an nn.Module.
@@ -75,7 +75,7 @@ def master_state_dict(model: nn.Module) -> dict[str, Tensor]:
             shared[id(param)] = found[0].detach() if found else state[key]
             if len(found) > 1:
                 logger.warning(
-                    "%s: %d optimizers keep FP32 masters for %s; master_state_dict uses the first one's",
+                    "%s: %d optimizers keep FP32 masters for %s; master_state_dict uses one of them",
                     type(model).__name__,
                     len(found),
                     key,

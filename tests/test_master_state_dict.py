@@ -128,6 +128,22 @@ def test_any_module_an_amp_fx_optimizer_trains() -> None:
     assert _assert_masters_then_rest(model, result, _masters_by_key(model, master_params(optimizer))) == 4
 
 
+def test_two_optimizers_with_masters_for_one_parameter_give_one_of_them_and_a_warning(caplog) -> None:
+    model = nn.Linear(4, 2).half()
+    first, second = FusedSGD(model.parameters(), lr=0.1), FusedSGD(model.parameters(), lr=0.1)
+    for param in model.parameters():
+        param.grad = torch.full_like(param, 1e-3)
+    second.step()  # the two optimizers' masters now differ
+    with caplog.at_level("WARNING", logger="amp_fx.saving"):
+        result = amp_fx.master_state_dict(model)
+    assert "2 optimizers keep FP32 masters for weight" in caplog.text
+    first_masters, second_masters = (_masters_by_key(model, master_params(o)) for o in (first, second))
+    assert not torch.equal(first_masters["weight"], second_masters["weight"])
+    assert any(
+        all(torch.equal(result[k], m[k]) for k in ("weight", "bias")) for m in (first_masters, second_masters)
+    )
+
+
 @pytest.mark.parametrize("not_a_model", [{"weight": torch.zeros(1)}, "model", None])
 def test_not_a_module_is_a_type_error_naming_the_fix(not_a_model) -> None:
     with pytest.raises(TypeError, match="master_state_dict needs the model .*pass the model amp_fx.convert"):
