@@ -33,7 +33,7 @@ from amp_fx.core.dtypes import check_opt_level, default_device_type, short_repr
 from amp_fx.core.node_info import POLICY_KEY, node_info
 from amp_fx.core.policy import Policy, preset
 from amp_fx.optim.model_loads import follow_model_loads
-from amp_fx.passes.trace import TraceError, trace
+from amp_fx.passes.trace import OTHER_MODE_GRAPH_KEY, TraceError, trace
 from amp_fx.rewrite import rewrite_graph
 
 logger = logging.getLogger(__name__)
@@ -153,6 +153,20 @@ def _is_converted(model: nn.Module) -> bool:
     return isinstance(model, torch.fx.GraphModule) and POLICY_KEY in model.meta
 
 
+def _rewrite_each_mode(gm: torch.fx.GraphModule, policy: Policy, examples: tuple[Any, ...] | None) -> None:
+    """Rewrite ``gm.graph`` and, where the forward reads ``self.training``, the other mode's graph
+    (`amp_fx.passes.trace.TracedGraphModule`), each by the whole pipeline on the one module."""
+    if OTHER_MODE_GRAPH_KEY in gm.meta:
+        training, other = gm.meta[OTHER_MODE_GRAPH_KEY]
+        own = gm.graph
+        gm.graph = other
+        rewrite_graph(gm, policy, examples)
+        gm.meta[OTHER_MODE_GRAPH_KEY] = (training, gm.graph)
+        gm.graph = own
+    # The graph of the mode traced in last: the report and gm.meta describe it.
+    rewrite_graph(gm, policy, examples)
+
+
 def convert(
     model: nn.Module,
     opt_level: str | None = None,
@@ -259,7 +273,7 @@ def convert(
                     type(model).__name__,
                 )
             return follow_model_loads(captured_model(model, resolved))
-    rewrite_graph(gm, resolved, examples)
+    _rewrite_each_mode(gm, resolved, examples)
     logger.info(
         "converted %s at %s (%s, %s): %d cast nodes",
         type(model).__name__,

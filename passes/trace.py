@@ -24,9 +24,11 @@ naming the line and suggesting ``concrete_args``.
 The model is deep-copied first, so the returned GraphModule owns its parameters, buffers and
 submodules and later passes (e.g. casting parameters to fp16) never touch the input model. The
 copy is the largest part of the cost (about 0.1-0.2 s for resnet50 on CPU; tracing itself takes
-about 0.05 s). Training/eval mode is kept: leaf modules such as Dropout and BatchNorm still follow
-``gm.train()``/``gm.eval()``; flags read inside traced-through code (``if self.training:``) are
-specialised to the mode the model had when traced.
+about 0.05 s). The result is a `TracedGraphModule`, called like the model: its forward has the
+model's signature, and it follows ``gm.train()``/``gm.eval()`` as the model does. Leaf modules
+(Dropout, BatchNorm) follow their own mode; code that reads ``self.training`` in traced-through
+code (``F.dropout(x, p, self.training)``, ``if self.training:``) is traced in both modes and,
+where the graphs differ, each call runs the graph of the root's mode.
 
 Example::
 
@@ -49,6 +51,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import keyword
@@ -72,7 +75,20 @@ from amp_fx.passes.shared import copy_model
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TraceError", "trace", "is_primitive_module", "OPAQUE_TORCH_MODULES"]
+__all__ = [
+    "FORWARD_SIGNATURE_KEY",
+    "OPAQUE_TORCH_MODULES",
+    "OTHER_MODE_GRAPH_KEY",
+    "TraceError",
+    "TracedGraphModule",
+    "is_primitive_module",
+    "trace",
+]
+
+# gm.meta keys of a `TracedGraphModule`: the traced model's ``inspect.signature(model.forward)``, and
+# (training, graph) for the mode whose graph is not ``gm.graph`` where the two modes' graphs differ.
+FORWARD_SIGNATURE_KEY = "amp_fx_forward_signature"
+OTHER_MODE_GRAPH_KEY = "amp_fx_other_mode_graph"
 
 # torch.nn modules that are leaves but whose forward is not one op the policy can reason about:
 # fused attention/recurrent kernels with data-dependent fast paths. They run as opaque nodes.
@@ -97,6 +113,177 @@ class TraceError(TypeError):
     The message names the file, line and source that stopped the tracer and how to fix it
     (``concrete_args`` to specialise a flag, or a branch that does not depend on a tensor).
     """
+
+
+class TracedGraphModule(torch.fx.GraphModule):
+    """A GraphModule that is called like the model it was traced from.
+
+    - ``inspect.signature(gm.forward)`` is the model's (``gm.meta[FORWARD_SIGNATURE_KEY]``), and
+      calls bind as they bind to the model's forward (keyword-only arguments after ``*args``
+      included), so libraries that read the signature (Hugging Face's Trainer) see the model's.
+    - Where the forward reads ``self.training`` in traced code, ``gm.meta[OTHER_MODE_GRAPH_KEY]``
+      holds ``(training, graph)`` for the other mode and each call runs the graph of
+      ``gm.training``. Both graphs live in this one module: parameters, buffers and submodules
+      are shared, ``state_dict`` and ``.to()`` are those of one model. ``gm.graph`` (what
+      ``gm.code`` shows and the report reads) is the graph of the mode the model was traced in.
+
+    Example::
+
+        >>> import torch.nn.functional as F
+        >>> class Noisy(nn.Module):
+        ...     def forward(self, x, *, p=1.0):
+        ...         return F.dropout(x, p, self.training)
+        >>> gm = trace(Noisy().eval())
+        >>> inspect.signature(gm.forward)
+        <Signature (x, *, p=1.0)>
+        >>> gm(torch.ones(2)), gm.train()(torch.ones(2))
+        (tensor([1., 1.]), tensor([0., 0.]))
+    """
+
+    def recompile(self) -> Any:
+        python_code = super().recompile()
+        cls = type(self)
+        meta = self.__dict__.get("meta", {})
+        graph_forward = cls.forward
+        by_mode = None
+        if OTHER_MODE_GRAPH_KEY in meta:
+            training, other = meta[OTHER_MODE_GRAPH_KEY]
+            by_mode = {training: _compiled_forward(other), not training: graph_forward}
+        signature = meta.get(FORWARD_SIGNATURE_KEY)
+        cls.forward = _drop_in_forward(graph_forward, by_mode, signature)
+        return python_code
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TracedGraphModule:
+        copied = super().__deepcopy__(memo)
+        copied.recompile()  # its meta is set after GraphModule's own recompile
+        return copied
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # GraphModule pickles the code of `gm.graph` only and loads as a plain GraphModule: keep
+        # the signature, the other mode's code and the meta with it.
+        _, (body, import_block) = super().__reduce__()
+        meta = {k: v for k, v in self.meta.items() if k != OTHER_MODE_GRAPH_KEY}
+        body = {**body, "meta": meta}  # a Graph does not pickle
+        other = None
+        if OTHER_MODE_GRAPH_KEY in self.meta:
+            training, graph = self.meta[OTHER_MODE_GRAPH_KEY]
+            code = graph.python_code(root_module="self")
+            other = (training, code.src, _import_block(code.globals))
+        return (_rebuild_traced_graph_module, (body, import_block, meta, other))
+
+
+def _import_block(globals_: dict[str, Any]) -> str:
+    from torch.fx.graph_module import _format_import_block
+    from torch.package import sys_importer
+
+    return _format_import_block(globals_, sys_importer)
+
+
+def _rebuild_traced_graph_module(
+    body: dict[str, Any], import_block: str, meta: dict[str, Any], other: tuple[bool, str, str] | None
+) -> TracedGraphModule:
+    from torch.fx.graph_module import reduce_graph_module
+
+    gm = reduce_graph_module(body, import_block)
+    name = type(gm).__name__
+    gm.__class__ = type("GraphModuleImpl", (TracedGraphModule,), {})  # one class per instance, as fx's
+    type(gm).__name__ = name
+    gm.meta.update(meta)
+    if other is not None:
+        training, src, other_imports = other
+        other_gm = reduce_graph_module({**body, "_code": src}, other_imports)
+        gm.meta[OTHER_MODE_GRAPH_KEY] = (training, other_gm.graph)
+    gm.recompile()
+    return gm
+
+
+def _compiled_forward(graph: torch.fx.Graph) -> Callable[..., Any]:
+    from torch.fx.graph_module import _forward_from_src
+
+    code = graph.python_code(root_module="self")
+    return _forward_from_src(code.src, code.globals)
+
+
+def _forward_signature(model: nn.Module) -> inspect.Signature | None:
+    try:
+        return inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a forward without one (a C function): keep fx's
+        return None
+
+
+def _drop_in_forward(
+    graph_forward: Callable[..., Any],
+    by_mode: dict[bool, Callable[..., Any]] | None,
+    signature: inspect.Signature | None,
+) -> Callable[..., Any]:
+    """The forward of a `TracedGraphModule`: the graph of the module's mode, called with the
+    arguments as the model's signature binds them."""
+    to_graph_arguments = _argument_mapping(signature, inspect.signature(graph_forward))
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if to_graph_arguments is not None:
+            args, kwargs = to_graph_arguments(args, kwargs)
+        run = graph_forward if by_mode is None else by_mode[self.training]
+        return run(self, *args, **kwargs)
+
+    if signature is not None:
+        self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        forward.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=[self_parameter, *signature.parameters.values()]
+        )
+    return forward
+
+
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+
+def _argument_mapping(
+    signature: inspect.Signature | None, graph_signature: inspect.Signature
+) -> Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]] | None:
+    """None where a call passes to the graph's forward as it is; else a function that binds a call
+    to the model's signature and passes it on positionally. torch.fx's forward takes every named
+    argument positionally (keyword-only ones before ``*args``) and renames some (``x_1``)."""
+    if signature is None:
+        return None
+    parameters = list(signature.parameters.values())
+    named = [p for p in parameters if p.kind not in _VARIADIC]
+    graph_named = [p.name for p in list(graph_signature.parameters.values())[1:] if p.kind not in _VARIADIC]
+    kinds = {p.kind for p in parameters}
+    reordered = inspect.Parameter.VAR_POSITIONAL in kinds and inspect.Parameter.KEYWORD_ONLY in kinds
+    if [p.name for p in named] == graph_named and not reordered:
+        return _positional_limit(signature)
+    var_positional = next((p.name for p in parameters if p.kind is inspect.Parameter.VAR_POSITIONAL), None)
+    var_keyword = next((p.name for p in parameters if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+
+    def to_graph_arguments(
+        args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        bound = signature.bind(*args, **kwargs)  # a call the model would refuse fails as it would
+        values = [bound.arguments.get(p.name, p.default) for p in named]
+        values += bound.arguments.get(var_positional, ()) if var_positional else ()
+        return tuple(values), dict(bound.arguments.get(var_keyword, {})) if var_keyword else {}
+
+    return to_graph_arguments
+
+
+def _positional_limit(
+    signature: inspect.Signature,
+) -> Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]] | None:
+    """Where torch.fx made keyword-only arguments positional: refuse a call that passes them
+    positionally, as the model does (a cheap check, where binding each call would not be)."""
+    kinds = [p.kind for p in signature.parameters.values()]
+    if inspect.Parameter.KEYWORD_ONLY not in kinds:
+        return None
+    limit = sum(
+        kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for kind in kinds
+    )
+
+    def check(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if len(args) > limit:
+            raise TypeError(f"forward() takes {limit} positional arguments but {len(args)} were given")
+        return args, kwargs
+
+    return check
 
 
 def is_primitive_module(module: nn.Module) -> bool:
@@ -325,12 +512,13 @@ def _function_name(fn: Any) -> str:
 
 def _mark_opaque(
     gm: torch.fx.GraphModule,
+    graph: torch.fx.Graph,
     opaque_types: tuple[type, ...],
     leaf_names: set[str],
     untraceable: dict[str, tuple[str, str]],
 ) -> None:
     modules = dict(gm.named_modules())
-    for node in gm.graph.nodes:
+    for node in graph.nodes:
         if node.op == "call_module":
             module = modules[node.target]
             reason, detail = None, None
@@ -392,12 +580,55 @@ def trace(
 
     root = copy_model(model)
     untraceable: dict[str, tuple[str, str]] = {}  # qualified name -> (opaque_reason, the error)
+    leaves = _Leaves(model, opaque_types, leaf_names, untraceable)
+    tracer, graph = _trace_graph(root, concrete_args, leaves)
+    # Code that reads `self.training` (F.dropout(x, p, self.training), `if self.training:`) is
+    # baked into a graph: trace the other mode too and keep its graph where the two differ.
+    with _training_set_to(root, not root.training):
+        known = len(untraceable)
+        _, other_graph = _trace_graph(root, concrete_args, leaves)
+    if len(untraceable) > known:  # the other mode stopped in more modules: opaque in both graphs
+        tracer, graph = _trace_graph(root, concrete_args, leaves)
+
+    gm = TracedGraphModule(tracer.root, graph, type(model).__name__)
+    gm.meta[FORWARD_SIGNATURE_KEY] = _forward_signature(model)
+    graphs = [graph]
+    if _code_of(other_graph) != _code_of(graph):
+        _adopt_targets(gm, tracer.root, other_graph)
+        gm.meta[OTHER_MODE_GRAPH_KEY] = (not root.training, other_graph)
+        graphs.append(other_graph)
+        logger.info(
+            "%s reads self.training in traced code: one graph per training mode", type(model).__name__
+        )
+    _keep_unused_state(gm, tracer.root)
+    for each in graphs:
+        _mark_opaque(gm, each, opaque_types, leaf_names, untraceable)
+    gm.recompile()
+    return gm
+
+
+@dataclasses.dataclass
+class _Leaves:
+    """What `_trace_graph` keeps as leaves: the user's ``leaf_modules`` and the submodules found
+    untraceable so far (``untraceable``, which `_trace_graph` adds to). ``model`` names errors."""
+
+    model: nn.Module
+    opaque_types: tuple[type, ...]
+    leaf_names: set[str]
+    untraceable: dict[str, tuple[str, str]]
+
+
+def _trace_graph(
+    root: nn.Module, concrete_args: dict[str, Any] | None, leaves: _Leaves
+) -> tuple[_PrimitiveLeafTracer, torch.fx.Graph]:
+    """Trace ``root`` in its current mode; each submodule that stops the tracer is added to
+    ``leaves.untraceable`` and the trace retried. Raises `TraceError` for the top level's own."""
+    model = leaves.model
     while True:
-        tracer = _PrimitiveLeafTracer(opaque_types, leaf_names | set(untraceable))
+        tracer = _PrimitiveLeafTracer(leaves.opaque_types, leaves.leaf_names | set(leaves.untraceable))
         try:
             with _mha_fast_path_disabled():
-                graph = tracer.trace(root, concrete_args)
-            break
+                return tracer, tracer.trace(root, concrete_args)
         except Exception as error:
             failure = tracer.failure
             # A failure outside every traced-through submodule, or in a module that is already a
@@ -413,7 +644,7 @@ def trace(
                 ) from error
             name, error, frames = failure
             where, source = _location(_culprit_frame(frames))
-            untraceable[name] = (f"untraceable: {where}: {source}", f"{type(error).__name__}: {error}")
+            leaves.untraceable[name] = (f"untraceable: {where}: {source}", f"{type(error).__name__}: {error}")
             logger.info(
                 "submodule %r (%s) cannot be traced (%s at %s: %s); keeping it as an opaque node",
                 name,
@@ -423,10 +654,52 @@ def trace(
                 source,
             )
 
-    gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
-    _keep_unused_state(gm, tracer.root)
-    _mark_opaque(gm, opaque_types, leaf_names, untraceable)
-    return gm
+
+@contextlib.contextmanager
+def _training_set_to(root: nn.Module, training: bool) -> Iterator[None]:
+    """Every module of ``root`` in mode ``training`` for the block, then each back in its own."""
+    modes = [(module, module.training) for module in root.modules()]
+    root.train(training)
+    try:
+        yield
+    finally:
+        for module, mode in modes:
+            module.training = mode
+
+
+def _code_of(graph: torch.fx.Graph) -> str:
+    return graph.python_code(root_module="self").src
+
+
+def _adopt_targets(gm: torch.fx.GraphModule, root: nn.Module, graph: torch.fx.Graph) -> None:
+    """Give ``gm`` each module and tensor ``graph`` calls or reads that ``gm``'s own graph does not
+    (the same objects, so the two graphs share parameters, buffers and modules)."""
+    for node in graph.nodes:
+        if node.op in ("call_module", "get_attr"):
+            _adopt(gm, root, node.target)
+
+
+def _adopt(gm: torch.fx.GraphModule, root: nn.Module, target: str) -> None:
+    path, _, attribute = target.rpartition(".")
+    owner, root_owner = gm, root
+    for part in path.split(".") if path else []:
+        root_owner = getattr(root_owner, part)
+        if part not in owner._modules:
+            owner.add_module(part, root_owner)  # everything under it comes with it
+            return
+        owner = owner._modules[part]
+    if hasattr(owner, attribute):
+        return
+    value = getattr(root_owner, attribute)
+    if isinstance(value, nn.Module):
+        owner.add_module(attribute, value)
+    elif isinstance(value, nn.Parameter):
+        owner.register_parameter(attribute, value)
+    elif isinstance(value, torch.Tensor):
+        persistent = attribute not in root_owner._non_persistent_buffers_set
+        owner.register_buffer(attribute, value, persistent=persistent)
+    else:
+        setattr(owner, attribute, value)
 
 
 def _keep_unused_state(gm: torch.fx.GraphModule, root: nn.Module) -> None:

@@ -4,11 +4,16 @@ captures untraceable children with torch.export, and bad models are refused befo
 
 from __future__ import annotations
 
+import copy
+import inspect
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import amp_fx
+from amp_fx.passes.trace import OTHER_MODE_GRAPH_KEY
 
 BF16 = torch.bfloat16
 
@@ -40,3 +45,182 @@ def test_script_module_is_refused_with_the_original_module_as_the_fix():
     assert all(torch.equal(before[k], after[k]) and after[k].dtype == torch.float32 for k in before)
     x = torch.randn(2, 4)
     assert torch.equal(scripted(x), original(x))
+
+
+# ------------------------------------------------------------------------------------------
+# The converted model follows .train() / .eval(), also where its forward reads self.training
+# ------------------------------------------------------------------------------------------
+class DropoutFlag(nn.Module):
+    """``self.training`` passed as a value (torch.fx bakes it into the graph as a constant)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(self.fc(x), 0.5, self.training)
+
+
+class Branch(nn.Module):
+    """``if self.training:`` in a submodule torch.fx traces through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            return self.fc(x) * 2 + 1
+        return self.fc(x).softmax(-1)
+
+
+class BranchingNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Branch()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.head(self.block(x))
+        return y.relu() if self.training else y
+
+
+def _autocast_reference(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=BF16):
+        return model(x)
+
+
+def _converted_output(gm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    torch.manual_seed(0)
+    return gm(x)
+
+
+@pytest.mark.parametrize("model_class", [DropoutFlag, BranchingNet])
+@pytest.mark.parametrize("converted_in_training", [True, False])
+def test_o1_follows_train_and_eval_as_autocast_does(
+    model_class: type[nn.Module], converted_in_training: bool
+):
+    torch.manual_seed(0)
+    model = model_class().train(converted_in_training)
+    gm = amp_fx.convert(model, "O1", dtype=BF16, device_type="cpu")
+    x = torch.randn(8, 16)
+    for training in (not converted_in_training, converted_in_training, not converted_in_training):
+        gm.train(training)
+        model.train(training)
+        out = _converted_output(gm, x)
+        assert type(out) is torch.Tensor
+        assert torch.equal(out, _autocast_reference(model, x)), f"training={training}"
+
+
+def test_dropout_read_from_self_training_drops_only_in_training():
+    model = DropoutFlag()
+    with torch.no_grad():
+        model.fc.bias.fill_(1.0)  # every output nonzero unless dropped
+    gm = amp_fx.convert(model.eval(), "O2", dtype=BF16, device_type="cpu")
+    x = torch.randn(64, 16)
+    assert (gm(x) != 0).all()
+    zeros = (gm.train()(x) == 0).float().mean().item()
+    assert 0.3 < zeros < 0.7  # p=0.5
+    assert (gm.eval()(x) != 0).all()
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O3"])
+def test_each_mode_computes_what_a_conversion_in_that_mode_computes(opt_level: str):
+    torch.manual_seed(0)
+    model = BranchingNet()
+    in_train = amp_fx.convert(model.train(), opt_level, dtype=BF16, device_type="cpu")
+    in_eval = amp_fx.convert(model.eval(), opt_level, dtype=BF16, device_type="cpu")
+    x = torch.randn(8, 16)
+    assert torch.equal(in_train.eval()(x), in_eval.eval()(x))
+    assert torch.equal(in_eval.train()(x), in_train.train()(x))
+    assert {k: v.dtype for k, v in in_train.state_dict().items()} == {
+        k: v.dtype for k, v in in_eval.state_dict().items()
+    }
+
+
+def test_a_model_with_two_mode_graphs_keeps_state_dict_report_and_printing():
+    model = BranchingNet().eval()
+    gm = amp_fx.convert(model, "O2", dtype=BF16, device_type="cpu")
+    assert OTHER_MODE_GRAPH_KEY in gm.meta  # the two graphs differ
+    assert list(gm.state_dict()) == list(model.state_dict())
+    assert sorted(n for n, _ in gm.named_parameters()) == sorted(n for n, _ in model.named_parameters())
+    assert "softmax" in str(amp_fx.report(gm))  # gm.graph is the eval graph it was converted in
+    assert "block" in repr(gm)
+    gm.load_state_dict(gm.state_dict())
+    plain = amp_fx.convert(nn.Sequential(nn.Linear(4, 4)), "O2", dtype=BF16, device_type="cpu")
+    assert OTHER_MODE_GRAPH_KEY not in plain.meta  # one graph where the modes do not differ
+
+
+@pytest.mark.parametrize("copy_with", ["deepcopy", "torch.save"])
+def test_copies_follow_train_and_eval(tmp_path, copy_with: str):
+    torch.manual_seed(0)
+    model = BranchingNet()
+    gm = amp_fx.convert(model.eval(), "O1", dtype=BF16, device_type="cpu")
+    if copy_with == "deepcopy":
+        copied = copy.deepcopy(gm)
+    else:
+        torch.save(gm, tmp_path / "gm.pt")
+        copied = torch.load(tmp_path / "gm.pt", weights_only=False)
+    x = torch.randn(8, 16)
+    for training in (True, False):
+        model.train(training)
+        assert torch.equal(copied.train(training)(x), _autocast_reference(model, x))
+    assert inspect.signature(copied.forward) == inspect.signature(model.forward)
+
+
+def test_torch_compile_follows_train_and_eval():
+    torch.manual_seed(0)
+    model = BranchingNet()
+    gm = amp_fx.convert(model.eval(), "O1", dtype=BF16, device_type="cpu")
+    compiled = torch.compile(gm, backend="eager")
+    x = torch.randn(8, 16)
+    for training in (False, True, False):
+        model.train(training)
+        gm.train(training)
+        assert torch.equal(compiled(x), _autocast_reference(model, x))
+
+
+# ------------------------------------------------------------------------------------------
+# inspect.signature(converted.forward) is the original's, and calls bind as they do to it
+# ------------------------------------------------------------------------------------------
+class Keywords(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, input_ids: torch.Tensor, shift: float = 0.0, *, scale: float = 1.0) -> torch.Tensor:
+        return self.fc(input_ids) * scale + shift
+
+
+class Variadic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, *extra: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.fc(x) * scale + sum(extra)
+
+
+def test_signature_is_the_originals_and_keyword_calls_work():
+    torch.manual_seed(0)
+    model = Keywords()
+    gm = amp_fx.convert(model, "O1", dtype=BF16, device_type="cpu")
+    assert inspect.signature(gm.forward) == inspect.signature(model.forward)
+    x = torch.randn(2, 8)
+    with torch.autocast("cpu", dtype=BF16):
+        expected = model(input_ids=x, scale=2.0)
+    assert torch.equal(gm(input_ids=x, scale=2.0), expected)
+    with pytest.raises(TypeError):
+        gm(x, 1.0, 2.0)  # scale is keyword-only, as in the original
+
+
+def test_keyword_only_arguments_after_varargs_bind_as_in_the_original():
+    torch.manual_seed(0)
+    model = Variadic()
+    gm = amp_fx.convert(model, "O1", dtype=BF16, device_type="cpu")
+    assert inspect.signature(gm.forward) == inspect.signature(model.forward)
+    x, a, b = torch.randn(3, 2, 8).unbind(0)
+    with torch.autocast("cpu", dtype=BF16):
+        expected = model(x, a, b, scale=3.0)
+    assert torch.equal(gm(x, a, b, scale=3.0), expected)
