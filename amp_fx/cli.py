@@ -355,7 +355,8 @@ def _graphs_to_report(
     converted: torch.nn.Module, spec: str, call: tuple[tuple[object, ...], dict[str, object]]
 ) -> list[torch.fx.GraphModule]:
     """The converted graph, or for the torch.export front end the graphs its example call captures."""
-    import amp_fx
+    # From its module: amp_fx.capture_summary is that module once anything has imported it.
+    from amp_fx.capture_summary import capture_summary, captured_graphs
 
     if isinstance(converted, torch.fx.GraphModule):
         return [converted]
@@ -373,8 +374,8 @@ def _graphs_to_report(
             f"calling the converted {spec} on the example failed ({type(error).__name__}: {error}); "
             "give an --input-shape it takes"
         ) from error
-    print(amp_fx.capture_summary(converted))
-    return amp_fx.captured_graphs(converted)
+    print(capture_summary(converted))
+    return captured_graphs(converted)
 
 
 def run_inspect(args: argparse.Namespace) -> int:
