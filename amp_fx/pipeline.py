@@ -20,6 +20,7 @@ hands its graph to one pipeline of passes (`amp_fx.rewrite`). The input model is
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -32,8 +33,9 @@ from amp_fx.captured_model import CapturedModel, captured_model
 from amp_fx.core.dtypes import check_opt_level, default_device_type, short_repr
 from amp_fx.core.node_info import POLICY_KEY, node_info
 from amp_fx.core.policy import Policy, preset
+from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.optim.model_loads import follow_model_loads
-from amp_fx.passes.trace import OTHER_MODE_GRAPH_KEY, TraceError, trace
+from amp_fx.passes.trace import OTHER_MODE_GRAPH_KEY, UNTRACEABLE_MODULES_KEY, TraceError, trace
 from amp_fx.rewrite import rewrite_graph
 
 logger = logging.getLogger(__name__)
@@ -167,6 +169,47 @@ def _rewrite_each_mode(gm: torch.fx.GraphModule, policy: Policy, examples: tuple
     rewrite_graph(gm, policy, examples)
 
 
+def _capture_untraceable_children(gm: torch.fx.GraphModule, policy: Policy) -> None:
+    """Each submodule torch.fx could not trace (not those named in ``leaf_modules``) becomes a
+    torch.export-captured copy (`amp_fx.captured_model`) that the graph calls directly, in place of
+    the autocast island the passes made for it: its code then runs in rewritten graphs too.
+
+    The passes already stored its parameters as for an island (each module's op decides, as
+    `captured_model` decides), and treated its outputs as of unknown dtype, so the copy leaves its
+    outputs in the dtype its graph computes (no float32 cast of model outputs in mid-graph)."""
+    untraceable = gm.meta.get(UNTRACEABLE_MODULES_KEY, {})
+    if not untraceable or policy.opt_level == "O0":
+        return
+    graphs = [gm.graph]
+    if OTHER_MODE_GRAPH_KEY in gm.meta:
+        graphs.append(gm.meta[OTHER_MODE_GRAPH_KEY][1])
+    islands = set()
+    for graph in graphs:
+        for node in graph.nodes:
+            if node.op != "call_module":
+                continue
+            module = gm.get_submodule(node.target)
+            if isinstance(module, AutocastIsland) and module.name in untraceable:
+                islands.add(node.target)
+                node.target = module.name
+                info = node_info(node)
+                info.notes = [note for note in info.notes if not note.startswith("runs in ")]
+            if node.target in untraceable:
+                node_info(node).reason = (
+                    f"{untraceable[node.target]}; captured with torch.export call by call "
+                    "(amp_fx.capture_summary shows its graphs)"
+                )
+    child_policy = dataclasses.replace(policy, cast_model_outputs=None)
+    for name in untraceable:
+        parent_name, _, attribute = name.rpartition(".")
+        captured = captured_model(gm.get_submodule(name), child_policy)
+        setattr(gm.get_submodule(parent_name), attribute, captured)
+        logger.info("%s: torch.fx stopped in %r; it is captured with torch.export", type(gm).__name__, name)
+    for path in islands:
+        gm.delete_submodule(path)
+    gm.recompile()
+
+
 def convert(
     model: nn.Module,
     opt_level: str | None = None,
@@ -274,6 +317,7 @@ def convert(
                 )
             return follow_model_loads(captured_model(model, resolved))
     _rewrite_each_mode(gm, resolved, examples)
+    _capture_untraceable_children(gm, resolved)
     logger.info(
         "converted %s at %s (%s, %s): %d cast nodes",
         type(model).__name__,

@@ -79,6 +79,7 @@ __all__ = [
     "FORWARD_SIGNATURE_KEY",
     "OPAQUE_TORCH_MODULES",
     "OTHER_MODE_GRAPH_KEY",
+    "UNTRACEABLE_MODULES_KEY",
     "TraceError",
     "TracedGraphModule",
     "is_primitive_module",
@@ -89,6 +90,9 @@ __all__ = [
 # (training, graph) for the mode whose graph is not ``gm.graph`` where the two modes' graphs differ.
 FORWARD_SIGNATURE_KEY = "amp_fx_forward_signature"
 OTHER_MODE_GRAPH_KEY = "amp_fx_other_mode_graph"
+# gm.meta key: qualified name -> opaque_reason of each submodule that stopped the tracer (not those
+# the user named in leaf_modules), for a later step to capture another way.
+UNTRACEABLE_MODULES_KEY = "amp_fx_untraceable_modules"
 
 # torch.nn modules that are leaves but whose forward is not one op the policy can reason about:
 # fused attention/recurrent kernels with data-dependent fast paths. They run as opaque nodes.
@@ -592,6 +596,7 @@ def trace(
 
     gm = TracedGraphModule(tracer.root, graph, type(model).__name__)
     gm.meta[FORWARD_SIGNATURE_KEY] = _forward_signature(model)
+    gm.meta[UNTRACEABLE_MODULES_KEY] = {name: reason for name, (reason, _) in untraceable.items()}
     graphs = [graph]
     if _code_of(other_graph) != _code_of(graph):
         _adopt_targets(gm, tracer.root, other_graph)

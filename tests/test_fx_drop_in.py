@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_fx
+from amp_fx.captured_model import CapturedModel, capture_states
+from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.passes.trace import OTHER_MODE_GRAPH_KEY
 
 BF16 = torch.bfloat16
@@ -224,3 +226,118 @@ def test_keyword_only_arguments_after_varargs_bind_as_in_the_original():
     with torch.autocast("cpu", dtype=BF16):
         expected = model(x, a, b, scale=3.0)
     assert torch.equal(gm(x, a, b, scale=3.0), expected)
+
+
+# ------------------------------------------------------------------------------------------
+# Untraceable children of a traced root are captured with torch.export, not run in islands
+# ------------------------------------------------------------------------------------------
+def _island_parameter_share(gm: nn.Module) -> float:
+    """The share of parameters whose module's own code runs in an autocast island: a module the
+    graph calls through `AutocastIsland`, or a captured module whose call torch.export refused
+    (its own tensors; its captured children run in graphs)."""
+    in_islands: dict[int, int] = {}
+    for module in gm.modules():
+        if isinstance(module, AutocastIsland) and isinstance(module.wrapped, nn.Module):
+            in_islands.update({id(p): p.numel() for p in module.wrapped.parameters()})
+    states = dict(capture_states(gm))
+    for name, state in states.items():
+        if state.islands:
+            module = gm.get_submodule(name)
+            captured_below = {
+                id(p)
+                for child_name, _ in states.items()
+                if child_name.startswith(f"{name}.")
+                for p in gm.get_submodule(child_name).parameters()
+            }
+            in_islands.update({id(p): p.numel() for p in module.parameters() if id(p) not in captured_below})
+    return sum(in_islands.values()) / sum(p.numel() for p in gm.parameters())
+
+
+class Resize(nn.Module):
+    """torch.fx cannot branch on a traced size; torch.export specialises it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] != 8:
+            x = x[:8]
+        return self.norm(self.fc(x)).softmax(-1)
+
+
+class Gate(nn.Module):
+    """Neither torch.fx nor torch.export takes a branch on tensor values: its children are captured."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            x = -x
+        return self.down(self.up(x).relu())
+
+
+class TracedRoot(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(16, 16)
+        self.resize = Resize()
+        self.gate = Gate()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gate(self.resize(self.stem(x))))
+
+
+def test_untraceable_children_are_captured_and_o1_equals_autocast():
+    torch.manual_seed(0)
+    model = TracedRoot().eval()
+    gm = amp_fx.convert(model, "O1", dtype=BF16, device_type="cpu")
+    assert isinstance(gm, torch.fx.GraphModule)
+    assert not any(isinstance(m, AutocastIsland) for m in gm.modules())
+    assert isinstance(gm.get_submodule("resize"), CapturedModel)
+    assert list(gm.state_dict()) == list(model.state_dict())
+    x = torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=BF16):
+        expected = model(x)
+    out = gm(x)
+    assert type(out) is torch.Tensor and torch.equal(out, expected)
+    assert _island_parameter_share(gm) == 0.0
+    assert "resize" in str(amp_fx.report(gm))  # the report still reads the graph
+
+
+def test_o2_with_captured_children_trains_every_parameter():
+    torch.manual_seed(0)
+    model = TracedRoot()
+    gm = amp_fx.convert(model, "O2", dtype=BF16, device_type="cpu")
+    x = torch.randn(8, 16)
+    loss = gm(x).float().square().mean()
+    assert type(loss) is torch.Tensor
+    loss.backward()
+    assert all(type(p.grad) is torch.Tensor for p in gm.parameters())
+    with torch.autocast("cpu", dtype=BF16):
+        expected = model(x).float()
+    torch.testing.assert_close(gm(x).float(), expected, rtol=0.05, atol=0.05)
+
+
+def test_leaf_modules_stay_islands_as_asked():
+    model = TracedRoot().eval()
+    gm = amp_fx.convert(model, "O1", dtype=BF16, device_type="cpu", leaf_modules=["resize"])
+    islands = [m.name for m in gm.modules() if isinstance(m, AutocastIsland)]
+    assert islands == ["resize"]
+    assert isinstance(gm.get_submodule("gate"), CapturedModel)
+
+
+def test_mobilevit_runs_under_a_tenth_of_its_parameters_in_islands():
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("mobilevitv2_050", pretrained=False).eval()
+    gm = amp_fx.convert(model, "O1", dtype=BF16, device_type="cpu")
+    x = torch.randn(1, 3, 64, 64)
+    out = gm(x)
+    assert type(out) is torch.Tensor and out.shape == (1, 1000)
+    assert _island_parameter_share(gm) < 0.1
