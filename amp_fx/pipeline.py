@@ -202,12 +202,25 @@ def _capture_untraceable_children(gm: torch.fx.GraphModule, policy: Policy) -> N
     child_policy = dataclasses.replace(policy, cast_model_outputs=None)
     for name in untraceable:
         parent_name, _, attribute = name.rpartition(".")
-        captured = captured_model(gm.get_submodule(name), child_policy)
+        child = gm.get_submodule(name)
+        captured = captured_model(child, child_policy)
+        _share_tensors(captured, child)
         setattr(gm.get_submodule(parent_name), attribute, captured)
         logger.info("%s: torch.fx stopped in %r; it is captured with torch.export", type(gm).__name__, name)
     for path in islands:
         gm.delete_submodule(path)
     gm.recompile()
+
+
+def _share_tensors(copy: nn.Module, original: nn.Module) -> None:
+    """Give ``copy`` (a copy of ``original``) the original's parameters and buffers under the same
+    names: weights tied to the rest of the model (an embedding and an output projection) stay tied,
+    and optimizers see the tensors the passes stored."""
+    originals = dict(original.named_modules(remove_duplicate=False))
+    for path, module in copy.named_modules(remove_duplicate=False):
+        source = originals[path]
+        module._parameters.update({k: source._parameters[k] for k in module._parameters})
+        module._buffers.update({k: source._buffers[k] for k in module._buffers})
 
 
 def convert(

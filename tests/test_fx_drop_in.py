@@ -341,3 +341,36 @@ def test_mobilevit_runs_under_a_tenth_of_its_parameters_in_islands():
     out = gm(x)
     assert type(out) is torch.Tensor and out.shape == (1, 1000)
     assert _island_parameter_share(gm) < 0.1
+
+
+class TiedHead(nn.Module):
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 20, bias=False)
+        self.proj.weight = embedding.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] != 2:
+            x = x[:2]
+        return self.proj(x)
+
+
+class TiedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(20, 8)
+        self.head = TiedHead(self.embedding)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(ids))
+
+
+def test_weights_tied_into_a_captured_child_stay_tied():
+    torch.manual_seed(0)
+    model = TiedModel()
+    gm = amp_fx.convert(model, "O2", dtype=BF16, device_type="cpu")
+    assert isinstance(gm.get_submodule("head"), CapturedModel)
+    assert gm.get_parameter("head.proj.weight") is gm.get_parameter("embedding.weight")
+    assert len(list(gm.parameters())) == len(list(model.parameters()))
+    out = gm(torch.tensor([1, 2]))
+    assert type(out) is torch.Tensor and out.shape == (2, 20)
