@@ -38,6 +38,7 @@ from amp_fx.captured_model import CapturedModel, capture_states, captured_model 
 from amp_fx.core.node_info import META_KEY, POLICY_KEY
 from amp_fx.core.policy import Rule
 from amp_fx.ops.autocast_island import AutocastIsland
+from amp_fx.passes.trace import OTHER_MODE_GRAPH_KEY
 from amp_fx.reporting import REPORT_WIDTH
 
 logger = logging.getLogger(__name__)
@@ -74,9 +75,10 @@ class CaptureSummary:
     """What a converted model runs in rewritten graphs (see the module docstring).
 
     Attributes:
-        front_end: "fx" (one graph traced at convert time) or "export" (graphs captured per call).
-        graphs: rewritten graphs (for the torch.export front end, one per argument structure and
-            size range captured so far).
+        front_end: "fx" (graphs traced at convert time) or "export" (graphs captured per call).
+        graphs: rewritten graphs (the torch.fx front end's: one, or one per train/eval mode where
+            the forward reads ``self.training``; the torch.export front end's: one per argument
+            structure and size range captured so far, its descendants' included).
         capture_seconds: seconds each capture at a call took (export plus the passes), in order;
             empty for the torch.fx front end, whose graph is made by `convert`.
         parameter_coverage: share of the model's parameters (by element count) read by a rewritten
@@ -141,9 +143,9 @@ class CaptureSummary:
     def _capture_line(self) -> str:
         seconds = f"{sum(self.capture_seconds):.2f} s"
         if self.front_end == "fx":
-            line = "torch.fx front end: 1 graph traced at convert time"
-            if self.graphs > 1:
-                line += f", {self.graphs - 1} captured in {seconds}"
+            line = f"torch.fx front end: {self.graphs} graph(s) traced at convert time"
+            if self.capture_seconds:
+                line += f", {len(self.capture_seconds)} more captured in {seconds}"
         else:
             line = f"torch.export front end: {self.graphs} graph(s) captured in {seconds}"
         return f"{line}; {self.parameter_coverage:.0%} of the parameters ran in rewritten graphs"
@@ -236,7 +238,7 @@ def _known_summary(model: nn.Module) -> CaptureSummary:
     fx_root = _is_rewritten_graph(model)
     summary = CaptureSummary(front_end="fx" if fx_root else "export")
     if fx_root:
-        summary.graphs = 1
+        summary.graphs = len(_fx_graphs(model))
         summary.islands.update(_fx_islands(model))
     for name, state in capture_states(model):
         summary.graphs += len(state.graphs)
@@ -247,8 +249,14 @@ def _known_summary(model: nn.Module) -> CaptureSummary:
     return summary
 
 
+def _fx_graphs(gm: torch.fx.GraphModule) -> list[torch.fx.Graph]:
+    """The graph of each mode an fx front-end model keeps (two where its code reads ``self.training``)."""
+    other = gm.meta.get(OTHER_MODE_GRAPH_KEY)
+    return [gm.graph] if other is None else [gm.graph, other[1]]
+
+
 def _fx_opaque_nodes(gm: torch.fx.GraphModule) -> Iterator[torch.fx.Node]:
-    for node in gm.graph.nodes:
+    for node in (node for graph in _fx_graphs(gm) for node in graph.nodes):
         info = node.meta.get(META_KEY)
         if info is not None and info.rule is Rule.OPAQUE:
             yield node
@@ -271,7 +279,7 @@ def _fx_graph_parameters(gm: torch.fx.GraphModule) -> list[nn.Parameter]:
     """Parameters an fx graph reads itself: its get_attr nodes and the modules its call_module
     nodes run, opaque ones (islands) left out."""
     found: list[nn.Parameter] = []
-    for node in gm.graph.nodes:
+    for node in (node for graph in _fx_graphs(gm) for node in graph.nodes):
         info = node.meta.get(META_KEY)
         if info is not None and info.rule is Rule.OPAQUE:
             continue
@@ -336,9 +344,9 @@ def _counted_call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
 
 
 def _island_names(model: nn.Module) -> dict[int, str]:
-    """id -> name of each module whose own code runs outside rewritten graphs when called: the
-    torch.export front end's modules (their code runs only where they are islands), and the fx
-    graph's opaque modules (called through an `AutocastIsland` at O1/O2, directly at O0/O3)."""
+    """id -> name of each module whose own code runs outside rewritten graphs when called (besides
+    every `AutocastIsland`): the torch.export front end's modules (their code runs only where they
+    are islands), and the fx graphs' opaque modules (run directly at O0/O3)."""
     names = {id(module): name for name, module in model.named_modules() if isinstance(module, CapturedModel)}
     if _is_rewritten_graph(model):
         for node in _fx_opaque_nodes(model):
@@ -387,6 +395,8 @@ class _WorkCounter(TorchDispatchMode):
     def _enter(self, module: nn.Module, args: Any) -> None:
         if _is_rewritten_graph(module):
             self.running.append((module, True, ""))
+        elif isinstance(module, AutocastIsland):
+            self.running.append((module, False, module.name))
         elif id(module) in self.islands:
             self.running.append((module, False, self.islands[id(module)]))
 

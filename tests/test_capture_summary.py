@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_fx
 from amp_fx.capture_summary import OUTSIDE, capture_summary, captured_graphs
+from amp_fx.ops.autocast_island import AutocastIsland
 
 BF16 = torch.bfloat16
 BATCH = 5
@@ -28,11 +29,12 @@ class Routed(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(8, 16)
         self.mix = nn.Parameter(torch.randn(16, 16) / 4)
+        self.other_mix = nn.Parameter(torch.randn(16, 16) / 4)
         self.fc2 = nn.Linear(16, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
-        h = h @ self.mix if h.sum() > 0 else h @ self.mix.T
+        h = h @ (self.mix if h.sum() > 0 else self.other_mix)  # the same ops either way
         return self.fc2(F.dropout(torch.relu(h), 0.1, self.training))
 
 
@@ -42,9 +44,10 @@ class Gate(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.randn(16, 16) / 4)
+        self.other_weight = nn.Parameter(torch.randn(16, 16) / 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.weight if x.sum() > 0 else x @ self.weight.T
+        return x @ (self.weight if x.sum() > 0 else self.other_weight)  # the same ops either way
 
 
 class Gated(nn.Module):
@@ -54,7 +57,8 @@ class Gated(nn.Module):
         self.gate = Gate()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.gate(self.fc(x)))
+        # Reads self.training: the fx front end keeps a graph per mode.
+        return torch.tanh(self.gate(F.dropout(self.fc(x), 0.1, self.training)))
 
 
 def _linear_flops(batch: int, layer: nn.Linear) -> int:
@@ -203,26 +207,33 @@ def test_a_traced_model_runs_everything_in_its_graph() -> None:
     assert summary.op_share == summary.flop_share == summary.parameter_coverage == 1.0
     assert summary.call.ops == _ops(lambda: gm(x))
     assert summary.islands == {} and summary.outside_graphs == {}
-    assert str(summary).splitlines()[1].startswith("torch.fx front end: 1 graph traced at convert time; 100%")
+    assert (
+        str(summary).splitlines()[1].startswith("torch.fx front end: 1 graph(s) traced at convert time; 100%")
+    )
 
 
-def test_a_traced_model_with_an_opaque_module_counts_its_island_outside() -> None:
+@pytest.mark.parametrize("mode", ["traced", "other"])
+def test_a_traced_model_with_an_opaque_module_counts_its_island_outside(mode: str) -> None:
     torch.manual_seed(0)
-    model = Gated()
+    model = Gated().eval()
     gm = amp_fx.convert(model, "O2", dtype=BF16)
+    if mode == "other":
+        gm.train()  # runs the train-mode graph, which gm.graph is not
     x = torch.randn(BATCH, 8)
     summary = capture_summary(gm, x)
 
     graph, island = _linear_flops(BATCH, model.fc), _matmul_flops(BATCH, model.gate.weight)
     assert (summary.call.flops, summary.in_graphs.flops) == (graph + island, graph)
     assert summary.flop_share == graph / (graph + island)
-    (opaque,) = [n for n in gm.graph.nodes if n.meta["amp_fx"].rule is amp_fx.Rule.OPAQUE]
-    ((runner, args, kwargs),) = _recorded_calls([gm.get_submodule(opaque.target)], lambda: gm(x))
+    # The island: the gate, run by an AutocastIsland (or, captured with torch.export, its own).
+    runners = [*(m for m in gm.modules() if isinstance(m, AutocastIsland)), gm.gate]
+    runner, args, kwargs = _recorded_calls(runners, lambda: gm(x))[0]
     island_ops, total_ops = _ops(lambda: runner(*args, **kwargs)), _ops(lambda: gm(x))
     assert (summary.call.ops, summary.in_graphs.ops) == (total_ops, total_ops - island_ops)
     assert summary.outside_graphs["gate"].flops == island and summary.outside_graphs["gate"].ops == island_ops
-    assert set(summary.islands) == {"gate"} and "x.sum() > 0" in summary.islands["gate"]
+    assert set(summary.islands) == {"gate"} and "x.sum() > 0 else" in summary.islands["gate"]
     assert summary.parameter_coverage == _numel(model.fc) / _numel(model)
+    assert summary.graphs == 2  # one per mode
 
 
 def test_a_plain_module_is_refused_with_the_fix() -> None:
