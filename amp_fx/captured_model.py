@@ -42,11 +42,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -58,6 +59,7 @@ from amp_fx.core.module_ops import module_op
 from amp_fx.core.node_info import PARAMETERS_STORED_KEY
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.casts import cast_if_floating
+from amp_fx.passes.checkpoint_regions import checkpoint_regions
 from amp_fx.passes.export import ExportError, accepts, call_signature, export_graph, graph_inputs
 from amp_fx.passes.shared import copy_model
 from amp_fx.rewrite import rewrite_graph
@@ -164,9 +166,7 @@ class CapturedModel(nn.Module):
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         # Buffers are replaced by new tensors (``.to``, ``.cuda``): graphs would read the old ones.
         result = super()._apply(fn, *args, **kwargs)
-        for module in self.modules():
-            if _STATE in module.__dict__:
-                module.__dict__[_STATE].graphs.clear()
+        _drop_graphs(self)
         return result
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -240,6 +240,24 @@ def _save_pretrained_with_masters(self: nn.Module, *args: Any, state_dict: Any =
     return super(CapturedModel, self).save_pretrained(*args, state_dict=state_dict, **kwargs)
 
 
+def _set_gradient_checkpointing_and_recapture(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # Hugging Face's gradient_checkpointing_enable/disable (every version) set the layers' flags
+    # here; graphs captured before would keep the old setting.
+    # The code takes another path (Hugging Face turns the cache off), so islands are tried again.
+    result = super(CapturedModel, self)._set_gradient_checkpointing(*args, **kwargs)
+    _drop_graphs(self, islands=True)
+    return result
+
+
+def _drop_graphs(model: nn.Module, islands: bool = False) -> None:
+    for module in model.modules():
+        state = module.__dict__.get(_STATE)
+        if state is not None:
+            state.graphs.clear()
+            if islands:
+                state.islands.clear()
+
+
 def _captured_class(cls: type) -> type:
     if issubclass(cls, CapturedModel):
         return cls
@@ -257,6 +275,8 @@ def _captured_class(cls: type) -> type:
             namespace["from_pretrained"] = classmethod(_refuse_from_pretrained)
         if hasattr(cls, "save_pretrained"):
             namespace["save_pretrained"] = _save_pretrained_with_masters
+        if hasattr(cls, "_set_gradient_checkpointing"):
+            namespace["_set_gradient_checkpointing"] = _set_gradient_checkpointing_and_recapture
         _CLASSES[cls] = type(cls.__name__, (CapturedModel, cls), namespace)
     return _CLASSES[cls]
 
@@ -404,8 +424,10 @@ def _capture(
         )
     module.__class__ = _original_class(cls)
     _EXPORTING.append(True)
+    checkpoints = _checkpointed_layers(module)
     try:
-        graph = export_graph(module, args, kwargs, autocast=region, dynamic=dynamic)
+        with _checkpointing_off(module):
+            graph = export_graph(module, args, kwargs, autocast=region, dynamic=dynamic)
     except ExportError as error:
         failure = error
     else:
@@ -419,6 +441,7 @@ def _capture(
     graph.meta[PARAMETERS_STORED_KEY] = True
     graph.meta["amp_fx_training"] = module.training
     rewrite_graph(graph, policy, tuple(graph_inputs(graph, args, kwargs)))
+    graph = checkpoint_regions(graph, checkpoints)
     state.graphs.append(graph)
     state.seconds.append(time.perf_counter() - start)
 
@@ -430,6 +453,47 @@ def _capture(
     sizes = "dynamic" if dynamic else "static"
     logger.info("captured %s (%s sizes) in %.2f s", type(module).__name__, sizes, state.seconds[-1])
     return graph
+
+
+def _checkpointed_layers(module: nn.Module) -> dict[str, Callable[..., Any]]:
+    """Qualified name -> checkpoint function of the layers that checkpoint themselves in training
+    (Hugging Face's ``gradient_checkpointing`` flag and ``_gradient_checkpointing_func``): the
+    innermost flagged modules, as a flagged model (GPT2Model) leaves the checkpointing to its layers."""
+    if not module.training:
+        return {}
+    flagged = {
+        name: sub._gradient_checkpointing_func
+        for name, sub in module.named_modules()
+        if getattr(sub, "gradient_checkpointing", False) is True
+        and callable(getattr(sub, "_gradient_checkpointing_func", None))
+    }
+    # The module itself is left out: its class's own wrapper checkpoints the call that runs this
+    # graph (transformers wraps the forward of every subclass of a checkpointing layer, ours too).
+    return {
+        name: function
+        for name, function in flagged.items()
+        if name and not any(other.startswith(f"{name}.") for other in flagged)
+    }
+
+
+def _run_plainly(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return function(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _checkpointing_off(module: nn.Module) -> Iterator[None]:
+    # torch.export records the layers' ops, not the checkpoint machinery (`checkpoint_regions`
+    # puts it back on the rewritten graph); the flags stay on, so the code checkpointing changes
+    # (Hugging Face turns the cache off) is what is captured.
+    flagged = [sub for sub in module.modules() if callable(sub.__dict__.get("_gradient_checkpointing_func"))]
+    functions = [sub.__dict__["_gradient_checkpointing_func"] for sub in flagged]
+    for sub in flagged:
+        sub._gradient_checkpointing_func = _run_plainly
+    try:
+        yield
+    finally:
+        for sub, function in zip(flagged, functions, strict=True):
+            sub._gradient_checkpointing_func = function
 
 
 def _become_island(
