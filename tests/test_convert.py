@@ -331,12 +331,15 @@ def test_o1_cpu_is_bit_identical_to_autocast(name, dtype):
     assert all(p.dtype == F32 for p in gm.parameters())
 
 
-def test_o1_untraceable_submodule_and_leaf_modules_run_in_islands():
+def test_o1_untraceable_submodule_is_captured_and_leaf_modules_run_in_islands():
+    """An untraceable child is captured by torch.export; a leaf module the user names stays an island."""
+    from amp_fx.captured_model import CapturedModel
+
     model, inputs = _model_and_inputs("with_gate")
     gm = convert(model, "O1", dtype=BF16, device_type="cpu", leaf_modules=(nn.LayerNorm,))
     calls = [n.target for n in gm.graph.nodes if n.op == "call_module"]
     islands = sorted(name for name in calls if isinstance(gm.get_submodule(name), AutocastIsland))
-    assert islands == ["gate_autocast", "norm_autocast"]
+    assert islands == ["norm_autocast"] and isinstance(gm.get_submodule("gate"), CapturedModel)
     with torch.autocast("cpu", dtype=BF16):
         assert torch.equal(gm(*inputs), model(*inputs))
 
