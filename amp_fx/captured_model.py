@@ -55,6 +55,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.core.module_ops import module_op
 from amp_fx.core.node_info import PARAMETERS_STORED_KEY
 from amp_fx.core.policy import Policy, Rule
@@ -67,7 +68,7 @@ from amp_fx.saving import master_state_dict
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CapturedModel", "CaptureState", "capture_states", "captured_model"]
+__all__ = ["CapturedModel", "CaptureState", "capture_states", "captured_model", "running_original_in_fp32"]
 
 _STATE = "_amp_fx_capture"
 
@@ -123,6 +124,44 @@ class _Journal:
 # being captured records it and no graph is captured on the capture's fake tensors).
 _JOURNALS: list[_Journal] = []
 _EXPORTING: list[bool] = []
+# `running_original_in_fp32` blocks open, and whether such a call is already running its code.
+_FP32_BLOCKS: list[bool] = []
+_IN_FP32_CALL: list[bool] = []
+
+
+@contextlib.contextmanager
+def running_original_in_fp32() -> Iterator[None]:
+    """Inside the block, converted models of this front end run the original model's code in
+    FP32 (low-precision weights upcast, no casts, no autocast): Apex's ``amp.disable_casts``.
+
+    >>> from amp_fx.core.policy import preset
+    >>> model = captured_model(nn.Linear(4, 2), preset("O2", torch.bfloat16, "cpu"))
+    >>> with running_original_in_fp32():
+    ...     model(torch.randn(3, 4)).dtype
+    torch.float32
+    """
+    _FP32_BLOCKS.append(True)
+    try:
+        yield
+    finally:
+        _FP32_BLOCKS.pop()
+
+
+def _run_original_in_fp32(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    upcast = {
+        name: tensor.float()
+        for name, tensor in [
+            *module.named_parameters(remove_duplicate=False),
+            *module.named_buffers(remove_duplicate=False),
+        ]
+        if tensor.dtype in LOW_PRECISION_DTYPES
+    }
+    _IN_FP32_CALL.append(True)
+    try:
+        with torch.autocast(_state(module).policy.device_type, enabled=False):
+            return torch.func.functional_call(module, upcast, args, kwargs)
+    finally:
+        _IN_FP32_CALL.pop()
 
 
 def _record(undo: Callable[[], None]) -> None:
@@ -135,8 +174,10 @@ class CapturedModel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state = _state(self)
-        if _EXPORTING:
+        if _EXPORTING or _IN_FP32_CALL:
             return _original_forward(self)(*args, **kwargs)
+        if _FP32_BLOCKS:
+            return _run_original_in_fp32(self, args, kwargs)
         if torch.compiler.is_compiling():
             graph = _traced_choice(state, self.training, args, kwargs)
             if graph is None:

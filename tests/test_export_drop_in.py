@@ -382,3 +382,21 @@ def test_gradient_checkpointing_before_or_after_convert(when: str) -> None:
     assert eager_checkpointed < 0.5 * eager_plain
     assert checkpointed <= 1.1 * eager_checkpointed, (checkpointed, eager_checkpointed)
     assert all(bits_equal(a, b) for a, b in zip(grads, eager_grads, strict=True))
+
+
+def test_amp_initialize_and_disable_casts_on_a_hugging_face_model() -> None:
+    """Apex's ``amp.disable_casts`` runs the model's own code in FP32 on the stored weights."""
+    from amp_fx import amp
+
+    model = _gpt2().eval()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", dtype=BF16, verbosity=0)
+    reference = _gpt2().eval()
+    with torch.no_grad():
+        for mine, stored in zip(reference.parameters(), model.parameters(), strict=True):
+            mine.copy_(stored.float())
+    ids = _ids()
+    with amp.disable_casts():
+        output = model(input_ids=ids).logits
+    assert type(output) is torch.Tensor and bits_equal(output, reference(input_ids=ids).logits)
+    assert not bits_equal(model(input_ids=ids).logits, output)  # converted again outside the block

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 import amp_fx
 from amp_fx.amp._properties import Properties
 from amp_fx.amp._registry import apply_registered_functions
+from amp_fx.captured_model import running_original_in_fp32
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES, default_device_type
 from amp_fx.core.node_info import META_KEY
 from amp_fx.core.policy import preset
@@ -58,7 +59,8 @@ def disable_casts() -> Iterator[None]:
     global _casts_disabled
     _casts_disabled += 1
     try:
-        yield
+        with running_original_in_fp32():  # models of the torch.export front end
+            yield
     finally:
         _casts_disabled -= 1
 
@@ -171,6 +173,8 @@ def install_disable_casts(gm: torch.fx.GraphModule) -> None:
     The GraphModule's class is its own (torch.fx makes one per instance), so patching its
     ``forward`` touches no other model; ``gm.recompile()`` would undo it.
     """
+    if not isinstance(gm, torch.fx.GraphModule):
+        return  # the torch.export front end's models follow `disable_casts` themselves
     cls = type(gm)
     converted_forward = cls.forward
     if getattr(converted_forward, "_amp_fx_disable_casts", False):
