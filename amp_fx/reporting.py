@@ -1,4 +1,5 @@
-"""`amp_fx.report(gm)`: what convert decided for every node, and why, as a table and as data.
+"""`amp_fx.report(model)`: what convert decided for every node of a converted model's graphs (either
+front end), and why, as a table and as data.
 
     >>> import torch, amp_fx
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Softmax(-1))
@@ -42,6 +43,7 @@ the converted module's parameters, and ``gm.meta`` (the policy and the traced co
 from __future__ import annotations
 
 import difflib
+import os
 import textwrap
 from collections import Counter
 from dataclasses import dataclass, field
@@ -50,8 +52,10 @@ from typing import Any
 import torch
 import torch.fx
 
+from amp_fx.captured_model import CapturedModel, capture_states
 from amp_fx.core.dtypes import short_dtype_name
 from amp_fx.core.node_info import META_KEY, ORIGINAL_CODE_KEY, POLICY_KEY, NodeInfo
+from amp_fx.dot import write_dot
 
 __all__ = ["REPORT_WIDTH", "NodeRow", "Report", "report"]
 
@@ -88,6 +92,9 @@ class NodeRow:
     cast_reason: str
     opaque_reason: str | None
     notes: tuple[str, ...]
+    # The graph the node belongs to, where a report covers several (the torch.export front end's
+    # graphs, labelled by module name); "" for a report of one graph.
+    graph: str = ""
 
     @property
     def why(self) -> str:
@@ -118,6 +125,7 @@ class NodeRow:
             "cast_reason": self.cast_reason,
             "opaque_reason": self.opaque_reason,
             "notes": list(self.notes),
+            "graph": self.graph,
         }
 
 
@@ -133,11 +141,12 @@ class ParameterRow:
 
 @dataclass
 class Report:
-    """The decisions recorded on a converted GraphModule; `report(gm)` builds it.
+    """The decisions recorded on a converted model's graphs; `report(model)` builds it.
 
-    ``str(report)`` is an aligned table (a line per node, long cells continued on the lines below)
-    followed by a summary, no line wider than REPORT_WIDTH; `diff` is the code before and after the
-    casts; `to_dict` is the same content as plain data for tools.
+    ``str(report)`` is an aligned table (a line per node, long cells continued on the lines below;
+    for several graphs, each under a ``[label]`` line) followed by a summary, no line wider than
+    REPORT_WIDTH; `diff` is the code before and after the casts; `write_dot` draws the graphs;
+    `to_dict` is the same content as plain data for tools.
     """
 
     rows: list[NodeRow]
@@ -146,6 +155,10 @@ class Report:
     original_code: str | None = None
     policy: Any = None
     _header: str = field(default="", repr=False)
+    # Label -> graph reported ("" for the one graph of a torch.fx front-end model).
+    graphs: dict[str, torch.fx.GraphModule] = field(default_factory=dict, repr=False)
+    # Module (qualified name, "" for the model) -> why it runs in an autocast island.
+    islands: dict[str, str] = field(default_factory=dict)
 
     # --- counts -------------------------------------------------------------------------------
     @property
@@ -197,7 +210,9 @@ class Report:
 
     # --- views --------------------------------------------------------------------------------
     def diff(self, context: int = 3) -> str:
-        """Unified diff from the traced code before conversion to the converted ``gm.code``.
+        """Unified diff from the traced code before conversion to the converted ``gm.code``; for
+        a report of several graphs, one diff per graph, its files named by the graph's label
+        (``--- traced fc1``).
 
         Returns an empty string when the code did not change (O0), and raises ValueError when
         the GraphModule was not produced by `amp_fx.convert` (no original code recorded).
@@ -207,15 +222,13 @@ class Report:
                 "this GraphModule has no gm.meta['amp_fx_original_code']; the diff needs a module "
                 "returned by amp_fx.convert"
             )
-        return "".join(
-            difflib.unified_diff(
-                self.original_code.splitlines(keepends=True),
-                self.code.splitlines(keepends=True),
-                fromfile="traced",
-                tofile="converted",
-                n=context,
-            )
-        )
+        if len(self.graphs) <= 1:
+            return _unified_diff(self.original_code, self.code, "", context)
+        diffs = [
+            _unified_diff(gm.meta[ORIGINAL_CODE_KEY], gm.code, label, context)
+            for label, gm in self.graphs.items()
+        ]
+        return "".join(diffs)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (str, int, list, dict; dtypes as "float16"), e.g. for ``json.dumps``."""
@@ -232,10 +245,25 @@ class Report:
                 },
                 "fp32_ops": [{"name": r.name, "op": r.op, "reason": r.reason} for r in self.fp32_ops],
                 "opaque": [
-                    {"name": r.name, "target": r.target, "reason": r.opaque_reason} for r in self.opaque
+                    {"name": r.name, "target": r.target, "reason": r.opaque_reason, "graph": r.graph}
+                    for r in self.opaque
                 ],
+                "graphs": list(self.graphs),
+                "islands": dict(self.islands),
             },
         }
+
+    def write_dot(self, path: str | os.PathLike[str]) -> list[str]:
+        """Write each graph as Graphviz DOT (`amp_fx.dot.to_dot`): to ``path`` for one graph, else
+        to ``path`` with the graph's index before the extension (``out.0.dot``, ``out.1.dot``, in
+        the order of `graphs`). Returns the paths written."""
+        root, extension = os.path.splitext(os.fspath(path))
+        paths = []
+        for index, gm in enumerate(self.graphs.values()):
+            target = os.fspath(path) if len(self.graphs) == 1 else f"{root}.{index}{extension}"
+            write_dot(gm, target)
+            paths.append(target)
+        return paths
 
     def table(self) -> str:
         """The per-node table: node, op, rule, input dtypes, output dtype, reason.
@@ -256,9 +284,14 @@ class Report:
             for r in self.rows
             if r.kind != "output"
         ]
+        shown = [r for r in self.rows if r.kind != "output"]
         widths = _column_widths([header, *cells])
         lines = []
-        for row in [header, *cells]:
+        for index, row in enumerate([header, *cells]):
+            # Each graph's rows under its label, where the report has several graphs.
+            label = shown[index - 1].graph if index else ""
+            if label and (index == 1 or shown[index - 2].graph != label):
+                lines.append(f"[{label}]")
             wrapped = [_wrap(cell, width) for cell, width in zip(row, widths, strict=True)]
             for k in range(max(len(parts) for parts in wrapped)):
                 parts = [column[k] if k < len(column) else "" for column in wrapped]
@@ -285,13 +318,16 @@ class Report:
         if self.fp32_ops:
             lines.append("stayed FP32:")
             for r in self.fp32_ops:
-                lines += _wrap(f"{r.name} ({r.op}): {r.reason}", REPORT_WIDTH, "  ", "    ")
+                lines += _wrap(f"{_where(r)}{r.name} ({r.op}): {r.reason}", REPORT_WIDTH, "  ", "    ")
         if self.opaque:
             lines.append("opaque:")
             for r in self.opaque:
-                lines += _wrap(
-                    f"{r.name} ({r.target}): {r.opaque_reason or r.reason}", REPORT_WIDTH, "  ", "    "
-                )
+                text = f"{_where(r)}{r.name} ({r.target}): {r.opaque_reason or r.reason}"
+                lines += _wrap(text, REPORT_WIDTH, "  ", "    ")
+        if self.islands:
+            lines.append("autocast islands (modules torch.export could not capture):")
+            for name, reason in self.islands.items():
+                lines += _wrap(f"{name or '<model>'}: {reason}", REPORT_WIDTH, "  ", "    ")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -352,6 +388,23 @@ def _fill_items(prefix: str, items: list[str]) -> list[str]:
     return lines
 
 
+def _unified_diff(before: str, after: str, label: str, context: int) -> str:
+    suffix = f" {label}" if label else ""
+    return "".join(
+        difflib.unified_diff(
+            before.splitlines(keepends=True),
+            after.splitlines(keepends=True),
+            fromfile=f"traced{suffix}",
+            tofile=f"converted{suffix}",
+            n=context,
+        )
+    )
+
+
+def _where(row: NodeRow) -> str:
+    return f"[{row.graph}] " if row.graph else ""
+
+
 def _dtype_str(dtype: torch.dtype | None) -> str | None:
     return None if dtype is None else str(dtype).removeprefix("torch.")
 
@@ -384,7 +437,7 @@ def _target_name(node: torch.fx.Node) -> str:
     return f"{module}.{name}" if module and not module.startswith("_") else name
 
 
-def _row(node: torch.fx.Node) -> NodeRow:
+def _row(node: torch.fx.Node, graph: str = "") -> NodeRow:
     info: NodeInfo = node.meta.get(META_KEY) or NodeInfo()
     rule = info.rule.value if info.rule is not None else None
     return NodeRow(
@@ -400,11 +453,12 @@ def _row(node: torch.fx.Node) -> NodeRow:
         cast_reason=info.cast_reason,
         opaque_reason=info.opaque_reason,
         notes=tuple(info.notes),
+        graph=graph,
     )
 
 
-def report(gm: torch.fx.GraphModule) -> Report:
-    """Build the `Report` of a GraphModule returned by `amp_fx.convert`.
+def report(model: torch.nn.Module) -> Report:
+    """Build the `Report` of a model returned by `amp_fx.convert`, either front end.
 
         >>> import amp_fx
         >>> gm = amp_fx.convert(torch.nn.Linear(4, 2), "O2", device_type="cpu")
@@ -414,29 +468,102 @@ def report(gm: torch.fx.GraphModule) -> Report:
         >>> rep.params_by_dtype[torch.float16]
         (2, 10)
 
-    Raises TypeError for anything but a GraphModule (convert the model first).
+    A model of the torch.export front end is reported over every graph it has captured so far
+    (its descendants' included), each labelled by its module's name (``<model>`` for the model,
+    ``#2`` for its second graph); its islands are listed:
+
+        >>> class Gated(torch.nn.Module):  # torch.export stops at the `if`: an island
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.fc = torch.nn.Linear(4, 4)
+        ...     def forward(self, x):
+        ...         return self.fc(x) if x.sum() > 0 else -x
+        >>> converted = amp_fx.convert(Gated(), "O2", dtype=torch.bfloat16, front_end="export")
+        >>> _ = converted(torch.ones(2, 4))  # captures
+        >>> rep = report(converted)
+        >>> list(rep.graphs), list(rep.islands), rep.casts_inserted
+        (['fc'], [''], 2)
+
+    Raises TypeError for a model not converted, ValueError for one of the torch.export front end
+    that has not been called yet.
     """
-    if not isinstance(gm, torch.fx.GraphModule):
-        raise TypeError(
-            f"report expects a torch.fx.GraphModule returned by amp_fx.convert, got {type(gm).__name__}; "
-            "call amp_fx.report(amp_fx.convert(model, opt_level)), or for a model of the torch.export "
-            "front end report each of amp_fx.captured_graphs(model) and see amp_fx.capture_summary(model)"
+    sections = _labelled_graphs(model)
+    if not sections:
+        raise ValueError(
+            f"this {type(model).__name__} has captured no graph yet: the torch.export front end captures "
+            "at the first call; call the model once on an example input (converted(**batch)), then "
+            "report it"
         )
+    if isinstance(model, torch.fx.GraphModule) and len(sections) == 1:
+        result = _graph_report(model)
+    else:
+        result = _combined_report(sections, _parameter_rows(model))
+    result.islands = {name: why for name, state in capture_states(model) for why in state.islands.values()}
+    return result
+
+
+def _labelled_graphs(model: torch.nn.Module) -> dict[str, torch.fx.GraphModule]:
+    """Label -> each rewritten graph of ``model``: its own (a torch.fx front-end model) and those
+    its torch.export-captured modules hold."""
+    if not isinstance(model, (torch.fx.GraphModule, CapturedModel)):
+        raise TypeError(
+            f"report expects a model returned by amp_fx.convert, got {type(model).__name__}; "
+            "call amp_fx.report(amp_fx.convert(model, opt_level))"
+        )
+    sections = {"<model>": model} if isinstance(model, torch.fx.GraphModule) else {}
+    for name, state in capture_states(model):
+        for index, graph in enumerate(state.graphs):
+            label = name or "<model>"
+            sections[label if index == 0 else f"{label} #{index + 1}"] = graph
+    return sections
+
+
+def _graph_report(gm: torch.fx.GraphModule, label: str = "") -> Report:
     policy = gm.meta.get(POLICY_KEY)
-    parameters = [ParameterRow(name, p.dtype, p.numel(), False) for name, p in gm.named_parameters()]
-    parameters += [
-        ParameterRow(name, b.dtype, b.numel(), True)
-        for name, b in gm.named_buffers()
-        if b.is_floating_point()
-    ]
-    header = "amp_fx report"
-    if policy is not None:
-        header += f": {policy.opt_level}, {policy.dtype}, {policy.device_type}"
     return Report(
-        rows=[_row(node) for node in gm.graph.nodes],
-        parameters=parameters,
+        rows=[_row(node, label) for node in gm.graph.nodes],
+        parameters=_parameter_rows(gm),
         code=gm.code,
         original_code=gm.meta.get(ORIGINAL_CODE_KEY),
         policy=policy,
-        _header=header,
+        _header=_header(policy),
+        graphs={label: gm},
+    )
+
+
+def _combined_report(sections: dict[str, torch.fx.GraphModule], parameters: list[ParameterRow]) -> Report:
+    parts = {label: _graph_report(gm, label) for label, gm in sections.items()}
+    originals = [part.original_code for part in parts.values()]
+    policy = next(iter(parts.values())).policy
+    return Report(
+        rows=[row for part in parts.values() for row in part.rows],
+        parameters=parameters,
+        code=_joined({label: part.code for label, part in parts.items()}),
+        original_code=None if None in originals else _joined(dict(zip(parts, originals, strict=True))),
+        policy=policy,
+        _header=f"{_header(policy)} ({len(parts)} graphs)",
+        graphs=dict(sections),
+    )
+
+
+def _joined(codes: dict[str, str]) -> str:
+    # Each graph's code under a comment naming it, so the diff says which graph a change is in.
+    return "".join(f"# graph {label}\n{code.strip(chr(10))}\n\n" for label, code in codes.items())
+
+
+def _parameter_rows(model: torch.nn.Module) -> list[ParameterRow]:
+    rows = [ParameterRow(name, p.dtype, p.numel(), False) for name, p in model.named_parameters()]
+    rows += [
+        ParameterRow(name, b.dtype, b.numel(), True)
+        for name, b in model.named_buffers()
+        if b.is_floating_point()
+    ]
+    return rows
+
+
+def _header(policy: Any) -> str:
+    return (
+        "amp_fx report"
+        if policy is None
+        else f"amp_fx report: {policy.opt_level}, {policy.dtype}, {policy.device_type}"
     )

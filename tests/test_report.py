@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 
 import pytest
 import torch
@@ -325,3 +326,79 @@ def test_public_names() -> None:
     rep = amp_fx.report(_convert(nn.Linear(2, 2), "O2"))
     assert isinstance(rep, amp_fx.Report)
     assert type(rep).__module__ == "amp_fx.reporting"
+
+
+class Routed(nn.Module):
+    """torch.export stops at the ``if`` on a value: the model's own code is an island and its two
+    Linear children are captured on their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        return self.fc2(h if h.sum() > 0 else -h)
+
+
+def _captured(level: str = "O2") -> nn.Module:
+    converted = amp_fx.convert(Routed(), level, dtype=torch.bfloat16, front_end="export")
+    converted(torch.randn(3, 8))
+    return converted
+
+
+def test_a_torch_export_model_is_reported_over_every_captured_graph(tmp_path) -> None:
+    converted = _captured()
+    rep = amp_fx.report(converted)
+    graphs = {"fc1": converted.fc1, "fc2": converted.fc2}
+    captured = dict(rep.graphs)
+    assert list(captured) == list(graphs)
+    for label, module in graphs.items():
+        (gm,) = module.__dict__["_amp_fx_capture"].graphs
+        assert captured[label] is gm
+    # Each graph's rows, labelled, in order; the counts are the graphs' own reports' summed.
+    singles = {label: amp_fx.report(gm) for label, gm in captured.items()}
+    assert [(r.graph, r.name) for r in rep.rows] == [
+        (label, r.name) for label, single in singles.items() for r in single.rows
+    ]
+    assert rep.casts_inserted == sum(single.casts_inserted for single in singles.values()) > 0
+    assert rep.rule_counts == sum((single.rule_counts for single in singles.values()), Counter())
+    assert {p.name for p in rep.parameters} == {name for name, _ in converted.named_parameters()}
+    assert set(rep.islands) == {""} and "h.sum() > 0" in rep.islands[""]
+    text = str(rep)
+    assert text.startswith("amp_fx report: O2, torch.bfloat16, cpu (2 graphs)\n")
+    assert text.index("[fc1]") < text.index("[fc2]") and "autocast islands" in text
+    assert _widest_line(text) <= REPORT_WIDTH
+    data = json.loads(json.dumps(rep.to_dict()))
+    assert [n["graph"] for n in data["nodes"]] == [r.graph for r in rep.rows]
+    assert data["summary"]["graphs"] == ["fc1", "fc2"] and list(data["summary"]["islands"]) == [""]
+    # The diff names each graph and shows each cast inserted in it.
+    diff = rep.diff()
+    assert (
+        diff.startswith("--- traced fc1\n+++ converted fc1\n")
+        and "--- traced fc2\n+++ converted fc2\n" in diff
+    )
+    added = [line.lstrip("+ ") for line in diff.splitlines() if line.startswith("+ ")]
+    assert sum(1 for line in added if re.match(r"\w+_to_\w+ = ", line)) == rep.casts_inserted
+    paths = rep.write_dot(tmp_path / "graph.dot")
+    assert paths == [str(tmp_path / "graph.0.dot"), str(tmp_path / "graph.1.dot")]
+    for path, gm in zip(paths, captured.values(), strict=True):
+        drawn = set(re.findall(r'^  "([^"]+)" \[label=', open(path).read(), flags=re.M))
+        assert drawn == {n.name for n in gm.graph.nodes}
+
+
+def test_a_torch_export_model_not_called_yet_says_to_call_it() -> None:
+    converted = amp_fx.convert(Routed(), "O2", dtype=torch.bfloat16, front_end="export")
+    with pytest.raises(ValueError, match=r"captured no graph yet.*call the model once on an example input"):
+        amp_fx.report(converted)
+
+
+def test_a_torch_fx_model_draws_its_one_graph(tmp_path) -> None:
+    gm = _convert(Block(), "O2")
+    rep = amp_fx.report(gm)
+    assert rep.graphs == {"": gm} and rep.islands == {}
+    assert all(r.graph == "" for r in rep.rows) and "[" not in rep.table().splitlines()[1]
+    assert rep.write_dot(tmp_path / "block.dot") == [str(tmp_path / "block.dot")]
+    drawn = set(re.findall(r'^  "([^"]+)" \[label=', (tmp_path / "block.dot").read_text(), flags=re.M))
+    assert drawn == {n.name for n in gm.graph.nodes}
