@@ -541,7 +541,7 @@ def _combined_report(sections: dict[str, torch.fx.GraphModule], parameters: list
         code=_joined({label: part.code for label, part in parts.items()}),
         original_code=None if None in originals else _joined(dict(zip(parts, originals, strict=True))),
         policy=policy,
-        _header=f"{_header(policy)} ({len(parts)} graphs)",
+        _header=f"{_header(policy)} ({len(parts)} graph{'s' if len(parts) > 1 else ''})",
         graphs=dict(sections),
     )
 
