@@ -1,16 +1,17 @@
 """The ``amp-fx`` command line (also ``python -m amp_fx``).
 
 ``amp-fx inspect MODEL --opt-level O2 [--dtype bf16] [--input-shape 1,3,224,224] [--dot out.dot]``
-converts MODEL and prints `amp_fx.report` of the rewritten graph: each node's rule and dtypes, the
-casts inserted, what stayed FP32 and why. MODEL is ``torchvision:NAME`` (built with weights=None,
-nothing is downloaded), ``transformers:ClassName`` (built from its config class with small sizes,
-random weights, nothing downloaded), ``path/to/file.py:ClassName`` or ``package.module:ClassName``
-(built with no arguments). A model whose first layer is an ``nn.Embedding`` is given int64 token
+converts MODEL and prints `amp_fx.capture_summary` (how much of a call on the example input ran in
+rewritten graphs: its ATen ops and matrix-product FLOPs, and the islands) and `amp_fx.report` of
+the rewritten graphs: each node's rule and dtypes, the casts inserted, what stayed FP32 and why.
+MODEL is ``torchvision:NAME`` (built with weights=None, nothing is downloaded),
+``transformers:ClassName`` (built from its config class with small sizes, random weights, nothing
+downloaded), ``path/to/file.py:ClassName`` or ``package.module:ClassName`` (built with no
+arguments). A model whose first layer is an ``nn.Embedding`` is given int64 token
 ids (not a float input, which the report would show cast to fp16/bf16). A model that torch.fx
 cannot trace (every transformers model) is converted by the torch.export front end, which
-captures at the first call: it is called once on the example input (a transformers model on
-inputs made from its forward's parameters and config) and each captured graph is reported, after
-`amp_fx.capture_summary`. Example::
+captures at the first call: it is called on the example input (a transformers model on inputs
+made from its forward's parameters and config) and each captured graph is reported. Example::
 
     $ amp-fx inspect torchvision:resnet18 --opt-level O2 --dtype bf16 --dot resnet18.dot
     $ amp-fx inspect transformers:LlamaForCausalLM --opt-level O2
@@ -32,6 +33,11 @@ import sys
 from collections.abc import Sequence
 
 import torch
+import torch.fx
+
+# From its module: amp_fx.capture_summary is that module, not the function, once anything has
+# imported the module.
+from amp_fx.capture_summary import CaptureSummary, capture_summary
 
 DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 INPUT_DTYPES = {"float32": torch.float32, "int64": torch.int64, "long": torch.int64}
@@ -351,38 +357,30 @@ def _example(
     return (example,), {}
 
 
-def _graphs_to_report(
+def _summary(
     converted: torch.nn.Module, spec: str, call: tuple[tuple[object, ...], dict[str, object]]
-) -> list[torch.fx.GraphModule]:
-    """The converted graph, or for the torch.export front end the graphs its example call captures."""
-    # From its module: amp_fx.capture_summary is that module once anything has imported it.
-    from amp_fx.capture_summary import capture_summary, captured_graphs
-
-    if isinstance(converted, torch.fx.GraphModule):
-        return [converted]
+) -> CaptureSummary:
+    """`amp_fx.capture_summary` of the converted model, counted on the example call when there is
+    one (the torch.export front end captures at that call, so it needs one)."""
     args, kwargs = call
-    if not args and not kwargs:
+    if not args and not kwargs and not isinstance(converted, torch.fx.GraphModule):
         raise ModelSpecError(
             f"{spec} is converted by the torch.export front end, which captures at the first call: give "
             "--input-shape (the input it is called on)"
         )
     try:
-        with torch.no_grad():
-            converted(*args, **kwargs)
+        return capture_summary(converted, *args, **kwargs)
     except Exception as error:  # the model's own code on the example: report it on one line
         raise ModelSpecError(
             f"calling the converted {spec} on the example failed ({type(error).__name__}: {error}); "
             "give an --input-shape it takes"
         ) from error
-    print(capture_summary(converted))
-    return captured_graphs(converted)
 
 
 def run_inspect(args: argparse.Namespace) -> int:
     # Through the package: importing the amp_fx.convert / amp_fx.report submodules directly would
     # leave those modules, not the functions, under the package's names.
     import amp_fx
-    from amp_fx.dot import write_dot
 
     model = load_model(args.model).eval()
     call = _example(args, model)
@@ -396,16 +394,13 @@ def run_inspect(args: argparse.Namespace) -> int:
         )
     except (TypeError, ValueError, RuntimeError) as error:
         raise ModelSpecError(f"converting {args.model} failed: {error}") from error
-    graphs = _graphs_to_report(converted, args.model, call)
-    root, extension = os.path.splitext(args.dot or "")
-    for index, gm in enumerate(graphs):
-        report = amp_fx.report(gm)
-        print(report)
-        if args.diff:
-            print(report.diff())
-        if args.dot:
-            path = args.dot if len(graphs) == 1 else f"{root}.{index}{extension}"
-            write_dot(gm, path)
+    print(_summary(converted, args.model, call))
+    report = amp_fx.report(converted)
+    print(report)
+    if args.diff:
+        print(report.diff())
+    if args.dot:
+        for path in report.write_dot(args.dot):
             print(f"wrote {path} (render with: dot -Tsvg {path} -o graph.svg)")
     return 0
 

@@ -53,6 +53,17 @@ MODEL_FILE = textwrap.dedent(
             return self.fc(x)
 
 
+    class Branching(nn.Module):  # torch.fx and torch.export stop at the `if`: an island around fc
+
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return h @ h.transpose(-2, -1) if h.sum() > 0 else h.transpose(-2, -1) @ h
+
+
     class NeedsArguments(nn.Module):
         def __init__(self, width):
             super().__init__()
@@ -195,3 +206,30 @@ def test_inspect_a_model_torch_fx_cannot_trace_calls_it_on_the_input_shape(model
     assert main(["inspect", f"{model_file}:Asserting", "--opt-level", "O1", "--input-shape", "2,8,16"]) == 0
     out = capsys.readouterr().out
     assert "torch.export front end: 1 graph(s) captured" in out and "amp_fx report: O1" in out
+
+
+def test_inspect_prints_where_the_example_call_ran_first(model_file, tmp_path, capsys):
+    # The torch.export front end, fc captured inside an island: fc's product (2*16*16*16 FLOPs) ran
+    # in a graph, the island's own product (as many) outside it.
+    dot = tmp_path / "branching.dot"
+    assert main(["inspect", f"{model_file}:Branching", "--input-shape", "16,16", "--dot", str(dot)]) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert re.match(
+        r"one call: \d+% of its \d+ ATen ops and 50% of its 16,384 matrix-product FLOPs ran in", first
+    )
+    assert "  outside, in <model>: " in out and "  island <model>: " in out
+    assert "amp_fx report: O2, torch.float16, cpu (1 graph)\n" in out and "autocast islands" in out
+    assert out.index("one call:") < out.index("amp_fx report")
+    _assert_fits(out, str(dot))
+    nodes, _ = _dot_graph(dot.read_text())  # the one captured graph: fc's
+    assert nodes and CAST_COLOUR in nodes.values()
+
+
+def test_inspect_a_traced_model_counts_its_call_when_given_an_input(model_file, capsys):
+    assert main(["inspect", f"{model_file}:Attention", "--input-shape", "2,5,16"]) == 0
+    out = capsys.readouterr().out
+    assert re.match(r"one call: 100% of its \d+ ATen ops and 100% of its [\d,]+ matrix-product FLOPs", out)
+    assert "torch.fx front end: 1 graph(s) traced at convert time; 100% of the parameters" in out
+    assert main(["inspect", f"{model_file}:Attention", "--device-type", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("ops and FLOPs in rewritten graphs: not counted")
