@@ -18,8 +18,8 @@ Each call is run by a graph rewritten by the convert passes (`amp_fx.rewrite`):
 - a module torch.export cannot capture (data-dependent control flow, C extensions) runs its own
   forward inside an autocast island of the opt level (O1/O2: ``torch.autocast``; O2: floating
   outputs float32), and each of its child modules is captured on its own, so only the code
-  between them runs in the island. `capture_summary` names the line that stopped each island and
-  the share of parameters that ran inside rewritten graphs.
+  between them runs in the island. `amp_fx.capture_summary` names the cause of each island and,
+  given a call's arguments, the share of its ATen ops and FLOPs that ran inside rewritten graphs.
 
 Moving the model (``.to``, ``.cuda``) drops its graphs; they are captured again at the next call.
 

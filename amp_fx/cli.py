@@ -35,9 +35,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx
 
-# From its module: amp_fx.capture_summary is that module, not the function, once anything has
-# imported the module.
-from amp_fx.capture_summary import CaptureSummary, capture_summary
+from amp_fx.summary import CaptureSummary, capture_summary
 
 DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 INPUT_DTYPES = {"float32": torch.float32, "int64": torch.int64, "long": torch.int64}

@@ -14,8 +14,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_fx
-from amp_fx.capture_summary import OUTSIDE, capture_summary, captured_graphs
 from amp_fx.ops.autocast_island import AutocastIsland
+from amp_fx.summary import OUTSIDE, capture_summary, captured_graphs
 
 BF16 = torch.bfloat16
 BATCH = 5

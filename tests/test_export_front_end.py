@@ -15,10 +15,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 import amp_fx
-from amp_fx.capture_summary import capture_summary
 from amp_fx.captured_model import CapturedModel
 from amp_fx.core.module_ops import module_op
 from amp_fx.optim import FusedAdam
+from amp_fx.summary import capture_summary
 from tests.models.hf import MODELS
 from tests.models.small import DtypeReading, GatedByValue, NanoGPT
 
