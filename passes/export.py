@@ -125,14 +125,16 @@ _MESSAGE_LIMIT = 300
 
 
 def _first_line(error: BaseException) -> str:
-    """The error's type and first line, cut after a whole sentence (or word) near `_MESSAGE_LIMIT`."""
+    """The error's type and its first sentence (torch's own advice follows it, and is about
+    torch.export, not about the user's model), cut at a word past `_MESSAGE_LIMIT`."""
     lines = str(error).strip().splitlines()
     text = f"{type(error).__name__}: {lines[0] if lines else ''}"
+    end = text.find(". ")
+    if end > 0:
+        text = text[: end + 1]
     if len(text) <= _MESSAGE_LIMIT:
         return text
-    head = text[:_MESSAGE_LIMIT]
-    end = head.rfind(". ")
-    return head[: end + 1] if end > 0 else head[: head.rfind(" ")] + " ..."
+    return text[: text.rfind(" ", 0, _MESSAGE_LIMIT)] + " ..."
 
 
 # When a capture meets data-dependent code, torch logs and prints the partial graph (hundreds of
