@@ -61,7 +61,16 @@ from amp_fx.core.node_info import PARAMETERS_STORED_KEY
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.casts import cast_if_floating
 from amp_fx.passes.checkpoint_regions import checkpoint_regions
-from amp_fx.passes.export import ExportError, accepts, call_signature, export_graph, graph_inputs
+from amp_fx.passes.containers import Spec, flatten
+from amp_fx.passes.export import (
+    ExportError,
+    accepts,
+    call_graph,
+    call_signature,
+    container_call,
+    export_graph,
+    graph_inputs,
+)
 from amp_fx.passes.shared import copy_model
 from amp_fx.rewrite import rewrite_graph
 from amp_fx.saving import master_state_dict
@@ -233,7 +242,7 @@ def _run(
         return _run_island(module, state.policy, args, kwargs)
     # The graph's casts are explicit: an autocast region around it would cast again.
     with torch.autocast(state.policy.device_type, enabled=False):
-        return graph(*args, **kwargs)
+        return call_graph(graph, args, kwargs)
 
 
 def _state(module: nn.Module) -> CaptureState:
@@ -388,7 +397,7 @@ def _fits(
     """Whether ``graph`` computes this call: its `CallSignature` decides (plain Python, microseconds,
     and traceable by torch.compile); `accepts`, which reads the graph and checks sizes with sympy,
     only where there is none (container arguments), and never in ``traced`` code."""
-    if graph.meta["amp_fx_training"] != training:
+    if graph.meta["amp_fx_training"] != training or container_call(graph) is not None:
         return False
     signature = call_signature(graph)
     if signature is not None:
@@ -416,17 +425,22 @@ def _compiled_graph_for(module: nn.Module, args: tuple[Any, ...], kwargs: dict[s
     return _select_or_capture(module, args, kwargs)
 
 
-def _structure(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """What a graph is captured for, sizes aside: the mode, the keywords, each tensor's dtype,
-    rank and device type, and the other arguments' values (or types where not hashable)."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
+def _structure(module: nn.Module, flat: tuple[list[torch.Tensor], Spec]) -> tuple[Any, ...]:
+    """What a graph is captured for, sizes aside: the mode, the nesting with every non-tensor
+    value and type (`amp_fx.passes.containers`), and each tensor's dtype, rank and device type."""
+    leaves, spec = flat
+    return (module.training, spec, tuple((leaf.dtype, leaf.dim(), leaf.device.type) for leaf in leaves))
 
-    def describe(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor):
-            return (leaf.dtype, leaf.dim(), leaf.device.type)
-        return leaf if isinstance(leaf, (bool, int, float, str, type(None))) else type(leaf)
 
-    return (module.training, str(spec), tuple(describe(leaf) for leaf in leaves))
+def _fits_containers(
+    graph: torch.fx.GraphModule, training: bool, flat: tuple[list[torch.Tensor], Spec]
+) -> bool:
+    """`_fits` for a graph captured with containers: the same nesting, and its tensors fit."""
+    call = container_call(graph)
+    if call is None or graph.meta["amp_fx_training"] != training or call.arguments != flat[1]:
+        return False
+    leaves, signature = tuple(flat[0]), call_signature(graph)
+    return signature.matches(leaves, {}) if signature is not None else accepts(graph, leaves, {})
 
 
 def _select_or_capture(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -435,11 +449,15 @@ def _select_or_capture(module: nn.Module, args: tuple[Any, ...], kwargs: dict[st
     for graph in state.graphs:
         if _fits(graph, mode, args, kwargs):
             return graph
-    key = _structure(module, args, kwargs)
+    flat = flatten((args, kwargs))
+    for graph in state.graphs:
+        if _fits_containers(graph, mode, flat):
+            return graph
+    key = _structure(module, flat)
     if key in state.islands:
         return None
     dynamic = any(graph.meta["amp_fx_training"] == mode for graph in state.graphs)
-    return _capture(module, state, args, kwargs, key, dynamic)
+    return _capture(module, state, args, kwargs, key, dynamic, containers=flat[1].objects > 0)
 
 
 def _capture(
@@ -449,6 +467,7 @@ def _capture(
     kwargs: dict[str, Any],
     key: tuple[Any, ...],
     dynamic: bool,
+    containers: bool,
 ) -> torch.fx.GraphModule | None:
     policy = state.policy
     start = time.perf_counter()
@@ -468,7 +487,7 @@ def _capture(
     checkpoints = _checkpointed_layers(module)
     try:
         with _checkpointing_off(module):
-            graph = export_graph(module, args, kwargs, autocast=region, dynamic=dynamic)
+            graph = _export_with_containers(module, args, kwargs, region, dynamic, containers)
     except ExportError as error:
         failure = error
     else:
@@ -494,6 +513,24 @@ def _capture(
     sizes = "dynamic" if dynamic else "static"
     logger.info("captured %s (%s sizes) in %.2f s", type(module).__name__, sizes, state.seconds[-1])
     return graph
+
+
+def _export_with_containers(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    region: tuple[str, torch.dtype] | None,
+    dynamic: bool,
+    containers: bool,
+) -> torch.fx.GraphModule:
+    # Arguments holding a cache go through `amp_fx.passes.containers` at once; a cache made inside
+    # the call shows only in its output, so a refused output is captured once more that way.
+    try:
+        return export_graph(module, args, kwargs, autocast=region, dynamic=dynamic, containers=containers)
+    except ExportError as error:
+        if containers or error.kind != "container":
+            raise
+    return export_graph(module, args, kwargs, autocast=region, dynamic=dynamic, containers=True)
 
 
 def _checkpointed_layers(module: nn.Module) -> dict[str, Callable[..., Any]]:

@@ -49,14 +49,29 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from amp_fx.core.node_info import KEEP_OUTPUT_DTYPE_KEY
+from amp_fx.passes.containers import Spec, flatten, leaves_in_objects, outer_objects, unflatten, write_back
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["ExportError", "export_graph", "accepts", "graph_inputs", "CallSignature", "call_signature"]
+__all__ = [
+    "ExportError",
+    "ADVICE",
+    "export_graph",
+    "accepts",
+    "graph_inputs",
+    "CallSignature",
+    "call_signature",
+    "ContainerCall",
+    "container_call",
+    "call_graph",
+]
 
 # Where export keeps what `accepts` checks a call against.
 _RANGES_ATTR = "_amp_fx_range_constraints"
 _KWARGS_ATTR = "_amp_fx_keyword_names"
 _SIGNATURE_ATTR = "_amp_fx_call_signature"
+_CONTAINERS_ATTR = "_amp_fx_container_call"
 # Nodes of an exported graph that check what the capture saw: the dtype asserts would refuse the
 # casts the passes insert, and `accepts` checks the inputs before the graph runs.
 _CAPTURE_CHECKS = {torch.ops.aten._assert_tensor_metadata.default}
@@ -67,33 +82,37 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 class ExportError(RuntimeError):
     """``torch.export`` could not capture a call; the message names the line that stopped it.
 
-    ``advice`` says what would let the call capture, for the kind of failure it was (`_advice`).
+    ``kind`` is what stopped it (a key of `ADVICE`: ``"container"``, ``"data-dependent"`` or
+    ``"other"``) and ``advice`` what would let the call capture.
     """
 
-    def __init__(self, message: str, advice: str) -> None:
+    def __init__(self, message: str, kind: str) -> None:
         super().__init__(message)
-        self.advice = advice
+        self.kind = kind
+        self.advice = ADVICE[kind]
 
 
 # What stops torch.export, recognised by its message, and what makes the code capture.
-_DATA_DEPENDENT = ("data-dependent", "data dependent", "guard_on_data_dependent", ".item()")
-_UNFLATTENABLE = ("not a known type", "unsupported input type", "register a pytree", "pytree container")
+_MARKERS = {
+    "container": ("not a known type", "unsupported input type", "register a pytree", "pytree container"),
+    "data-dependent": ("data-dependent", "data dependent", "guard_on_data_dependent", ".item()"),
+}
+ADVICE = {
+    "container": (
+        "a value of a type torch.export cannot flatten crosses the module's boundary, and amp_fx "
+        "could not take it apart by its attributes either: pass and return its tensors instead"
+    ),
+    "data-dependent": (
+        "control flow or a size depends on a tensor's values: make that line independent of "
+        "them (torch.where, torch.cond, or sizes known from the inputs' shapes)"
+    ),
+    "other": "the module's own code runs correctly in the island; the error is what torch.export refused",
+}
 
 
-def _advice(error: BaseException) -> str:
+def _failure_kind(error: BaseException) -> str:
     text = f"{type(error).__name__}: {error}".lower()
-    if any(marker in text for marker in _UNFLATTENABLE):
-        return (
-            "a value of a type torch.export cannot flatten crosses the module's boundary: register "
-            "the type with torch.utils._pytree.register_pytree_node (torch.export.register_dataclass "
-            "for a dataclass), or pass and return its tensors instead"
-        )
-    if any(marker in text for marker in _DATA_DEPENDENT):
-        return (
-            "control flow or a size depends on a tensor's values: make that line independent of "
-            "them (torch.where, torch.cond, or sizes known from the inputs' shapes)"
-        )
-    return "the module's own code runs correctly in the island; the error above is what torch.export refused"
+    return next((kind for kind, markers in _MARKERS.items() if any(m in text for m in markers)), "other")
 
 
 def _dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -171,12 +190,70 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dyn
     return torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
 
 
+@dataclasses.dataclass(frozen=True)
+class ContainerCall:
+    """How a graph captured with ``containers=True`` is called (`call_graph`): it takes the tensors
+    of ``(args, kwargs)`` (`amp_fx.passes.containers.flatten`) and returns those of the output, then
+    those of the call's own objects after the call, which are written back into the caller's."""
+
+    arguments: Spec
+    output: Spec
+    after: Spec
+
+    def call(self, gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        leaves, _ = flatten((args, kwargs))
+        originals = outer_objects((args, kwargs))
+        flat = list(gm(*leaves))
+        count = self.output.leaves
+        states, _ = unflatten(flat[count:], self.after)
+        write_back(originals, states)
+        return unflatten(flat[:count], self.output, originals)[0]
+
+
+def container_call(gm: torch.fx.GraphModule) -> ContainerCall | None:
+    """The `ContainerCall` of a graph captured with ``containers=True``, else None."""
+    return getattr(gm, _CONTAINERS_ATTR, None)
+
+
+def call_graph(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run a graph of `export_graph` on a call of the model it was captured from."""
+    containers = container_call(gm)
+    return gm(*args, **kwargs) if containers is None else containers.call(gm, args, kwargs)
+
+
+@contextlib.contextmanager
+def _forward_on_leaves(model: nn.Module, arguments: Spec, calls: list[ContainerCall]) -> Any:
+    """While open, ``model``'s forward takes the call's tensors: it rebuilds the arguments (cache
+    objects included) from them, runs the real forward and returns tensors only, so torch.export
+    sees no container it does not know. The `ContainerCall` it records goes to ``calls``."""
+    real = model.forward
+    own = model.__dict__.get("forward")
+
+    def forward(*leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        (args, kwargs), objects = unflatten(list(leaves), arguments)
+        output = real(*args, **kwargs)
+        output_leaves, output_spec = flatten(output, objects)
+        after_leaves, after_spec = flatten([dict(vars(obj)) for obj in objects])
+        calls.append(ContainerCall(arguments, output_spec, after_spec))
+        return (*output_leaves, *after_leaves)
+
+    model.forward = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
+
+
 def export_graph(
     model: nn.Module,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     autocast: tuple[str, torch.dtype] | None = None,
     dynamic: bool = False,
+    containers: bool = False,
 ) -> torch.fx.GraphModule:
     """Capture ``model(*args, **kwargs)`` as a GraphModule of ATen ops (see the module docstring).
 
@@ -185,13 +262,23 @@ def export_graph(
     included; its output has the model's output type. ``autocast=(device_type, dtype)`` captures
     inside ``torch.autocast``. ``dynamic=True`` makes every size dynamic that the code allows
     (falling back to the call's sizes where export refuses); else the call's sizes are captured.
+    ``containers=True`` captures calls whose arguments or output hold containers torch.export
+    does not know (a ``DynamicCache``): the graph then takes and returns tensors only, and
+    `call_graph` runs it on the model's arguments (`ContainerCall`).
 
     Raises:
         ExportError: torch.export could not capture the call; names the line that stopped it.
     """
     region = torch.autocast(autocast[0], dtype=autocast[1]) if autocast else contextlib.nullcontext()
     errors: list[Exception] = []
-    with region:
+    calls: list[ContainerCall] = []
+    if containers:
+        leaves, arguments = flatten((args, kwargs))
+        args, kwargs = tuple(leaves), {}
+        on_leaves: Any = _forward_on_leaves(model, arguments, calls)
+    else:
+        on_leaves = contextlib.nullcontext()
+    with region, on_leaves:
         for sizes in (True, False) if dynamic else (False,):
             try:
                 with _torch_failure_output_to_debug_log():
@@ -204,12 +291,18 @@ def export_graph(
             raise ExportError(
                 f"torch.export could not capture {type(model).__name__}: {_first_line(error)} "
                 f"(stopped at {_stopping_line(error)})",
-                _advice(error),
+                _failure_kind(error),
             ) from error
     if errors:
         logger.info("%s: dynamic sizes refused (%s); captured static sizes", type(model).__name__, errors[0])
     gm = _clean(program, type(model).__name__, kwargs)
     setattr(gm, _SIGNATURE_ATTR, _signature(gm, args, kwargs))
+    if calls:
+        call = calls[-1]
+        setattr(gm, _CONTAINERS_ATTR, call)
+        # A cache's tensors and a container's state keep their dtype (an O2 KV cache stays low).
+        kept = [*leaves_in_objects(call.output), *[True] * call.after.leaves]
+        gm.meta[KEEP_OUTPUT_DTYPE_KEY] = frozenset(i for i, keep in enumerate(kept) if keep)
     return gm
 
 
@@ -234,6 +327,8 @@ def _clean(program: Any, name: str, keywords: dict[str, Any]) -> torch.fx.GraphM
 
 def graph_inputs(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     """The call's arguments in the order of ``gm``'s placeholders (pytree-flattened)."""
+    if container_call(gm) is not None:
+        return flatten((args, kwargs))[0]
     return pytree.tree_flatten((args, _in_capture_order(gm, kwargs)))[0]
 
 

@@ -47,7 +47,7 @@ import torch.fx
 from torch import nn
 from torch.fx.node import map_aggregate, map_arg
 
-from amp_fx.core.node_info import META_KEY, node_info
+from amp_fx.core.node_info import KEEP_OUTPUT_DTYPE_KEY, META_KEY, node_info
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.ops.casts import cast_if_floating
@@ -207,6 +207,13 @@ def _abstract(value: Any) -> Any:
 def _abstract_structure(structure: Any) -> Any:
     """A returned tuple/namedtuple of static values keeps its elements (for getitem); others are unknown."""
     return tuple(structure) if isinstance(structure, tuple) else UNKNOWN
+
+
+def _outputs_keeping_dtype(gm: torch.fx.GraphModule, output: torch.fx.Node) -> set[torch.fx.Node]:
+    """The returned values `KEEP_OUTPUT_DTYPE_KEY` names (a KV cache's tensors): not cast."""
+    indices = gm.meta.get(KEEP_OUTPUT_DTYPE_KEY, ())
+    flat = output.args[0] if output.args and isinstance(output.args[0], (tuple, list)) else ()
+    return {flat[i] for i in indices if i < len(flat) and isinstance(flat[i], torch.fx.Node)}
 
 
 def _seen_dtype(value: Any, target: torch.dtype | None) -> torch.dtype | None:
@@ -605,6 +612,10 @@ class _Propagation:
                     target = _low_parameter_dtype(node, values, params)
             info.in_dtypes = tuple(_seen_dtype(v, target) for v in values)
             if node.op == "output":
+                kept = _outputs_keeping_dtype(self.gm, node)
+                info.in_dtypes = tuple(
+                    _seen_dtype(v, None if a in kept else target) for a, v in zip(inputs, values, strict=True)
+                )
                 info.out_dtype = None
                 continue
             if not static:

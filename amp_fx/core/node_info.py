@@ -25,6 +25,9 @@ ORIGINAL_CODE_KEY = "amp_fx_original_code"
 # Set on a graph whose parameters are already stored in their dtypes (the torch.export front end
 # stores them when the model is converted, before any capture): the passes leave them as they are.
 PARAMETERS_STORED_KEY = "amp_fx_parameters_stored"
+# gm.meta: indices of the graph's flat outputs that keep the dtype they are computed in (a KV
+# cache's tensors, a container's state after the call), not cast per ``cast_model_outputs``.
+KEEP_OUTPUT_DTYPE_KEY = "amp_fx_keep_output_dtype"
 
 
 @dataclass
