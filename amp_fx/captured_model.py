@@ -416,6 +416,11 @@ def _traced_choice(
     for graph in state.graphs:
         if _fits(graph, training, args, kwargs, traced=True):
             return graph
+    if any(container_call(graph) for graph in state.graphs):
+        flat = flatten((args, kwargs))
+        for graph in state.graphs:
+            if _fits_containers(graph, training, flat, traced=True):
+                return graph
     return None
 
 
@@ -433,14 +438,20 @@ def _structure(module: nn.Module, flat: tuple[list[torch.Tensor], Spec]) -> tupl
 
 
 def _fits_containers(
-    graph: torch.fx.GraphModule, training: bool, flat: tuple[list[torch.Tensor], Spec]
+    graph: torch.fx.GraphModule,
+    training: bool,
+    flat: tuple[list[torch.Tensor], Spec],
+    *,
+    traced: bool = False,
 ) -> bool:
     """`_fits` for a graph captured with containers: the same nesting, and its tensors fit."""
     call = container_call(graph)
     if call is None or graph.meta["amp_fx_training"] != training or call.arguments != flat[1]:
         return False
     leaves, signature = tuple(flat[0]), call_signature(graph)
-    return signature.matches(leaves, {}) if signature is not None else accepts(graph, leaves, {})
+    if signature is not None:
+        return signature.matches(leaves, {})
+    return not traced and accepts(graph, leaves, {})
 
 
 def _select_or_capture(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -457,7 +468,9 @@ def _select_or_capture(module: nn.Module, args: tuple[Any, ...], kwargs: dict[st
     if key in state.islands:
         return None
     dynamic = any(graph.meta["amp_fx_training"] == mode for graph in state.graphs)
-    return _capture(module, state, args, kwargs, key, dynamic, containers=flat[1].objects > 0)
+    # A module whose calls needed containers once (a cache it returns) needs them again.
+    containers = flat[1].objects > 0 or any(container_call(graph) for graph in state.graphs)
+    return _capture(module, state, args, kwargs, key, dynamic, containers)
 
 
 def _capture(

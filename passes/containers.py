@@ -116,6 +116,11 @@ def _node_type(value: Any) -> Any:
     return node_type if node_type in pytree.SUPPORTED_NODES else None
 
 
+# Leaves: tensors, and the symbolic sizes a capture with dynamic shapes may leave in a container's
+# state (a sliding-window cache's length), which the graph returns as ints.
+_LEAF_TYPES = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
 def _is_object(value: Any) -> bool:
     # Lists, tuples and dicts (ModelOutput too) go through pytree; other plain Python objects by
     # their attributes, also while they hold no tensor (an empty cache the callee fills). Modules
@@ -124,18 +129,19 @@ def _is_object(value: Any) -> bool:
         hasattr(value, "__dict__")
         and not isinstance(value, (tuple, list, dict, torch.nn.Module))
         and type(value).__new__ is object.__new__
+        and not type(value).__module__.startswith("torch.")  # torch's machinery, not user data
     )
 
 
-def flatten(value: Any, inputs: list[Any] | None = None) -> tuple[list[torch.Tensor], Spec]:
+def flatten(value: Any, inputs: list[Any] | None = None) -> tuple[list[Any], Spec]:
     """The tensors in ``value`` (depth first) and the `Spec` that rebuilds it. ``inputs``: objects
     of the call (from `unflatten`) that ``value`` may return; each is recorded as ``"same"``."""
-    leaves: list[torch.Tensor] = []
+    leaves: list[Any] = []
     return leaves, _flatten(value, leaves, inputs or [])
 
 
-def _flatten(value: Any, leaves: list[torch.Tensor], inputs: list[Any]) -> Spec:
-    if isinstance(value, torch.Tensor):
+def _flatten(value: Any, leaves: list[Any], inputs: list[Any], within: tuple[int, ...] = ()) -> Spec:
+    if isinstance(value, _LEAF_TYPES):
         leaves.append(value)
         return Spec("tensor")
     if isinstance(value, _CONSTANT_TYPES):
@@ -143,14 +149,14 @@ def _flatten(value: Any, leaves: list[torch.Tensor], inputs: list[Any]) -> Spec:
     for index, known in enumerate(inputs):
         if value is known:
             return Spec("same", index)
-    if _is_object(value):
-        return Spec("object", type(value), (_flatten(dict(vars(value)), leaves, inputs),))
+    if _is_object(value) and id(value) not in within:  # an object holding itself stays whole
+        state = _flatten(dict(vars(value)), leaves, inputs, (*within, id(value)))
+        return Spec("object", type(value), (state,))
     node_type = _node_type(value)
     if node_type is not None:
         children, context = pytree.SUPPORTED_NODES[node_type].flatten_fn(value)
-        return Spec(
-            "node", (node_type, _context_key(context)), tuple(_flatten(c, leaves, inputs) for c in children)
-        )
+        flat = tuple(_flatten(child, leaves, inputs, within) for child in children)
+        return Spec("node", (node_type, _context_key(context)), flat)
     return Spec("constant", value)
 
 
@@ -206,7 +212,7 @@ def outer_objects(value: Any) -> list[Any]:
 
 
 def _collect_objects(value: Any, found: list[Any]) -> None:
-    if isinstance(value, (torch.Tensor, *_CONSTANT_TYPES)):
+    if isinstance(value, (*_LEAF_TYPES, *_CONSTANT_TYPES)):
         return
     if _is_object(value):
         found.append(value)

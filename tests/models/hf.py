@@ -21,7 +21,7 @@ def _causal_lm(batch: int, length: int) -> dict[str, Any]:
     ids = _ids(batch, length)
     mask = torch.ones(batch, length, dtype=torch.long)
     mask[0, -1] = 0  # one padded position: the mask path is taken
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.clone(), "use_cache": False}
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.clone()}
 
 
 def _decoder(cls_config: str, cls_model: str) -> Callable[[], tuple[torch.nn.Module, Inputs]]:
@@ -108,7 +108,6 @@ def whisper() -> tuple[torch.nn.Module, Inputs]:
             "input_features": torch.randn(batch, 8, 32),
             "decoder_input_ids": ids,
             "labels": ids.clone(),
-            "use_cache": False,
         }
 
     return transformers.WhisperForConditionalGeneration(config), inputs

@@ -1,0 +1,168 @@
+"""Hugging Face models called with their defaults, and ``generate()``, through the torch.export front end.
+
+The default call (``use_cache`` from the config) passes a ``DynamicCache`` (an
+``EncoderDecoderCache`` for encoder-decoders) across every module boundary; it is captured whole,
+the cache it fills holds real tensors equal to autocast's (O1), and it keeps the compute dtype at
+O2 (issue 22). `generate()` captures a handful of graphs, not one per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import amp_fx
+from amp_fx.captured_model import capture_states
+from amp_fx.passes.containers import flatten
+from amp_fx.testing import with_autocast
+from tests.bit_equality import bits_equal
+from tests.models.hf import MODELS, VOCAB
+
+transformers = pytest.importorskip("transformers")
+
+BF16 = torch.bfloat16
+
+
+def _bart() -> nn.Module:
+    config = transformers.BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+    )  # fmt: skip
+    return transformers.BartForConditionalGeneration(config)
+
+
+def _model(name: str) -> tuple[nn.Module, dict]:
+    torch.manual_seed(0)
+    if name == "bart":
+        ids = torch.randint(3, VOCAB, (2, 8))
+        return _bart(), {"input_ids": ids, "labels": ids.clone()}
+    model, make_inputs = MODELS[name]()
+    return model, make_inputs(2, 8)
+
+
+def _islands(model: nn.Module) -> dict[str, list[str]]:
+    return {name: list(state.islands.values()) for name, state in capture_states(model) if state.islands}
+
+
+def _cache_tensors(output) -> list[torch.Tensor]:
+    return flatten(output.past_key_values)[0]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen2", "gemma3", "t5", "bart", "whisper"])
+def test_default_call_is_captured_whole(name: str) -> None:
+    """One graph, no island; O1 equals torch.autocast bit for bit, the cache included."""
+    model, inputs = _model(name)
+    model.eval()
+    converted = amp_fx.convert(model, "O1", dtype=BF16)
+    output = converted(**inputs)
+    reference = with_autocast(model, "cpu", BF16)(**inputs)
+    assert not _islands(converted) and len(capture_states(converted)[0][1].graphs) == 1
+    assert type(output.loss) is torch.Tensor and bits_equal(output.loss, reference.loss)
+    assert bits_equal(output.logits, reference.logits)
+    cache, expected = _cache_tensors(output), _cache_tensors(reference)
+    assert len(cache) == len(expected)  # BART drops its cache when given labels, as its docs say
+    assert all(type(t) is torch.Tensor and bits_equal(t, e) for t, e in zip(cache, expected, strict=True))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "t5"])
+def test_o2_keeps_the_cache_in_the_compute_dtype(name: str) -> None:
+    """O2's float32 outputs are the logits and the loss; a KV cache in float32 would double."""
+    model, inputs = _model(name)
+    output = amp_fx.convert(model, "O2", dtype=BF16)(**inputs)
+    assert output.logits.dtype == torch.float32 and output.loss.dtype == torch.float32
+    assert {t.dtype for t in _cache_tensors(output)} == {BF16}
+
+
+def test_a_cache_the_callee_fills_holds_what_the_original_leaves_there() -> None:
+    """``DynamicCache.update`` appends to the caller's cache: after a captured call the caller's
+    own cache object holds real tensors, equal to those the original model leaves in its cache."""
+    from transformers.cache_utils import DynamicCache
+
+    model, inputs = _model("llama")
+    model.eval()
+    converted = amp_fx.convert(model, "O1", dtype=BF16)
+    reference = with_autocast(model, "cpu", BF16)
+    caches = [DynamicCache(config=model.config), DynamicCache(config=model.config)]
+    ids = inputs["input_ids"]
+    for step in (ids[:, :6], ids[:, 6:7], ids[:, 7:]):  # a prefill, then two decode steps
+        converted(input_ids=step, past_key_values=caches[0])
+        reference(input_ids=step, past_key_values=caches[1])
+        mine, theirs = flatten(caches[0])[0], flatten(caches[1])[0]
+        assert len(mine) == len(theirs) and mine[0].shape[-2] == theirs[0].shape[-2]
+        assert all(type(t) is torch.Tensor and bits_equal(t, e) for t, e in zip(mine, theirs, strict=True))
+
+
+@dataclasses.dataclass
+class _Images:
+    """A container type no code has seen: a dataclass of tensors plus sizes, filled in place."""
+
+    tensors: torch.Tensor
+    sizes: list[tuple[int, int]]
+    features: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+
+class _Backbone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, images: _Images) -> _Images:
+        images.features.append(self.proj(images.tensors))
+        return images
+
+
+class _Detector(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = _Backbone()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        images = self.backbone(_Images(x, [(x.shape[0], x.shape[1])]))
+        return {"scores": self.head(images.features[-1]), "images": images}
+
+
+def test_unknown_containers_cross_boundaries() -> None:
+    torch.manual_seed(0)
+    model = _Detector()
+    converted = amp_fx.convert(model, "O1", dtype=BF16, front_end="export")
+    x = torch.randn(3, 4)
+    output = converted(x)
+    reference = with_autocast(model, "cpu", BF16)(x)
+    assert not _islands(converted)
+    assert type(output["images"]) is _Images and output["images"].sizes == [(3, 4)]
+    assert bits_equal(output["scores"], reference["scores"])
+    assert bits_equal(output["images"].features[0], reference["images"].features[0])
+    # A captured child fills the caller's object in place.
+    images = _Images(x, [(3, 4)])
+    child = amp_fx.convert(model.backbone, "O1", dtype=BF16, front_end="export")
+    assert child(images) is images and type(images.features[0]) is torch.Tensor
+    assert bits_equal(images.features[0], reference["images"].features[0])
+
+
+def _graphs(model: nn.Module) -> int:
+    return sum(len(state.graphs) for _, state in capture_states(model))
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_generate_greedy_and_sampled(opt_level: str) -> None:
+    model, inputs = _model("llama")
+    model.eval()
+    converted = amp_fx.convert(model, opt_level, dtype=BF16)
+    reference = with_autocast(model, "cpu", BF16)
+    ids = inputs["input_ids"]
+    tokens = converted.generate(ids, max_new_tokens=8, do_sample=False)
+    assert type(tokens) is torch.Tensor and tokens.shape == (2, 16)
+    assert not _islands(converted) and _graphs(converted) <= 4
+    if opt_level == "O1":
+        assert torch.equal(tokens, reference.generate(ids, max_new_tokens=8, do_sample=False))
+        torch.manual_seed(3)
+        sampled = converted.generate(ids, max_new_tokens=8, do_sample=True)
+        torch.manual_seed(3)
+        assert torch.equal(sampled, reference.generate(ids, max_new_tokens=8, do_sample=True))
+    before = _graphs(converted)
+    converted.generate(ids[:1, :5], max_new_tokens=4, do_sample=False)  # batch 1, another length
+    assert _graphs(converted) <= before + 2
