@@ -159,7 +159,6 @@ _SMALL_TRANSFORMERS_SIZES = {
     "decoder_layers": 2, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
     "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "max_source_positions": 64,
     "max_target_positions": 64, "image_size": 32, "patch_size": 8, "projection_dim": 32,
-    "use_cache": False,
 }  # fmt: skip
 _TRANSFORMERS_SEQUENCE = 8
 

@@ -402,9 +402,12 @@ def short_error(exc: BaseException) -> str:
 
 def make_workload(model_name: str, args: argparse.Namespace, device: torch.device) -> Workload:
     """A fresh, seeded workload of the command line's size (--small, --batch-size, --seq-len)."""
-    return build_workload(
+    workload = build_workload(
         model_name, device, small=args.small, batch_size=args.batch_size, seq_len=args.seq_len
     )
+    if args.no_kv_cache and hasattr(workload.model, "config"):
+        workload.model.config.use_cache = False  # the comparison row; people call the default
+    return workload
 
 
 def prepare_variant(
@@ -728,6 +731,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--markdown", default=None, help="append the tables to this file (e.g. BENCHMARKS.md)"
     )
     parser.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    parser.add_argument(
+        "--no-kv-cache",
+        action="store_true",
+        help="transformers models with config.use_cache=False (default: the config's default call, "
+        "which fills a key/value cache)",
+    )
     parser.add_argument(
         "--profile",
         type=int,

@@ -251,17 +251,17 @@ def build_resnet50(
 
 
 def hf_config(name: str, small: bool, seq_len: int) -> Any:
-    """The transformers config of ``hf_gpt2`` or ``hf_llama`` (``use_cache=False``: training keeps
-    no key/value cache), with position embeddings for at least ``seq_len`` tokens."""
+    """The transformers config of ``hf_gpt2`` or ``hf_llama``, with position embeddings for at least
+    ``seq_len`` tokens; ``use_cache`` is the config's default, as people train."""
     import transformers
 
     if name == "hf_gpt2":
         if small:
             return transformers.GPT2Config(
-                vocab_size=512, n_embd=64, n_layer=2, n_head=2, n_positions=seq_len, use_cache=False,
+                vocab_size=512, n_embd=64, n_layer=2, n_head=2, n_positions=seq_len,
                 bos_token_id=0, eos_token_id=0,  # GPT-2's 50256 is outside the tiny vocabulary
             )  # fmt: skip
-        return transformers.GPT2Config(n_positions=max(1024, seq_len), use_cache=False)
+        return transformers.GPT2Config(n_positions=max(1024, seq_len))
     if small:
         sizes: dict[str, int] = {"hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2}
         sizes |= {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
@@ -270,7 +270,7 @@ def hf_config(name: str, small: bool, seq_len: int) -> Any:
         # 5632); 12 layers land at 0.67B parameters, head dim 128.
         sizes = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 12}
         sizes |= {"num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000}
-    return transformers.LlamaConfig(**sizes, max_position_embeddings=max(2048, seq_len), use_cache=False)
+    return transformers.LlamaConfig(**sizes, max_position_embeddings=max(2048, seq_len))
 
 
 HF_MODEL_CLASSES = {"hf_gpt2": "GPT2LMHeadModel", "hf_llama": "LlamaForCausalLM"}

@@ -81,10 +81,12 @@ class Spec:
     kind: str
     value: Any = None
     children: tuple[Spec, ...] = ()
+    # Computed once (children first): a graph is chosen by comparing specs at every call.
+    key: tuple[Any, ...] = dataclasses.field(init=False, repr=False)
 
-    @property
-    def key(self) -> tuple[Any, ...]:
-        return (self.kind, _hashable(self.value), tuple(child.key for child in self.children))
+    def __post_init__(self) -> None:
+        key = (self.kind, _hashable(self.value), tuple(child.key for child in self.children))
+        object.__setattr__(self, "key", key)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Spec) and self.key == other.key

@@ -405,6 +405,8 @@ def _size_spec(size: Any, ranges: dict[Any, Any]) -> int | str | None:
     if isinstance(size, int):
         return size
     expr = size.node.expr if isinstance(size, torch.SymInt) else None
+    if expr is not None and expr.is_Integer:  # a dimension export specialised after all
+        return int(expr)
     return str(expr) if expr is not None and expr.is_Symbol and expr in ranges else None
 
 
