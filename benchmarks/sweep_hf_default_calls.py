@@ -52,8 +52,8 @@ _SMALLER = {
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
     "num_experts_per_tok": 2, "moe_topk": 2, "n_shared_experts": 1, "num_shared_experts": 1,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "expert_intermediate_size": 32,
-    "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "kv_lora_rank": 32, "q_lora_rank": 32,
-    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "moe_k": 2, "moe_num_shared_experts": 1,
+    "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
 }  # fmt: skip
 _DECODER_LENGTH = 4
 
@@ -70,6 +70,8 @@ class Row:
     error: str = ""
     where: str = ""  # the innermost frame of the error (file:line) or, for a timeout, the line it was in
     inputs: list[str] = dataclasses.field(default_factory=list)
+    text_only: bool = False  # its forward takes images or audio, but the call was text only
+    media_error: str = ""  # why the call with images or audio failed, for a text-only row
     graphs: int = 0
     islands: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     island_parameters: float | None = None
@@ -152,11 +154,24 @@ def _small_values(config_class: type) -> dict[str, Any]:
     default = config_class()
     values = default.to_dict()
     values.update({k: v for k, v in _SMALL_TRANSFORMERS_SIZES.items() if k in values})
+    values.pop("layer_types", None)  # one per default layer: made again for the small count
     for name in getattr(config_class, "sub_configs", {}):
         sub = getattr(default, name, None)
         if isinstance(sub, PretrainedConfig):
             values[name] = {**_small_values(type(sub)), "model_type": sub.model_type}
     return values
+
+
+def _layer_kinds(config_class: type) -> list[str]:
+    """The distinct ``layer_types`` of the default config, in order (empty: none)."""
+    try:
+        kinds = getattr(config_class(), "layer_types", None)
+    except Exception:
+        return []
+    if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
+        return []
+    distinct = list(dict.fromkeys(kinds))
+    return distinct if len(distinct) > 1 else []
 
 
 def tiny_config(config_class: type) -> Any:
@@ -171,7 +186,25 @@ def tiny_config(config_class: type) -> Any:
     _restore_use_cache(values, config_class)
     for key in ("transformers_version", "model_type", "architectures"):
         values.pop(key, None)
-    return config_class(**values)
+    config = config_class(**values)
+    kinds = _layer_kinds(config_class)
+    if kinds and set(getattr(config, "layer_types", None) or kinds) != set(kinds):
+        # A hybrid whose first two layers are all of one kind (linear attention): one of each.
+        try:
+            config = config_class(**{**values, "layer_types": kinds, "num_hidden_layers": len(kinds)})
+        except Exception:
+            pass  # layer_types is derived (Jamba's periods): the small config as it is
+    if not hasattr(config, "decoder_start_token_id") and config.is_encoder_decoder:
+        # T5's config no longer carries it; its checkpoints do (the pad token, 0).
+        config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
+    # Special tokens past the text vocabulary (Llava's image token is 32000 of 32000): the tiny
+    # model's embedding must hold them, as the released checkpoints' resized ones do.
+    text = getattr(config, "text_config", None) or config
+    special = [getattr(config, k, None) for k in ("image_token_id", "image_token_index", "video_token_id")]
+    special = [t for t in special if isinstance(t, int)]
+    if special and isinstance(getattr(text, "vocab_size", None), int) and max(special) >= text.vocab_size:
+        text.vocab_size = max(special) + 1
+    return config
 
 
 def _vocab_size(config: Any) -> int:
@@ -189,21 +222,60 @@ def default_inputs(model: nn.Module, group: str, with_media: bool = True) -> dic
     ``with_media`` is False: a text-only call). Never ``use_cache``."""
     from amp_fx.cli import transformers_inputs
 
-    inputs = transformers_inputs(model)
-    accepted = inspect.signature(model.forward).parameters
     if not with_media:
-        inputs = {k: v for k, v in inputs.items() if k in ("input_ids", "decoder_input_ids")}
+        inputs = _text_inputs(model)
+    else:
+        try:
+            inputs = transformers_inputs(model)
+        except Exception:  # audio sizes under an audio_config (Voxtral): text only
+            return default_inputs(model, group, with_media=False)
+    accepted = inspect.signature(model.forward).parameters
     generator = torch.Generator().manual_seed(1)
     vocab = _vocab_size(model.config)
+    if "pixel_values" in inputs and "input_ids" in inputs:
+        inputs["input_ids"] = _with_image_tokens(model, inputs["input_ids"], inputs["pixel_values"])
     if "input_ids" in inputs and "attention_mask" in accepted:
         inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
     if "labels" in accepted:
-        if group == "causal" and "input_ids" in inputs:
+        if group != "seq2seq" and "input_ids" in inputs:
             inputs["labels"] = inputs["input_ids"].clone()
         else:
             inputs.pop("decoder_input_ids", None)
-            inputs["labels"] = torch.randint(0, vocab, (1, _DECODER_LENGTH), generator=generator)
+            length = inputs["input_ids"].shape[1] if "input_ids" in inputs else _DECODER_LENGTH
+            inputs["labels"] = torch.randint(0, vocab, (1, length), generator=generator)
     return inputs
+
+
+def _text_inputs(model: nn.Module) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, _vocab_size(model.config), (1, 8), generator=generator)
+    accepted = inspect.signature(model.forward).parameters
+    return {"input_ids": ids} if "input_ids" in accepted else {}
+
+
+def _with_image_tokens(model: nn.Module, ids: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
+    """``ids`` after as many image tokens as the model makes image features of ``pixels`` (the
+    Llava way: ``get_image_features`` and ``config.image_token_id``); ``ids`` as they are for a model
+    that does not work that way."""
+    config = model.config
+    token = getattr(config, "image_token_id", None)
+    token = getattr(config, "image_token_index", None) if token is None else token
+    if not isinstance(token, int) or not hasattr(model, "get_image_features"):
+        return ids
+    try:
+        with torch.no_grad():
+            features = model.get_image_features(pixel_values=pixels)
+    except Exception:
+        return ids
+    if not isinstance(features, torch.Tensor):
+        pooled = getattr(features, "pooler_output", None)
+        features = pooled if pooled is not None else features[0]
+    tensors = [features] if isinstance(features, torch.Tensor) else list(features)
+    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+        return ids
+    count = sum(t.reshape(-1, t.shape[-1]).shape[0] for t in tensors)
+    text = torch.where(ids == token, torch.zeros_like(ids), ids)
+    return torch.cat([torch.full((ids.shape[0], count), token, dtype=ids.dtype), text], dim=1)
 
 
 def _first_line(error: BaseException) -> str:
@@ -241,7 +313,7 @@ def _outputs(output: Any) -> dict[str, torch.Tensor]:
     return found
 
 
-def _build(name: str, group: str) -> tuple[nn.Module, dict[str, torch.Tensor], Any]:
+def _build(name: str, group: str, row: Row) -> tuple[nn.Module, dict[str, torch.Tensor], Any]:
     """The model, its default inputs and autocast's output for them; raises if any of them fails."""
     import transformers
 
@@ -254,12 +326,15 @@ def _build(name: str, group: str) -> tuple[nn.Module, dict[str, torch.Tensor], A
     inputs = default_inputs(model, group)
     try:
         reference = with_autocast(model, "cpu", BF16)(**inputs)
-    except Exception:
+    except Exception as error:
         text_only = default_inputs(model, group, with_media=False)
         if text_only.keys() == inputs.keys():
             raise
+        row.media_error = f"{_first_line(error)} ({_where(error)})"
         inputs = text_only  # a VLM whose random image does not fit its prompt: its text-only call
         reference = with_autocast(model, "cpu", BF16)(**inputs)
+    media = {"pixel_values", "input_features", "input_values", "pixel_values_videos"}
+    row.text_only = bool(media & set(inspect.signature(model.forward).parameters)) and not media & set(inputs)
     return model, inputs, reference
 
 
@@ -273,7 +348,7 @@ def check(name: str, group: str = "causal", timeout: float | None = 120.0) -> Ro
     stage = "build"
     try:
         with _time_limit(timeout):
-            model, inputs, reference = _build(name, group)
+            model, inputs, reference = _build(name, group, row)
             row.builds, stage = True, "convert"
             row.inputs = sorted(inputs)
             row.parameters = sum(p.numel() for p in model.parameters())
@@ -328,8 +403,9 @@ def table(rows: list[Row]) -> list[str]:
             note = ""
         if r.unequal:
             note = f"unequal: {', '.join(r.unequal)}. {note}"
-        if r.builds and "pixel_values" not in r.inputs and r.group == "vlm":
-            note = f"text only. {note}"
+        if r.builds and r.text_only:
+            why = f" ({r.media_error})" if r.media_error else ""
+            note = f"text only{why}. {note}"
         lines.append(
             f"| {r.name} | {r.group} | {_yes(r.builds)} | {_yes(r.converts if r.builds else None)} "
             f"| {r.graphs if r.converts else '-'} | {len(r.islands) if r.converts else '-'} "
