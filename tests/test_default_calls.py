@@ -188,3 +188,45 @@ def test_generate_greedy_and_sampled(opt_level: str) -> None:
     before = _graphs(converted)
     converted.generate(ids[:1, :5], max_new_tokens=4, do_sample=False)  # batch 1, another length
     assert _graphs(converted) <= before + 2
+
+
+def test_mixture_of_experts_islands_are_few_and_named() -> None:
+    """Expert routing may be data-dependent: an island is allowed there, naming the line that
+    forces it, and holding at most a quarter of the parameters."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    model = transformers.MixtralForCausalLM(config).eval()
+    ids = torch.randint(0, VOCAB, (2, 8))
+    converted = amp_fx.convert(model, "O1", dtype=BF16)
+    output = converted(input_ids=ids, labels=ids)
+    assert bits_equal(output.logits, with_autocast(model, "cpu", BF16)(input_ids=ids, labels=ids).logits)
+    for reasons in _islands(converted).values():
+        assert all(".py:" in reason for reason in reasons), reasons
+    assert amp_fx.capture_summary(converted, input_ids=ids, labels=ids).parameter_coverage >= 0.75
+
+
+def test_coexists_with_transformers_own_cache_registration() -> None:
+    """transformers can register DynamicCache as a pytree node itself; the capture works either way
+    (a cache is taken apart by its attributes, registered or not) and leaves the registry as found."""
+    import torch.utils._pytree as pytree
+    from transformers.cache_utils import DynamicCache
+
+    executorch = pytest.importorskip("transformers.integrations.executorch")
+    register = getattr(executorch, "register_dynamic_cache_export_support", None)
+    if register is None:
+        pytest.skip("this transformers has no register_dynamic_cache_export_support")
+    registered = DynamicCache in pytree.SUPPORTED_NODES
+    register()
+    try:
+        model, inputs = _model("llama")
+        model.eval()
+        converted = amp_fx.convert(model, "O1", dtype=BF16)
+        output = converted(**inputs)
+        assert not _islands(converted)
+        assert bits_equal(output.logits, with_autocast(model, "cpu", BF16)(**inputs).logits)
+    finally:
+        if not registered:
+            pytree._deregister_pytree_node(DynamicCache)
