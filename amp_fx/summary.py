@@ -55,11 +55,27 @@ _aten = torch.ops.aten
 # torch.utils.flop_counter counts them; linear and matmul reach the dispatcher as mm, addmm, bmm.
 # The CPU and overridable attention kernels count as the CUDA ones do.
 _FLOP_FORMULAS: dict[Any, Callable[..., int]] = dict(flop_registry)
+
+
+def _attention_flops(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
+) -> int:
+    """Q @ K^T and P @ V of an attention kernel, as torch counts them, also where key and value
+    have fewer heads than the query (grouped-query attention, which torch 2.11's formula refuses)."""
+    *_, query_length, head_dim = query.shape
+    rows = query.numel() // head_dim  # batch x query heads x query length
+    return 2 * rows * key.shape[-2] * (head_dim + value.shape[-1]) if query_length else 0
+
+
+# The attention kernels' forwards (CPU and overridable ones included) count with GQA in mind.
 for _sdpa in (
+    _aten._scaled_dot_product_efficient_attention,
+    _aten._scaled_dot_product_flash_attention,
+    _aten._scaled_dot_product_cudnn_attention,
     _aten._scaled_dot_product_flash_attention_for_cpu,
     _aten._scaled_dot_product_fused_attention_overrideable,
 ):
-    _FLOP_FORMULAS.setdefault(_sdpa, flop_registry[_aten._scaled_dot_product_efficient_attention])
+    _FLOP_FORMULAS[_sdpa] = _attention_flops
 
 
 @dataclasses.dataclass

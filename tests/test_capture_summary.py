@@ -259,3 +259,18 @@ def test_a_gpt2_default_call_counts_its_islands_work_outside() -> None:
     assert summary.in_graphs.ops + outside == summary.call.ops
     assert (summary.op_share < 1.0) == bool(summary.islands)
     assert set(summary.outside_graphs) <= {*summary.islands, OUTSIDE}
+
+
+class _GroupedQueryAttention(nn.Module):
+    def forward(self, query, key, value):
+        return F.scaled_dot_product_attention(query, key, value, enable_gqa=True)
+
+
+def test_grouped_query_attention_counts_as_its_repeated_heads():
+    """Key and value with fewer heads than the query: Q @ K^T and P @ V for every query head."""
+    batch, heads, kv_heads, length, dim = 2, 4, 2, 8, 16
+    query = torch.randn(batch, heads, length, dim)
+    key, value = torch.randn(batch, kv_heads, length, dim), torch.randn(batch, kv_heads, length, dim)
+    converted = amp_fx.convert(_GroupedQueryAttention(), "O1", dtype=torch.bfloat16, front_end="export")
+    summary = capture_summary(converted, query, key, value)
+    assert summary.call.flops == 2 * 2 * batch * heads * length * length * dim
