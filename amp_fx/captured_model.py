@@ -205,7 +205,7 @@ class CapturedModel(nn.Module):
             journal.rollback()
             raise
         _JOURNALS.pop()
-        if _on_fake_tensors(args, kwargs):
+        if journal.undo and _on_fake_tensors(args, kwargs):
             journal.rollback()  # graphs captured on fake tensors would compute fake values later
         elif _JOURNALS:
             journal.merge_into(_JOURNALS[-1])

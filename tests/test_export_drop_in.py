@@ -298,6 +298,7 @@ def test_island_descendants_are_captured_at_any_depth(caplog) -> None:
     assert states[""].islands and "torch.where" in next(iter(states[""].islands.values()))
     assert len(states["inner.first"].graphs) == 1 and len(states["inner.second"].graphs) == 1
     assert len([r for r in caplog.records if "autocast islands" in r.getMessage()]) == 1
+    _check_trains(converted, converted(x).float().square().mean())  # an island trains too
 
 
 def test_one_notice_per_model_and_call_structure(caplog) -> None:
