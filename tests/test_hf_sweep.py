@@ -28,6 +28,7 @@ ROWS = [
     ("Qwen3ForCausalLM", "causal"),
     ("MixtralForCausalLM", "causal"),  # mixture of experts
     ("PegasusForConditionalGeneration", "seq2seq"),
+    ("LlavaForConditionalGeneration", "vlm"),  # image tokens merged into the text
 ]
 
 
