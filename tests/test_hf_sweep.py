@@ -45,6 +45,7 @@ def test_sweep_row(name: str, group: str) -> None:
         assert row.island_parameters == 0.0
     assert row.bit_equal, f"O1 differs from autocast in {row.unequal}"
     assert "labels" in row.inputs and "use_cache" not in row.inputs
+    assert not (group == "vlm" and row.text_only), row.media_error  # the image is in the call
 
 
 def test_the_sweep_lists_the_registered_classes() -> None:
