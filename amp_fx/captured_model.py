@@ -55,13 +55,13 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from amp_fx.core.containers import Spec, flatten
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.core.module_ops import module_op
 from amp_fx.core.node_info import PARAMETERS_STORED_KEY
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.casts import cast_if_floating
 from amp_fx.passes.checkpoint_regions import checkpoint_regions
-from amp_fx.passes.containers import Spec, flatten
 from amp_fx.passes.export import (
     ExportError,
     accepts,
@@ -432,7 +432,7 @@ def _compiled_graph_for(module: nn.Module, args: tuple[Any, ...], kwargs: dict[s
 
 def _structure(module: nn.Module, flat: tuple[list[torch.Tensor], Spec]) -> tuple[Any, ...]:
     """What a graph is captured for, sizes aside: the mode, the nesting with every non-tensor
-    value and type (`amp_fx.passes.containers`), and each tensor's dtype, rank and device type."""
+    value and type (`amp_fx.core.containers`), and each tensor's dtype, rank and device type."""
     leaves, spec = flat
     return (module.training, spec, tuple((leaf.dtype, leaf.dim(), leaf.device.type) for leaf in leaves))
 
@@ -536,7 +536,7 @@ def _export_with_containers(
     dynamic: bool,
     containers: bool,
 ) -> torch.fx.GraphModule:
-    # Arguments holding a cache go through `amp_fx.passes.containers` at once; a cache made inside
+    # Arguments holding a cache go through `amp_fx.core.containers` at once; a cache made inside
     # the call shows only in its output, so a refused output is captured once more that way.
     try:
         return export_graph(module, args, kwargs, autocast=region, dynamic=dynamic, containers=containers)

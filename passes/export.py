@@ -49,8 +49,8 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from amp_fx.core.containers import Spec, flatten, leaves_in_objects, outer_objects, unflatten, write_back
 from amp_fx.core.node_info import KEEP_OUTPUT_DTYPE_KEY
-from amp_fx.passes.containers import Spec, flatten, leaves_in_objects, outer_objects, unflatten, write_back
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dyn
 @dataclasses.dataclass(frozen=True)
 class ContainerCall:
     """How a graph captured with ``containers=True`` is called (`call_graph`): it takes the tensors
-    of ``(args, kwargs)`` (`amp_fx.passes.containers.flatten`) and returns those of the output, then
+    of ``(args, kwargs)`` (`amp_fx.core.containers.flatten`) and returns those of the output, then
     those of the call's own objects after the call, which are written back into the caller's."""
 
     arguments: Spec

@@ -16,7 +16,7 @@ from torch import nn
 
 import amp_fx
 from amp_fx.captured_model import capture_states
-from amp_fx.passes.containers import flatten
+from amp_fx.core.containers import flatten
 from amp_fx.testing import with_autocast
 from tests.bit_equality import bits_equal
 from tests.models.hf import MODELS, VOCAB
@@ -230,3 +230,32 @@ def test_coexists_with_transformers_own_cache_registration() -> None:
     finally:
         if not registered:
             pytree._deregister_pytree_node(DynamicCache)
+
+
+@torch.library.custom_op("amp_fx_tests::matmul_inside", mutates_args=())
+def _matmul_inside(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x @ weight
+
+
+@_matmul_inside.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
+class _LibraryOp(nn.Module):
+    """Calls another library's custom op (as transformers' grouped_mm_fallback), whose kernel
+    multiplies matrices: autocast casts inside it, not at it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.amp_fx_tests.matmul_inside(x, self.weight) * 2
+
+
+def test_a_library_custom_op_runs_as_under_autocast() -> None:
+    torch.manual_seed(0)
+    model, x = _LibraryOp(), torch.randn(3, 4)
+    converted = amp_fx.convert(model, "O1", dtype=BF16, front_end="export")
+    assert bits_equal(converted(x), with_autocast(model, "cpu", BF16)(x))
