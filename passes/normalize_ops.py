@@ -275,6 +275,23 @@ def normalize_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         spelling = original_spelling(node, gm)
         if spelling is not None and spelling not in info.notes:
             info.notes.insert(0, spelling)
-        # Untraced code is one op for the policy, "opaque"; what it is stays in the notes.
-        info.op = OPAQUE_OP if info.rule is Rule.OPAQUE else canonical_op(node, gm)
+        # Untraced code is one op for the policy, "opaque"; what it is stays in the notes. So is a
+        # library's own custom op: torch.autocast does not cast at it, but at the ops its kernel
+        # calls (transformers' grouped_mm_fallback runs matmuls), which only an island reproduces.
+        opaque = info.rule is Rule.OPAQUE or _is_library_op(node)
+        info.op = OPAQUE_OP if opaque else canonical_op(node, gm)
     return gm
+
+
+# Namespaces whose ops the policy knows by name (amp_fx's own custom ops are its passes' output).
+_KNOWN_NAMESPACES = frozenset({"aten", "prims", "amp_fx"})
+
+
+def _is_library_op(node: torch.fx.Node) -> bool:
+    """A call of a custom op another library registered (``torch.ops.<library>.<op>``)."""
+    target = node.target
+    return (
+        node.op == "call_function"
+        and isinstance(target, torch._ops.OpOverload)
+        and target.namespace not in _KNOWN_NAMESPACES
+    )
