@@ -434,7 +434,11 @@ def _structure(module: nn.Module, flat: tuple[list[torch.Tensor], Spec]) -> tupl
     """What a graph is captured for, sizes aside: the mode, the nesting with every non-tensor
     value and type (`amp_fx.core.containers`), and each tensor's dtype, rank and device type."""
     leaves, spec = flat
-    return (module.training, spec, tuple((leaf.dtype, leaf.dim(), leaf.device.type) for leaf in leaves))
+    described = tuple(
+        (leaf.dtype, leaf.dim(), leaf.device.type) if isinstance(leaf, torch.Tensor) else int
+        for leaf in leaves
+    )
+    return (module.training, spec, described)
 
 
 def _fits_containers(

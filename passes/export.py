@@ -115,12 +115,17 @@ def _failure_kind(error: BaseException) -> str:
     return next((kind for kind, markers in _MARKERS.items() if any(m in text for m in markers)), "other")
 
 
-def _dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+def _dynamic_shapes(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], ints: bool
+) -> dict[str, Any]:
     # By the forward's parameter names, as torch.export matches them (a *args parameter holds a
-    # tuple, a **kwargs one a dict); every dimension of every tensor AUTO.
+    # tuple, a **kwargs one a dict); every dimension of every tensor AUTO, and with ``ints`` every
+    # int argument (the counts a container holds, `amp_fx.core.containers`).
     def spec(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return {dim: torch.export.Dim.AUTO for dim in range(value.dim())}
+        if ints and type(value) is int:
+            return torch.export.Dim.AUTO
         return None
 
     bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
@@ -185,8 +190,10 @@ def _torch_failure_output_to_debug_log() -> Any:
             sys.stderr.write(printed.getvalue())
 
 
-def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic: bool) -> Any:
-    shapes = _dynamic_shapes(model, args, kwargs) if dynamic else None
+def _export(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic: bool, containers: bool
+) -> Any:
+    shapes = _dynamic_shapes(model, args, kwargs, ints=containers) if dynamic else None
     return torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
 
 
@@ -282,7 +289,7 @@ def export_graph(
         for sizes in (True, False) if dynamic else (False,):
             try:
                 with _torch_failure_output_to_debug_log():
-                    program = _export(model, args, kwargs, sizes)
+                    program = _export(model, args, kwargs, sizes, containers)
                 break
             except Exception as error:  # torch.export raises many types; each is reported
                 errors.append(error)
@@ -353,6 +360,13 @@ class Constant:
 
 
 @dataclasses.dataclass(frozen=True)
+class SymbolicInt:
+    """An int argument captured as a size symbol (a count a container holds): any int in its range."""
+
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
 class CallSignature:
     """The calls a graph of `export_graph` computes, for arguments that are tensors and constants.
 
@@ -362,7 +376,7 @@ class CallSignature:
 
     positional: int
     keywords: tuple[str, ...]
-    arguments: tuple[TensorSpec | Constant, ...]  # positional, then keywords in capture order
+    arguments: tuple[TensorSpec | Constant | SymbolicInt, ...]  # positional, then keywords in capture order
     ranges: tuple[tuple[str, int | None, int | None], ...]  # size symbol, lowest, highest (None: no bound)
 
     def matches(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -375,6 +389,10 @@ class CallSignature:
             values.append(kwargs[key])
         sizes: dict[str, Any] = {}
         for value, spec in zip(values, self.arguments, strict=True):
+            if isinstance(spec, SymbolicInt):
+                if type(value) is not int or sizes.setdefault(spec.name, value) != value:
+                    return False
+                continue
             if isinstance(spec, Constant):
                 if (
                     isinstance(value, torch.Tensor)
@@ -422,7 +440,7 @@ def _signature(
     (then only `accepts` decides)."""
     ranges = getattr(gm, _RANGES_ATTR)
     placeholders = iter(gm.graph.find_nodes(op="placeholder"))
-    specs: list[TensorSpec | Constant] = []
+    specs: list[TensorSpec | Constant | SymbolicInt] = []
     for value in (*args, *_in_capture_order(gm, kwargs).values()):
         if value is None:
             # A placeholder where pytree counts None as a leaf (torch 2.14), none where it is an
@@ -435,7 +453,8 @@ def _signature(
             return None
         expected = next(placeholders).meta.get("val")
         if not isinstance(value, torch.Tensor):
-            specs.append(Constant(value))
+            size = _size_spec(expected, ranges) if isinstance(expected, torch.SymInt) else None
+            specs.append(SymbolicInt(size) if isinstance(size, str) else Constant(value))
             continue
         sizes = tuple(_size_spec(size, ranges) for size in expected.shape)
         if any(size is None for size in sizes):
@@ -443,7 +462,7 @@ def _signature(
         specs.append(TensorSpec(expected.dtype, expected.device.type, sizes))
     used = {
         size for spec in specs if isinstance(spec, TensorSpec) for size in spec.sizes if isinstance(size, str)
-    }
+    } | {spec.name for spec in specs if isinstance(spec, SymbolicInt)}
     bounds = []
     for symbol, values in ranges.items():
         if str(symbol) in used:

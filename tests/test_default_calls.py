@@ -48,7 +48,7 @@ def _islands(model: nn.Module) -> dict[str, list[str]]:
 
 
 def _cache_tensors(output) -> list[torch.Tensor]:
-    return flatten(output.past_key_values)[0]
+    return [leaf for leaf in flatten(output.past_key_values)[0] if isinstance(leaf, torch.Tensor)]
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "qwen2", "gemma3", "t5", "bart", "whisper"])
@@ -169,9 +169,13 @@ def _graphs(model: nn.Module) -> int:
     return sum(len(state.graphs) for _, state in capture_states(model))
 
 
-@pytest.mark.parametrize("opt_level", ["O1", "O2"])
-def test_generate_greedy_and_sampled(opt_level: str) -> None:
-    model, inputs = _model("llama")
+@pytest.mark.parametrize(
+    ("name", "opt_level"), [("llama", "O1"), ("llama", "O2"), ("mistral", "O1"), ("gemma3", "O1")]
+)
+def test_generate_greedy_and_sampled(name: str, opt_level: str) -> None:
+    """Mistral's and Gemma 3's sliding-window caches count their tokens in an int: the count is an
+    input of the graph, not a constant that would make every new token a new capture."""
+    model, inputs = _model(name)
     model.eval()
     converted = amp_fx.convert(model, opt_level, dtype=BF16)
     reference = with_autocast(model, "cpu", BF16)

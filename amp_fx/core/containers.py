@@ -72,10 +72,11 @@ _CONSTANT_TYPES = (
 class Spec:
     """How to rebuild a value from its tensors (see the module docstring).
 
-    ``kind`` is ``"tensor"``, ``"constant"`` (``value``), ``"node"`` (a pytree node: ``value`` is
-    its type and context), ``"object"`` (``value`` is its class; one child, the attribute dict)
-    or ``"same"`` (``value`` is the index of an object already seen: an output that is one of the
-    call's own input objects). Specs compare and hash by what they rebuild.
+    ``kind`` is ``"leaf"`` (a tensor, or an int an object holds), ``"constant"`` (``value``),
+    ``"node"`` (a pytree node: ``value`` is its type and context), ``"object"`` (``value`` is its
+    class; one child, the attribute dict) or ``"same"`` (``value`` is the index of an object
+    already seen: an output that is one of the call's own input objects). Specs compare and hash
+    by what they rebuild.
     """
 
     kind: str
@@ -96,7 +97,7 @@ class Spec:
 
     @property
     def leaves(self) -> int:
-        return (self.kind == "tensor") + sum(child.leaves for child in self.children)
+        return (self.kind == "leaf") + sum(child.leaves for child in self.children)
 
     @property
     def objects(self) -> int:
@@ -143,9 +144,11 @@ def flatten(value: Any, inputs: list[Any] | None = None) -> tuple[list[Any], Spe
 
 
 def _flatten(value: Any, leaves: list[Any], inputs: list[Any], within: tuple[int, ...] = ()) -> Spec:
-    if isinstance(value, _LEAF_TYPES):
+    # An int an object holds is a leaf, not a constant: a sliding-window cache counts its tokens,
+    # and a graph that baked the count in would be captured again at every token.
+    if isinstance(value, _LEAF_TYPES) or (within and type(value) is int):
         leaves.append(value)
-        return Spec("tensor")
+        return Spec("leaf")
     if isinstance(value, _CONSTANT_TYPES):
         return Spec("constant", value)
     for index, known in enumerate(inputs):
@@ -189,7 +192,7 @@ def unflatten(leaves: list[Any], spec: Spec, inputs: list[Any] | None = None) ->
 
 
 def _unflatten(leaves: Any, spec: Spec, built: list[Any] | None, inputs: list[Any]) -> Any:
-    if spec.kind == "tensor":
+    if spec.kind == "leaf":
         return next(leaves)
     if spec.kind == "constant":
         return spec.value
@@ -233,7 +236,7 @@ def leaves_in_objects(spec: Spec) -> list[bool]:
 
 
 def _mark_object_leaves(spec: Spec, inside: bool, flags: list[bool]) -> None:
-    if spec.kind == "tensor":
+    if spec.kind == "leaf":
         flags.append(inside)
     for child in spec.children:
         _mark_object_leaves(child, inside or spec.kind == "object", flags)
