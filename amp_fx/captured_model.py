@@ -196,8 +196,8 @@ class CapturedModel(nn.Module):
         _JOURNALS.append(journal)
         try:
             state.called = True
-            graph = _select_or_capture(self, args, kwargs)
-            output = _run(self, state, graph, args, kwargs)
+            graph, leaves = _select_or_capture(self, args, kwargs)
+            output = _run(self, state, graph, args, kwargs, leaves)
             if graph is None:
                 _descend_past_uncalled(self, state.policy)
         except BaseException:
@@ -237,12 +237,13 @@ def _run(
     graph: torch.fx.GraphModule | None,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    leaves: list[Any] | None = None,
 ) -> Any:
     if graph is None:
         return _run_island(module, state.policy, args, kwargs)
     # The graph's casts are explicit: an autocast region around it would cast again.
     with torch.autocast(state.policy.device_type, enabled=False):
-        return call_graph(graph, args, kwargs)
+        return call_graph(graph, args, kwargs, leaves)
 
 
 def _state(module: nn.Module) -> CaptureState:
@@ -427,7 +428,7 @@ def _traced_choice(
 @torch.compiler.disable
 def _compiled_graph_for(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     # Choosing (and capturing) a graph runs eagerly; torch.compile then traces the graph chosen.
-    return _select_or_capture(module, args, kwargs)
+    return _select_or_capture(module, args, kwargs)[0]
 
 
 def _structure(module: nn.Module, flat: tuple[list[torch.Tensor], Spec]) -> tuple[Any, ...]:
@@ -458,23 +459,27 @@ def _fits_containers(
     return not traced and accepts(graph, leaves, {})
 
 
-def _select_or_capture(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _select_or_capture(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[torch.fx.GraphModule | None, list[Any] | None]:
+    """The graph for this call (None: an island), and the call's leaves where the choice flattened
+    it, so that a graph taking containers' leaves is not given a second flatten."""
     state = _state(module)
     mode = module.training
     for graph in state.graphs:
         if _fits(graph, mode, args, kwargs):
-            return graph
+            return graph, None
     flat = flatten((args, kwargs))
     for graph in state.graphs:
         if _fits_containers(graph, mode, flat):
-            return graph
+            return graph, flat[0]
     key = _structure(module, flat)
     if key in state.islands:
-        return None
+        return None, None
     dynamic = any(graph.meta["amp_fx_training"] == mode for graph in state.graphs)
     # A module whose calls needed containers once (a cache it returns) needs them again.
     containers = flat[1].objects > 0 or any(container_call(graph) for graph in state.graphs)
-    return _capture(module, state, args, kwargs, key, dynamic, containers)
+    return _capture(module, state, args, kwargs, key, dynamic, containers), flat[0]
 
 
 def _capture(

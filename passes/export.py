@@ -207,8 +207,16 @@ class ContainerCall:
     output: Spec
     after: Spec
 
-    def call(self, gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        leaves, _ = flatten((args, kwargs))
+    def call(
+        self,
+        gm: torch.fx.GraphModule,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        leaves: list[Any] | None = None,
+    ) -> Any:
+        """``leaves``: ``flatten((args, kwargs))``'s, where the caller has them already."""
+        if leaves is None:
+            leaves = flatten((args, kwargs))[0]
         originals = outer_objects((args, kwargs))
         flat = list(gm(*leaves))
         count = self.output.leaves
@@ -222,10 +230,13 @@ def container_call(gm: torch.fx.GraphModule) -> ContainerCall | None:
     return getattr(gm, _CONTAINERS_ATTR, None)
 
 
-def call_graph(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run a graph of `export_graph` on a call of the model it was captured from."""
+def call_graph(
+    gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any] | None = None
+) -> Any:
+    """Run a graph of `export_graph` on a call of the model it was captured from (``leaves``: see
+    `ContainerCall.call`)."""
     containers = container_call(gm)
-    return gm(*args, **kwargs) if containers is None else containers.call(gm, args, kwargs)
+    return gm(*args, **kwargs) if containers is None else containers.call(gm, args, kwargs, leaves)
 
 
 @contextlib.contextmanager
