@@ -8,7 +8,7 @@ fp16/bf16/fp32 logits, behind ``amp_fx.ops.losses.fp32_cross_entropy``) and
 ``cross_entropy_forward_with_grad`` (the loss and its unscaled gradient in one pass, behind
 ``amp_fx.ops.losses.linear_cross_entropy``), and the normalization kernels
 ``batch_norm_act_forward`` / ``batch_norm_act_backward`` (training-mode BatchNorm + residual add +
-ReLU over channels_last activations, behind ``amp_fx.ops.norms.batch_norm_act``), and the pooling
+ReLU over channels_last activations, behind ``amp_fx.ops.batch_norm.batch_norm_act``), and the pooling
 kernels ``max_pool2d_forward`` / ``max_pool2d_backward`` (2-D max pooling of channels_last
 activations with 1-byte argmax offsets, behind ``amp_fx.ops.pooling.max_pool2d``), and the loss-scale
 kernel ``update_loss_scale_`` (the dynamic scale rule in one launch, behind ``amp_fx.LossScaler``):

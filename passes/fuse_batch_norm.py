@@ -2,8 +2,8 @@
 
 A ResNet spends most of a step outside its convolutions: training-mode BatchNorm reads its input
 twice and writes it once, the residual add and the ReLU read and write it again, and backward does
-it all once more. `amp_fx.ops.fused_batch_norm.FusedBatchNormAct` runs the three as one BatchNorm with
-an epilogue (`amp_fx.ops.norms.batch_norm_act`: the same fp32 statistics, one write of the output).
+it all once more. `amp_fx.ops.batch_norm.FusedBatchNormAct` runs the three as one BatchNorm with
+an epilogue (`amp_fx.ops.batch_norm.batch_norm_act`: the same fp32 statistics, one write of the output).
 This pass puts it in place of
 
     relu(bn(x))                  ->  bn_relu(x)
@@ -36,7 +36,7 @@ import torch.fx
 
 from amp_fx.core.node_info import META_KEY, node_info
 from amp_fx.core.policy import Policy, Rule
-from amp_fx.ops.fused_batch_norm import FusedBatchNormAct, is_fusable_batch_norm
+from amp_fx.ops.batch_norm import FusedBatchNormAct, is_fusable_batch_norm
 from amp_fx.ops.module_hooks import has_forward_hooks
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def _fuse(
     fused.meta[META_KEY] = info
     info.in_dtypes = tuple(node_info(n).out_dtype for n in fused.all_input_nodes)
     what = "the residual add and the ReLU" if residual is not None else "the ReLU"
-    info.notes.append(f"fused with {what}: {path} (amp_fx.ops.norms.batch_norm_act)")
+    info.notes.append(f"fused with {what}: {path} (amp_fx.ops.batch_norm.batch_norm_act)")
     relu.replace_all_uses_with(fused)
     for node in (relu, *fused_away, bn):
         gm.graph.erase_node(node)

@@ -46,8 +46,8 @@ from amp_fx.core.node_info import META_KEY, PARAMETERS_STORED_KEY, NodeInfo, nod
 from amp_fx.core.op_lists import OPAQUE_OP
 from amp_fx.core.policy import Decision, Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
+from amp_fx.ops.batch_norm import FusedBatchNormAct
 from amp_fx.ops.casts import cast_if_floating
-from amp_fx.ops.fused_batch_norm import FusedBatchNormAct
 
 logger = logging.getLogger(__name__)
 

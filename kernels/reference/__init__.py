@@ -13,7 +13,7 @@ synchronizes with the device. The argument checks both implementations share are
 - ``adam``, ``sgd``: ``adam_step_``, ``sgd_step_``; ``step``: the skip rule and ``advance_step_``
 - ``loss_scale``: ``update_loss_scale_``
 - ``cross_entropy``: ``cross_entropy_forward`` / ``_backward`` / ``_forward_with_grad``
-- ``batch_norm``: ``batch_norm_act_forward`` / ``_backward``
+- ``amp_fx.kernels.batch_norm.reference``: ``batch_norm_act_forward`` / ``_backward``
 - ``max_pool``: ``max_pool2d_forward`` / ``_backward``
 
 Example:
@@ -30,12 +30,12 @@ Example:
     tensor([0.8999, 0.8999, 0.8999], dtype=torch.float16)
 """
 
-from amp_fx.kernels.reference.adam import adam_step_
-from amp_fx.kernels.reference.batch_norm import (
+from amp_fx.kernels.batch_norm.reference import (
     batch_norm_act_backward,
     batch_norm_act_forward,
     update_batch_norm_running_stats_,
 )
+from amp_fx.kernels.reference.adam import adam_step_
 from amp_fx.kernels.reference.cross_entropy import (
     cross_entropy_backward,
     cross_entropy_forward,

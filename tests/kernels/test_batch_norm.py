@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from amp_fx.kernels import batch_norm, reference, triton_ops
-from amp_fx.kernels.batch_norm import BatchNormLaunch
+from amp_fx.kernels import reference, triton_ops
+from amp_fx.kernels.batch_norm import triton as batch_norm_triton
+from amp_fx.kernels.batch_norm.triton import BatchNormLaunch
 from amp_fx.testing import assert_close_normwise, rounding_tolerances, tolerances
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -42,12 +43,12 @@ EPS = 1e-5
 
 @contextlib.contextmanager
 def launch_config(config: BatchNormLaunch) -> Iterator[None]:
-    saved = batch_norm.LAUNCH
-    batch_norm.LAUNCH = config
+    saved = batch_norm_triton.LAUNCH
+    batch_norm_triton.LAUNCH = config
     try:
         yield
     finally:
-        batch_norm.LAUNCH = saved
+        batch_norm_triton.LAUNCH = saved
 
 
 def assert_rounded_once_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -240,7 +241,9 @@ def test_finalize_statistics_matches_reference(device, running_dtype) -> None:
     ours_running = [t.clone() for t in running]
     expected_running = [t.clone() for t in running]
     with launch_config(SMALL):
-        mean, invstd, var = batch_norm.finalize_statistics(x, partials, EPS, *ours_running, momentum=0.25)
+        mean, invstd, var = batch_norm_triton.finalize_statistics(
+            x, partials, EPS, *ours_running, momentum=0.25
+        )
     _, ref_mean, ref_invstd, ref_var = reference.batch_norm_act_forward(
         x,
         None,
@@ -276,7 +279,7 @@ def test_finalize_backward_matches_reference(device, params) -> None:
     weight_dtype = torch.float32 if weight is None else weight.dtype
     bias_dtype = torch.float32 if bias is None else bias.dtype
     with launch_config(SMALL):
-        grad_weight, grad_bias, mean_dy, coefficient = batch_norm.finalize_backward(
+        grad_weight, grad_bias, mean_dy, coefficient = batch_norm_triton.finalize_backward(
             partials.contiguous(), invstd, 30, weight_dtype, bias_dtype
         )
     expected = reference.batch_norm_act_backward(dy, x, weight, bias, mean, invstd, None, False, False)

@@ -363,8 +363,8 @@ def _launched_kernels() -> set[str]:
     """``module.name`` of every @triton.jit function in amp_fx.kernels that its module launches
     (``name[grid](...)``); helpers called from kernels are compiled as part of them."""
     launched = set()
-    for info in pkgutil.iter_modules(amp_fx.kernels.__path__):
-        module = importlib.import_module(f"amp_fx.kernels.{info.name}")
+    for info in pkgutil.walk_packages(amp_fx.kernels.__path__, prefix="amp_fx.kernels."):
+        module = importlib.import_module(info.name)
         source = inspect.getsource(module)
         for name, value in vars(module).items():
             if (

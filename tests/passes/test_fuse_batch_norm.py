@@ -18,8 +18,8 @@ from torchvision.models.resnet import Bottleneck, ResNet
 import amp_fx
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import preset
-from amp_fx.ops import fused_batch_norm
-from amp_fx.ops.fused_batch_norm import FusedBatchNormAct
+from amp_fx.ops import batch_norm as fused_batch_norm
+from amp_fx.ops.batch_norm import FusedBatchNormAct
 from amp_fx.passes.fuse_batch_norm import fuse_batch_norm
 from amp_fx.testing import grad_tolerances, tolerances
 
@@ -71,7 +71,7 @@ def fuse_every_size(monkeypatch):
 @pytest.fixture
 def fused_calls(monkeypatch) -> list[bool]:
     """Records each batch_norm_act call the fused modules make: whether it had a residual."""
-    from amp_fx.ops import norms
+    from amp_fx.ops import batch_norm as norms
 
     calls: list[bool] = []
     original = norms.batch_norm_act

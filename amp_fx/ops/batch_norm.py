@@ -1,4 +1,5 @@
-"""Fused training-mode BatchNorm + residual add + ReLU: `batch_norm_act`.
+"""Fused training-mode BatchNorm + residual add + ReLU: the op `batch_norm_act` and the module
+`FusedBatchNormAct` that converted graphs call.
 
 A ResNet block ends in ``relu(bn(conv(x)) + identity)``; from torch parts that is cuDNN's BatchNorm,
 an add and a ReLU, each a pass over the activations, forward and backward (on an H200 at batch 256,
@@ -21,16 +22,40 @@ var) the forward returns.
 
 Under torch.compile `batch_norm_act` is plain torch (``F.batch_norm`` + add + ``F.relu``):
 Inductor fuses those itself, and an opaque op would stop it.
+
+`FusedBatchNormAct` is what `amp_fx.passes.fuse_batch_norm` puts in place of ``relu(bn(x))`` or
+``relu(bn(x) + identity)`` (ResNet's pattern). It owns no parameters: it calls the BatchNorm module
+it replaces, which stays where it was in the model (same state_dict keys, same train/eval switch,
+same buffers). In training mode, on an input of at least `MIN_FUSED_ELEMENTS` elements, it runs
+`batch_norm_act`; otherwise, and for everything `batch_norm_act` does not fuse, exactly what the
+three calls computed. The pass leaves BatchNorms and ReLU modules with hooks unfused, and a
+BatchNorm given hooks later runs as a module (so they fire). It keeps calling the BatchNorm2d
+object it was built with: replace modules (``nn.SyncBatchNorm.convert_sync_batchnorm``, conv-BN
+folding) before ``amp_fx.convert``, not after.
+
+    >>> bn = torch.nn.BatchNorm2d(8)
+    >>> fused = FusedBatchNormAct(bn, "bn")
+    >>> x = torch.randn(2, 8, 4, 4).to(memory_format=torch.channels_last)
+    >>> torch.allclose(fused(x), torch.relu(torch.nn.BatchNorm2d(8)(x)), atol=1e-6)
+    True
 """
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from amp_fx.ops.dispatch import is_eager, is_traced_backward
+from amp_fx.ops.module_hooks import has_forward_hooks
 
-__all__ = ["batch_norm_act", "batch_norm_act_forward", "batch_norm_act_backward"]
+__all__ = [
+    "MIN_FUSED_ELEMENTS",
+    "FusedBatchNormAct",
+    "batch_norm_act",
+    "batch_norm_act_backward",
+    "batch_norm_act_forward",
+    "is_fusable_batch_norm",
+]
 
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -45,8 +70,7 @@ def batch_norm_act_forward(
     relu: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Training-mode BatchNorm of ``input`` (+ ``residual``) (+ ReLU): ``(out, mean, invstd,
-    var)``, out in input's dtype and layout, the batch statistics float32 (C,) (var biased); see
-    ``amp_fx.kernels.reference``."""
+    var)``: the kernel contract of ``amp_fx.kernels.batch_norm``."""
     # Imported on first use: importing amp_fx must not load Triton.
     from amp_fx.kernels import implementation_for
 
@@ -80,8 +104,7 @@ def batch_norm_act_backward(
     relu: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of `batch_norm_act_forward`: ``(grad_input, grad_weight, grad_bias,
-    grad_residual)``; ``out`` (the forward's output) is needed only with a residual and ReLU;
-    grad_residual is empty without a residual."""
+    grad_residual)``, the kernel contract of ``amp_fx.kernels.batch_norm``."""
     from amp_fx.kernels import implementation_for
 
     return implementation_for([input]).batch_norm_act_backward(
@@ -354,3 +377,82 @@ def batch_norm_act(
             running_mean, running_var, mean, var, float(momentum), input.numel() // input.shape[1]
         )
     return out
+
+
+# An eager fused call costs the host about three times torch's BatchNorm + add + ReLU (Triton
+# launches), and an eager ResNet-50 step at O2 is close to host-bound; the GPU time the kernels save
+# grows with the activation. On an H200 (ResNet-50 shapes, batch 256, fp16, CUDA graphs,
+# 2026-11-30) the fused call of a BN -> [add] -> ReLU chain took 0.78-0.81x torch's GPU time from
+# 2**26 elements up, and below that 0.69-1.29x, a few microseconds either way, so smaller calls run
+# torch's ops.
+MIN_FUSED_ELEMENTS = 2**26
+
+
+def is_fusable_batch_norm(module: nn.Module) -> bool:
+    """True for a plain BatchNorm2d (not a subclass with its own forward, not SyncBatchNorm)."""
+    return isinstance(module, nn.BatchNorm2d) and type(module).forward is nn.BatchNorm2d.forward
+
+
+class FusedBatchNormAct(nn.Module):
+    """``relu(batch_norm(x) [+ residual])`` through the BatchNorm2d module `batch_norm`.
+
+    Args:
+        batch_norm: the BatchNorm2d module; referenced, not registered (its owner keeps it).
+        name: its qualified name in the model (for passes that plan its parameters' dtype).
+        relu: apply ReLU after the (optional) residual add.
+    """
+
+    # The op `amp_fx.core.module_ops.module_op` names it by: the policy decides it as a BatchNorm.
+    amp_fx_op = "batch_norm"
+
+    def __init__(self, batch_norm: nn.BatchNorm2d, name: str, relu: bool = True) -> None:
+        super().__init__()
+        if not is_fusable_batch_norm(batch_norm):
+            raise TypeError(
+                f"FusedBatchNormAct needs an nn.BatchNorm2d with torch's forward, got "
+                f"{type(batch_norm).__name__}; leave other norms unfused"
+            )
+        # A tuple hides the module from nn.Module's registration: no duplicate state_dict keys.
+        self._batch_norm = (batch_norm,)
+        self.batch_norm_name = name
+        self.relu = relu
+
+    @property
+    def batch_norm(self) -> nn.BatchNorm2d:
+        return self._batch_norm[0]
+
+    def extra_repr(self) -> str:
+        return f"{self.batch_norm_name}: {self.batch_norm.extra_repr()}, relu={self.relu}"
+
+    def _momentum(self) -> float:
+        # nn.BatchNorm2d.forward's exponential_average_factor, counting the batch as it does.
+        bn = self.batch_norm
+        if not (bn.training and bn.track_running_stats) or bn.num_batches_tracked is None:
+            return 0.0 if bn.momentum is None else bn.momentum
+        bn.num_batches_tracked.add_(1)
+        if bn.momentum is None:  # cumulative moving average (a host read, as in torch)
+            return 1.0 / float(bn.num_batches_tracked)
+        return bn.momentum
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        bn = self.batch_norm
+        if has_forward_hooks(bn):
+            # Hooks registered after convert: the module itself runs, so that they fire.
+            return self._add_and_relu(bn(x), residual)
+        bn._check_input_dim(x)
+        momentum = self._momentum()
+        uses_batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
+        tracked = not bn.training or bn.track_running_stats
+        running_mean = bn.running_mean if tracked else None
+        running_var = bn.running_var if tracked else None
+        if uses_batch_stats and x.numel() >= MIN_FUSED_ELEMENTS:
+            return batch_norm_act(
+                x, bn.weight, bn.bias, running_mean, running_var, momentum, bn.eps, residual, self.relu
+            )
+        y = F.batch_norm(x, running_mean, running_var, bn.weight, bn.bias, uses_batch_stats, momentum, bn.eps)
+        return self._add_and_relu(y, residual)
+
+    def _add_and_relu(self, y: Tensor, residual: Tensor | None) -> Tensor:
+        if residual is not None:
+            y = y + residual
+        return F.relu(y) if self.relu else y

@@ -1,10 +1,10 @@
 """Host cost of one fused BatchNorm call (forward + backward), measured on CPU without a GPU.
 
-In an eager training step every `amp_fx.ops.norms.batch_norm_act` call costs Python and dispatcher
+In an eager training step every `amp_fx.ops.batch_norm.batch_norm_act` call costs Python and dispatcher
 time on the host, and every torch op it runs besides the Triton kernels becomes a small device
 kernel on the GPU. This script measures both where no GPU is needed:
 
-- the Triton kernels of ``amp_fx.kernels.batch_norm`` are replaced by stubs that only count their
+- the Triton kernels of ``amp_fx.kernels.batch_norm.triton`` are replaced by stubs that only count their
   launches (so the time is everything around the launches: argument checks, autograd, custom-op
   dispatch, allocations, grid sizes, and the torch ops on tiny CPU tensors);
 - ``AMP_FX_FORCE_TRITON=1`` routes the CPU tensors to the Triton wrappers;
@@ -16,7 +16,7 @@ the launch numbers. Median microseconds per call over chains of calls (one backw
 chain), on a tiny (2, 64, 2, 2) fp16 input, beside the unfused torch ops (on CPU, which is their
 host cost too: one dispatch each, tiny kernels)::
 
-    python benchmarks/bench_batchnorm_host.py
+    python benchmarks/bench_batch_norm_host.py
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from amp_fx.kernels import batch_norm
-from amp_fx.ops.norms import batch_norm_act
+from amp_fx.kernels.batch_norm import triton as batch_norm
+from amp_fx.ops.batch_norm import batch_norm_act
 
 # aten ops that launch nothing on a GPU: views, allocations, metadata.
 _NO_KERNEL = {

@@ -17,8 +17,8 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_fx.kernels import reference
-from amp_fx.ops import norms
-from amp_fx.ops.norms import batch_norm_act, batch_norm_act_backward, batch_norm_act_forward
+from amp_fx.ops import batch_norm as batch_norm_op
+from amp_fx.ops.batch_norm import batch_norm_act, batch_norm_act_backward, batch_norm_act_forward
 from amp_fx.testing import assert_close_normwise, grad_tolerances, rounding_tolerances, tolerances
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -126,7 +126,7 @@ def fused_calls(monkeypatch) -> list[str]:
     """Records the fused calls batch_norm_act makes: "eager" (the autograd.Function calling the
     kernels) or "custom op" (the amp_fx::batch_norm_act_forward op, for traced tensors)."""
     calls: list[str] = []
-    eager_apply = norms._BatchNormAct.apply
+    eager_apply = batch_norm_op._BatchNormAct.apply
 
     def counted_eager(*args):
         calls.append("eager")
@@ -136,8 +136,8 @@ def fused_calls(monkeypatch) -> list[str]:
         calls.append("custom op")
         return batch_norm_act_forward(*args)
 
-    monkeypatch.setattr(norms._BatchNormAct, "apply", counted_eager)
-    monkeypatch.setattr(norms, "batch_norm_act_forward", counted_op)
+    monkeypatch.setattr(batch_norm_op._BatchNormAct, "apply", counted_eager)
+    monkeypatch.setattr(batch_norm_op, "batch_norm_act_forward", counted_op)
     return calls
 
 
@@ -292,7 +292,7 @@ def test_eager_call_launches_three_kernels_each_way_and_no_torch_op(monkeypatch)
     # The host cost of a call: its Triton launches and nothing else that would be a device kernel
     # (every per-channel value is computed by the finalize kernels; only allocations remain).
     pytest.importorskip("triton")
-    from amp_fx.kernels import batch_norm
+    from amp_fx.kernels.batch_norm import triton as batch_norm
 
     monkeypatch.setenv("AMP_FX_FORCE_TRITON", "1")
     launches: list[str] = []

@@ -1,15 +1,6 @@
 """Fused training-mode BatchNorm + residual add + ReLU over channels_last activations.
 
-What (``amp_fx.kernels.reference`` has the full math): per channel c, over the M = N * H * W values
-of a channels_last input x, in fp32::
-
-    mean_c, var_c (biased)     invstd_c = 1 / sqrt(var_c + eps)     scale_c = w_c * invstd_c
-    out = relu((x - mean_c) * scale_c + b_c + residual)            (rounded once to x's dtype)
-
-    dy'           = dy where out > 0 (ReLU), else 0
-    grad_bias_c   = sum(dy')          grad_weight_c = invstd_c * sum(dy' * (x - mean_c))
-    grad_input    = scale_c * (dy' - grad_bias_c / M - (x - mean_c) * invstd_c * grad_weight_c / M)
-    grad_residual = dy'
+What: the family's contract, ``amp_fx.kernels.batch_norm``, which has the math.
 
 Why fused: in a ResNet-50 training step BatchNorm, ReLU and the residual adds are memory-bound and
 take more than half of an eager step when cuDNN's BatchNorm and separate elementwise kernels run
@@ -32,12 +23,8 @@ pass kernels read weight and bias themselves (scale = weight * invstd is compute
 The statistics accumulate x - x[0, c] rather than x: shifting by a value of the channel keeps the
 sum of squares from cancelling when the mean is large against the spread.
 
-The running statistics follow F.batch_norm's training update::
-
-    running_mean = (1 - momentum) * running_mean + momentum * mean_c
-    running_var  = (1 - momentum) * running_var  + momentum * var_c * M / (M - 1)   (unbiased)
-
-computed in float64 from the buffers' values, then rounded to their dtype (through fp32).
+The running statistics (F.batch_norm's training update) are computed in float64 from the buffers'
+values, then rounded to their dtype (through fp32).
 """
 
 from __future__ import annotations
@@ -51,7 +38,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from amp_fx.kernels.arguments import (
+from amp_fx.kernels.batch_norm.arguments import (
     check_batch_norm_act_arguments,
     check_batch_norm_act_backward_arguments,
     check_triton_batch_norm_layout,
@@ -593,9 +580,8 @@ def batch_norm_act_forward(
     validate: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Training-mode BatchNorm (+ residual) (+ ReLU) of a channels_last ``input``; same contract as
-    ``amp_fx.kernels.reference.batch_norm_act_forward``: ``(out, mean, invstd, var)``, and the
-    running statistics updated in place when given. Three launches: statistics, finalize, apply.
-    ``validate=False`` skips the argument checks, for callers that made them (amp_fx.ops.norms).
+    the reference (``amp_fx.kernels.batch_norm``): ``(out, mean, invstd, var)``, and the running
+    statistics updated in place when given. Three launches: statistics, finalize, apply.
 
     Example:
         >>> x = torch.randn(8, 64, 7, 7, device="cuda", dtype=torch.float16)  # doctest: +SKIP
@@ -666,10 +652,9 @@ def batch_norm_act_backward(
     validate: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of `batch_norm_act_forward`; same contract as
-    ``amp_fx.kernels.reference.batch_norm_act_backward``: ``(grad_input, grad_weight, grad_bias,
-    grad_residual)`` (grad_residual empty without a residual). ``grad_out`` in another layout is
-    copied to channels_last first. Three launches: reduce, finalize, input gradient.
-    ``validate=False`` skips the argument checks, for callers that made them (amp_fx.ops.norms).
+    the reference (``amp_fx.kernels.batch_norm``): ``(grad_input, grad_weight, grad_bias,
+    grad_residual)``. ``grad_out`` in another layout is copied to channels_last first. Three
+    launches: reduce, finalize, input gradient.
 
     Example:
         >>> grads = batch_norm_act_backward(torch.ones_like(out), x, None, None, mean, invstd,

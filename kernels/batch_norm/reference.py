@@ -1,35 +1,16 @@
-"""Pure-torch training-mode BatchNorm + residual add + ReLU (``batch_norm_act_forward`` /
-``batch_norm_act_backward``; the Triton twins are in ``amp_fx.kernels.batch_norm``). For an input
-x (N, C, ...) in fp16, bf16 or fp32, statistics per channel c over the M = N * H * W values of that
-channel, in fp32; w = 1 and b = 0 when weight / bias are None::
-
-    mean_c   = sum(x) / M                  var_c = sum((x - mean_c)^2) / M     (biased)
-    invstd_c = 1 / sqrt(var_c + eps)       scale_c = w_c * invstd_c
-    y        = (x - mean_c) * scale_c + b_c (+ residual)                       (fp32)
-    out      = relu(y).to(x.dtype)                                             (rounded once)
-
-and, with dy the upstream gradient and a kept element one whose output is not <= 0 (torch's ReLU
-backward; every element without ReLU), dy' = dy where kept, else 0::
-
-    grad_bias_c   = sum(dy')               grad_weight_c = invstd_c * sum(dy' * (x - mean_c))
-    grad_input    = scale_c * (dy' - grad_bias_c / M - (x - mean_c) * invstd_c * grad_weight_c / M)
-    grad_residual = dy'
-
-grad_input and grad_residual in x's dtype (rounded once), grad_weight / grad_bias in the
-parameters' dtype (float32 when a parameter is None). Without a residual the ReLU mask is
-recomputed from x and the statistics, as ``((x - mean_c) * scale_c + b_c).to(x.dtype) <= 0``: the
-same test as on the stored output, without reading it. Given ``running_mean`` / ``running_var``,
-the forward also updates them in place as F.batch_norm does::
-
-    running_stat = (1 - momentum) * running_stat + momentum * batch_stat   (var: x M / (M - 1))
-"""
+"""BatchNorm + residual add + ReLU in plain torch: the family's contract (``amp_fx.kernels.batch_norm``,
+which has the math) computed with torch ops, on any device; the definition the Triton kernels are
+tested against. Statistics in fp32; outputs rounded once to their dtype."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from amp_fx.kernels.arguments import check_batch_norm_act_arguments, check_batch_norm_act_backward_arguments
+from amp_fx.kernels.batch_norm.arguments import (
+    check_batch_norm_act_arguments,
+    check_batch_norm_act_backward_arguments,
+)
 
 __all__ = ["batch_norm_act_backward", "batch_norm_act_forward", "update_batch_norm_running_stats_"]
 
@@ -86,14 +67,9 @@ def batch_norm_act_forward(
     momentum: float = 0.1,
     validate: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Training-mode BatchNorm over dim 1 of ``input`` (N, C, ...), then ``+ residual``, then ReLU
-    (module docstring for the math).
-
-    Returns ``(out, mean, invstd, var)``: ``out`` in input's dtype and strides; the batch mean,
-    ``1 / sqrt(var + eps)`` and the biased variance, float32 (C,). When ``running_mean`` and
-    ``running_var`` are given they are updated in place as F.batch_norm updates them
-    (`update_batch_norm_running_stats_`, with ``momentum``). ``validate=False`` skips the argument
-    checks, for callers that made them (amp_fx.ops.norms).
+    """Training-mode BatchNorm over dim 1 of ``input`` (N, C, ...), then ``+ residual``, then ReLU:
+    ``(out, mean, invstd, var)``, the running statistics updated in place when given
+    (`update_batch_norm_running_stats_`); the contract is ``amp_fx.kernels.batch_norm``'s.
 
     Example:
         >>> x = torch.tensor([[1.0], [3.0]], dtype=torch.float16)
@@ -135,14 +111,8 @@ def batch_norm_act_backward(
     *,
     validate: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of ``batch_norm_act_forward`` (module docstring for the math).
-
-    ``mean`` and ``invstd`` are the forward's. ``out`` is the forward's output, needed only with a
-    residual and ReLU (the mask then depends on the residual); else None and the mask is
-    recomputed. Returns ``(grad_input, grad_weight, grad_bias, grad_residual)``: grad_input in
-    input's dtype and strides, grad_weight / grad_bias in weight's / bias's dtype (float32 when
-    None), grad_residual like grad_input when ``has_residual``, else an empty tensor.
-    ``validate=False`` skips the argument checks.
+    """Gradients of ``batch_norm_act_forward``: ``(grad_input, grad_weight, grad_bias,
+    grad_residual)``; the contract is ``amp_fx.kernels.batch_norm``'s.
 
     Example:
         >>> x = torch.tensor([[1.0], [3.0]])

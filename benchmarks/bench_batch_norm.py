@@ -6,7 +6,7 @@ Forward + backward, for every distinct BatchNorm shape of a torchvision ResNet-5
 
     torch  y = F.batch_norm(x, ..., training=True); y += identity; F.relu(y, inplace=True)
            (torchvision's Bottleneck: the ReLU after the add, in place)
-    fused  amp_fx.ops.norms.batch_norm_act(x, ..., residual=identity, relu=...)
+    fused  amp_fx.ops.batch_norm.batch_norm_act(x, ..., residual=identity, relu=...)
 
 Per shape: median ms (``triton.testing.do_bench``, gradients of the input, the parameters and the
 residual) of eager calls, which include each call's host cost (Python, dispatch, launches: a
@@ -22,7 +22,7 @@ elements while the norm-wise error stays at fp16's rounding). Then the total ove
 BatchNorms, each shape weighted by how many of them it has (convolutions and the rest of the step
 not included), eager and in CUDA graphs. GPU only::
 
-    python benchmarks/bench_batchnorm.py --markdown BENCHMARKS.md
+    python benchmarks/bench_batch_norm.py --markdown BENCHMARKS.md
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from reporting import environment, publish
 
-from amp_fx.ops.norms import batch_norm_act
+from amp_fx.ops.batch_norm import batch_norm_act
 from amp_fx.testing import normwise_error
 
 
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--markdown", default=None, help="append the table to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench_batchnorm.py needs a CUDA device")
+        raise SystemExit("bench_batch_norm.py needs a CUDA device")
     from triton.testing import do_bench
 
     generator = torch.Generator(device="cuda").manual_seed(0)
