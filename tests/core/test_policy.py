@@ -16,7 +16,8 @@ from amp_fx.core.op_lists import (
     autocast_op_lists,
     register_op,
 )
-from amp_fx.core.policy import O2_FP32_ISLANDS, Decision, Policy, Rule, preset
+from amp_fx.core.policy import Decision, Policy, Rule, preset
+from amp_fx.core.preset_rules import FP32_ISLANDS
 
 LEVELS = ("O0", "O1", "O2", "O3")
 LOW_DTYPES = (torch.float16, torch.bfloat16)
@@ -98,7 +99,7 @@ def test_o2_rules_and_param_dtypes(device: str, dtype: torch.dtype) -> None:
         assert policy.decide(op) == Decision(Rule.LOWER, policy.decide(op).reason, dtype), op
     for op in ("cat", "stack", "addcmul"):
         assert policy.decide(op).rule is Rule.PROMOTE, op
-    for op, why in O2_FP32_ISLANDS.items():
+    for op, why in FP32_ISLANDS.items():
         decision = policy.decide(op)
         assert decision.rule is Rule.FP32 and decision.param_dtype == torch.float32, op
         assert decision.reason == f"O2 FP32 island: {why}"
@@ -124,7 +125,7 @@ def test_o2_without_keep_batchnorm_fp32_stores_batchnorm_low() -> None:
 @pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
 def test_o3_has_no_fp32_islands(dtype: torch.dtype) -> None:
     policy = preset("O3", dtype=dtype, device_type="cuda")
-    rules = {policy.decide(op).rule for op in [*O2_FP32_ISLANDS, *AUTOCAST_OP_LISTS["cuda"].fp32]}
+    rules = {policy.decide(op).rule for op in [*FP32_ISLANDS, *AUTOCAST_OP_LISTS["cuda"].fp32]}
     assert Rule.FP32 not in rules
     assert policy.decide("softmax") == Decision(Rule.PASSTHROUGH, policy.decide("softmax").reason, dtype)
     assert policy.decide("linear").rule is Rule.LOWER

@@ -1,0 +1,137 @@
+"""The checks a `Policy` runs on every field it is given: each raises a clear error naming the
+problem and the fix, so a bad policy never reaches the passes.
+
+    >>> check_low_dtype("bfloat16"), check_rule("fp32")
+    (torch.bfloat16, <Rule.FP32: 'fp32'>)
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Any
+
+import torch
+
+from amp_fx.core.dtypes import LOW_PRECISION_DTYPES, dtype_name, short_repr
+from amp_fx.core.op_lists import DEVICE_TYPES, canonical_op_name, is_known_op, known_ops
+from amp_fx.core.rules import Rule
+
+__all__ = [
+    "check_device_type",
+    "check_flag",
+    "check_keep_batchnorm_fp32",
+    "check_low_dtype",
+    "check_module_type",
+    "check_op",
+    "check_output_dtype",
+    "check_regex",
+    "check_rule",
+]
+
+
+# "float16" -> torch.float16, "bfloat16" -> torch.bfloat16 (also spelt with "torch.").
+_LOW_PRECISION_BY_NAME = {dtype_name(dtype): dtype for dtype in LOW_PRECISION_DTYPES}
+
+
+def check_low_dtype(dtype: Any) -> torch.dtype:
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _LOW_PRECISION_BY_NAME:
+        return _LOW_PRECISION_BY_NAME[dtype.removeprefix("torch.")]
+    if dtype not in LOW_PRECISION_DTYPES:
+        raise ValueError(
+            f"dtype must be torch.float16 or torch.bfloat16, got {short_repr(dtype)}; for float32 training "
+            "use opt_level 'O0'"
+        )
+    return dtype
+
+
+def check_output_dtype(dtype: Any) -> torch.dtype | None:
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        candidate = getattr(torch, name, None)
+        if isinstance(candidate, torch.dtype):
+            dtype = candidate
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(
+            f"cast_model_outputs must be a floating torch.dtype (e.g. torch.float32) or None, got "
+            f"{short_repr(dtype)}"
+        )
+    return dtype
+
+
+def check_device_type(device_type: Any) -> str:
+    if isinstance(device_type, torch.device):
+        device_type = device_type.type
+    if device_type in DEVICE_TYPES:
+        return device_type
+    hint = ""
+    if isinstance(device_type, str) and ":" in device_type:
+        hint = f" (a device type has no index: use {short_repr(device_type.split(':')[0])})"
+    raise ValueError(
+        f"unknown device_type {short_repr(device_type)}: use one of "
+        f"{', '.join(map(repr, DEVICE_TYPES))}{hint}"
+    )
+
+
+def check_keep_batchnorm_fp32(value: Any) -> bool:
+    # Apex accepted the strings "True"/"False" (from argparse); accept them, reject anything else.
+    if isinstance(value, bool):
+        return value
+    if value in ("True", "False"):
+        return value == "True"
+    raise ValueError(
+        f"keep_batchnorm_fp32 must be True or False (or Apex's strings 'True'/'False'), got {value!r}"
+    )
+
+
+def check_flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_rule(rule: Any) -> Rule:
+    if isinstance(rule, Rule):
+        return rule
+    try:
+        return Rule(rule)
+    except ValueError:
+        choices = ", ".join(f"Rule.{r.name}" for r in Rule)
+        raise ValueError(f"unknown rule {rule!r}: use one of {choices} (or their values)") from None
+
+
+def check_op(op: Any) -> str:
+    name = canonical_op_name(op)
+    if is_known_op(name):
+        return name
+    close = difflib.get_close_matches(name, sorted(known_ops()), n=3, cutoff=0.6)
+    suggestion = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+    raise ValueError(
+        f"policy names an unknown op {op!r}.{suggestion} Op names are aten names without overload or "
+        "in-place underscore ('linear', 'conv2d', 'softmax'); to use a new op, register it first with "
+        f"amp_fx.core.op_lists.register_op({name!r})"
+    )
+
+
+def check_module_type(module_type: Any) -> type:
+    if not isinstance(module_type, type):
+        raise TypeError(
+            f"set_module_type needs a class such as torch.nn.Linear, got {type(module_type).__name__} "
+            f"{module_type!r}"
+        )
+    return module_type
+
+
+def check_regex(pattern: Any) -> str:
+    if not isinstance(pattern, str):
+        raise TypeError(f"module name regex must be a str, got {type(pattern).__name__} {pattern!r}")
+    try:
+        re.compile(pattern)
+    except re.error as error:
+        raise ValueError(
+            f"module name regex {pattern!r} does not compile ({error}); fix the pattern, or use "
+            "set_module_name for an exact name (re.escape quotes dots)"
+        ) from None
+    return pattern

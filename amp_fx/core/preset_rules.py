@@ -1,0 +1,196 @@
+"""The op rules a preset starts from, per opt level, and the op data behind them.
+
+What a level does comes from its row of `amp_fx.core.opt_levels`: a level that follows
+autocast's op lists gets the device's lists (`autocast_list_rules`); a level that stores weights
+low gets one op set on every device (`low_weight_rules`), with FP32 islands and FP32 norms where
+its row keeps them. `Policy` and `preset` (`amp_fx.core.policy`) read `preset_op_rules`.
+
+    >>> from amp_fx.core.opt_levels import lookup_opt_level
+    >>> rules = preset_op_rules(lookup_opt_level("O2"), "cpu", keep_batchnorm_fp32=True)
+    >>> rules["softmax"].rule, rules["linear"].rule, rules["batch_norm"].rule
+    (<Rule.FP32: 'fp32'>, <Rule.LOWER: 'lower'>, <Rule.PASSTHROUGH: 'passthrough'>)
+"""
+
+from __future__ import annotations
+
+from amp_fx.core.op_lists import OPAQUE_OP, AutocastOpLists, autocast_op_lists
+from amp_fx.core.opt_levels import OptLevel
+from amp_fx.core.rules import OpRule, Rule
+
+__all__ = [
+    "BATCH_NORM_OPS",
+    "FP32_ISLANDS",
+    "autocast_list_rules",
+    "low_weight_rules",
+    "preset_op_rules",
+]
+
+# The FP32 islands (`OptLevel.keeps_fp32_islands`, O2): ops whose low-precision result is unsafe,
+# at little cost (all are cheap next to the matmuls and convolutions that stay low). Apex's O2 had
+# none but BatchNorm; these follow the ops autocast itself runs in fp32, minus the expensive or
+# norm-like ones that work fine low.
+FP32_ISLANDS: dict[str, str] = {
+    "softmax": "softmax is unstable in low precision (exp overflows fp16; the normalizing sum loses bits)",
+    "log_softmax": "log_softmax feeds losses; its log-sum-exp loses bits in low precision",
+    "softmin": "softmin is a softmax: exp overflows fp16",
+    "logsumexp": "logsumexp's exp overflows fp16 and its sum loses bits",
+    "cross_entropy_loss": "losses reduce over the batch: keep them fp32 (Apex computes losses in fp32)",
+    "nll_loss": "losses reduce over the batch: keep them fp32",
+    "nll_loss2d": "losses reduce over the batch: keep them fp32",
+    "mse_loss": "squared errors overflow fp16 and their mean loses bits",
+    "l1_loss": "losses reduce over the batch: keep them fp32",
+    "smooth_l1_loss": "losses reduce over the batch: keep them fp32",
+    "huber_loss": "losses reduce over the batch: keep them fp32",
+    "kl_div": "kl_div takes log-probabilities whose small differences vanish in low precision",
+    "binary_cross_entropy": "log(p) near 0 and 1 is inaccurate in low precision",
+    "binary_cross_entropy_with_logits": "log-sigmoid of large logits loses bits in low precision",
+    "poisson_nll_loss": "exp of the log-rate overflows fp16",
+    "ctc_loss": "log-space dynamic programming needs fp32",
+    "cosine_embedding_loss": "losses reduce over the batch: keep them fp32",
+    "margin_ranking_loss": "losses reduce over the batch: keep them fp32",
+    "hinge_embedding_loss": "losses reduce over the batch: keep them fp32",
+    "soft_margin_loss": "log(1 + exp(-x)) overflows fp16",
+    "multi_margin_loss": "losses reduce over the batch: keep them fp32",
+    "multilabel_margin_loss": "losses reduce over the batch: keep them fp32",
+    "triplet_margin_loss": "distances square and sum: overflow in fp16",
+    "exp": "exp overflows fp16 above 11.09",
+    "expm1": "expm1 overflows fp16 above 11.09",
+    "log": "log of small values (underflowed in fp16) gives -inf",
+    "log1p": "log1p of small values loses its point in low precision",
+    "log2": "log of small values (underflowed in fp16) gives -inf",
+    "log10": "log of small values (underflowed in fp16) gives -inf",
+    "pow": "powers overflow fp16 quickly (x**2 overflows above 256)",
+    "reciprocal": "1/x overflows fp16 for |x| < 1.5e-5",
+    "rsqrt": "rsqrt of a small variance overflows fp16",
+    "cumsum": "running sums overflow fp16 and lose bits as they grow",
+    "cumprod": "running products overflow/underflow fp16",
+    "prod": "products overflow/underflow fp16",
+    "sum": "sums overflow fp16 and lose bits as they grow",
+    "norm": "squares of the entries overflow fp16",
+    "linalg_vector_norm": "squares of the entries overflow fp16",
+    "linalg_matrix_norm": "squares of the entries overflow fp16",
+    "linalg_norm": "squares of the entries overflow fp16",
+    "frobenius_norm": "squares of the entries overflow fp16",
+    "dist": "squared differences overflow fp16",
+    "cdist": "squared differences overflow fp16",
+    "pdist": "squared differences overflow fp16",
+    "cosine_similarity": "the norms in its denominator overflow fp16",
+    "renorm": "the norms it computes overflow fp16",
+}
+
+# batch_norm under keep_batchnorm_fp32 keeps fp32 params while it runs on low-precision input
+# (cuDNN and the CPU kernel take fp16/bf16 input with fp32 weight and return the input dtype), so
+# it needs no casts at all. ResNet-50 has 53 BatchNorms: casts around each would cost real time.
+BATCH_NORM_OPS = frozenset({"batch_norm"})
+# `OptLevel.keeps_norms_fp32` (O2) keeps the activations autocast keeps in FP32: norms run in
+# FP32 on FP32 params (their
+# input is cast up; CUDA's layer_norm refuses fp32 params on fp16 input, so never mixed), and
+# embeddings keep FP32 tables, so a transformer's residual stream stays FP32 as under autocast.
+# Storing these low (Apex's O2) rounds the residual stream at every add: on small GPT-2, Llama and
+# Whisper models that doubled O2's error against FP32 relative to autocast's (tests/
+# test_export_front_end.py). Only the weights of the ops autocast lowers are stored low.
+_FP32_PARAM_OPS: dict[str, str] = {
+    "layer_norm": "norms run in FP32 with FP32 params (as under autocast)",
+    "group_norm": "norms run in FP32 with FP32 params (as under autocast)",
+    "rms_norm": "norms run in FP32 with FP32 params (as under autocast)",
+    "embedding": "FP32 tables keep the residual stream FP32 (as under autocast)",
+    "embedding_bag": "FP32 tables keep the residual stream FP32 (as under autocast)",
+}
+
+# Ops that are matrix products in disguise: levels that store weights low lower them on every
+# device, although the CPU
+# autocast lists only lower them through the ops they call.
+_MATMUL_COMPOSITES = frozenset({"einsum", "tensordot", "linalg_multi_dot", "chain_matmul"})
+
+
+def autocast_list_rules(level: OptLevel, lists: AutocastOpLists) -> dict[str, OpRule]:
+    """The rules of torch.autocast's op lists for one device type, as O1 follows them.
+
+    >>> from amp_fx.core.opt_levels import lookup_opt_level
+    >>> rules = autocast_list_rules(lookup_opt_level("O1"), autocast_op_lists("cpu"))
+    >>> rules["conv2d"].reason
+    'autocast cpu lower_precision_fp list'
+    """
+    where = f"autocast {lists.device_type}"
+    rules: dict[str, OpRule] = {}
+    for op in lists.lower_precision_fp:
+        rules[op] = OpRule(Rule.LOWER, f"{where} lower_precision_fp list")
+    for op in lists.fp32:
+        rules[op] = OpRule(Rule.FP32, f"{where} fp32 list")
+    for op in lists.fp32_set_opt_dtype:
+        rules[op] = OpRule(Rule.FP32, f"{where} fp32_set_opt_dtype list (fp32 unless the call passes dtype=)")
+    for op in lists.fp32_append_dtype:
+        rules[op] = OpRule(Rule.FP32, f"{where} fp32_append_dtype list (re-dispatched with dtype=float32)")
+    for op in lists.promote:
+        rules[op] = OpRule(Rule.PROMOTE, f"{where} promote list")
+    for op in lists.banned:
+        rules[op] = OpRule(
+            Rule.FP32, f"{where} bans {op} (unsafe in low precision); amp_fx runs it in fp32 instead"
+        )
+    for op in lists.composite:
+        rules[op] = OpRule(
+            Rule.OPAQUE,
+            f"{where}: {op} is on no list but calls listed ops; runs in an autocast island to match autocast",
+        )
+    rules[OPAQUE_OP] = OpRule(
+        Rule.OPAQUE, f"{level.name}: untraced code runs inside torch.autocast({lists.device_type!r})"
+    )
+    return rules
+
+
+def low_weight_rules(level: OptLevel, keep_batchnorm_fp32: bool) -> dict[str, OpRule]:
+    """The rules of a level that stores weights low: one op set on every device.
+
+    The union of both devices' lower and promote lists, since the model's weights are already
+    low and these lists only decide where to cast; then the FP32 islands and FP32 norms where the
+    level keeps them, and BatchNorm as `keep_batchnorm_fp32` says.
+
+    >>> from amp_fx.core.opt_levels import lookup_opt_level
+    >>> "softmax" in low_weight_rules(lookup_opt_level("O3"), keep_batchnorm_fp32=False)
+    False
+    """
+    name = level.name
+    cuda, cpu = autocast_op_lists("cuda"), autocast_op_lists("cpu")
+    rules: dict[str, OpRule] = {}
+    for op in cuda.promote | cpu.promote:
+        rules[op] = OpRule(Rule.PROMOTE, f"{name}: {op} is on autocast's promote list")
+    for op in cuda.lower_precision_fp | cpu.lower_precision_fp:
+        rules[op] = OpRule(Rule.LOWER, f"{name}: {op} is on autocast's lower_precision_fp list")
+    for op in _MATMUL_COMPOSITES:
+        rules[op] = OpRule(Rule.LOWER, f"{name}: {op} is a matrix product (lowered as autocast does)")
+    if level.keeps_fp32_islands:
+        for op, why in FP32_ISLANDS.items():
+            rules[op] = OpRule(Rule.FP32, f"{name} FP32 island: {why}")
+    if level.keeps_norms_fp32:
+        for op, why in _FP32_PARAM_OPS.items():
+            rules[op] = OpRule(Rule.FP32, f"{name}: {why}")
+    if level.autocast_opaque:
+        rules[OPAQUE_OP] = OpRule(Rule.OPAQUE, f"{name}: untraced code runs inside an autocast island")
+    else:
+        rules[OPAQUE_OP] = OpRule(
+            Rule.OPAQUE, f"{name}: untraced code runs on whatever flows in (no autocast)"
+        )
+    for op in BATCH_NORM_OPS:
+        if keep_batchnorm_fp32:
+            reason = f"{name} keep_batchnorm_fp32: {op} runs on low input with fp32 params, no casts"
+        else:
+            reason = f"{name}: {op} runs in the low dtype with low params"
+        rules[op] = OpRule(Rule.PASSTHROUGH, reason)
+    return rules
+
+
+def preset_op_rules(level: OptLevel, device_type: str | None, keep_batchnorm_fp32: bool) -> dict[str, OpRule]:
+    """A preset's op rules for `level` on `device_type` (None: not known yet).
+
+    A level that follows autocast's op lists gets none until the device type is known (they wait
+    for `Policy.for_device`); a level that lowers nothing gets none.
+
+    >>> from amp_fx.core.opt_levels import lookup_opt_level
+    >>> preset_op_rules(lookup_opt_level("O1"), None, keep_batchnorm_fp32=False)
+    {}
+    """
+    if level.uses_autocast_op_lists:
+        return {} if device_type is None else autocast_list_rules(level, autocast_op_lists(device_type))
+    if level.stores_weights_low:
+        return low_weight_rules(level, keep_batchnorm_fp32)
+    return {}
