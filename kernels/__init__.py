@@ -10,7 +10,7 @@ fp16/bf16/fp32 logits, behind ``amp_fx.ops.losses.fp32_cross_entropy``) and
 ``batch_norm_act_forward`` / ``batch_norm_act_backward`` (training-mode BatchNorm + residual add +
 ReLU over channels_last activations, behind ``amp_fx.ops.batch_norm.batch_norm_act``), and the pooling
 kernels ``max_pool2d_forward`` / ``max_pool2d_backward`` (2-D max pooling of channels_last
-activations with 1-byte argmax offsets, behind ``amp_fx.ops.pooling.max_pool2d``), and the loss-scale
+activations with 1-byte argmax offsets, behind ``amp_fx.ops.max_pool.max_pool2d``), and the loss-scale
 kernel ``update_loss_scale_`` (the dynamic scale rule in one launch, behind ``amp_fx.LossScaler``):
 
 - ``reference``: plain torch; runs on any device and is what the optimizers use without CUDA.

@@ -25,7 +25,7 @@ from amp_fx.kernels.cross_entropy import (
     cross_entropy_forward_with_grad,
 )
 from amp_fx.kernels.loss_scale import update_loss_scale_
-from amp_fx.kernels.max_pool import max_pool2d_backward, max_pool2d_forward
+from amp_fx.kernels.max_pool.triton import max_pool2d_backward, max_pool2d_forward
 from amp_fx.kernels.overflow_check import check_finite_and_norm_
 from amp_fx.kernels.reference.step import advance_step_
 from amp_fx.kernels.sgd import sgd_step_

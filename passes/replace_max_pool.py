@@ -1,8 +1,8 @@
-"""Pass 11 of convert (O2): 2-D max pooling through `amp_fx.ops.pooling.max_pool2d`.
+"""Pass 11 of convert (O2): 2-D max pooling through `amp_fx.ops.max_pool.max_pool2d`.
 
 torch's max-pool saves an int64 index per output element for its backward and, on channels_last fp16
 activations, runs that backward at a fraction of the memory bandwidth (ResNet-50's stem max-pool:
-0.84 ms forward, 1.94 ms backward per step on an H200). `amp_fx.ops.pooling.max_pool2d` computes the
+0.84 ms forward, 1.94 ms backward per step on an H200). `amp_fx.ops.max_pool.max_pool2d` computes the
 same values and gradients with 1-byte argmax offsets and a one-pass gather backward (Triton), and is
 plain ``F.max_pool2d`` for any call its kernels do not cover or would not speed up (decided at run
 time from the input's layout, dtype and size) and under torch.compile. This pass points every 2-D
@@ -32,8 +32,8 @@ from torch import nn
 
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Policy, Rule
+from amp_fx.ops.max_pool import max_pool2d
 from amp_fx.ops.module_hooks import has_forward_hooks
-from amp_fx.ops.pooling import max_pool2d
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ __all__ = ["replace_max_pool"]
 
 _PARAMETERS = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode")
 _F_PARAMETERS = (*_PARAMETERS, "return_indices")
-_NOTE = "runs amp_fx.ops.pooling.max_pool2d (1-byte argmax offsets, one-pass gather backward)"
+_NOTE = "runs amp_fx.ops.max_pool.max_pool2d (1-byte argmax offsets, one-pass gather backward)"
 
 
 def _module_arguments(module: nn.Module, node: torch.fx.Node) -> dict[str, Any] | None:
@@ -87,7 +87,7 @@ def _arguments(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict[str, Any] 
 
 
 def replace_max_pool(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
-    """Point 2-D max-pool calls at `amp_fx.ops.pooling.max_pool2d`; returns `gm`.
+    """Point 2-D max-pool calls at `amp_fx.ops.max_pool.max_pool2d`; returns `gm`.
 
     Example::
 
@@ -96,7 +96,7 @@ def replace_max_pool(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.Graph
         >>> # calls this pass; device_type="cuda" only picks the policy, converting needs no GPU
         >>> gm = convert(torchvision.models.resnet18(), "O2", device_type="cuda")
         >>> [n.target.__module__ for n in gm.graph.nodes if n.name == "maxpool"]
-        ['amp_fx.ops.pooling']
+        ['amp_fx.ops.max_pool']
     """
     if not policy.fused_max_pool:
         return gm

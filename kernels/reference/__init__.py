@@ -14,7 +14,7 @@ synchronizes with the device. The argument checks both implementations share are
 - ``loss_scale``: ``update_loss_scale_``
 - ``cross_entropy``: ``cross_entropy_forward`` / ``_backward`` / ``_forward_with_grad``
 - ``amp_fx.kernels.batch_norm.reference``: ``batch_norm_act_forward`` / ``_backward``
-- ``max_pool``: ``max_pool2d_forward`` / ``_backward``
+- ``amp_fx.kernels.max_pool.reference``: ``max_pool2d_forward`` / ``_backward``
 
 Example:
     >>> import torch
@@ -35,6 +35,7 @@ from amp_fx.kernels.batch_norm.reference import (
     batch_norm_act_forward,
     update_batch_norm_running_stats_,
 )
+from amp_fx.kernels.max_pool.reference import max_pool2d_backward, max_pool2d_forward
 from amp_fx.kernels.reference.adam import adam_step_
 from amp_fx.kernels.reference.cross_entropy import (
     cross_entropy_backward,
@@ -42,7 +43,6 @@ from amp_fx.kernels.reference.cross_entropy import (
     cross_entropy_forward_with_grad,
 )
 from amp_fx.kernels.reference.loss_scale import reciprocal_scale_, update_loss_scale_
-from amp_fx.kernels.reference.max_pool import max_pool2d_backward, max_pool2d_forward
 from amp_fx.kernels.reference.overflow_check import check_finite_and_norm_
 from amp_fx.kernels.reference.sgd import sgd_step_
 from amp_fx.kernels.reference.step import advance_step_

@@ -15,8 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from amp_fx.kernels import max_pool, reference, triton_ops
-from amp_fx.kernels.max_pool import MaxPoolLaunch
+from amp_fx.kernels import reference, triton_ops
+from amp_fx.kernels.max_pool import triton as max_pool_triton
+from amp_fx.kernels.max_pool.triton import MaxPoolLaunch
 from amp_fx.testing import rounding_tolerances
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -41,12 +42,12 @@ WINDOWS = [
 
 @contextlib.contextmanager
 def launch_config(config: MaxPoolLaunch) -> Iterator[None]:
-    saved = max_pool.LAUNCH
-    max_pool.LAUNCH = config
+    saved = max_pool_triton.LAUNCH
+    max_pool_triton.LAUNCH = config
     try:
         yield
     finally:
-        max_pool.LAUNCH = saved
+        max_pool_triton.LAUNCH = saved
 
 
 def make_input(shape: tuple[int, ...], dtype: torch.dtype, seed: int, device: str = "cpu") -> torch.Tensor:

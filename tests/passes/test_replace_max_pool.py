@@ -1,4 +1,4 @@
-"""replace_max_pool: 2-D max-pool calls through amp_fx.ops.pooling.max_pool2d at O2.
+"""replace_max_pool: 2-D max-pool calls through amp_fx.ops.max_pool.max_pool2d at O2.
 
 Reference: the same conversion with ``fused_max_pool=False`` (torch's max-pool): the outputs are
 identical (a maximum is one of the inputs) and the gradients agree to one rounding of the low
@@ -19,8 +19,8 @@ from torch import nn
 import amp_fx
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Policy, preset
-from amp_fx.ops import pooling
-from amp_fx.ops.pooling import max_pool2d
+from amp_fx.ops import max_pool as pooling
+from amp_fx.ops.max_pool import max_pool2d
 from amp_fx.passes.replace_max_pool import replace_max_pool
 from amp_fx.testing import rounding_tolerances
 
@@ -77,7 +77,7 @@ def test_o2_replaces_every_2d_max_pool_without_indices() -> None:
     for node in replaced:
         info = node_info(node)
         assert info.op == "max_pool2d" and info.in_dtypes == (torch.float16,)
-        assert any("amp_fx.ops.pooling.max_pool2d" in note for note in info.notes)
+        assert any("amp_fx.ops.max_pool.max_pool2d" in note for note in info.notes)
     pool, pool_ceil, functional, builtin = replaced
     assert pool.args[1:] == (3,) and pool.kwargs == {
         "stride": 2,

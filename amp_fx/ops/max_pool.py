@@ -57,7 +57,7 @@ def max_pool2d_forward(
 ) -> tuple[Tensor, Tensor]:
     """Max pooling of a channels_last 4-D ``input`` with (height, width) window pairs: ``(out,
     offsets)``, channels_last, out in input's dtype, offsets uint8 (``kh * KW + kw`` of each
-    window's winning tap); see ``amp_fx.kernels.reference``."""
+    window's winning tap): the kernel contract of ``amp_fx.kernels.max_pool``."""
     # Imported on first use: importing amp_fx must not load Triton.
     from amp_fx.kernels import implementation_for
 
@@ -75,7 +75,7 @@ def _max_pool2d_forward_fake(
     dilation: list[int],
     ceil_mode: bool,
 ) -> tuple[Tensor, Tensor]:
-    from amp_fx.kernels.arguments import max_pool2d_output_size
+    from amp_fx.kernels.max_pool.arguments import max_pool2d_output_size
 
     out_size = [
         max_pool2d_output_size(
@@ -213,7 +213,11 @@ def _window_if_fused(
     ):
         return None
     # Only for a call that may fuse: the kernels' package loads Triton.
-    from amp_fx.kernels.arguments import MAX_POOL_MAX_PIXELS, MAX_POOL_MAX_TAPS, max_pool2d_output_size
+    from amp_fx.kernels.max_pool.arguments import (
+        MAX_POOL_MAX_PIXELS,
+        MAX_POOL_MAX_TAPS,
+        max_pool2d_output_size,
+    )
 
     batch, _, height, width = input.shape
     if batch * height * width > MAX_POOL_MAX_PIXELS:

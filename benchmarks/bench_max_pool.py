@@ -1,4 +1,4 @@
-"""2-D max pooling on channels_last activations: amp_fx.ops.pooling.max_pool2d against F.max_pool2d.
+"""2-D max pooling on channels_last activations: amp_fx.ops.max_pool.max_pool2d against F.max_pool2d.
 
 ResNet-50's stem max-pool (a (256, 64, 112, 112) fp16 channels_last tensor, 3x3, stride 2,
 padding 1: 0.82 ms forward and 1.83 ms backward per step in eager torch on an H200) and a few
@@ -9,7 +9,7 @@ output; backward: read the output gradient, write the input gradient; the offset
 each implementation keeps come on top), and the largest differences from torch (output; input
 gradient against torch's float32 backward rounded once). GPU only::
 
-    python benchmarks/bench_pooling.py --markdown BENCHMARKS.md
+    python benchmarks/bench_max_pool.py --markdown BENCHMARKS.md
 
 Without a GPU, ``--sm90-compile-check`` compiles every kernel variant of a few windows for sm_90
 (``triton.compile`` with ``GPUTarget("cuda", 90, 32)`` and Triton's bundled ptxas) and prints
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from reporting import environment, publish
 
-from amp_fx.ops.pooling import max_pool2d
+from amp_fx.ops.max_pool import max_pool2d
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def sm90_compile_check() -> list[str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from amp_fx.kernels import max_pool
+    from amp_fx.kernels.max_pool import triton as max_pool
     from amp_fx.kernels.pointer_table import triton_dtype
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     shapes = SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
     if not torch.cuda.is_available():
-        raise SystemExit("bench_pooling.py needs a CUDA device")
+        raise SystemExit("bench_max_pool.py needs a CUDA device")
 
     generator = torch.Generator(device="cuda").manual_seed(0)
     lines = [

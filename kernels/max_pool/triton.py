@@ -1,22 +1,12 @@
 """2-D max pooling of channels_last activations with 1-byte argmax offsets.
 
-What: for an input x (N, C, H, W) stored channels_last (memory [N, H, W, C]), and a window of
-KH x KW taps with stride, padding and dilation, each output element is::
-
-    out[n, c, oh, ow] = max over taps (kh, kw) of x[n, c, oh*SH - PH + kh*DH, ow*SW - PW + kw*DW]
-
-with torch's choice among equal values and NaNs (scan kh outer, kw inner; padding taps never win;
-the first in-range tap is taken, a later one replaces it when ``val > best or isnan(val)``), and
-``offsets[n, c, oh, ow] = kh * KW + kw`` of the winning tap, as uint8. The backward gathers::
-
-    dx[n, c, ih, iw] = sum over windows (oh, ow) that reach (ih, iw) through the tap they chose
-                       of grad_out[n, c, oh, ow]          (fp32, in (oh, ow) order, rounded once)
+What: the family's contract, ``amp_fx.kernels.max_pool``, which has the math.
 
 Why: torch's ``max_pool2d_with_indices`` keeps an int64 index per output element (8 bytes, four
 times the fp16 output) and its channels_last backward scatters into a zeroed gradient. On an
 H200, ResNet-50's stem max-pool ((256, 64, 112, 112) fp16, 3x3, stride 2, padding 1) took 0.84 ms
 forward and 1.94 ms backward per step (0.6 and 0.3 TB/s of a ~4 TB/s copy); these kernels 0.28
-and 0.33 ms (benchmarks/bench_pooling.py). Here the forward
+and 0.33 ms (benchmarks/bench_max_pool.py). Here the forward
 reads x once and writes out and 1-byte offsets; the backward reads grad_out and the offsets of the
 at most ceil(((KH-1)*DH+1)/SH) x ceil(((KW-1)*DW+1)/SW) windows that reach each input element (4
 for the stem, which read 2x2 neighbouring output pixels: mostly cache hits) and writes dx once,
@@ -43,14 +33,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from amp_fx.kernels.arguments import (
+from amp_fx.kernels.devices import on_device
+from amp_fx.kernels.max_pool.arguments import (
     check_channels_last,
     check_max_pool2d_arguments,
     check_max_pool2d_backward_arguments,
     check_triton_max_pool2d_pixels,
     max_pool2d_output_size,
 )
-from amp_fx.kernels.devices import on_device
 from amp_fx.kernels.pointer_table import triton_dtype
 from amp_fx.kernels.rounding import round_to_dtype
 
@@ -362,11 +352,8 @@ def max_pool2d_forward(
     validate: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """2-D max pooling of a channels_last ``input`` (N, C, H, W; fp16, bf16 or fp32) with window
-    pairs (height, width); same contract as ``amp_fx.kernels.reference.max_pool2d_forward``.
-
-    Returns ``(out, offsets)``, channels_last (N, C, OH, OW): the maxima in the input's dtype and
-    uint8 ``kh * KW + kw`` of each window's winning tap. ``validate=False`` skips the argument
-    checks (for callers that checked them), but the output size is still computed here.
+    pairs (height, width): ``(out, offsets)``, the contract of ``amp_fx.kernels.max_pool``. With
+    ``validate=False`` the output size is still computed here.
 
     Example:
         >>> x = torch.randn(256, 64, 112, 112, dtype=torch.float16, device="cuda")  # doctest: +SKIP
@@ -444,9 +431,8 @@ def max_pool2d_backward(
     validate: bool = True,
 ) -> Tensor:
     """Gradient of `max_pool2d_forward` w.r.t. its input of size ``input_size`` (N, C, H, W), from
-    ``grad_out`` (any strides) and the forward's ``offsets``; same contract as
-    ``amp_fx.kernels.reference.max_pool2d_backward``: fp32 sums, one rounding to grad_out's dtype,
-    channels_last, every element written once.
+    ``grad_out`` (any strides) and the forward's ``offsets``: the contract of
+    ``amp_fx.kernels.max_pool``, every element written once.
 
     Example:
         >>> grad_input = max_pool2d_backward(torch.ones_like(out), offsets, x.shape, (3, 3), (2, 2),

@@ -1,18 +1,6 @@
-"""Pure-torch max pooling (``max_pool2d_forward`` / ``max_pool2d_backward``; the Triton twins are
-in ``amp_fx.kernels.max_pool``). For a 4-D channels_last input x (N, C, H, W) in fp16, bf16 or fp32
-and a window of KH x KW taps (kernel size, stride, padding, dilation: pairs of ints, as
-F.max_pool2d normalizes them), output (oh, ow) looks at the taps (kh, kw) at
-
-    ih = oh * SH - PH + kh * DH        iw = ow * SW - PW + kw * DW
-
-scanning kh outer, kw inner. Padding taps never win. torch's rule picks the tap: the first
-in-range tap is taken, then a later tap replaces it when ``val > best or isnan(val)`` (so the
-first maximum wins, and the last NaN when there are NaNs). The forward writes the value and the
-tap's offset ``kh * KW + kw`` as uint8 (1 byte where torch stores an int64 flat index; windows
-of at most 256 taps). The backward gathers: each input element sums, in fp32, the gradients of
-the windows whose winning tap it is, in the order of those windows (oh, then ow, ascending), and
-is rounded once to x's dtype.
-"""
+"""2-D max pooling in plain torch: the family's contract (``amp_fx.kernels.max_pool``, which has
+the math) computed with torch ops, on any device; the definition the Triton kernels are tested
+against."""
 
 from __future__ import annotations
 
@@ -21,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from amp_fx.kernels.arguments import (
+from amp_fx.kernels.max_pool.arguments import (
     check_channels_last,
     check_max_pool2d_arguments,
     check_max_pool2d_backward_arguments,
@@ -41,10 +29,8 @@ def max_pool2d_forward(
     *,
     validate: bool = True,
 ) -> tuple[Tensor, Tensor]:
-    """2-D max pooling of a channels_last ``input`` (N, C, H, W): ``(out, offsets)``, out in the
-    input's dtype, offsets uint8 (``kh * KW + kw`` of each window's winning tap), both
-    channels_last (N, C, OH, OW). Values and ties as F.max_pool2d (module docstring).
-    ``validate=False`` skips the argument checks (for callers that made them).
+    """2-D max pooling of a channels_last ``input`` (N, C, H, W): ``(out, offsets)``, the contract
+    of ``amp_fx.kernels.max_pool``.
 
     Example:
         >>> x = torch.tensor([[[[1.0, 3.0], [3.0, float("nan")]]]]).to(memory_format=torch.channels_last)
@@ -101,8 +87,7 @@ def max_pool2d_backward(
     validate: bool = True,
 ) -> Tensor:
     """Gradient of `max_pool2d_forward` w.r.t. its input (of size ``input_size``), from ``grad_out``
-    (any strides) and the forward's ``offsets``: each input element sums, in fp32, the gradients
-    of the windows it won, and is rounded once to grad_out's dtype; channels_last.
+    (any strides) and the forward's ``offsets``: the contract of ``amp_fx.kernels.max_pool``.
 
     Example:
         >>> x = torch.tensor([[[[1.0, 3.0, 2.0]]]]).to(memory_format=torch.channels_last)

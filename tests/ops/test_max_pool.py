@@ -1,4 +1,4 @@
-"""`amp_fx.ops.pooling.max_pool2d` against `F.max_pool2d`: values, gradients, layout, fallbacks, the
+"""`amp_fx.ops.max_pool.max_pool2d` against `F.max_pool2d`: values, gradients, layout, fallbacks, the
 custom ops (opcheck, tracing with a dispatch mode) and torch.compile.
 
 The eager path runs the pure-torch reference on CPU, and the Triton kernels on CUDA or, with
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from amp_fx.kernels import FORCE_TRITON_ENV
-from amp_fx.ops import pooling
-from amp_fx.ops.pooling import max_pool2d, max_pool2d_backward, max_pool2d_forward
+from amp_fx.ops import max_pool as max_pool_op
+from amp_fx.ops.max_pool import max_pool2d, max_pool2d_backward, max_pool2d_forward
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (kernel_size, stride, padding, dilation, ceil_mode) in F.max_pool2d's accepted forms.
@@ -29,7 +29,7 @@ CALLS = [
 @pytest.fixture(autouse=True)
 def fuse_every_size(monkeypatch):
     """This file's small inputs take the fused path (by default only large ones do)."""
-    monkeypatch.setattr(pooling, "MIN_FUSED_ELEMENTS", 0)
+    monkeypatch.setattr(max_pool_op, "MIN_FUSED_ELEMENTS", 0)
 
 
 def make_input(dtype: torch.dtype, device: str = "cpu", shape=(2, 5, 7, 9), seed: int = 0) -> torch.Tensor:
@@ -175,7 +175,7 @@ def test_inputs_with_more_pixels_than_the_kernels_index_run_torchs_max_pool() ->
     # The kernels index N * H * W with int32: beyond that F.max_pool2d, not an error.
     def window(batch: int):
         x = torch.empty(batch, 2, 256, 256, device="meta").to(memory_format=torch.channels_last)
-        return pooling._window_if_fused(x, 3, 2, 1, 1, False)
+        return max_pool_op._window_if_fused(x, 3, 2, 1, 1, False)
 
     assert window(2**14) is not None
     assert window(2**15) is None
@@ -183,9 +183,9 @@ def test_inputs_with_more_pixels_than_the_kernels_index_run_torchs_max_pool() ->
 
 def test_inputs_below_the_size_threshold_run_torchs_max_pool(monkeypatch) -> None:
     x = make_input(torch.float16).requires_grad_()
-    monkeypatch.setattr(pooling, "MIN_FUSED_ELEMENTS", x.numel() + 1)
+    monkeypatch.setattr(max_pool_op, "MIN_FUSED_ELEMENTS", x.numel() + 1)
     assert type(max_pool2d(x, 3, 2, 1).grad_fn).__name__ == "MaxPool2DWithIndicesBackward0"
-    monkeypatch.setattr(pooling, "MIN_FUSED_ELEMENTS", x.numel())
+    monkeypatch.setattr(max_pool_op, "MIN_FUSED_ELEMENTS", x.numel())
     assert type(max_pool2d(x, 3, 2, 1).grad_fn).__name__ == "_MaxPool2dBackward"
 
 
