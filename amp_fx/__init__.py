@@ -8,6 +8,8 @@
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 __version__ = "0.1.0"
@@ -16,7 +18,7 @@ __version__ = "0.1.0"
 # kernel (which runs this file first) does not load the user API above it, and the optimizers'
 # Triton kernels load only when an optimizer is used.
 _EXPORTS = {
-    "convert": "amp_fx.pipeline",
+    "convert": "amp_fx.convert",
     "report": "amp_fx.reporting",
     "Report": "amp_fx.reporting",
     "capture_summary": "amp_fx.summary",
@@ -44,3 +46,16 @@ def __getattr__(name: str) -> Any:
         globals()[name] = module
         return module
     raise AttributeError(f"module 'amp_fx' has no attribute {name!r}")
+
+
+class _Package(types.ModuleType):
+    """amp_fx's module type: importing the submodule ``amp_fx.convert`` does not hide the function
+    ``amp_fx.convert`` (Python binds a submodule to the package attribute of its name)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

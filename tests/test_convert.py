@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_fx
+from amp_fx.convert import convert
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Rule, preset
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.ops.losses import fp32_cross_entropy, linear_cross_entropy
 from amp_fx.passes.trace import TraceError
-from amp_fx.pipeline import convert
 from amp_fx.testing import assert_equivalent, rounding_tolerances, tolerances
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32

@@ -272,7 +272,7 @@ def test_torch_fx_options_with_the_export_front_end_are_refused_or_logged(caplog
     model = NanoGPT()
     with pytest.raises(ValueError, match="leaf_modules and concrete_args are torch.fx's"):
         amp_fx.convert(model, "O1", dtype=BF16, front_end="export", leaf_modules=[nn.Linear])
-    with caplog.at_level("WARNING", logger="amp_fx.pipeline"):
+    with caplog.at_level("WARNING", logger="amp_fx.convert"):
         converted = amp_fx.convert(model, "O1", dtype=BF16, leaf_modules=[nn.Linear])
     assert isinstance(converted, CapturedModel)  # torch.fx stopped at nanoGPT's assert
     assert "leaf_modules are torch.fx's and the torch.export front end ignores them" in caplog.text

@@ -100,7 +100,7 @@ def _where(path: Path, line: int, name: str) -> str:
 
 def test_the_user_api_is_found():
     # The checks below are only as good as this list: it must hold the modules it names.
-    assert {"amp_fx.pipeline", "amp_fx.reporting", "amp_fx.amp", "amp_fx.optim"} <= USER_API
+    assert {"amp_fx.convert", "amp_fx.reporting", "amp_fx.amp", "amp_fx.optim"} <= USER_API
     assert {"amp_fx.cli", "amp_fx.testing", "amp_fx.loss_scaler", "amp_fx.clip_grad"} <= USER_API
     assert "amp_fx.training_step" in USER_API
     assert not _is_within("amp_fx.core.policy", USER_API) and not _is_within("amp_fx.ops.losses", USER_API)
@@ -116,7 +116,7 @@ def test_import_reading_resolves_relative_and_lazy_imports(tmp_path: Path):
         (1, "torch"),
         (2, "amp_fx.kernels.arguments"),
         (3, "amp_fx.kernels.reference.adam"),
-        (5, "amp_fx.pipeline"),
+        (5, "amp_fx.convert"),
     ]
 
 
@@ -205,6 +205,6 @@ def test_importing_a_pass_loads_no_user_api(name: str, loaded_by_each_pass):
     assert isinstance(loaded, list), f"importing amp_fx.passes.{name} failed:\n{loaded}"
     assert f"amp_fx.passes.{name}" in loaded
     above = [m for m in loaded if _is_within(m, USER_API)]
-    assert "amp_fx.pipeline" not in loaded and not above, (
+    assert "amp_fx.convert" not in loaded and not above, (
         f"importing amp_fx.passes.{name} loads the user API: {above}"
     )
