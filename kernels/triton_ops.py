@@ -19,7 +19,7 @@ Example:
 
 from amp_fx.kernels.adam import adam_step_
 from amp_fx.kernels.batch_norm.triton import batch_norm_act_backward, batch_norm_act_forward
-from amp_fx.kernels.cross_entropy import (
+from amp_fx.kernels.cross_entropy.triton import (
     cross_entropy_backward,
     cross_entropy_forward,
     cross_entropy_forward_with_grad,

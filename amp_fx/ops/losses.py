@@ -54,9 +54,10 @@ def cross_entropy_rows(
     logits: Tensor, target: Tensor, ignore_index: int, grad_into_logits: bool = False
 ) -> tuple[Tensor, Tensor]:
     """Per-row FP32 cross-entropy of 2-D ``logits`` (fp16, bf16 or fp32) against int64 class
-    indices: ``(losses, lse)``, both float32 (N,); see ``amp_fx.kernels.reference``. With
-    ``grad_into_logits`` (and contiguous logits) the backward writes the gradient over the logits
-    (`cross_entropy_rows_backward_`) instead of into a new tensor."""
+    indices: ``(losses, lse)``, both float32 (N,) (the kernel contract of
+    ``amp_fx.kernels.cross_entropy``). With ``grad_into_logits`` (and contiguous logits) the
+    backward writes the gradient over the logits (`cross_entropy_rows_backward_`) instead of into a
+    new tensor."""
     # Imported on first use: convert imports this module, and Triton need not load until a loss runs.
     from amp_fx.kernels import implementation_for
 

@@ -13,8 +13,11 @@ synchronizes with the device. The argument checks both implementations share are
 - ``adam``, ``sgd``: ``adam_step_``, ``sgd_step_``; ``step``: the skip rule and ``advance_step_``
 - ``loss_scale``: ``update_loss_scale_``
 - ``cross_entropy``: ``cross_entropy_forward`` / ``_backward`` / ``_forward_with_grad``
-- ``amp_fx.kernels.batch_norm.reference``: ``batch_norm_act_forward`` / ``_backward``
-- ``amp_fx.kernels.max_pool.reference``: ``max_pool2d_forward`` / ``_backward``
+- ``batch_norm``: ``batch_norm_act_forward`` / ``_backward``
+- ``max_pool``: ``max_pool2d_forward`` / ``_backward``
+
+(``cross_entropy``, ``batch_norm`` and ``max_pool`` are families of their own, each with its
+reference beside its Triton kernels: ``amp_fx.kernels.<family>.reference``.)
 
 Example:
     >>> import torch
@@ -35,13 +38,13 @@ from amp_fx.kernels.batch_norm.reference import (
     batch_norm_act_forward,
     update_batch_norm_running_stats_,
 )
-from amp_fx.kernels.max_pool.reference import max_pool2d_backward, max_pool2d_forward
-from amp_fx.kernels.reference.adam import adam_step_
-from amp_fx.kernels.reference.cross_entropy import (
+from amp_fx.kernels.cross_entropy.reference import (
     cross_entropy_backward,
     cross_entropy_forward,
     cross_entropy_forward_with_grad,
 )
+from amp_fx.kernels.max_pool.reference import max_pool2d_backward, max_pool2d_forward
+from amp_fx.kernels.reference.adam import adam_step_
 from amp_fx.kernels.reference.loss_scale import reciprocal_scale_, update_loss_scale_
 from amp_fx.kernels.reference.overflow_check import check_finite_and_norm_
 from amp_fx.kernels.reference.sgd import sgd_step_

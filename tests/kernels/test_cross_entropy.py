@@ -16,8 +16,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from amp_fx.kernels import cross_entropy, reference, triton_ops
-from amp_fx.kernels.cross_entropy import CrossEntropyLaunch
+from amp_fx.kernels import reference, triton_ops
+from amp_fx.kernels.cross_entropy import triton as cross_entropy_triton
+from amp_fx.kernels.cross_entropy.triton import CrossEntropyLaunch
 from amp_fx.testing import rounding_tolerances, tolerances
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -29,12 +30,12 @@ IGNORE_INDEX = -100
 
 @contextlib.contextmanager
 def launch_config(config: CrossEntropyLaunch) -> Iterator[None]:
-    saved = cross_entropy.LAUNCH
-    cross_entropy.LAUNCH = config
+    saved = cross_entropy_triton.LAUNCH
+    cross_entropy_triton.LAUNCH = config
     try:
         yield
     finally:
-        cross_entropy.LAUNCH = saved
+        cross_entropy_triton.LAUNCH = saved
 
 
 def assert_losses_close(actual: torch.Tensor, expected: torch.Tensor) -> None:

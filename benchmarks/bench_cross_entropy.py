@@ -12,7 +12,7 @@ minimum traffic (forward reads the logits once, backward reads them and writes t
 3 x N x C x itemsize bytes), and the largest differences from ``cast_fp32`` (loss, gradient).
 GPU only::
 
-    python benchmarks/bench_loss.py --markdown BENCHMARKS.md
+    python benchmarks/bench_cross_entropy.py --markdown BENCHMARKS.md
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--markdown", default=None, help="append the table to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench_loss.py needs a CUDA device")
+        raise SystemExit("bench_cross_entropy.py needs a CUDA device")
     from triton.testing import do_bench
 
     variants = {

@@ -1,36 +1,21 @@
-"""Pure-torch cross-entropy over rows (``cross_entropy_forward`` / ``cross_entropy_backward``; the
-Triton twins are in ``amp_fx.kernels.cross_entropy``). For logits x (N, C) in fp16, bf16 or fp32
-and int64 class indices t (N,), in fp32::
-
-    lse_i  = logsumexp(x_i)                              (returned, and saved for the backward)
-    loss_i = lse_i - x_i,t_i                             (0 where t_i == ignore_index)
-    dx_ij  = g_i * exp(x_ij - lse_i) - g_i * [j == t_i]  (0 where t_i == ignore_index)
-    dx     = dx.to(x.dtype)                              (rounded once)
-
-A target outside [0, C) that is not ``ignore_index`` gives that row a NaN loss and NaN gradients
-(torch raises instead, which would need a host synchronization).
-
-``cross_entropy_forward_with_grad`` fuses the two for an upstream gradient of 1: it returns the
-losses and writes ``dx`` with g_i = 1 (``softmax(x_i) - onehot(t_i)``, unscaled) over the logits,
-for `amp_fx.ops.losses.linear_cross_entropy`, whose backward applies the real g_i after its matmuls.
-"""
+"""Cross-entropy over rows in plain torch: the family's contract (``amp_fx.kernels.cross_entropy``,
+which has the math) computed with torch ops, on any device; the definition the Triton kernels are
+tested against."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from amp_fx.kernels.arguments import check_cross_entropy_arguments, check_logits_overwritable
+from amp_fx.kernels.cross_entropy.arguments import check_cross_entropy_arguments, check_logits_overwritable
 
 __all__ = ["cross_entropy_backward", "cross_entropy_forward", "cross_entropy_forward_with_grad"]
 
 
 def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
     """Per-row cross-entropy of ``logits`` (N, C; fp16, bf16 or fp32) against class indices
-    ``target`` (N,; int64), in fp32 (module docstring for the math).
-
-    Returns ``(losses, lse)``, both float32 (N,): each row's loss (0 where ``target ==
-    ignore_index``, NaN where the target is outside [0, C)) and its logsumexp.
+    ``target`` (N,; int64), in fp32: ``(losses, lse)``, the contract of
+    ``amp_fx.kernels.cross_entropy``.
 
     Example:
         >>> logits = torch.tensor([[0.0, 0.0], [1.0, 3.0]], dtype=torch.float16)
@@ -57,10 +42,8 @@ def cross_entropy_backward(
     ignore_index: int,
     out: Tensor | None = None,
 ) -> Tensor:
-    """Gradient of the per-row losses w.r.t. ``logits``: ``grad_losses[i] * (softmax(logits[i]) -
-    onehot(target[i]))`` in fp32, rounded once to the logits' dtype; exactly 0 for ignored rows,
-    NaN for rows whose target is out of range. ``lse`` is the forward's. Written to ``out`` when
-    given (contiguous, the logits' shape and dtype; ``out=logits`` overwrites the logits).
+    """Gradient of the per-row losses w.r.t. ``logits``, in the logits' dtype: the contract of
+    ``amp_fx.kernels.cross_entropy``.
 
     Example:
         >>> logits = torch.tensor([[0.0, 0.0], [1.0, 3.0]], dtype=torch.float16)
@@ -86,11 +69,7 @@ def cross_entropy_backward(
 
 def cross_entropy_forward_with_grad(logits: Tensor, target: Tensor, ignore_index: int) -> Tensor:
     """``cross_entropy_forward``'s losses, with the gradient for an upstream gradient of 1 written
-    over ``logits`` (contiguous): ``softmax(logits[i]) - onehot(target[i])`` in fp32, rounded once
-    to their dtype; exactly 0 for ignored rows, NaN for rows whose target is out of range.
-
-    Returns the float32 (N,) losses. A caller scales the gradient by the real upstream gradient
-    later (a fused linear + loss scales the matmuls' outputs instead of this [N, C] tensor).
+    over ``logits``: the contract of ``amp_fx.kernels.cross_entropy``.
 
     Example:
         >>> logits = torch.tensor([[0.0, 0.0], [1.0, 3.0]], dtype=torch.float16)

@@ -1,13 +1,6 @@
 """Fused cross-entropy over rows of fp16/bf16/fp32 logits, computed in fp32.
 
-What: for each row i of logits x (N, C) with class index t_i, in fp32::
-
-    lse_i    = log(sum_j exp(x_ij))                        (saved for the backward)
-    loss_i   = lse_i - x_i,t_i                             (0 where t_i == ignore_index)
-    dx_ij    = g_i * softmax(x_i)_j - g_i * [j == t_i]     (0 where t_i == ignore_index)
-
-and dx is rounded once to the logits' dtype. g_i is the upstream gradient of loss_i (for a mean
-this already holds 1 / n_valid).
+What: the family's contract, ``amp_fx.kernels.cross_entropy``, which has the math.
 
 Why fused: at O2 the loss runs in fp32, as under torch.autocast, whose cross_entropy is on the
 fp32 list. From torch parts that is ``F.cross_entropy(x16.float(), t)``: an fp32 copy of the logits,
@@ -39,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from amp_fx.kernels.arguments import check_cross_entropy_arguments, check_logits_overwritable
+from amp_fx.kernels.cross_entropy.arguments import check_cross_entropy_arguments, check_logits_overwritable
 from amp_fx.kernels.devices import on_device
 from amp_fx.kernels.pointer_table import triton_dtype
 from amp_fx.kernels.rounding import round_to_dtype
@@ -59,7 +52,7 @@ class CrossEntropyLaunch:
 # classes takes 13 iterations, the last one 28% full (5.6% of the lanes idle overall, against 12%
 # for 8192). Narrower rows get a narrower block and fewer warps (`_launch_shape`). Chosen from
 # these counts; on an H200 forward + backward on GPT-2's fp16 logits then run at 3.8 TB/s of a
-# 4.3 TB/s copy ceiling (benchmarks/bench_loss.py, BENCHMARKS.md).
+# 4.3 TB/s copy ceiling (benchmarks/bench_cross_entropy.py, BENCHMARKS.md).
 LAUNCH = CrossEntropyLaunch(block_size=4096, num_warps=8)
 
 # Fewest elements per thread before a program drops warps: below that, threads mostly idle.
@@ -211,11 +204,8 @@ def _rows_contiguous(logits: Tensor) -> Tensor:
 
 def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
     """Per-row cross-entropy of ``logits`` (N, C; fp16, bf16 or fp32) against class indices
-    ``target`` (N,; int64), computed in fp32; same contract as
-    ``amp_fx.kernels.reference.cross_entropy_forward``.
-
-    Returns ``(losses, lse)``, both float32 (N,): the loss of each row (0 where
-    ``target == ignore_index``, NaN where the target is outside [0, C)) and its logsumexp.
+    ``target`` (N,; int64), computed in fp32: ``(losses, lse)``, the contract of
+    ``amp_fx.kernels.cross_entropy``.
 
     Example:
         >>> logits = torch.randn(4, 50304, dtype=torch.float16, device="cuda")  # doctest: +SKIP
@@ -254,13 +244,9 @@ def cross_entropy_backward(
     ignore_index: int,
     out: Tensor | None = None,
 ) -> Tensor:
-    """Gradient of the per-row losses w.r.t. ``logits``, in the logits' dtype; same contract as
-    ``amp_fx.kernels.reference.cross_entropy_backward``.
-
-    ``grad_losses[i] * (softmax(logits[i]) - onehot(target[i]))`` in fp32, rounded once; exactly 0
-    for ignored rows, NaN for rows whose target is out of range. ``lse`` is the forward's. Written
-    to ``out`` when given (contiguous, the logits' shape and dtype; ``out=logits`` overwrites the
-    logits: each element is read before it is written, by the same program).
+    """Gradient of the per-row losses w.r.t. ``logits``, in the logits' dtype: the contract of
+    ``amp_fx.kernels.cross_entropy``. With ``out=logits`` each element is read before it is
+    written, by the same program.
 
     Example:
         >>> grad_losses = torch.ones_like(losses)  # doctest: +SKIP
@@ -294,13 +280,9 @@ def cross_entropy_backward(
 
 
 def cross_entropy_forward_with_grad(logits: Tensor, target: Tensor, ignore_index: int) -> Tensor:
-    """`cross_entropy_forward`'s losses, and the unscaled gradient written over ``logits``; same
-    contract as ``amp_fx.kernels.reference.cross_entropy_forward_with_grad``.
-
-    Returns the float32 (N,) losses. ``logits`` (contiguous) then hold ``softmax(x) - onehot(t)``
-    computed in fp32 and rounded once to their dtype: exactly 0 for ignored rows, NaN for rows
-    whose target is out of range. One kernel: a pass for the logsumexp, a second that reads each
-    element and writes its gradient in its place.
+    """`cross_entropy_forward`'s losses, and the unscaled gradient written over ``logits``: the
+    contract of ``amp_fx.kernels.cross_entropy``. One kernel: a pass for the logsumexp, a second
+    that reads each element and writes its gradient in its place.
 
     Example:
         >>> logits = torch.randn(4, 50304, dtype=torch.float16, device="cuda")  # doctest: +SKIP
