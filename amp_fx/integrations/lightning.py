@@ -1,0 +1,351 @@
+"""Lightning with amp_fx: `AmpPrecision`, a precision plugin for ``lightning.pytorch.Trainer`` and ``Fabric``.
+
+    trainer = lightning.pytorch.Trainer(plugins=[AmpPrecision("O2", dtype=torch.bfloat16)])
+    trainer.fit(lightning_module, train_dataloaders=loader)
+
+What it does, in the order Lightning calls it:
+
+- ``convert_module``: each child of the LightningModule that holds parameters is replaced by
+  ``amp_fx.convert(child, ...)`` (`amp_fx.integrations._lightning_convert`); the LightningModule
+  object stays the user's. Its state dict becomes FP32 (the masters), so checkpoints hold the
+  training state and load into the FP32 model.
+- ``connect`` (Trainer): the optimizers ``configure_optimizers`` returned are replaced by their
+  fused equivalents with FP32 masters made from the weights before conversion
+  (`amp_fx.integrations._lightning_optimizers`), and the LR schedulers pointed at them. An
+  optimizer with no fused equivalent is refused and the children are put back.
+- backward: the loss is scaled by an `amp_fx.LossScaler` (fp16 at O1/O2; bf16, O0 and O3 need
+  no scaling), for ``training_step``'s loss and for ``manual_backward`` alike.
+- ``optimizer_step``: the scaler's ``unscale_`` hands ``1 / scale`` to the optimizer's kernel
+  (the grads stay scaled: an fp16 grad divided in place would lose its small values), then
+  Lightning's hooks and clipping run, then the step, which the kernel skips on inf/NaN; the
+  skip is counted on the device. Schedulers step as Lightning steps them, every step, skipped or
+  not, as under ``precision="16-mixed"``.
+- ``clip_gradients`` (``gradient_clip_val``, ``self.clip_gradients``): `amp_fx.clip_grad_norm_`,
+  the norm of the unscaled grads, folded into the kernel's multiplier.
+- logged each step (``self.log``, on_step): ``amp_fx/loss_scale`` and ``amp_fx/skipped_steps``
+  when scaling, ``amp_fx/grad_norm`` (unscaled, before clipping) when clipping by norm. They are
+  device tensors: no host read per step.
+- ``state_dict``: the loss scaler and the skip count, in Lightning's checkpoint beside the fused
+  optimizers' state (masters, moments) and the schedulers', so ``ckpt_path`` resumes bit for bit.
+
+Under Fabric the same class converts the module and scales, unscales and steps; Fabric gives a
+precision plugin no way to replace an optimizer, so build amp_fx's fused optimizer after the
+module is set up: ``model = fabric.setup_module(model)``, then
+``optimizer = fabric.setup_optimizers(amp_fx.optim.FusedAdam(model.parameters(), lr=...))``.
+Clip with ``plugin.clip_gradients(optimizer, max_norm)``; log ``plugin.skipped_steps``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.fabric.wrappers import _FabricOptimizer
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch import Tensor, nn
+
+import amp_fx
+from amp_fx.core.dtypes import LOW_PRECISION_DTYPES, OPT_LEVELS
+from amp_fx.core.policy import Policy
+from amp_fx.integrations._lightning_convert import ConvertedChildren
+from amp_fx.integrations._lightning_optimizers import (
+    SUPPORTED,
+    check_optimizer,
+    fused_equivalent,
+    retarget_schedulers,
+)
+from amp_fx.optim.scaled_optimizer import ScaledOptimizer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AmpPrecision"]
+
+# Opt levels whose fp16 training is loss-scaled (Apex's table: O0 is FP32, O3 runs unscaled).
+_SCALED_LEVELS = ("O1", "O2")
+
+
+def _trainer_of(module: Any) -> Any:
+    """The pytorch Trainer running ``module`` (None under Fabric or for a plain module)."""
+    return getattr(module, "_trainer", None)
+
+
+def _unwrapped(optimizer: Any) -> Any:
+    while isinstance(optimizer, (LightningOptimizer, _FabricOptimizer)):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+class AmpPrecision(Precision):
+    """amp_fx's mixed precision as a Lightning precision plugin (module docstring: what it does).
+
+    Args:
+        opt_level: "O0" to "O3", as `amp_fx.convert` (may be left out when ``policy`` is given).
+        dtype: torch.float16 (default) or torch.bfloat16.
+        policy: an `amp_fx.Policy` (it then decides opt level and dtype; arguments that
+            contradict it are refused).
+        device_type: "cuda" or "cpu" for the policy's op lists; default: the Trainer's device,
+            or under Fabric the module's when it is set up (pass ``device_type="cuda"`` there when
+            the module is still on the CPU).
+        loss_scaler: an `amp_fx.LossScaler` to use; default: a dynamic one for fp16 at O1/O2,
+            none otherwise.
+
+    Example:
+        >>> import torch
+        >>> from amp_fx.integrations.lightning import AmpPrecision
+        >>> plugin = AmpPrecision("O2", dtype=torch.float16)
+        >>> plugin.precision, plugin.loss_scaler.is_enabled()
+        ('16-mixed', True)
+        >>> AmpPrecision("O2", dtype=torch.bfloat16).loss_scaler.is_enabled()
+        False
+    """
+
+    def __init__(
+        self,
+        opt_level: str | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        policy: Policy | None = None,
+        device_type: str | None = None,
+        loss_scaler: amp_fx.LossScaler | None = None,
+    ) -> None:
+        level, low_dtype = self._check_arguments(opt_level, dtype, policy, device_type, loss_scaler)
+        self.opt_level = level
+        self.dtype = low_dtype
+        self.policy = policy
+        self.device_type = device_type
+        self.precision = "bf16-mixed" if low_dtype == torch.bfloat16 else "16-mixed"
+        if loss_scaler is None:
+            loss_scaler = amp_fx.LossScaler(enabled=low_dtype == torch.float16 and level in _SCALED_LEVELS)
+        self.loss_scaler = loss_scaler
+        # Device count of steps the kernel skipped (inf/NaN grads); None until the first scaled step.
+        self.skipped_steps: Tensor | None = None
+        self._converted: ConvertedChildren | None = None
+        self._unscaled: set[int] = set()
+        self._grad_norm: Tensor | None = None
+
+    @staticmethod
+    def _check_arguments(
+        opt_level: Any, dtype: Any, policy: Any, device_type: Any, loss_scaler: Any
+    ) -> tuple[str, torch.dtype]:
+        if policy is not None:
+            if not isinstance(policy, Policy):
+                raise TypeError(
+                    "policy must be an amp_fx.Policy (amp_fx.preset('O2', dtype=...)), got "
+                    f"{type(policy).__name__}"
+                )
+            conflicts = []
+            if opt_level is not None and opt_level != policy.opt_level:
+                conflicts.append(f"opt_level={opt_level!r} but the policy is {policy.opt_level}")
+            if dtype is not None and dtype != policy.dtype:
+                conflicts.append(f"dtype={dtype} but the policy's is {policy.dtype}")
+            if conflicts:
+                raise ValueError(
+                    f"AmpPrecision got a policy and arguments that contradict it ({'; '.join(conflicts)}); "
+                    "the policy decides: pass only policy=, or build it with "
+                    "amp_fx.preset(opt_level, dtype=...)"
+                )
+            opt_level, dtype = policy.opt_level, policy.dtype
+        if opt_level is None:
+            raise TypeError(
+                "AmpPrecision needs an opt_level ('O0' to 'O3') or a policy: AmpPrecision('O2', dtype=...)"
+            )
+        if opt_level not in OPT_LEVELS:
+            raise ValueError(f"opt_level must be one of {', '.join(OPT_LEVELS)}, got {opt_level!r}")
+        dtype = torch.float16 if dtype is None else dtype
+        if dtype not in LOW_PRECISION_DTYPES:
+            raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype!r}")
+        if device_type not in (None, "cpu", "cuda"):
+            raise ValueError(
+                f"device_type must be 'cuda', 'cpu' or None (the Trainer's), got {device_type!r}"
+            )
+        if loss_scaler is not None and not isinstance(loss_scaler, amp_fx.LossScaler):
+            raise TypeError(f"loss_scaler must be an amp_fx.LossScaler, got {type(loss_scaler).__name__}")
+        return opt_level, dtype
+
+    def __repr__(self) -> str:
+        return f"AmpPrecision(opt_level={self.opt_level!r}, dtype={self.dtype})"
+
+    # ------------------------------------------------------------------------------------------
+    # The model and the optimizers
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Convert ``module``'s children in place (the module object stays); returns ``module``."""
+        trainer = _trainer_of(module)
+        if trainer is not None and trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            raise ValueError(
+                "AmpPrecision clips by norm only (the grads stay scaled until the optimizer's kernel): use "
+                "Trainer(gradient_clip_algorithm='norm'), or no gradient_clip_algorithm"
+            )
+        device_type = self.device_type
+        if device_type is None and trainer is not None:
+            device_type = trainer.strategy.root_device.type
+        if self.policy is not None:
+            kwargs: dict[str, Any] = {"policy": self.policy, "device_type": device_type}
+        else:
+            kwargs = {"opt_level": self.opt_level, "dtype": self.dtype, "device_type": device_type}
+        converted = ConvertedChildren.convert(module, kwargs)
+        converted.install()
+        logger.info(
+            "AmpPrecision converted %s of %s at %s (%s)",
+            [name for name, _, _ in converted.children],
+            type(module).__name__,
+            self.opt_level,
+            self.dtype,
+        )
+        # The Trainer builds the optimizers next (connect); Fabric's are the user's to build.
+        self._converted = converted if trainer is not None else None
+        return module
+
+    def connect(
+        self, model: nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[torch.optim.Optimizer], list[Any]]:
+        """Replace the optimizers by their fused equivalents with FP32 masters, the schedulers following."""
+        converted, self._converted = self._converted, None
+        stale = converted.original_params() if converted is not None else []
+        try:
+            for index, optimizer in enumerate(optimizers):
+                check_optimizer(optimizer, index, stale)
+        except (TypeError, ValueError):
+            if converted is not None:
+                converted.restore()
+            raise
+        originals = converted.originals_by_param() if converted is not None else {}
+        fused = [fused_equivalent(optimizer, originals) for optimizer in optimizers]
+        retarget_schedulers(
+            [config.scheduler for config in lr_schedulers],
+            {id(old): new for old, new in zip(optimizers, fused, strict=True)},
+        )
+        return model, fused, lr_schedulers
+
+    # ------------------------------------------------------------------------------------------
+    # Backward
+    def pre_backward(self, tensor: Tensor, module: Any) -> Any:
+        if _trainer_of(module) is None:
+            return None  # Fabric: its strategy ignores this; `backward` scales
+        return super().pre_backward(self.loss_scaler.scale(tensor), module)
+
+    def backward(self, tensor: Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
+        if _trainer_of(model) is not None:
+            super().backward(tensor, model, *args, **kwargs)  # scaled by pre_backward
+        else:
+            self.loss_scaler.scale(tensor).backward(*args, **kwargs)
+
+    def post_backward(self, tensor: Tensor, module: Any) -> Any:
+        if _trainer_of(module) is None:
+            return None
+        return super().post_backward(tensor, module)
+
+    # ------------------------------------------------------------------------------------------
+    # The step
+    def _fused(self, optimizer: Any) -> Any:
+        optimizer = _unwrapped(optimizer)
+        if not isinstance(optimizer, ScaledOptimizer):
+            raise TypeError(
+                f"AmpPrecision steps amp_fx's fused optimizers, got {type(optimizer).__name__}. Under the "
+                f"Trainer, return {SUPPORTED} from configure_optimizers; under Fabric, build one after "
+                "setting the module up: model = fabric.setup_module(model); optimizer = "
+                "fabric.setup_optimizers(amp_fx.optim.FusedAdam(model.parameters(), lr=...))"
+            )
+        return optimizer
+
+    def _unscale_once(self, optimizer: Any) -> None:
+        """Hand ``1 / scale`` to the optimizer (once per step) and count the step if it will be skipped."""
+        if id(optimizer) in self._unscaled or not self.loss_scaler.is_enabled():
+            return
+        self.loss_scaler.unscale_(optimizer)
+        self._unscaled.add(id(optimizer))
+        flags = [optimizer.pending_scaling(device)[1] for device in optimizer.grads_by_device()]
+        flags = [flag for flag in flags if flag is not None]
+        if flags:
+            device = flags[0].device
+            overflow = (torch.stack([flag.reshape(()).to(device) for flag in flags]).amax() > 0).long()
+            previous = self.skipped_steps
+            self.skipped_steps = overflow if previous is None else previous.to(device) + overflow
+
+    def optimizer_step(
+        self,
+        optimizer: Any,
+        model: Any = None,
+        closure: Callable[[], Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run the closure (Trainer), unscale, clip, step (skipped on the device on inf/NaN), update."""
+        optimizer = self._fused(optimizer)
+        if closure is None:  # Fabric: the user ran forward and backward
+            return self._step(optimizer, kwargs)
+        closure_result = closure()
+        # A training_step that returned None ran no backward: nothing to step (as under "16-mixed").
+        skip = closure_result is None and model.automatic_optimization
+        if not skip:
+            self._unscale_once(optimizer)
+        self._after_closure(model, optimizer)
+        if skip:
+            return closure_result
+        result = self._step(optimizer, kwargs)
+        self._log(model)
+        return result
+
+    def _step(self, optimizer: Any, kwargs: dict[str, Any]) -> Any:
+        self._unscale_once(optimizer)
+        self._unscaled.discard(id(optimizer))
+        result = self.loss_scaler.step(optimizer, **kwargs)
+        self.loss_scaler.update()
+        return result
+
+    def _log(self, model: Any) -> None:
+        values = {}
+        if self.loss_scaler.is_enabled():
+            values["amp_fx/loss_scale"] = self.loss_scaler._get_scale_async()
+            if self.skipped_steps is not None:
+                values["amp_fx/skipped_steps"] = self.skipped_steps.float()
+        if self._grad_norm is not None:
+            values["amp_fx/grad_norm"] = self._grad_norm
+            self._grad_norm = None
+        for name, value in values.items():
+            model.log(name, value, on_step=True, on_epoch=False, batch_size=1)
+
+    def clip_gradients(
+        self,
+        optimizer: Any,
+        clip_val: float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        """Clip the unscaled grads' total norm to ``clip_val`` (`amp_fx.clip_grad_norm_`, no host read)."""
+        if clip_val is None or clip_val <= 0:
+            return
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            raise ValueError(
+                "AmpPrecision clips by norm only (the grads stay scaled until the optimizer's kernel): use "
+                "gradient_clip_algorithm='norm'"
+            )
+        optimizer = self._fused(optimizer)
+        self._unscale_once(optimizer)
+        self._grad_norm = amp_fx.clip_grad_norm_(optimizer, clip_val)
+
+    def unscale_gradients(self, optimizer: Any) -> None:
+        """Fabric's ``clip_gradients`` would next clip the still-scaled grads with torch: refused."""
+        raise NotImplementedError(
+            "fabric.clip_gradients clips with torch.nn.utils, which would see amp_fx's still-scaled "
+            "gradients; call clip_gradients(optimizer, max_norm) on your AmpPrecision instead"
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The loss scaler's state and the count of skipped steps (reads the device: checkpoint time only)."""
+        skipped = 0 if self.skipped_steps is None else int(self.skipped_steps.item())
+        return {"loss_scaler": self.loss_scaler.state_dict(), "skipped_steps": skipped}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what `state_dict` returned."""
+        if not isinstance(state_dict, dict) or "loss_scaler" not in state_dict:
+            raise ValueError(
+                "AmpPrecision.load_state_dict takes the dict AmpPrecision.state_dict() returned (a "
+                "checkpoint saved with AmpPrecision); this one has no 'loss_scaler' entry"
+            )
+        if self.loss_scaler.is_enabled():
+            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        self.skipped_steps = torch.tensor(int(state_dict.get("skipped_steps", 0)))

@@ -1,0 +1,386 @@
+"""AmpPrecision under the real Lightning Trainer on CPU: tiny models, a few steps each.
+
+References: the same run under ``precision="32-true"`` with torch's optimizer (O0 converts nothing,
+so the fused optimizer must do torch's maths on the same param groups), the FP32 weights before
+conversion (the masters), grads read back in float64 (the unscaled norm), an uninterrupted run
+(resume), and automatic optimization (manual optimization)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import amp_fx
+from amp_fx.integrations.lightning import AmpPrecision
+from amp_fx.optim import FusedAdam, FusedSGD, master_params
+from amp_fx.testing.dtype_tolerances import tolerances
+
+BATCHES, BATCH_SIZE, FEATURES = 4, 8, 8
+INIT_SCALE = 1024.0
+
+
+@pytest.fixture(autouse=True)
+def quiet_lightning():
+    """Lightning's advice about workers and loggers is noise for these runs."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module="lightning")
+        yield
+
+
+def dataset() -> TensorDataset:
+    """A learnable set: y is a fixed linear function of x."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(BATCHES * BATCH_SIZE, FEATURES, generator=generator)
+    return TensorDataset(x, x @ torch.linspace(-1.0, 1.0, FEATURES).unsqueeze(1))
+
+
+def batches() -> DataLoader:
+    return DataLoader(dataset(), batch_size=BATCH_SIZE)
+
+
+class ResumableLoader:
+    """An iterable of batches with Lightning's loader state protocol (state_dict / load_state_dict),
+    so that Lightning resumes mid-epoch at the next batch."""
+
+    def __init__(self) -> None:
+        self.batches = list(batches())
+        self.start = self.yielded = 0
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        self.yielded, self.start = self.start, 0
+        for batch in self.batches[self.yielded :]:
+            self.yielded += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"yielded": self.yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.start = state["yielded"]
+
+
+def no_decay_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two param groups, as trainers make them: weights decay, biases and norms do not."""
+    decay = [p for n, p in module.named_parameters() if n.endswith("weight") and p.dim() > 1]
+    rest = [p for n, p in module.named_parameters() if not (n.endswith("weight") and p.dim() > 1)]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+OPTIMIZERS = {
+    "adamw": lambda groups: torch.optim.AdamW(groups, lr=3e-2, betas=(0.8, 0.95), eps=1e-6),
+    "adam": lambda groups: torch.optim.Adam(groups, lr=3e-2),
+    "sgd": lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True),
+}
+
+
+class Regression(pl.LightningModule):
+    """A small MLP with a LayerNorm (kept FP32 at O2) and a StepLR schedule stepped every step."""
+
+    def __init__(self, optimizer: str = "adamw", manual: bool = False, clip: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(FEATURES, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 1))
+        self.optimizer_name = optimizer
+        self.automatic_optimization = not manual
+        self.clip = clip
+        self.losses: list[float] = []
+        self.inf_at: set[int] = set()  # batch indices whose loss is made inf (an overflow)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(loss.item())
+        if self.global_step in self.inf_at:
+            loss = loss * math.inf
+        if self.automatic_optimization:
+            return loss
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
+        optimizer.step()
+        self.lr_schedulers().step()
+        return None
+
+    def configure_optimizers(self) -> Any:
+        optimizer = OPTIMIZERS[self.optimizer_name](no_decay_groups(self, weight_decay=0.1))
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def trainer(tmp_path: Path, plugin: AmpPrecision | None = None, **kwargs: Any) -> pl.Trainer:
+    options = {
+        "accelerator": "cpu",
+        "max_epochs": 2,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "logger": False,
+        "enable_checkpointing": False,
+        "default_root_dir": tmp_path,
+        **kwargs,
+    }
+    if plugin is not None:
+        options["plugins"] = [plugin]
+    return pl.Trainer(**options)
+
+
+def fit(module: Regression, tmp_path: Path, plugin: AmpPrecision | None = None, **kwargs: Any) -> pl.Trainer:
+    run = trainer(tmp_path, plugin, **kwargs)
+    run.fit(module, train_dataloaders=batches())
+    return run
+
+
+def fp16_plugin() -> AmpPrecision:
+    """fp16 at O2 with a scale at which this model's grads never overflow by themselves."""
+    return AmpPrecision("O2", dtype=torch.float16, loss_scaler=amp_fx.LossScaler(init_scale=INIT_SCALE))
+
+
+def masters(run: pl.Trainer) -> list[torch.Tensor]:
+    """The optimizer's FP32 masters, in the order of the module's parameters."""
+    optimizer = run.optimizers[0]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    by_param = {id(p): m for p, m in zip(params, master_params(optimizer), strict=True)}
+    return [by_param[id(p)].detach().clone() for p in run.lightning_module.parameters()]
+
+
+# ----------------------------------------------------------------------------------------------
+def test_bf16_o2_loss_goes_down_with_fp32_masters_and_the_module_kept(tmp_path):
+    module = Regression()
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    run = fit(module, tmp_path, AmpPrecision("O2", dtype=torch.bfloat16), max_epochs=4)
+    assert run.lightning_module is module  # the user's LightningModule, its child converted
+    assert module.losses[-1] < 0.5 * module.losses[0]
+    dtypes = {n: p.dtype for n, p in module.named_parameters()}
+    assert dtypes["net.0.weight"] == dtypes["net.3.weight"] == torch.bfloat16
+    assert dtypes["net.1.weight"] == torch.float32  # LayerNorm stays FP32 at O2
+    optimizer = run.optimizers[0]
+    assert type(optimizer) is FusedAdam
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    for param, master in zip(module.parameters(), masters(run), strict=True):
+        assert master.dtype == torch.float32
+        assert torch.equal(param.detach(), master.to(param.dtype))  # the weight is the rounded master
+    assert set(before) == set(dtypes)
+    assert not run.callback_metrics.keys() & {"amp_fx/loss_scale", "amp_fx/skipped_steps"}  # bf16: unscaled
+
+
+def test_masters_start_from_the_fp32_weights_not_their_rounded_copies(tmp_path):
+    module = Regression(optimizer="sgd")
+    before = [p.detach().clone() for p in module.parameters()]
+    run = fit(module, tmp_path, AmpPrecision("O2", dtype=torch.bfloat16), max_steps=0)
+    assert all(torch.equal(m, b) for m, b in zip(masters(run), before, strict=True))
+    assert any(not torch.equal(b, b.bfloat16().float()) for b in before)  # rounding would show
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_the_fused_equivalent_does_torchs_maths_on_the_same_groups_and_schedule(tmp_path, optimizer):
+    reference = Regression(optimizer)
+    fit(reference, tmp_path / "torch", max_epochs=1)
+    converted = Regression(optimizer)
+    run = fit(converted, tmp_path / "amp", AmpPrecision("O0"), max_epochs=1)
+    assert type(run.optimizers[0]) is (FusedSGD if optimizer == "sgd" else FusedAdam)
+    scheduler = run.lr_scheduler_configs[0].scheduler
+    assert scheduler.optimizer is run.optimizers[0] and scheduler.last_epoch == BATCHES
+    assert [g["lr"] for g in run.optimizers[0].param_groups] == [scheduler.get_last_lr()[0]] * 2
+    rtol, atol = tolerances(torch.float32)
+    for expected, actual in zip(reference.parameters(), converted.parameters(), strict=True):
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+
+
+def test_fp16_backward_is_scaled_and_clipping_sees_the_unscaled_norm(tmp_path):
+    seen: dict[str, float] = {}
+
+    class ReadGrads(Callback):
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            grads = torch.cat([p.grad.double().flatten() for p in module.parameters()])
+            seen["scale"] = plugin.loss_scaler.get_scale()
+            seen["true_norm"] = grads.norm().item() / seen["scale"]
+            seen["masters"] = [m.detach().clone() for m in master_params(optimizer)]
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            seen["logged_norm"] = trainer.callback_metrics["amp_fx/grad_norm"].item()
+            after = master_params(trainer.optimizers[0])
+            seen["step"] = math.sqrt(
+                sum(
+                    (a - b).double().square().sum().item()
+                    for a, b in zip(after, seen["masters"], strict=True)
+                )
+            )
+
+    plugin = fp16_plugin()
+    module = Regression(optimizer="sgd")
+    module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=1.0)
+    clip = 1e-3
+    fit(module, tmp_path, plugin, max_steps=1, gradient_clip_val=clip, callbacks=[ReadGrads()])
+    assert seen["scale"] == INIT_SCALE  # the grads the hook read were the loss's times the scale
+    torch.testing.assert_close(seen["logged_norm"], seen["true_norm"], rtol=1e-3, atol=0.0)
+    assert seen["true_norm"] > 10 * clip
+    # SGD with lr 1 moves the masters by the clipped unscaled gradient: a norm of `clip`.
+    torch.testing.assert_close(seen["step"], clip, rtol=1e-2, atol=0.0)
+
+
+def test_overflowing_steps_are_skipped_counted_and_the_schedule_goes_on(tmp_path):
+    module = Regression(optimizer="sgd")
+    module.inf_at = {1, 2}
+    plugin = fp16_plugin()
+    seen = []
+
+    class ReadMasters(Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            seen.append(masters(trainer))
+
+    run = fit(module, tmp_path, plugin, max_steps=4, callbacks=[ReadMasters()])
+    assert [torch.equal(a[0], b[0]) for a, b in zip(seen[:-1], seen[1:], strict=True)] == [True, True, False]
+    assert run.callback_metrics["amp_fx/skipped_steps"].item() == 2
+    assert plugin.loss_scaler.get_scale() == INIT_SCALE / 4  # backed off twice
+    assert run.lr_scheduler_configs[0].scheduler.last_epoch == 4  # stepped every step, as "16-mixed"
+
+
+def test_manual_optimization_matches_automatic(tmp_path):
+    automatic = Regression(clip=0.5)
+    fit(automatic, tmp_path / "auto", fp16_plugin(), gradient_clip_val=0.5)
+    manual = Regression(manual=True, clip=0.5)
+    fit(manual, tmp_path / "manual", fp16_plugin())
+    assert manual.losses == automatic.losses
+    for expected, actual in zip(automatic.state_dict().values(), manual.state_dict().values(), strict=True):
+        assert torch.equal(actual, expected)
+
+
+def resumable_state(run: pl.Trainer) -> list[torch.Tensor]:
+    """Everything a resumed run must continue from: weights, masters, moments, step counts, the scale."""
+    module, optimizer = run.lightning_module, run.optimizers[0]
+    tensors = [p.detach() for p in module.parameters()] + masters(run)
+    for state in optimizer.state.values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    tensors += [g["step"] for g in optimizer.param_groups]
+    return tensors + [torch.tensor(run.precision_plugin.loss_scaler.get_scale())]
+
+
+@pytest.mark.parametrize(
+    "resume_step, loader", [(4, "plain"), (5, "resumable")], ids=["epoch_end", "mid_epoch"]
+)
+def test_ckpt_path_resumes_bit_for_bit(tmp_path, resume_step, loader):
+    make_loader = batches if loader == "plain" else ResumableLoader
+    every_step = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}"
+    )
+    uninterrupted = Regression()
+    uninterrupted.inf_at = {2}  # a skipped step and a backed-off scale before the checkpoint
+    run = trainer(tmp_path, fp16_plugin(), callbacks=[every_step], enable_checkpointing=True)
+    run.fit(uninterrupted, train_dataloaders=make_loader())
+
+    resumed = Regression()
+    resumed.inf_at = {2}
+    rerun = trainer(tmp_path, fp16_plugin())
+    rerun.fit(
+        resumed, train_dataloaders=make_loader(), ckpt_path=tmp_path / "ckpt" / f"step={resume_step}.ckpt"
+    )
+    assert resumed.losses == uninterrupted.losses[resume_step:]
+    for expected, actual in zip(resumable_state(run), resumable_state(rerun), strict=True):
+        assert torch.equal(actual, expected)
+    assert (
+        rerun.lr_scheduler_configs[0].scheduler.state_dict()
+        == run.lr_scheduler_configs[0].scheduler.state_dict()
+    )
+    assert rerun.precision_plugin.skipped_steps.item() == 1
+
+
+def test_the_checkpoint_is_fp32_whole_and_loads_with_weights_only(tmp_path):
+    module = Regression()
+    run = fit(module, tmp_path, fp16_plugin(), max_epochs=1)
+    path = tmp_path / "end.ckpt"
+    run.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=True)
+    weights = checkpoint["state_dict"]
+    assert {v.dtype for v in weights.values()} == {torch.float32}
+    for param_name, master in zip(dict(module.named_parameters()), masters(run), strict=True):
+        assert torch.equal(weights[param_name], master)  # the masters, not the rounded weights
+    states = checkpoint["optimizer_states"][0]["state"].values()
+    assert len(states) == len(list(module.parameters()))
+    assert all({"exp_avg", "exp_avg_sq"} <= state.keys() for state in states)
+    assert sum("master_param" in state for state in states) == sum(
+        p.dtype == torch.float16 for p in module.parameters()
+    )
+    assert checkpoint["AmpPrecision"]["loss_scaler"]["scale"] == run.precision_plugin.loss_scaler.get_scale()
+    plain = Regression()
+    plain.load_state_dict(weights)  # the FP32 LightningModule, without AmpPrecision
+    assert all(p.dtype == torch.float32 for p in plain.parameters())
+
+
+# ----------------------------------------------------------------------------------------------
+# Refused before anything changes
+def test_a_precision_string_with_the_plugin_is_refused():
+    with pytest.raises(ValueError, match="Received both `precision=bf16-mixed`"):
+        pl.Trainer(precision="bf16-mixed", plugins=[AmpPrecision("O2", dtype=torch.bfloat16)])
+
+
+def test_contradicting_dtypes_and_levels_are_refused():
+    policy = amp_fx.preset("O2", dtype=torch.bfloat16)
+    with pytest.raises(
+        ValueError, match="dtype=torch.float16 but the policy's is torch.bfloat16.*pass only policy="
+    ):
+        AmpPrecision(dtype=torch.float16, policy=policy)
+    with pytest.raises(ValueError, match="opt_level='O1' but the policy is O2"):
+        AmpPrecision("O1", policy=policy)
+    with pytest.raises(ValueError, match="dtype must be torch.float16 or torch.bfloat16"):
+        AmpPrecision("O2", dtype=torch.float32)
+    with pytest.raises(TypeError, match="needs an opt_level"):
+        AmpPrecision()
+
+
+@pytest.mark.parametrize(
+    "make_optimizer, error, message",
+    [
+        (
+            lambda p: torch.optim.RMSprop(p),
+            TypeError,
+            "cannot give FP32 master weights to; return torch.optim.AdamW",
+        ),
+        (lambda p: torch.optim.Adam(p, amsgrad=True), ValueError, "amsgrad=True.*use amsgrad=False"),
+        (
+            lambda p: torch.optim.SGD(p, lr=0.1, maximize=True),
+            ValueError,
+            "maximize=True.*use maximize=False",
+        ),
+    ],
+    ids=["rmsprop", "amsgrad", "maximize"],
+)
+def test_an_optimizer_without_masters_is_refused_and_the_module_restored(
+    tmp_path, make_optimizer, error, message
+):
+    module = Regression()
+    original_net = module.net
+    state = copy.deepcopy(module.state_dict())
+    module.configure_optimizers = lambda: make_optimizer(module.parameters())
+    with pytest.raises(error, match=message):
+        fit(module, tmp_path, AmpPrecision("O2", dtype=torch.bfloat16))
+    assert module.net is original_net
+    assert all(torch.equal(v, state[k]) for k, v in module.state_dict().items())
+
+
+def test_an_optimizer_built_before_conversion_is_refused(tmp_path):
+    module = Regression()
+    stale = torch.optim.AdamW(module.parameters())
+    module.configure_optimizers = lambda: stale
+    with pytest.raises(ValueError, match="from before AmpPrecision converted it.*in configure_optimizers"):
+        fit(module, tmp_path, AmpPrecision("O2", dtype=torch.bfloat16))
+
+
+def test_value_clipping_is_refused_before_conversion(tmp_path):
+    module = Regression()
+    original_net = module.net
+    with pytest.raises(ValueError, match="clips by norm only.*gradient_clip_algorithm='norm'"):
+        fit(module, tmp_path, AmpPrecision("O2"), gradient_clip_val=1.0, gradient_clip_algorithm="value")
+    assert module.net is original_net
