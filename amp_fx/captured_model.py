@@ -8,7 +8,7 @@ model, of the model's own class, so it is a drop-in: the same call signature (``
 the low dtype when it is made (BatchNorm's and FP32-ruled modules' stay float32), so optimizers
 built from it see the tensors they will train.
 
-Each call is run by a graph rewritten by the convert passes (`amp_fx.rewrite`):
+Each call is run by a graph rewritten by the convert passes (`amp_fx.pipeline`):
 
 - the first call of a given argument structure (which keywords, constants such as
   ``use_cache=False``, tensor dtypes and ranks, train/eval mode) is captured with
@@ -72,7 +72,7 @@ from amp_fx.passes.export import (
     graph_inputs,
 )
 from amp_fx.passes.shared import copy_model
-from amp_fx.rewrite import rewrite_graph
+from amp_fx.pipeline import rewrite_graph
 from amp_fx.saving import master_state_dict
 
 logger = logging.getLogger(__name__)

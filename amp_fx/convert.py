@@ -14,7 +14,7 @@
 
 Two front ends capture the model (docs/DESIGN.md): torch.fx symbolic tracing (`amp_fx.passes.trace`)
 when it takes the forward whole, else torch.export call by call (`amp_fx.captured_model`). Either
-hands its graph to one pipeline of passes (`amp_fx.rewrite`). The input model is never modified.
+hands its graph to one pipeline of passes (`amp_fx.pipeline`). The input model is never modified.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from amp_fx.core.policy import Policy, preset
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.optim.model_loads import follow_model_loads
 from amp_fx.passes.trace import OTHER_MODE_GRAPH_KEY, UNTRACEABLE_MODULES_KEY, TraceError, trace
-from amp_fx.rewrite import rewrite_graph
+from amp_fx.pipeline import rewrite_graph
 
 logger = logging.getLogger(__name__)
 
