@@ -495,7 +495,7 @@ def _capture(
     start = time.perf_counter()
     # Capture inside the autocast region the converted model runs like, so code that reads a dtype
     # sees the converted dtypes; the graph records the ops before autocast.
-    region = (policy.device_type, policy.dtype) if policy.opt_level != "O0" else None
+    region = (policy.device_type, policy.dtype) if policy.level.lowers_precision else None
     # The module's own class runs during the capture (CapturedModel.forward would recurse).
     cls = type(module)
     if cls.__bases__[0] is not CapturedModel:

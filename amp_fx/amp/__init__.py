@@ -34,7 +34,7 @@ from torch import Tensor
 
 from amp_fx.amp._initialize import initialize
 from amp_fx.amp._model import disable_casts
-from amp_fx.amp._properties import OPT_LEVELS, AmpConfigError, Properties
+from amp_fx.amp._properties import AmpConfigError, Properties
 from amp_fx.amp._registry import (
     clear_registered_functions,
     register_float_function,
@@ -44,6 +44,7 @@ from amp_fx.amp._registry import (
 )
 from amp_fx.amp._scale_loss import scale_loss
 from amp_fx.amp._state import require_session
+from amp_fx.core.opt_levels import OPT_LEVELS
 
 __all__ = [
     "initialize",

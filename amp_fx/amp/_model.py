@@ -35,6 +35,7 @@ from amp_fx.amp._registry import apply_registered_functions
 from amp_fx.captured_model import running_original_in_fp32
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES, default_device_type
 from amp_fx.core.node_info import META_KEY
+from amp_fx.core.opt_levels import find_opt_level, lookup_opt_level
 from amp_fx.core.policy import preset
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.optim.model_loads import follow_model_loads
@@ -73,12 +74,20 @@ def casts_disabled() -> bool:
 # Conversion
 # --------------------------------------------------------------------------------------------
 def convert_level(properties: Properties) -> str:
-    """The `amp_fx.convert` opt level that realizes these (possibly overridden) properties."""
+    """The `amp_fx.convert` opt level that realizes these (possibly overridden) properties.
+
+    Per-op casts make the level of autocast's op lists; low weights keep the chosen level if it
+    stores weights low, else (O0 with ``cast_model_type=torch.float16``) make the pure
+    low-precision one; anything else is the level that lowers nothing.
+    """
     if properties.patch_torch_functions:
-        return "O1"
+        return find_opt_level(uses_autocast_op_lists=True).name
     if properties.cast_model_type in LOW_PRECISION_DTYPES:
-        return properties.opt_level if properties.opt_level in ("O2", "O3") else "O3"
-    return "O0"
+        chosen = lookup_opt_level(properties.opt_level)
+        if chosen.stores_weights_low:
+            return chosen.name
+        return find_opt_level(stores_weights_low=True, keeps_fp32_islands=False).name
+    return find_opt_level(lowers_precision=False).name
 
 
 def convert_model(
@@ -86,7 +95,9 @@ def convert_model(
 ) -> torch.fx.GraphModule:
     """Convert `model` as the properties say, with the registered functions as policy overrides."""
     level = convert_level(properties)
-    keep_batchnorm_fp32 = properties.keep_batchnorm_fp32 if level in ("O2", "O3") else None
+    keep_batchnorm_fp32 = (
+        properties.keep_batchnorm_fp32 if lookup_opt_level(level).stores_weights_low else None
+    )
     policy = preset(
         level,
         dtype=dtype,

@@ -1,5 +1,7 @@
 """Apex's opt-level property table (O0-O3) and the consistency checks it applies to overrides.
 
+The table is a view of amp_fx's opt-level table (`amp_fx.core.opt_levels`), in Apex's names.
+
 `amp.initialize` starts from the preset of the chosen opt level and applies every keyword that is
 not None as an override, in Apex's order, checking each against the opt level the way Apex did
 (e.g. O1 keeps model weights FP32, so `cast_model_type=torch.float16` with O1 is refused)::
@@ -17,12 +19,12 @@ from typing import Any
 
 import torch
 
-from amp_fx.core import dtypes
-from amp_fx.core.dtypes import LOW_PRECISION_DTYPES, OPT_LEVELS, short_repr
+from amp_fx.core import opt_levels
+from amp_fx.core.dtypes import LOW_PRECISION_DTYPES, short_repr
+from amp_fx.core.opt_levels import OPT_LEVEL_TABLE, OptLevel, lookup_opt_level
 
 __all__ = [
     "LOW_PRECISION_DTYPES",
-    "OPT_LEVELS",
     "AmpConfigError",
     "Properties",
     "check_loss_scale_bounds",
@@ -60,50 +62,32 @@ class Properties:
 
 
 # One line per opt level, as Apex's startup message shows it.
-OPT_LEVEL_BRIEF = {
-    "O0": "O0:  Pure FP32 training.",
-    "O1": "O1:  Casts inserted around each op by the autocast op lists; model weights stay FP32.",
-    "O2": "O2:  Low-precision weights with FP32 batchnorm and FP32 master weights.",
-    "O3": "O3:  Pure low-precision training.",
-}
+OPT_LEVEL_BRIEF = {name: f"{name}:  {level.description}" for name, level in OPT_LEVEL_TABLE.items()}
+
+
+def _apex_row(level: OptLevel) -> dict[str, Any]:
+    # Apex leaves the properties that O1's per-op casts make moot as None. Its tables name
+    # float16 for low weights; `amp.initialize(dtype=...)` picks bfloat16.
+    per_op = level.uses_autocast_op_lists
+    return dict(
+        cast_model_type=torch.float16 if level.stores_weights_low else None if per_op else torch.float32,
+        patch_torch_functions=per_op,
+        keep_batchnorm_fp32=level.keeps_batchnorm_fp32 if level.stores_weights_low else None,
+        master_weights=None if per_op else level.keeps_fp32_masters,
+        loss_scale="dynamic" if level.dynamic_loss_scale else 1.0,
+    )
+
 
 # Apex's property table. `enabled` and `opt_level` are set from the arguments.
 OPT_LEVEL_PRESETS: dict[str, dict[str, Any]] = {
-    "O0": dict(
-        cast_model_type=torch.float32,
-        patch_torch_functions=False,
-        keep_batchnorm_fp32=None,
-        master_weights=False,
-        loss_scale=1.0,
-    ),
-    "O1": dict(
-        cast_model_type=None,
-        patch_torch_functions=True,
-        keep_batchnorm_fp32=None,
-        master_weights=None,
-        loss_scale="dynamic",
-    ),
-    "O2": dict(
-        cast_model_type=torch.float16,
-        patch_torch_functions=False,
-        keep_batchnorm_fp32=True,
-        master_weights=True,
-        loss_scale="dynamic",
-    ),
-    "O3": dict(
-        cast_model_type=torch.float16,
-        patch_torch_functions=False,
-        keep_batchnorm_fp32=False,
-        master_weights=False,
-        loss_scale=1.0,
-    ),
+    name: _apex_row(level) for name, level in OPT_LEVEL_TABLE.items()
 }
 
 
 def check_opt_level(opt_level: Any) -> str:
-    """`amp_fx.core.dtypes.check_opt_level`, raising Apex's `AmpConfigError` for any bad value."""
+    """`amp_fx.core.opt_levels.check_opt_level`, raising Apex's `AmpConfigError` for any bad value."""
     try:
-        return dtypes.check_opt_level(opt_level)
+        return opt_levels.check_opt_level(opt_level)
     except (TypeError, ValueError) as error:
         raise AmpConfigError(str(error)) from None
 
@@ -114,13 +98,19 @@ def opt_level_defaults(opt_level: str) -> Properties:
     return Properties(enabled=True, opt_level=level, **OPT_LEVEL_PRESETS[level])
 
 
+def _casts_per_op(props: Properties) -> bool:
+    # O1: its weights stay FP32 and autocast's lists cast around each op, which rules out the
+    # properties of low weights.
+    return lookup_opt_level(props.opt_level).uses_autocast_op_lists
+
+
 def _check_cast_model_type(props: Properties, value: Any) -> Any:
     if value is not None and value is not False and value not in (torch.float32, *LOW_PRECISION_DTYPES):
         raise AmpConfigError(
             f"cast_model_type={short_repr(value)} is not supported: use torch.float16, torch.bfloat16, "
             "torch.float32 or None"
         )
-    if props.opt_level == "O1" and value not in (None, False, torch.float32):
+    if _casts_per_op(props) and value not in (None, False, torch.float32):
         raise AmpConfigError(
             "O1 casts around each op and keeps the model weights themselves FP32, so "
             f"cast_model_type must stay None with O1 (it was {value}); to store the weights in low "
@@ -132,7 +122,7 @@ def _check_cast_model_type(props: Properties, value: Any) -> Any:
 def _check_patch_torch_functions(props: Properties, value: Any) -> bool:
     if not isinstance(value, bool):
         raise AmpConfigError(f"patch_torch_functions must be True, False or None, not {short_repr(value)}")
-    if props.opt_level != "O1" and value:
+    if not _casts_per_op(props) and value:
         raise AmpConfigError(
             "patch_torch_functions=True (op-level casts) is what opt_level='O1' selects; "
             "choose opt_level='O1' instead of setting it on another opt level"
@@ -141,7 +131,7 @@ def _check_patch_torch_functions(props: Properties, value: Any) -> bool:
 
 
 def _check_keep_batchnorm_fp32(props: Properties, value: Any) -> bool | None:
-    if props.opt_level == "O1" and value is not None:
+    if _casts_per_op(props) and value is not None:
         raise AmpConfigError(
             "with opt_level O1 batchnorm already runs in FP32 through the op lists, so "
             f"keep_batchnorm_fp32 must be None (it was {short_repr(value)})"
@@ -159,7 +149,7 @@ def _check_keep_batchnorm_fp32(props: Properties, value: Any) -> bool | None:
 
 
 def _check_master_weights(props: Properties, value: Any) -> bool | None:
-    if props.opt_level == "O1" and value is not None:
+    if _casts_per_op(props) and value is not None:
         raise AmpConfigError(
             "master_weights make no sense with O1: its model weights are FP32 already; leave "
             "master_weights=None, or use opt_level='O2' for low-precision weights with FP32 masters"

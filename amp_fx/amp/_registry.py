@@ -86,8 +86,8 @@ def clear_registered_functions() -> None:
 
 def apply_registered_functions(policy: Policy) -> Policy:
     """Add the registrations to `policy` as op overrides (in place; returned for chaining)."""
-    if policy.opt_level == "O0":
-        return policy
+    if not policy.level.lowers_precision:
+        return policy  # a level that lowers nothing stays the identity
     for op, rule in _REGISTERED.items():
         policy.set_op(op, rule)
     return policy

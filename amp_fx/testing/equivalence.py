@@ -139,7 +139,7 @@ def infer_dtype(converted: torch.nn.Module) -> torch.dtype:
     lowest-precision floating dtype among its parameters and buffers, else torch.float32."""
     policy = converted.meta.get(POLICY_KEY) if isinstance(converted, torch.fx.GraphModule) else None
     if policy is not None:
-        return torch.float32 if policy.opt_level == "O0" else policy.dtype
+        return policy.dtype if policy.level.lowers_precision else torch.float32
     for tensor in [*converted.parameters(), *converted.buffers()]:
         if tensor.dtype in LOW_PRECISION_DTYPES:
             return tensor.dtype
