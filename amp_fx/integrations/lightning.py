@@ -38,6 +38,7 @@ Clip with ``plugin.clip_gradients(optimizer, max_norm)``; log ``plugin.skipped_s
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -47,10 +48,9 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 import amp_fx
-from amp_fx.core.dtypes import LOW_PRECISION_DTYPES, OPT_LEVELS
-from amp_fx.core.policy import Policy
 from amp_fx.integrations._lightning_convert import ConvertedChildren
 from amp_fx.integrations._lightning_optimizers import (
     SUPPORTED,
@@ -108,7 +108,7 @@ class AmpPrecision(Precision):
         opt_level: str | None = None,
         *,
         dtype: torch.dtype | None = None,
-        policy: Policy | None = None,
+        policy: amp_fx.Policy | None = None,
         device_type: str | None = None,
         loss_scaler: amp_fx.LossScaler | None = None,
     ) -> None:
@@ -124,6 +124,10 @@ class AmpPrecision(Precision):
         # Device count of steps the kernel skipped (inf/NaN grads); None until the first scaled step.
         self.skipped_steps: Tensor | None = None
         self._converted: ConvertedChildren | None = None
+        # The parameters conversion replaced (an optimizer over them trains nothing the model holds),
+        # and the optimizers checked against them.
+        self._replaced_params = WeakIdKeyDictionary()
+        self._checked_optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._unscaled: set[int] = set()
         self._grad_norm: Tensor | None = None
 
@@ -132,7 +136,7 @@ class AmpPrecision(Precision):
         opt_level: Any, dtype: Any, policy: Any, device_type: Any, loss_scaler: Any
     ) -> tuple[str, torch.dtype]:
         if policy is not None:
-            if not isinstance(policy, Policy):
+            if not isinstance(policy, amp_fx.Policy):
                 raise TypeError(
                     "policy must be an amp_fx.Policy (amp_fx.preset('O2', dtype=...)), got "
                     f"{type(policy).__name__}"
@@ -153,11 +157,8 @@ class AmpPrecision(Precision):
             raise TypeError(
                 "AmpPrecision needs an opt_level ('O0' to 'O3') or a policy: AmpPrecision('O2', dtype=...)"
             )
-        if opt_level not in OPT_LEVELS:
-            raise ValueError(f"opt_level must be one of {', '.join(OPT_LEVELS)}, got {opt_level!r}")
         dtype = torch.float16 if dtype is None else dtype
-        if dtype not in LOW_PRECISION_DTYPES:
-            raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype!r}")
+        amp_fx.preset(opt_level, dtype=dtype)  # checks both, with the library's messages
         if device_type not in (None, "cpu", "cuda"):
             raise ValueError(
                 f"device_type must be 'cuda', 'cpu' or None (the Trainer's), got {device_type!r}"
@@ -197,6 +198,8 @@ class AmpPrecision(Precision):
         )
         # The Trainer builds the optimizers next (connect); Fabric's are the user's to build.
         self._converted = converted if trainer is not None else None
+        for param in converted.original_params():
+            self._replaced_params[param] = True
         return module
 
     def connect(
@@ -241,7 +244,18 @@ class AmpPrecision(Precision):
     # ------------------------------------------------------------------------------------------
     # The step
     def _fused(self, optimizer: Any) -> Any:
+        """The amp_fx optimizer behind Lightning's wrappers, checked once: refused unless it is one."""
         optimizer = _unwrapped(optimizer)
+        if optimizer in self._checked_optimizers:
+            return optimizer
+        if isinstance(optimizer, torch.optim.Optimizer) and any(
+            p in self._replaced_params for group in optimizer.param_groups for p in group["params"]
+        ):
+            raise ValueError(
+                f"the {type(optimizer).__name__} holds the model's parameters from before AmpPrecision "
+                "converted it; build it after: model = fabric.setup_module(model); optimizer = "
+                "fabric.setup_optimizers(amp_fx.optim.FusedAdam(model.parameters(), lr=...))"
+            )
         if not isinstance(optimizer, ScaledOptimizer):
             raise TypeError(
                 f"AmpPrecision steps amp_fx's fused optimizers, got {type(optimizer).__name__}. Under the "
@@ -249,6 +263,7 @@ class AmpPrecision(Precision):
                 "setting the module up: model = fabric.setup_module(model); optimizer = "
                 "fabric.setup_optimizers(amp_fx.optim.FusedAdam(model.parameters(), lr=...))"
             )
+        self._checked_optimizers.add(optimizer)
         return optimizer
 
     def _unscale_once(self, optimizer: Any) -> None:
@@ -312,10 +327,13 @@ class AmpPrecision(Precision):
         optimizer: Any,
         clip_val: float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
-    ) -> None:
-        """Clip the unscaled grads' total norm to ``clip_val`` (`amp_fx.clip_grad_norm_`, no host read)."""
+    ) -> Tensor | None:
+        """Clip the unscaled grads' total norm to ``clip_val`` (`amp_fx.clip_grad_norm_`, no host read).
+
+        Returns the norm before clipping (a device tensor); Fabric's users call this themselves.
+        """
         if clip_val is None or clip_val <= 0:
-            return
+            return None
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             raise ValueError(
                 "AmpPrecision clips by norm only (the grads stay scaled until the optimizer's kernel): use "
@@ -324,6 +342,7 @@ class AmpPrecision(Precision):
         optimizer = self._fused(optimizer)
         self._unscale_once(optimizer)
         self._grad_norm = amp_fx.clip_grad_norm_(optimizer, clip_val)
+        return self._grad_norm
 
     def unscale_gradients(self, optimizer: Any) -> None:
         """Fabric's ``clip_gradients`` would next clip the still-scaled grads with torch: refused."""

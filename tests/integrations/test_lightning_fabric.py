@@ -1,0 +1,111 @@
+"""AmpPrecision under Lightning Fabric on CPU: the same plugin class as for the Trainer.
+
+Fabric gives a precision plugin no way to replace an optimizer, so the user builds amp_fx's after
+``setup_module``; the plugin converts, scales, unscales, clips and steps. References: a run saved
+and loaded with ``fabric.save`` / ``fabric.load`` against one that was not interrupted."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import lightning.fabric as lf
+import pytest
+import torch
+from torch import nn
+
+import amp_fx
+from amp_fx.integrations.lightning import AmpPrecision
+from amp_fx.optim import FusedAdam, master_params
+
+STEPS, INIT_SCALE = 6, 1024.0
+
+
+@pytest.fixture(autouse=True)
+def quiet_lightning():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module="lightning")
+        yield
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.ReLU())
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 8, generator=generator)
+    return x, x @ torch.linspace(-1.0, 1.0, 8).unsqueeze(1)
+
+
+def set_up() -> tuple[lf.Fabric, AmpPrecision, nn.Module, torch.optim.Optimizer]:
+    plugin = AmpPrecision("O2", dtype=torch.float16, loss_scaler=amp_fx.LossScaler(init_scale=INIT_SCALE))
+    fabric = lf.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = fabric.setup_module(Net())
+    optimizer = fabric.setup_optimizers(FusedAdam(model.parameters(), lr=1e-2))
+    return fabric, plugin, model, optimizer
+
+
+def train(model, optimizer, fabric, plugin, steps: int, inf_at: int = -1) -> list[float]:
+    x, y = data()
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        losses.append(loss.item())
+        fabric.backward(loss * float("inf") if step == inf_at else loss)
+        plugin.clip_gradients(optimizer, 1.0)
+        optimizer.step()
+    return losses
+
+
+def test_fabric_trains_a_converted_module_with_masters_and_skips_overflows():
+    fabric, plugin, model, optimizer = set_up()
+    losses = train(model, optimizer, fabric, plugin, STEPS, inf_at=1)
+    assert losses[-1] < 0.7 * losses[0]
+    assert model.module.head.weight.dtype == torch.float16  # the user's module, its children converted
+    assert all(m.dtype == torch.float32 for m in master_params(optimizer.optimizer))
+    assert plugin.skipped_steps.item() == 1
+    assert plugin.loss_scaler.get_scale() == INIT_SCALE / 2
+    assert {v.dtype for v in model.state_dict().values()} == {torch.float32}
+
+
+def test_fabric_save_and_load_resume_bit_for_bit(tmp_path: Path):
+    fabric, plugin, model, optimizer = set_up()
+    first = train(model, optimizer, fabric, plugin, 3, inf_at=1)
+    fabric.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer, "amp": plugin})
+    continued = train(model, optimizer, fabric, plugin, 3)
+
+    fabric, plugin, resumed_model, resumed_optimizer = set_up()
+    fabric.load(tmp_path / "ckpt", {"model": resumed_model, "optimizer": resumed_optimizer, "amp": plugin})
+    assert plugin.skipped_steps.item() == 1
+    assert train(resumed_model, resumed_optimizer, fabric, plugin, 3) == continued
+    assert first[0] > continued[-1]
+    for expected, actual in zip(model.parameters(), resumed_model.parameters(), strict=True):
+        assert torch.equal(actual, expected)
+    masters = zip(master_params(optimizer.optimizer), master_params(resumed_optimizer.optimizer), strict=True)
+    assert all(torch.equal(a, b) for a, b in masters)
+
+
+def test_fabric_refuses_an_optimizer_without_masters_naming_the_fix():
+    plugin = AmpPrecision("O2", dtype=torch.bfloat16)
+    fabric = lf.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = Net()
+    stale = torch.optim.AdamW(net.parameters())  # built before setup: over the FP32 parameters
+    model = fabric.setup_module(net)
+    x, y = data()
+    fabric.backward(nn.functional.mse_loss(model(x), y))
+    with pytest.raises(ValueError, match="from before AmpPrecision converted it; build it after"):
+        fabric.setup_optimizers(stale).step()
+    torch_optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
+    with pytest.raises(TypeError, match=r"steps amp_fx's fused optimizers, got AdamW.*FusedAdam\(model"):
+        torch_optimizer.step()
+    with pytest.raises(NotImplementedError, match="call clip_gradients"):
+        fabric.clip_gradients(model, torch_optimizer, max_norm=1.0)
