@@ -30,8 +30,9 @@ import torch.fx
 from torch import nn
 
 from amp_fx.captured_model import CapturedModel, captured_model
-from amp_fx.core.dtypes import check_opt_level, default_device_type, short_repr
+from amp_fx.core.dtypes import default_device_type, short_repr
 from amp_fx.core.node_info import POLICY_KEY, node_info
+from amp_fx.core.opt_levels import check_opt_level
 from amp_fx.core.policy import Policy, preset
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.optim.model_loads import follow_model_loads

@@ -1,8 +1,9 @@
-"""The facts every layer shares, written once: opt levels, low-precision dtypes, dtype names,
-a model's device type, and how much of a user's value an error message echoes.
+"""The dtype facts every layer shares, written once: low-precision dtypes, dtype names, a model's
+device type, and how much of a user's value an error message echoes. Opt levels have their own
+table, `amp_fx.core.opt_levels`.
 
-    >>> check_opt_level("O2"), dtype_name(torch.bfloat16), short_dtype_name(torch.bfloat16)
-    ('O2', 'bfloat16', 'bf16')
+    >>> dtype_name(torch.bfloat16), short_dtype_name(torch.bfloat16)
+    ('bfloat16', 'bf16')
     >>> len(short_repr("O" * 1_000_000)) < 100
     True
 """
@@ -16,16 +17,12 @@ from torch import nn
 
 __all__ = [
     "LOW_PRECISION_DTYPES",
-    "OPT_LEVELS",
-    "check_opt_level",
     "default_device_type",
     "dtype_name",
     "short_dtype_name",
     "short_repr",
 ]
 
-# Apex's opt levels: O0 pure FP32, O1 casts per op, O2 low weights with FP32 masters, O3 pure low.
-OPT_LEVELS = ("O0", "O1", "O2", "O3")
 # The dtypes mixed precision lowers to.
 LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -59,30 +56,6 @@ def short_repr(value: Any, limit: int = REPR_LIMIT) -> str:
     if len(text) <= limit:
         return text
     return f"{text[: limit - 1]}... ({len(text)} characters)"
-
-
-def check_opt_level(opt_level: Any) -> str:
-    """Return `opt_level` if it is one of "O0".."O3"; else raise naming the accepted spellings.
-
-    A TypeError for a value that is not a str, a ValueError for an unknown one (with a hint when
-    the letter O was typed as a zero or lower case).
-
-    >>> check_opt_level("O1")
-    'O1'
-    """
-    spellings = ", ".join(map(repr, OPT_LEVELS))
-    if not isinstance(opt_level, str):
-        raise TypeError(
-            f"opt_level must be a str, one of {spellings}; got {type(opt_level).__name__} "
-            f"{short_repr(opt_level)}"
-        )
-    if opt_level in OPT_LEVELS:
-        return opt_level
-    hint = ""
-    stripped = opt_level.strip()
-    if len(stripped) == 2 and stripped[1] in "0123" and stripped[0] in "oO0":
-        hint = f"; did you mean 'O{stripped[1]}' (capital letter O)?"
-    raise ValueError(f"unknown opt_level {short_repr(opt_level)}: use one of {spellings}{hint}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from amp_fx.core.dtypes import OPT_LEVELS, check_opt_level
+from amp_fx.core.dtypes import short_repr
 
 __all__ = [
     "OPT_LEVELS",
@@ -130,6 +130,32 @@ _ROWS = (
 
 # name -> its row, in Apex's order.
 OPT_LEVEL_TABLE = MappingProxyType({row.name: row for row in _ROWS})
+# The accepted spellings.
+OPT_LEVELS = tuple(OPT_LEVEL_TABLE)
+
+
+def check_opt_level(opt_level: Any) -> str:
+    """Return `opt_level` if it is one of "O0".."O3"; else raise naming the accepted spellings.
+
+    A TypeError for a value that is not a str, a ValueError for an unknown one (with a hint when
+    the letter O was typed as a zero or lower case).
+
+    >>> check_opt_level("O1")
+    'O1'
+    """
+    spellings = ", ".join(map(repr, OPT_LEVELS))
+    if not isinstance(opt_level, str):
+        raise TypeError(
+            f"opt_level must be a str, one of {spellings}; got {type(opt_level).__name__} "
+            f"{short_repr(opt_level)}"
+        )
+    if opt_level in OPT_LEVELS:
+        return opt_level
+    hint = ""
+    stripped = opt_level.strip()
+    if len(stripped) == 2 and stripped[1] in "0123" and stripped[0] in "oO0":
+        hint = f"; did you mean 'O{stripped[1]}' (capital letter O)?"
+    raise ValueError(f"unknown opt_level {short_repr(opt_level)}: use one of {spellings}{hint}")
 
 
 def lookup_opt_level(opt_level: Any) -> OptLevel:

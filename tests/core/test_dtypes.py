@@ -1,4 +1,4 @@
-"""amp_fx.core.dtypes: the shared facts, the one opt-level checker and the cut repr of errors."""
+"""amp_fx.core.dtypes: the shared dtype facts and the cut repr of errors."""
 
 from __future__ import annotations
 
@@ -9,14 +9,8 @@ from torch import nn
 import amp_fx
 from amp_fx import amp
 from amp_fx.amp import AmpConfigError
-from amp_fx.core.dtypes import (
-    OPT_LEVELS,
-    check_opt_level,
-    default_device_type,
-    dtype_name,
-    short_dtype_name,
-    short_repr,
-)
+from amp_fx.core.dtypes import default_device_type, dtype_name, short_dtype_name, short_repr
+from amp_fx.core.opt_levels import check_opt_level
 
 
 def test_short_repr_keeps_short_values_and_cuts_long_ones() -> None:
@@ -25,11 +19,6 @@ def test_short_repr_keeps_short_values_and_cuts_long_ones() -> None:
     cut = short_repr("x" * 59)
     assert cut == repr("x" * 59)[:59] + "... (61 characters)"
     assert short_repr(list(range(10)), limit=12) == "[0, 1, 2, 3... (30 characters)"
-
-
-@pytest.mark.parametrize("level", OPT_LEVELS)
-def test_check_opt_level_accepts_the_four_levels(level: str) -> None:
-    assert check_opt_level(level) == level
 
 
 def test_a_huge_opt_level_is_echoed_cut_everywhere() -> None:

@@ -10,6 +10,7 @@ from amp_fx.core.opt_levels import (
     OPT_LEVEL_TABLE,
     OPT_LEVELS,
     OptLevel,
+    check_opt_level,
     find_opt_level,
     lookup_opt_level,
 )
@@ -38,6 +39,11 @@ def test_the_fields_hang_together() -> None:
         if not row.stores_weights_low:
             assert not (row.keeps_fp32_islands or row.keeps_norms_fp32 or row.keeps_fp32_masters)
             assert not (row.keeps_batchnorm_fp32 or row.casts_outputs_fp32)
+
+
+@pytest.mark.parametrize("level", OPT_LEVELS)
+def test_check_opt_level_accepts_the_four_levels(level: str) -> None:
+    assert check_opt_level(level) == level
 
 
 def test_lookup_checks_the_name() -> None:
