@@ -1,8 +1,12 @@
 """The convert passes in order, on a captured graph: one pipeline for every front end.
 
 `amp_fx.convert` captures a model with `amp_fx.passes.trace` (torch.fx) or, call by call, with
-`amp_fx.passes.export` (torch.export); both hand their GraphModule to `rewrite_graph`.
+`amp_fx.passes.export` (torch.export); both hand their GraphModule to `rewrite_graph`, which runs
+`PASSES`. That tuple is the one place the order is written: docstrings and docs/DESIGN.md name
+passes, never their positions.
 
+    >>> [step.name for step in PASSES][:4]
+    ['simplify_attention', 'normalize_ops', 'classify', 'propagate_dtypes']
     >>> from amp_fx.core.policy import preset
     >>> from amp_fx.passes.trace import trace
     >>> gm = rewrite_graph(trace(torch.nn.Linear(4, 2)), preset("O1", torch.bfloat16, "cpu"))
@@ -12,6 +16,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,34 +38,67 @@ from amp_fx.passes.replace_max_pool import replace_max_pool
 from amp_fx.passes.simplify_attention import simplify_attention
 from amp_fx.passes.simplify_casts import simplify_casts
 
-__all__ = ["rewrite_graph"]
+__all__ = ["Pass", "PASSES", "ORIGINAL_CODE_AFTER", "rewrite_graph"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """One pass of the pipeline: its function, called with the graph and what else it reads."""
+
+    run: Callable[..., Any]
+    reads_policy: bool = True
+    reads_example_inputs: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.run.__name__
+
+    def __call__(
+        self, gm: torch.fx.GraphModule, policy: Policy, example_inputs: tuple[Any, ...] | None
+    ) -> None:
+        arguments: list[Any] = [gm]
+        if self.reads_policy:
+            arguments.append(policy)
+        if self.reads_example_inputs:
+            arguments.append(example_inputs)
+        self.run(*arguments)
+
+
+# The passes after capture, in the order they run. Each pass's module docstring is its specification.
+PASSES: tuple[Pass, ...] = (
+    Pass(simplify_attention, reads_policy=False),
+    Pass(normalize_ops, reads_policy=False),
+    Pass(classify),
+    Pass(propagate_dtypes, reads_example_inputs=True),
+    Pass(insert_casts),
+    Pass(cast_parameters),
+    Pass(simplify_casts),
+    Pass(cast_outputs),
+    Pass(fuse_losses),
+    Pass(fuse_linear_loss),
+    Pass(fuse_batch_norm),
+    Pass(replace_max_pool),
+)
+
+# `amp_fx.report` shows the graph's code after this pass as the model's code before amp_fx's casts:
+# every call has its canonical op name and no pass has decided a dtype yet.
+ORIGINAL_CODE_AFTER = "normalize_ops"
 
 
 def rewrite_graph(
     gm: torch.fx.GraphModule, policy: Policy, example_inputs: tuple[Any, ...] | None = None
 ) -> torch.fx.GraphModule:
-    """Run the passes after capture on ``gm`` in place and return it: simplify_attention
-    -> normalize_ops -> classify ->
-    propagate_dtypes -> insert_casts -> cast_parameters -> simplify_casts -> cast_outputs ->
-    fuse_losses -> fuse_linear_loss -> fuse_batch_norm -> replace_max_pool, then lint and recompile.
+    """Run `PASSES` on ``gm`` in place, then lint and recompile it; returns ``gm``.
 
     ``example_inputs`` are the values of ``gm``'s placeholders, in order (dtype propagation then
     runs on fake tensors of them and is exact). The policy and the graph's code before any cast
     are kept in ``gm.meta`` for `amp_fx.report`.
     """
-    simplify_attention(gm)
-    normalize_ops(gm)
     original_code = gm.code
-    classify(gm, policy)
-    propagate_dtypes(gm, policy, example_inputs)
-    insert_casts(gm, policy)
-    cast_parameters(gm, policy)
-    simplify_casts(gm, policy)
-    cast_outputs(gm, policy)
-    fuse_losses(gm, policy)
-    fuse_linear_loss(gm, policy)
-    fuse_batch_norm(gm, policy)
-    replace_max_pool(gm, policy)
+    for step in PASSES:
+        step(gm, policy, example_inputs)
+        if step.name == ORIGINAL_CODE_AFTER:
+            original_code = gm.code
     gm.graph.lint()
     gm.recompile()
     gm.meta[POLICY_KEY] = policy

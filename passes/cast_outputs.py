@@ -1,4 +1,4 @@
-"""Pass 8 of convert: cast the model's outputs per ``policy.cast_model_outputs``.
+"""A convert pass: cast the model's outputs per ``policy.cast_model_outputs``.
 
 As in Apex, O2/O3 return float32 outputs by default (the loss is then computed in float32);
 O0/O1 return outputs as computed. `propagate_dtypes` records, on the output node, the dtype

@@ -1,4 +1,4 @@
-"""Pass 6 of convert (O2/O3): store parameters and floating buffers in the policy's dtype.
+"""A convert pass (O2/O3): store parameters and floating buffers in the policy's dtype.
 
 Each module's parameters and floating buffers get the ``param_dtype`` the policy decides for the
 call of that module (`Policy.decide`): the low dtype, or float32 where the policy keeps them

@@ -1,4 +1,4 @@
-"""Pass 3 of convert: give every call node its `Rule` from the policy, with the reason.
+"""A convert pass: give every call node its `Rule` from the policy, with the reason.
 
 The rule says how a node's floating inputs are cast before it runs: LOWER (to fp16/bf16), FP32,
 PROMOTE (to the widest floating input), PASSTHROUGH (no casts) or OPAQUE (untraced code, run in

@@ -1,4 +1,4 @@
-"""Pass 10 of convert (O2 on CUDA): a language model's head and its FP32 loss as one call.
+"""A convert pass (O2 on CUDA): a language model's head and its FP32 loss as one call.
 
 After `fuse_losses`, a GPT's loss reads its low-precision logits directly:
 ``fp32_cross_entropy(lm_head(h).view(-1, V), t)``. The backward still reads those logits and writes

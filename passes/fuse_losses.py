@@ -1,4 +1,4 @@
-"""Pass 9 of convert (O2): FP32 losses that read low-precision logits without a float32 copy.
+"""A convert pass (O2): FP32 losses that read low-precision logits without a float32 copy.
 
 At O2 ``cross_entropy`` is an FP32 island, so `insert_casts` gives it ``logits.to(float32)``. For a
 language model that cast is the most expensive op of the step: GPT-2 at 16 x 1024 tokens writes

@@ -1,4 +1,4 @@
-"""Pass 5 of convert: insert the casts `propagate_dtypes` decided, as named nodes.
+"""A convert pass: insert the casts `propagate_dtypes` decided, as named nodes.
 
 For every input of every node, ``node_info(node).in_dtypes`` says the dtype the node must see;
 where the producer's ``out_dtype`` differs, a cast node is inserted before the node: one cast per

@@ -1,4 +1,4 @@
-"""Pass 2 of convert: give every call one canonical op name, whatever its spelling.
+"""A convert pass: give every call one canonical op name, whatever its spelling.
 
 ``torch.softmax(x, -1)``, ``F.softmax(x, -1)``, ``x.softmax(-1)`` and ``nn.Softmax(-1)`` are one op,
 ``"softmax"``; ``x + y``, ``x += y``, ``torch.add``, ``x.add`` and ``x.add_`` are ``"add"``. The

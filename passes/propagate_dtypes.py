@@ -1,4 +1,4 @@
-"""Pass 4 of convert: the dtype every node sees and produces once its rule is applied.
+"""A convert pass: the dtype every node sees and produces once its rule is applied.
 
 For each node, ``node_info(node).in_dtypes`` is the dtype of each input (one per
 ``node.all_input_nodes``) *as the node sees it after the casts its rule asks for*, and

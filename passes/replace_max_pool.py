@@ -1,4 +1,4 @@
-"""Pass 11 of convert (O2): 2-D max pooling through `amp_fx.ops.max_pool.max_pool2d`.
+"""A convert pass (O2): 2-D max pooling through `amp_fx.ops.max_pool.max_pool2d`.
 
 torch's max-pool saves an int64 index per output element for its backward and, on channels_last fp16
 activations, runs that backward at a fraction of the memory bandwidth (ResNet-50's stem max-pool:

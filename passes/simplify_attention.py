@@ -1,4 +1,4 @@
-"""Pass 2b of convert (graphs of the torch.export front end): the SDPA calls eager code makes.
+"""A convert pass (graphs of the torch.export front end): the SDPA calls eager code makes.
 
 Traced, transformers cannot ask whether a mask is needed (that would read a tensor's value), so
 it always builds one, and with a mask it repeats the key and value heads of grouped-query

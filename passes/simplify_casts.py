@@ -1,4 +1,4 @@
-"""Pass 7 of convert: remove the casts that change nothing and merge the ones that repeat.
+"""A convert pass: remove the casts that change nothing and merge the ones that repeat.
 
 Works on amp_fx's own cast nodes (``node_info(n).is_cast``) only; casts the user wrote are
 left as written. Reads the dtypes recorded by `propagate_dtypes` and `insert_casts` (run

@@ -1,4 +1,4 @@
-"""Pass 1 of convert: trace a model into a `torch.fx.GraphModule` whose leaves are primitive ops.
+"""Convert's torch.fx front end: trace a model into a `torch.fx.GraphModule` whose leaves are primitive ops.
 
 Composite modules (``nn.Sequential``, ``nn.TransformerEncoderLayer``, user blocks, ...) are traced
 through; *primitive* ``torch.nn`` modules (Linear, ConvNd, norms, activations, pooling, Embedding,
