@@ -51,7 +51,7 @@ from torch import Tensor
 
 from amp_fx.distributed import agree_on_overflow_
 from amp_fx.kernels import implementation_for
-from amp_fx.kernels.arguments import check_scale_bound, check_tracker_count
+from amp_fx.kernels.loss_scale.arguments import check_scale_bound, check_tracker_count
 from amp_fx.kernels.reference import reciprocal_scale_
 from amp_fx.optim.scaled_optimizer import ScaledOptimizer
 from amp_fx.optim.torch_optimizer_scaling import (

@@ -41,8 +41,11 @@ import triton
 import triton.testing
 from reporting import environment
 
-from amp_fx.kernels import adam, overflow_check, pointer_table, reference, sgd, triton_ops
+from amp_fx.kernels import pointer_table, reference, triton_ops
+from amp_fx.kernels.adam import triton as adam_triton
+from amp_fx.kernels.overflow_check import triton as overflow_check_triton
 from amp_fx.kernels.pointer_table import LaunchConfig
+from amp_fx.kernels.sgd import triton as sgd_triton
 
 ADAM = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adam_w_mode=True)
 SGD = dict(lr=1e-3, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False)
@@ -97,17 +100,24 @@ def host_ms(fn: Callable[[], object], calls: int = 10) -> float:
 @contextlib.contextmanager
 def launch_configs(adam_cfg=None, sgd_cfg=None, check_cfg=None, aligned_hint: bool = True) -> Iterator[None]:
     """Run the kernels with other launch settings; aligned_hint=False makes every table 'unaligned'."""
-    saved = (adam.LAUNCH, sgd.LAUNCH, overflow_check.LAUNCH, pointer_table.ALIGNMENT_BYTES)
-    adam.LAUNCH = adam_cfg or adam.LAUNCH
-    sgd.LAUNCH = sgd_cfg or sgd.LAUNCH
-    overflow_check.LAUNCH = check_cfg or overflow_check.LAUNCH
+    saved = (
+        adam_triton.LAUNCH,
+        sgd_triton.LAUNCH,
+        overflow_check_triton.LAUNCH,
+        pointer_table.ALIGNMENT_BYTES,
+    )
+    adam_triton.LAUNCH = adam_cfg or adam_triton.LAUNCH
+    sgd_triton.LAUNCH = sgd_cfg or sgd_triton.LAUNCH
+    overflow_check_triton.LAUNCH = check_cfg or overflow_check_triton.LAUNCH
     if not aligned_hint:
         pointer_table.ALIGNMENT_BYTES = 1 << 62  # no real pointer is a multiple of this
     pointer_table.clear_cache()
     try:
         yield
     finally:
-        adam.LAUNCH, sgd.LAUNCH, overflow_check.LAUNCH, pointer_table.ALIGNMENT_BYTES = saved
+        adam_triton.LAUNCH, sgd_triton.LAUNCH, overflow_check_triton.LAUNCH, pointer_table.ALIGNMENT_BYTES = (
+            saved
+        )
         pointer_table.clear_cache()
 
 

@@ -1,17 +1,14 @@
-"""Fused-optimizer and loss kernels: Triton kernels beside their pure-torch reference; installed as
-`amp_fx.kernels`.
+"""amp_fx's kernels, one subpackage per family; installed as `amp_fx.kernels`.
 
-Two modules implement one contract (see ``reference``'s docstring for the math): the optimizer
-kernels ``check_finite_and_norm_``, ``adam_step_``, ``sgd_step_``, ``advance_step_``, the loss
-kernels ``cross_entropy_forward`` / ``cross_entropy_backward`` (fp32 cross-entropy over rows of
-fp16/bf16/fp32 logits, behind ``amp_fx.ops.losses.fp32_cross_entropy``) and
-``cross_entropy_forward_with_grad`` (the loss and its unscaled gradient in one pass, behind
-``amp_fx.ops.losses.linear_cross_entropy``), and the normalization kernels
-``batch_norm_act_forward`` / ``batch_norm_act_backward`` (training-mode BatchNorm + residual add +
-ReLU over channels_last activations, behind ``amp_fx.ops.batch_norm.batch_norm_act``), and the pooling
-kernels ``max_pool2d_forward`` / ``max_pool2d_backward`` (2-D max pooling of channels_last
-activations with 1-byte argmax offsets, behind ``amp_fx.ops.max_pool.max_pool2d``), and the loss-scale
-kernel ``update_loss_scale_`` (the dynamic scale rule in one launch, behind ``amp_fx.LossScaler``):
+Each family (``amp_fx.kernels.families.FAMILIES``) keeps its contract in its ``__init__`` (the
+math, the kernels' signatures), its pure-torch ``reference`` and its ``triton`` kernels beside it,
+and the ``arguments`` checks both run: ``overflow_check``, ``adam``, ``sgd``, ``loss_scale``
+(behind the optimizers and `amp_fx.LossScaler`), ``cross_entropy``, ``batch_norm``, ``max_pool``
+(behind the ops of the same names in ``amp_fx.ops``). Shared pieces: ``arguments`` (dtype,
+layout and update checks), ``optimizer_step`` (the skip rule and step counter), and for the
+Triton kernels ``pointer_table``, ``rounding`` and ``devices``.
+
+Two modules gather every family's kernels under one name space:
 
 - ``reference``: plain torch; runs on any device and is what the optimizers use without CUDA.
 - ``triton_ops``: Triton kernels, one launch per dtype group; run on CUDA tensors, or on CPU

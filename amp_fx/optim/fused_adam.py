@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import Tensor
 
-from amp_fx.kernels.arguments import check_adam_hyperparameters
+from amp_fx.kernels.adam.arguments import check_adam_hyperparameters
 from amp_fx.optim._fused_base import FusedOptimizer, _as_float, _StepBatch
 
 

@@ -8,7 +8,7 @@ helper cannot be called from compiled code).
 
 LAUNCHES.json is a list of launches as the test records them::
 
-    {"module": "amp_fx.kernels.adam", "kernel": "_adam_kernel",
+    {"module": "amp_fx.kernels.adam.triton", "kernel": "_adam_kernel",
      "args": {"tensor_table": {"tensor": "int64", "aligned": true}, "lr": 0.001,
               "PARAM_DTYPE": {"tl_dtype": "fp16"}, ...},
      "options": {"num_warps": 8}}

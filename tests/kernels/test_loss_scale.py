@@ -12,7 +12,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from amp_fx.kernels import loss_scale, reference, triton_ops
+from amp_fx.kernels import reference, triton_ops
+from amp_fx.kernels.loss_scale import triton as loss_scale_triton
 
 CONFIG = {
     "growth_factor": 2.0,
@@ -150,14 +151,14 @@ def test_flags_are_kept_without_zero_found_infs(device: str) -> None:
 
 def test_kernel_is_one_launch_for_up_to_four_flags(device: str, monkeypatch) -> None:
     launches = []
-    kernel = loss_scale._update_loss_scale_kernel
+    kernel = loss_scale_triton._update_loss_scale_kernel
 
     class Counting:
         def __getitem__(self, grid):
             launches.append(grid)
             return kernel[grid]
 
-    monkeypatch.setattr(loss_scale, "_update_loss_scale_kernel", Counting())
+    monkeypatch.setattr(loss_scale_triton, "_update_loss_scale_kernel", Counting())
     state = _state(device, 8.0, 0, 1, [0.0, 1.0, 0.0, 0.0])
     _run(triton_ops, state, CONFIG)
     assert launches == [(1,)]

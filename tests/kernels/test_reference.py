@@ -3,12 +3,14 @@ contract with triton_ops (same kernel names and signatures)."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 
 import pytest
 import torch
 
 from amp_fx.kernels import reference
+from amp_fx.kernels.families import FAMILIES, KERNEL_NAMES
 
 
 def _fp32_problem(seed: int, shapes=((3, 5), (7,), (1,))):
@@ -179,10 +181,18 @@ def test_bad_input_is_refused_before_any_write() -> None:
 
 
 def test_reference_implements_the_triton_contract() -> None:
-    """implementation_for() returns either module: the reference package must export every kernel of
-    triton_ops under the same name, with the same signature."""
+    """implementation_for() returns either module: each defines every kernel the families name, with
+    one signature, which is each family's reference's and Triton kernel's."""
     triton_ops = pytest.importorskip("amp_fx.kernels.triton_ops")
-    for name in triton_ops.__all__:
+    assert list(triton_ops.__all__) == list(KERNEL_NAMES)
+    for name in KERNEL_NAMES:
         assert name in reference.__all__, name
         expected = inspect.signature(getattr(triton_ops, name))
         assert inspect.signature(getattr(reference, name)) == expected, name
+    for family in FAMILIES:
+        implementations = [
+            importlib.import_module(f"{family.__name__}.{kind}") for kind in ("reference", "triton")
+        ]
+        for name in family.KERNELS:
+            assert getattr(reference, name) is getattr(implementations[0], name), name
+            assert getattr(triton_ops, name) is getattr(implementations[1], name), name

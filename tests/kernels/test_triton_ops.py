@@ -17,8 +17,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from amp_fx.kernels import adam, overflow_check, reference, sgd, triton_ops
+from amp_fx.kernels import reference, triton_ops
+from amp_fx.kernels.adam import triton as adam_triton
+from amp_fx.kernels.overflow_check import triton as overflow_check_triton
 from amp_fx.kernels.pointer_table import LaunchConfig
+from amp_fx.kernels.sgd import triton as sgd_triton
 from amp_fx.testing import tolerances
 
 PARAM_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -30,7 +33,7 @@ SMALL_SIZES = [1, 2, 3, 7, 15, 16, 17, 31, 32, 33, 47, 64, 65]
 @contextlib.contextmanager
 def launch_config(config: LaunchConfig | None) -> Iterator[None]:
     """Run all three kernels with `config` (None: their production configuration)."""
-    modules = (adam, sgd, overflow_check)
+    modules = (adam_triton, sgd_triton, overflow_check_triton)
     saved = [m.LAUNCH for m in modules]
     try:
         for m in modules:
@@ -298,7 +301,7 @@ def test_found_inf_is_never_cleared(device) -> None:
 
 
 def test_production_configuration_across_block_and_chunk_boundaries(device) -> None:
-    block, chunk = adam.LAUNCH.block_size, adam.LAUNCH.chunk_size
+    block, chunk = adam_triton.LAUNCH.block_size, adam_triton.LAUNCH.chunk_size
     sizes = [1, block - 1, block + 1, chunk + 1]
     dtypes = [torch.float16, torch.bfloat16, torch.float32, torch.float16]
     for optimizer, states in (("adam", ("exp_avgs", "exp_avg_sqs")), ("sgd", ("momentum_buffers",))):
@@ -363,9 +366,9 @@ class CountingLauncher:
 def test_launch_count_does_not_grow_with_tensor_count(device, num_tensors, monkeypatch) -> None:
     launchers = {}
     for module, name in (
-        (adam, "_adam_kernel"),
-        (sgd, "_sgd_kernel"),
-        (overflow_check, "_check_finite_and_norm_kernel"),
+        (adam_triton, "_adam_kernel"),
+        (sgd_triton, "_sgd_kernel"),
+        (overflow_check_triton, "_check_finite_and_norm_kernel"),
     ):
         launchers[name] = CountingLauncher(getattr(module, name))
         monkeypatch.setattr(module, name, launchers[name])

@@ -1,5 +1,6 @@
-"""Pure-torch ``update_loss_scale_`` (the dynamic loss-scale rule, written out in its docstring) and
-``reciprocal_scale_``, the inverse scale GradScaler's unscale multiplies by."""
+"""The dynamic loss-scale update in plain torch: the family's contract (``amp_fx.kernels.loss_scale``,
+which has the rule) computed with torch ops, on any device, and ``reciprocal_scale_``, the inverse
+scale GradScaler's unscale multiplies by."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from amp_fx.kernels.arguments import check_loss_scale_arguments
+from amp_fx.kernels.loss_scale.arguments import check_loss_scale_arguments
 
 __all__ = ["reciprocal_scale_", "update_loss_scale_"]
 
@@ -29,26 +30,8 @@ def update_loss_scale_(
     inv_scale_out: Tensor | None = None,
     zero_found_infs: bool = False,
 ) -> None:
-    """One step of the dynamic loss-scale rule (`amp_fx.LossScaler`'s), in place on device tensors.
-
-    ``scale`` (float32), ``growth_tracker`` and ``hysteresis_tracker`` (int32) are one-element
-    tensors; ``found_infs`` are float32 one-element overflow flags, summed: this step overflowed
-    when the sum is > 0. Then::
-
-        overflow:  hysteresis_tracker = max(hysteresis_tracker - 1, 0); growth_tracker = 0
-                   if hysteresis_tracker == 0:
-                       scale = max(fp32(fp64(scale) * backoff_factor), min_scale)
-        clean:     hysteresis_tracker = hysteresis; growth_tracker += 1
-                   if growth_tracker >= growth_interval:
-                       growth_tracker = 0
-                       grown = fp32(fp64(scale) * growth_factor)
-                       scale = min(grown, max_scale) if grown is finite else scale
-
-    (torch._amp_update_scale_'s products in fp64 rounded once to fp32; never grown to inf; the
-    bounds rounded to fp32, as torch.clamp does.) ``inv_scale_out``, if given, receives
-    ``fp32(1 / fp64(new scale))`` (exact for any float32 scale that is a power of two, as
-    GradScaler's unscale computes it). ``zero_found_infs=True`` sets every flag to 0 after
-    reading it, so persistent flags are ready for the next step without a fill of their own.
+    """One step of the dynamic loss-scale rule (`amp_fx.LossScaler`'s), in place on device tensors:
+    the contract of ``amp_fx.kernels.loss_scale``.
 
     Example:
         >>> scale = torch.tensor(1024.0)

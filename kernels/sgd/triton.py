@@ -1,25 +1,16 @@
 """Fused SGD step (momentum, dampening, Nesterov) for many tensors in one launch, with FP32 masters.
 
-What: for every element of every parameter, in fp32 (torch.optim.SGD)::
-
-    g   = grad * grad_multiplier + weight_decay * w
-    buf = g                                        the param's first step (step - step_offset == 0),
-                                                   as torch creates the buffer
-    buf = momentum * buf + (1 - dampening) * g     later steps
-    g   = g + momentum * buf  (nesterov)   or   buf      (when momentum != 0)
-    w  -= lr * g
-    param = w.to(param.dtype)
-
-w is the fp32 master when the param has one, else the param itself.
+What: the family's contract, ``amp_fx.kernels.sgd``, which has the math.
 
 Why fused: memory-bound, like Adam. For an fp16 param with an fp32 master and momentum it reads the
 grad (2 B), master and buffer (8 B) and writes master and buffer (8 B) and the param (2 B): 20 bytes
 per parameter (12 without momentum: no buffer), in one pass.
 
 Skip: when found_inf > 0 every program runs zero iterations, so nothing is read or written
-(all-or-nothing, decided on the device; see ``overflow_check.py`` for why the check runs first).
+(all-or-nothing, decided on the device; ``amp_fx.kernels.overflow_check.triton`` says why the
+check runs first).
 
-Layout: a pointer table (``pointer_table.py``) with columns param, grad, master, momentum buffer,
+Layout: a pointer table (``amp_fx.kernels.pointer_table``) with columns param, grad, master, momentum buffer,
 step_offset (a pointer to the parameter's one-element offset, read once per program); one launch per
 (param dtype, grad dtype, has master) group.
 """
@@ -32,10 +23,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from amp_fx.kernels.arguments import check_sgd_hyperparameters, check_update
+from amp_fx.kernels.arguments import check_update
 from amp_fx.kernels.devices import on_device
 from amp_fx.kernels.pointer_table import LaunchConfig, group_by_dtype, pointer_table, triton_dtype
 from amp_fx.kernels.rounding import round_to_dtype
+from amp_fx.kernels.sgd.arguments import check_sgd_hyperparameters
 
 # As for Adam (adam.py): 4 elements per thread, one layout, 2 iterations per program; fastest of the
 # settings tried on an H200 (benchmarks/NOTES_optimizer.md).
@@ -199,8 +191,8 @@ def sgd_step_(
     found_inf: Tensor | None = None,
     step_offsets: Sequence[Tensor] | None = None,
 ) -> None:
-    """One SGD step over all tensors, in one launch per dtype group; same contract as
-    ``amp_fx.kernels.reference.sgd_step_``.
+    """One SGD step over all tensors, in one launch per dtype group; the contract of
+    ``amp_fx.kernels.sgd``.
 
     Example:
         >>> import torch

@@ -1,6 +1,6 @@
 """The dynamic loss-scale update as one single-program launch over the scaler's 0-dim state.
 
-What: ``amp_fx.kernels.reference.update_loss_scale_`` (the rule is written out there): from the
+What: the family's contract, ``amp_fx.kernels.loss_scale`` (the rule is written out there): from the
 summed overflow flags, back off the scale (after ``hysteresis`` consecutive overflows, never below
 ``min_scale``) or grow it (after ``growth_interval`` clean steps, never to inf nor above
 ``max_scale``), and move the growth and hysteresis trackers; optionally write ``1 / scale`` for the
@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from amp_fx.kernels.arguments import check_loss_scale_arguments
 from amp_fx.kernels.devices import on_device
+from amp_fx.kernels.loss_scale.arguments import check_loss_scale_arguments
 
 MAX_FOUND_INFS = 4
 
@@ -137,9 +137,8 @@ def update_loss_scale_(
     inv_scale_out: Tensor | None = None,
     zero_found_infs: bool = False,
 ) -> None:
-    """One loss-scale update in one launch; same contract as
-    ``amp_fx.kernels.reference.update_loss_scale_`` (the flags summed; fp64 factor products
-    rounded once; ``inv_scale_out`` and ``zero_found_infs`` likewise).
+    """One loss-scale update in one launch; the contract of
+    ``amp_fx.kernels.loss_scale``.
 
     Example:
         >>> scale = torch.full((), 1024.0, device="cuda")  # doctest: +SKIP

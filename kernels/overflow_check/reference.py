@@ -1,5 +1,5 @@
-"""Pure-torch ``check_finite_and_norm_``: the overflow check (and optional squared norm) that runs
-before an optimizer step."""
+"""The overflow check in plain torch: the family's contract (``amp_fx.kernels.overflow_check``)
+computed with torch ops, on any device."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from amp_fx.kernels.arguments import check_grads
-from amp_fx.kernels.reference.step import scaled_grad
+from amp_fx.kernels.optimizer_step import scaled_grad
+from amp_fx.kernels.overflow_check.arguments import check_grads
 
 __all__ = ["check_finite_and_norm_"]
 
@@ -22,11 +22,8 @@ def check_finite_and_norm_(
     grad_multiplier: Tensor | None = None,
     sq_norm_out: Tensor | None = None,
 ) -> None:
-    """Set ``found_inf`` to 1.0 if any grad holds an inf or NaN; optionally accumulate the squared norm.
-
-    ``found_inf`` is never cleared (it accumulates over calls, like
-    ``torch._amp_foreach_non_finite_check_and_unscale_``). When ``sq_norm_out`` is given,
-    ``sq_norm_out += sum_i sum((grads[i].float() * grad_multiplier) ** 2)`` in fp32.
+    """Set ``found_inf`` to 1.0 if any grad holds an inf or NaN; optionally accumulate the squared
+    norm: the contract of ``amp_fx.kernels.overflow_check``.
 
     Example:
         >>> found_inf, sq = torch.zeros(1), torch.zeros(1)

@@ -1,19 +1,5 @@
-"""Pure-torch ``adam_step_``; the Triton twin is in ``amp_fx.kernels.adam``.
-
-Adam (torch.optim.Adam / AdamW), for each element, in fp32, with t = step - step_offset + 1 (the
-steps this param has taken, plus this one; ``step_offset`` is 0 unless ``step_offsets`` is given)::
-
-    g  = grad * grad_multiplier                      (grad_multiplier = 1 / loss_scale ...)
-    g += weight_decay * w                            (L2, adam_w_mode=False)
-    w *= 1 - lr * weight_decay                       (decoupled, adam_w_mode=True)
-    m  = beta1 * m + (1 - beta1) * g
-    v  = beta2 * v + (1 - beta2) * g * g
-    w -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
-    param = w.to(param.dtype)                        (round to nearest)
-
-where w is the fp32 master (or the param itself when it has no master). ``1 - beta**t`` is computed
-as ``-expm1(t * ln(beta))``, accurate in fp32 even when beta is close to 1 and t is small.
-"""
+"""Adam in plain torch: the family's contract (``amp_fx.kernels.adam``, which has the math)
+computed with torch ops, on any device; the definition the Triton kernel is tested against."""
 
 from __future__ import annotations
 
@@ -22,8 +8,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from amp_fx.kernels.arguments import check_adam_hyperparameters, check_update, log_beta
-from amp_fx.kernels.reference.step import own_steps, scaled_grad, skip_flag, write_unless_skipped
+from amp_fx.kernels.adam.arguments import check_adam_hyperparameters, log_beta
+from amp_fx.kernels.arguments import check_update
+from amp_fx.kernels.optimizer_step import own_steps, scaled_grad, skip_flag, write_unless_skipped
 
 __all__ = ["adam_step_"]
 
@@ -52,13 +39,8 @@ def adam_step_(
     found_inf: Tensor | None = None,
     step_offsets: Sequence[Tensor] | None = None,
 ) -> None:
-    """One Adam (``adam_w_mode=False``) or AdamW (``adam_w_mode=True``) step, in place.
-
-    ``step`` holds the number of steps already taken; this step uses t = step + 1 and does not
-    change ``step`` (call ``advance_step_`` afterwards). ``step_offsets[i]`` (a float32 tensor of
-    one element) is subtracted from ``step`` for ``params[i]`` alone: the group steps it did not
-    take. ``masters[i]`` is the fp32 copy of a low-precision ``params[i]``; None (the whole list or
-    one entry) means the param is its own master. If ``found_inf`` > 0 nothing is written.
+    """One Adam (``adam_w_mode=False``) or AdamW (``adam_w_mode=True``) step, in place: the
+    contract of ``amp_fx.kernels.adam``.
 
     Example:
         >>> p, g = torch.ones(2), torch.ones(2)

@@ -1,13 +1,5 @@
-"""Pure-torch ``sgd_step_``; the Triton twin is in ``amp_fx.kernels.sgd``.
-
-SGD (torch.optim.SGD)::
-
-    g  = grad * grad_multiplier + weight_decay * w
-    buf = g                                          (first step: step - step_offset == 0)
-    buf = momentum * buf + (1 - dampening) * g       (later steps)
-    g  = g + momentum * buf if nesterov else buf     (when momentum != 0)
-    w -= lr * g
-"""
+"""SGD in plain torch: the family's contract (``amp_fx.kernels.sgd``, which has the math)
+computed with torch ops, on any device; the definition the Triton kernel is tested against."""
 
 from __future__ import annotations
 
@@ -16,8 +8,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from amp_fx.kernels.arguments import check_sgd_hyperparameters, check_update
-from amp_fx.kernels.reference.step import own_steps, scaled_grad, skip_flag, write_unless_skipped
+from amp_fx.kernels.arguments import check_update
+from amp_fx.kernels.optimizer_step import own_steps, scaled_grad, skip_flag, write_unless_skipped
+from amp_fx.kernels.sgd.arguments import check_sgd_hyperparameters
 
 __all__ = ["sgd_step_"]
 
@@ -39,11 +32,7 @@ def sgd_step_(
     found_inf: Tensor | None = None,
     step_offsets: Sequence[Tensor] | None = None,
 ) -> None:
-    """One SGD step (torch.optim.SGD math), in place; same master and skip rules as ``adam_step_``.
-
-    On a param's first step (``step`` - ``step_offsets[i]`` == 0; offsets None: all 0) its momentum
-    buffer is set to the gradient, as torch does when it creates the buffer; ``momentum_buffers``
-    may be None when ``momentum`` == 0.
+    """One SGD step (torch.optim.SGD math), in place: the contract of ``amp_fx.kernels.sgd``.
 
     Example:
         >>> p, g, buf, step = torch.ones(2), torch.ones(2), torch.zeros(2), torch.zeros(1)

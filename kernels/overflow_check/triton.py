@@ -1,9 +1,6 @@
 """Overflow check with optional squared norm, for many gradients in one launch.
 
-What: one pass over every gradient that
-
-    sets found_inf = 1.0 if any element of any grad is inf or NaN (never clears it), and
-    optionally adds  sum_i sum_k (grads[i][k] * grad_multiplier)^2  to sq_norm_out.
+What: the family's contract, ``amp_fx.kernels.overflow_check``, in one pass over every gradient.
 
 Why a separate launch before the update: the skip after an overflow must be all-or-nothing. If the
 update kernel checked its own chunk only, chunks before the one holding the inf would already be
@@ -15,7 +12,7 @@ Determinism: each program writes the partial sum of its own chunk to its own slo
 are summed by ``torch.sum`` afterwards, so the norm has the same bits on every run (atomic adds
 would not).
 
-Layout: a pointer table (``pointer_table.py``) with one column (grad); one launch per grad dtype.
+Layout: a pointer table (``amp_fx.kernels.pointer_table``) with one column (grad); one launch per grad dtype.
 """
 
 from __future__ import annotations
@@ -27,8 +24,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from amp_fx.kernels.arguments import check_grads
 from amp_fx.kernels.devices import on_device
+from amp_fx.kernels.overflow_check.arguments import check_grads
 from amp_fx.kernels.pointer_table import LaunchConfig, group_by_dtype, pointer_table, triton_dtype
 
 # 4 fp16 per thread (an 8-byte load), 16 iterations per program; the settings tried on an H200 were
@@ -100,7 +97,7 @@ def check_finite_and_norm_(
 ) -> None:
     """Set ``found_inf`` to 1.0 if any grad holds inf/NaN; optionally ``sq_norm_out += sum((g * mult)^2)``.
 
-    One launch per grad dtype; same contract as ``amp_fx.kernels.reference.check_finite_and_norm_``.
+    One launch per grad dtype; the contract of ``amp_fx.kernels.overflow_check``.
 
     Example:
         >>> found_inf = torch.zeros(1, device="cuda"); sq = torch.zeros(1, device="cuda")  # doctest: +SKIP

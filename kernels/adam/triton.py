@@ -1,18 +1,6 @@
 """Fused Adam / AdamW step for many tensors in one launch, with FP32 master weights.
 
-What: for every element of every parameter, in fp32, with t = step - step_offset + 1, the steps
-this parameter has taken plus this one (torch.optim.Adam/AdamW; step_offset is 0 without offsets)::
-
-    g  = grad * grad_multiplier                  grad_multiplier = 1 / loss_scale (x clip coefficient)
-    g += weight_decay * w                        L2 (adam_w_mode=False)
-    w *= 1 - lr * weight_decay                   decoupled (adam_w_mode=True)
-    m  = beta1 * m + (1 - beta1) * g
-    v  = beta2 * v + (1 - beta2) * g^2
-    w -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
-    param = w.to(param.dtype)
-
-w is the fp32 master when the param has one, else the param itself (read, updated in fp32, written
-back in its own dtype).
+What: the family's contract, ``amp_fx.kernels.adam``, which has the math.
 
 Why fused: the step is memory-bound. For an fp16 param with an fp32 master it must read the grad
 (2 B), master, m and v (12 B) and write master, m, v (12 B) and the param (2 B): 28 bytes per
@@ -24,10 +12,7 @@ kernel) every program sets its loop count to zero, so nothing is read or written
 and moments keep their exact bits and no NaN reaches a master. The decision is made on the device,
 per program, from the same flag, so it is all-or-nothing.
 
-Bias correction: 1 - beta^t = -expm1(t * ln(beta)), computed once per program; expm1 avoids the
-cancellation of 1 - exp(x) when beta is close to 1 and t is small (beta2 = 0.999, t = 1).
-
-Layout: a pointer table (``pointer_table.py``) with columns param, grad, master, exp_avg,
+Layout: a pointer table (``amp_fx.kernels.pointer_table``) with columns param, grad, master, exp_avg,
 exp_avg_sq, step_offset (a pointer to the parameter's one-element offset, read once per program,
 so an offset changed in place on the device is seen without rebuilding the table); one launch per
 (param dtype, grad dtype, has master) group, never one per tensor.
@@ -41,7 +26,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from amp_fx.kernels.arguments import check_adam_hyperparameters, check_update, log_beta
+from amp_fx.kernels.adam.arguments import check_adam_hyperparameters, log_beta
+from amp_fx.kernels.arguments import check_update
 from amp_fx.kernels.devices import on_device
 from amp_fx.kernels.pointer_table import LaunchConfig, group_by_dtype, pointer_table, triton_dtype
 from amp_fx.kernels.rounding import round_to_dtype
@@ -253,9 +239,8 @@ def adam_step_(
     found_inf: Tensor | None = None,
     step_offsets: Sequence[Tensor] | None = None,
 ) -> None:
-    """One Adam/AdamW step over all tensors, in one launch per dtype group; same contract as
-    ``amp_fx.kernels.reference.adam_step_`` (t = step - step_offsets[i] + 1; nothing written when
-    found_inf > 0).
+    """One Adam/AdamW step over all tensors, in one launch per dtype group; the contract of
+    ``amp_fx.kernels.adam``.
 
     Example:
         >>> import torch
