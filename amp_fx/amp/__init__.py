@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from amp_fx.amp._amp_optimizer import amp_optimizer_of
 from amp_fx.amp._initialize import initialize
 from amp_fx.amp._model import disable_casts
 from amp_fx.amp._properties import AmpConfigError, Properties
@@ -79,7 +80,7 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
         >>> [p.dtype for p in amp.master_params(optimizer)]
         [torch.float32, torch.float32]
     """
-    amp_optimizer = getattr(optimizer, "_amp_fx", None)
+    amp_optimizer = amp_optimizer_of(optimizer)
     if amp_optimizer is not None:
         yield from amp_optimizer.master_params()
         return

@@ -1,17 +1,18 @@
 """`AmpOptimizer`: what every strategy of `amp.initialize` for an optimizer shares.
 
-`AmpOptimizer.install` is the factory: it picks the subclass registered for the `OptimizerKind`
-(`amp_fx.amp._master_weights` lists them), points the optimizer's param groups at the tensors the
-strategy optimizes and replaces ``step``, ``zero_grad``, ``state_dict``, ``load_state_dict`` and
-``add_param_group`` on the instance by bound methods that go through it (``optimizer._amp_fx``).
+A strategy's `install` points the optimizer's param groups at the tensors the strategy optimizes
+and replaces ``step``, ``zero_grad``, ``state_dict``, ``load_state_dict`` and ``add_param_group``
+on the instance by bound methods that go through it (`amp_optimizer_of` finds it again);
+`amp_fx.amp._master_weights.install_amp_optimizer` picks the strategy for an `OptimizerKind`.
 The base holds the bookkeeping around ``amp.scale_loss``'s backwards (grads taken aside,
 ``delay_unscale``, a step inside the block); a subclass says how grads are unscaled and stepped.
 
     >>> import torch
-    >>> from amp_fx.amp._master_weights import AmpOptimizer, OptimizerKind  # with the strategies
+    >>> from amp_fx.amp._direct_optimizer import DirectAmpOptimizer
     >>> opt = torch.optim.SGD(torch.nn.Linear(2, 2).half().parameters(), lr=0.1)
-    >>> type(AmpOptimizer.install(opt, OptimizerKind.DIRECT)).__name__
-    'DirectAmpOptimizer'
+    >>> amp_opt = DirectAmpOptimizer.install(opt)
+    >>> amp_optimizer_of(opt) is amp_opt, opt.step.__self__ is opt
+    (True, True)
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from amp_fx.optim.torch_optimizer_scaling import FoundInf
 logger = logging.getLogger("amp_fx.amp")
 
 MASTERS_KEY = "amp_fx_master_params"
+# The optimizer attribute that holds its `AmpOptimizer`; read it with `amp_optimizer_of`.
+AMP_OPTIMIZER_ATTR = "_amp_fx"
 
 
 class OptimizerKind(enum.Enum):
@@ -45,6 +48,15 @@ def optimizer_kind(optimizer: torch.optim.Optimizer, master_weights: bool | None
     if is_fused_optimizer(optimizer):
         return OptimizerKind.FUSED
     return OptimizerKind.MASTERS if master_weights else OptimizerKind.DIRECT
+
+
+def amp_optimizer_of(optimizer: torch.optim.Optimizer) -> AmpOptimizer | None:
+    """The `AmpOptimizer` that `amp.initialize` installed on `optimizer`; None if it installed none.
+
+    >>> amp_optimizer_of(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)) is None
+    True
+    """
+    return getattr(optimizer, AMP_OPTIMIZER_ATTR, None)
 
 
 def _params_of(group_params: Any) -> list[Tensor]:
@@ -65,23 +77,23 @@ def new_master(model_param: Tensor, source: Tensor | None) -> Tensor:
 
 # Bound to the optimizer instance, so that `optimizer.step.__func__` exists (LR schedulers wrap it).
 def _amp_step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
-    return self._amp_fx.step(closure)
+    return amp_optimizer_of(self).step(closure)
 
 
 def _amp_zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-    self._amp_fx.zero_grad(set_to_none)
+    amp_optimizer_of(self).zero_grad(set_to_none)
 
 
 def _amp_state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
-    return self._amp_fx.state_dict()
+    return amp_optimizer_of(self).state_dict()
 
 
 def _amp_load_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-    self._amp_fx.load_state_dict(state_dict)
+    amp_optimizer_of(self).load_state_dict(state_dict)
 
 
 def _amp_add_param_group(self: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:
-    self._amp_fx.add_param_group(param_group)
+    amp_optimizer_of(self).add_param_group(param_group)
 
 
 _PATCHES = {
@@ -96,10 +108,10 @@ PATCHED_METHODS = tuple(_PATCHES)
 
 
 class AmpOptimizer(abc.ABC):
-    """The amp state of one optimizer returned by `amp.initialize` (``optimizer._amp_fx``).
+    """The amp state of one optimizer returned by `amp.initialize` (see `amp_optimizer_of`).
 
     One subclass per strategy (`FusedAmpOptimizer`, `MasterWeightsAmpOptimizer`,
-    `DirectAmpOptimizer`); `install` picks it from the `OptimizerKind`. ``param_map`` maps a
+    `DirectAmpOptimizer`); `install_amp_optimizer` picks it from the `OptimizerKind`. ``param_map`` maps a
     parameter the optimizer was built with (the original model's) to the converted model's
     parameter, or returns it unchanged; ``session`` is the `AmpSession` whose overflow messages
     ``step`` flushes.
@@ -108,13 +120,6 @@ class AmpOptimizer(abc.ABC):
     kind: ClassVar[OptimizerKind]
     # Whether optimizer.step(closure) is allowed (Apex refused closures with master weights too).
     accepts_closure: ClassVar[bool] = False
-    # The subclass for each kind: every subclass that sets `kind` registers itself.
-    strategies: ClassVar[dict[OptimizerKind, type[AmpOptimizer]]] = {}
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "kind" in cls.__dict__:
-            AmpOptimizer.strategies[cls.kind] = cls
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, param_map: Callable[[Tensor], Tensor], session: Any = None
@@ -133,21 +138,21 @@ class AmpOptimizer(abc.ABC):
 
     # ------------------------------------------------------------------------------------------
     # Installation
-    @staticmethod
+    @classmethod
     def install(
+        cls,
         optimizer: torch.optim.Optimizer,
-        kind: OptimizerKind,
         param_map: Callable[[Tensor], Tensor] = lambda p: p,
         session: Any = None,
         master_weights: bool | None = None,
     ) -> AmpOptimizer:
-        """The factory: build `kind`'s strategy, point `optimizer` at the converted parameters and
-        patch its methods.
+        """Build this strategy for `optimizer`, point it at the converted parameters and patch its
+        methods.
 
         Nothing changes if a check fails (e.g. a parameter appears twice after mapping).
         """
-        AmpOptimizer.check_installable(optimizer, param_map)
-        amp = AmpOptimizer.strategies[kind](optimizer, param_map, session)
+        cls.check_installable(optimizer, param_map)
+        amp = cls(optimizer, param_map, session)
         groups = [(group, list(group["params"])) for group in optimizer.param_groups]
         mapped = [[param_map(p) for p in originals] for _, originals in groups]
         with torch.no_grad():
@@ -157,13 +162,13 @@ class AmpOptimizer(abc.ABC):
         for name in PATCHED_METHODS:
             amp.original_methods[name] = getattr(optimizer, name)
             setattr(optimizer, name, types.MethodType(_PATCHES[name], optimizer))
-        optimizer._amp_fx = amp
+        setattr(optimizer, AMP_OPTIMIZER_ATTR, amp)
         return amp
 
     @staticmethod
     def check_installable(optimizer: torch.optim.Optimizer, param_map: Callable[[Tensor], Tensor]) -> None:
         """Raise if `install` would fail: a parameter twice after mapping, or an optimizer patched already."""
-        if getattr(optimizer, "_amp_fx", None) is not None:
+        if amp_optimizer_of(optimizer) is not None:
             raise ValueError(f"this {type(optimizer).__name__} was already prepared by amp.initialize")
         seen: set[int] = set()
         for group in optimizer.param_groups:

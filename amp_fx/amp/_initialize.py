@@ -28,7 +28,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp_fx.amp._master_weights import AmpOptimizer, OptimizerKind, optimizer_kind
+from amp_fx.amp._master_weights import (
+    AmpOptimizer,
+    OptimizerKind,
+    amp_optimizer_of,
+    install_amp_optimizer,
+    optimizer_kind,
+)
 from amp_fx.amp._model import convert_model, install_disable_casts, install_fp32_state_dict
 from amp_fx.amp._properties import (
     LOW_PRECISION_DTYPES,
@@ -85,7 +91,7 @@ def _check_optimizers(optimizers: Any) -> tuple[list[torch.optim.Optimizer], boo
     for index, optimizer in enumerate(optimizers_list):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer {index} is a {type(optimizer).__name__}, not a torch.optim.Optimizer")
-        if getattr(optimizer, "_amp_fx", None) is not None:
+        if amp_optimizer_of(optimizer) is not None:
             raise AmpConfigError(
                 f"optimizer {index} ({type(optimizer).__name__}) was already returned by amp.initialize; "
                 "build a new optimizer from the new model's parameters and pass that"
@@ -238,7 +244,7 @@ def initialize(
     for optimizer in optimizers_list:
         AmpOptimizer.check_installable(optimizer, session.map_param)
     for optimizer, kind in zip(optimizers_list, kinds, strict=True):
-        amp_optimizer = AmpOptimizer.install(
+        amp_optimizer = install_amp_optimizer(
             optimizer,
             kind,
             session.map_param,

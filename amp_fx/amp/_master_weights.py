@@ -1,7 +1,7 @@
 """What `amp.initialize` does to an optimizer: FP32 master weights and loss-scale bookkeeping.
 
 Three kinds of optimizer, chosen by `optimizer_kind`, each handled by its own `AmpOptimizer`
-subclass in its own module; `AmpOptimizer.install` is the factory that picks it:
+subclass in its own module; `install_amp_optimizer` is the factory that picks it:
 
 - FUSED (`FusedAmpOptimizer`): `amp_fx.optim.FusedAdam` / `FusedSGD` keep the FP32 masters in
   their own state and take the loss scale as a pending grad multiplier (the `ScaledOptimizer`
@@ -24,22 +24,31 @@ such optimizers. The FUSED kind never syncs. Unscaling and skipping are `amp_fx.
 The optimizer object stays what it was (an LR scheduler, ``isinstance`` checks and ``param_groups``
 keep working); ``step``, ``zero_grad``, ``state_dict``, ``load_state_dict`` and ``add_param_group``
 are replaced on the instance by bound methods that go through its `AmpOptimizer`
-(``optimizer._amp_fx``). The MASTERS kind's state dict carries the masters (key
+(`amp_optimizer_of`). The MASTERS kind's state dict carries the masters (key
 ``"amp_fx_master_params"``), so a resumed run continues bit for bit::
 
     >>> import torch
     >>> model = torch.nn.Linear(2, 2).half()
     >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    >>> amp_opt = AmpOptimizer.install(opt, OptimizerKind.MASTERS)
+    >>> amp_opt = install_amp_optimizer(opt, OptimizerKind.MASTERS)
     >>> [p.dtype for p in opt.param_groups[0]["params"]]
     [torch.float32, torch.float32]
 """
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
 
 from amp_fx.amp._amp_optimizer import (
     MASTERS_KEY,
     PATCHED_METHODS,
     AmpOptimizer,
     OptimizerKind,
+    amp_optimizer_of,
     optimizer_kind,
 )
 from amp_fx.amp._direct_optimizer import DirectAmpOptimizer
@@ -49,10 +58,34 @@ from amp_fx.amp._masters_optimizer import MasterWeightsAmpOptimizer
 __all__ = [
     "MASTERS_KEY",
     "PATCHED_METHODS",
+    "STRATEGIES",
     "AmpOptimizer",
     "DirectAmpOptimizer",
     "FusedAmpOptimizer",
     "MasterWeightsAmpOptimizer",
     "OptimizerKind",
+    "amp_optimizer_of",
+    "install_amp_optimizer",
     "optimizer_kind",
 ]
+
+# The strategy for each kind.
+STRATEGIES: dict[OptimizerKind, type[AmpOptimizer]] = {
+    strategy.kind: strategy for strategy in (FusedAmpOptimizer, MasterWeightsAmpOptimizer, DirectAmpOptimizer)
+}
+
+
+def install_amp_optimizer(
+    optimizer: torch.optim.Optimizer,
+    kind: OptimizerKind,
+    param_map: Callable[[Tensor], Tensor] = lambda p: p,
+    session: Any = None,
+    master_weights: bool | None = None,
+) -> AmpOptimizer:
+    """The factory: install `kind`'s strategy on `optimizer` (see `AmpOptimizer.install`).
+
+    >>> opt = torch.optim.SGD(torch.nn.Linear(2, 2).half().parameters(), lr=0.1)
+    >>> type(install_amp_optimizer(opt, OptimizerKind.DIRECT)).__name__
+    'DirectAmpOptimizer'
+    """
+    return STRATEGIES[kind].install(optimizer, param_map, session, master_weights)

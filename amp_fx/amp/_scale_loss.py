@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from amp_fx.amp._master_weights import AmpOptimizer
+from amp_fx.amp._amp_optimizer import AmpOptimizer, amp_optimizer_of
 from amp_fx.amp._scaler import ApexLossScaler
 from amp_fx.amp._state import session_of
 from amp_fx.optim.torch_optimizer_scaling import FoundInf, total_found_inf
@@ -135,7 +135,7 @@ def scale_loss(
         # O0/O3 with a static scale of 1: nothing to scale or unscale (Apex's short cut).
         yield loss.float()
         return
-    states = [optimizer._amp_fx for optimizer in amp_optimizers]
+    states = [amp_optimizer_of(optimizer) for optimizer in amp_optimizers]
     for state in states:
         state.prepare_backward()
     scaled_loss, used_scale = scaler.scale_loss(loss)

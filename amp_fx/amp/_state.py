@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from amp_fx.amp._amp_optimizer import amp_optimizer_of
 from amp_fx.amp._properties import AmpConfigError, Properties
 from amp_fx.amp._scaler import ApexLossScaler
 
@@ -136,11 +137,6 @@ class AmpSession:
 _current: AmpSession | None = None
 
 
-def current_session() -> AmpSession | None:
-    """The session of the latest `amp.initialize` call (None before the first)."""
-    return _current
-
-
 def set_current_session(session: AmpSession) -> None:
     global _current
     _current = session
@@ -163,7 +159,7 @@ def session_of(optimizers: list[torch.optim.Optimizer]) -> AmpSession | None:
                 "amp.scale_loss takes the optimizer(s) returned by amp.initialize, "
                 f"got {type(optimizer).__name__}"
             )
-        amp_optimizer = getattr(optimizer, "_amp_fx", None)
+        amp_optimizer = amp_optimizer_of(optimizer)
         if amp_optimizer is None:
             if _current is not None and not _current.enabled:
                 return None  # amp.initialize(enabled=False): every amp call is a no-op

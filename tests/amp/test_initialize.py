@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import amp_fx
 from amp_fx import amp
+from amp_fx.amp._master_weights import amp_optimizer_of
 
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
@@ -140,7 +141,7 @@ def test_initialize_twice_keeps_each_calls_scalers(tiny_net, make_batch):
     alone, alone_optimizer = run_a(False)
     model, optimizer = run_a(True)
     assert all(torch.equal(a, b) for a, b in zip(alone.parameters(), model.parameters(), strict=True))
-    assert optimizer._amp_fx.session.state_dict()["loss_scaler0"]["loss_scale"] == 32768.0
+    assert amp_optimizer_of(optimizer).session.state_dict()["loss_scaler0"]["loss_scale"] == 32768.0
     # amp.state_dict() describes the latest call: the second model's two untouched scalers.
     assert amp.state_dict() == {f"loss_scaler{i}": {"loss_scale": 65536.0, "unskipped": 0} for i in (0, 1)}
     with pytest.raises(amp.AmpConfigError, match="already returned by amp.initialize"):

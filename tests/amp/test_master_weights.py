@@ -12,7 +12,13 @@ from torch import nn
 
 import amp_fx
 from amp_fx import amp
-from amp_fx.amp._master_weights import MASTERS_KEY, OptimizerKind
+from amp_fx.amp._master_weights import (
+    MASTERS_KEY,
+    STRATEGIES,
+    OptimizerKind,
+    amp_optimizer_of,
+    install_amp_optimizer,
+)
 
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-4),
@@ -31,7 +37,7 @@ def test_any_optimizer_steps_on_fp32_masters(name, tiny_net, make_batch):
     model, optimizer = amp.initialize(
         model, OPTIMIZERS[name](model.parameters()), opt_level="O2", verbosity=0
     )
-    assert optimizer._amp_fx.kind is OptimizerKind.MASTERS and isinstance(
+    assert amp_optimizer_of(optimizer).kind is OptimizerKind.MASTERS and isinstance(
         optimizer, type(reference_optimizer)
     )
     masters = list(amp.master_params(optimizer))
@@ -187,3 +193,14 @@ def test_a_refused_optimizer_load_leaves_it_exactly_as_it_was(tiny_net, make_bat
     assert before["state"].keys() == after["state"].keys()
     for key, entry in before["state"].items():
         assert all(torch.equal(v, after["state"][key][k]) for k, v in entry.items())
+
+
+def test_every_kind_has_one_strategy_and_install_picks_it():
+    assert set(STRATEGIES) == set(OptimizerKind)
+    for kind, strategy in STRATEGIES.items():
+        model = torch.nn.Linear(2, 2).half()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        if kind is OptimizerKind.FUSED:
+            continue  # needs amp_fx's fused optimizer, installed through amp.initialize elsewhere
+        amp_optimizer = install_amp_optimizer(optimizer, kind)
+        assert type(amp_optimizer) is strategy and amp_optimizer_of(optimizer) is amp_optimizer

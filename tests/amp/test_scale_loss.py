@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import amp_fx
 from amp_fx import amp
-from amp_fx.amp._master_weights import OptimizerKind
+from amp_fx.amp._master_weights import OptimizerKind, amp_optimizer_of
 
 LR = 0.1
 # Loss 0 and loss 1 get different scales, small enough that the fp16 grads of these models never
@@ -32,7 +32,7 @@ def _setup(tiny_net, kind, num_losses=2, verbosity=1, scales=SCALES, **kwargs):
     optimizer = make_optimizer(model.parameters())
     options = dict(opt_level=opt_level, num_losses=num_losses, verbosity=verbosity, **kwargs)
     model, optimizer = amp.initialize(model, optimizer, **options)
-    assert optimizer._amp_fx.kind is kind
+    assert amp_optimizer_of(optimizer).kind is kind
     if scales:
         amp.load_state_dict(
             {f"loss_scaler{i}": {"loss_scale": scales[i], "unskipped": 0} for i in range(num_losses)}
@@ -42,7 +42,7 @@ def _setup(tiny_net, kind, num_losses=2, verbosity=1, scales=SCALES, **kwargs):
 
 def _updated_tensors(optimizer):
     """What the optimizer updates in FP32: masters (or the FP32 params themselves), as copies."""
-    if optimizer._amp_fx.kind is OptimizerKind.FUSED:
+    if amp_optimizer_of(optimizer).kind is OptimizerKind.FUSED:
         return [m.detach().clone() for m in amp_fx.optim.master_params(optimizer)]
     return [p.detach().clone() for group in optimizer.param_groups for p in group["params"]]
 

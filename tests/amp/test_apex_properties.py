@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from amp_fx import amp
-from amp_fx.amp._master_weights import OptimizerKind
+from amp_fx.amp._master_weights import OptimizerKind, amp_optimizer_of
 from amp_fx.amp._properties import AmpConfigError, opt_level_defaults, resolve_properties
 
 
@@ -52,7 +52,7 @@ def test_a_refused_initialize_changes_nothing(tiny_net):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(AmpConfigError, match="loss_scale must be 'dynamic' or a number"):
         amp.initialize(model, optimizer, opt_level="O2", loss_scale="big", verbosity=0)
-    assert not hasattr(optimizer, "_amp_fx") and "step" not in vars(optimizer)
+    assert amp_optimizer_of(optimizer) is None and "step" not in vars(optimizer)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert optimizer.param_groups[0]["params"][0] is model.fc1.weight
 
@@ -127,10 +127,10 @@ def test_master_weights_checks_and_kinds(tiny_net):
     with pytest.raises(AmpConfigError, match="O1"):
         _init(tiny_net(), "O1", master_weights=True)
     _, optimizer = _init(tiny_net(), "O2", master_weights=False)
-    assert optimizer._amp_fx.kind is OptimizerKind.DIRECT
+    assert amp_optimizer_of(optimizer).kind is OptimizerKind.DIRECT
     assert optimizer.param_groups[0]["params"][0].dtype == torch.float16
     _, optimizer = _init(tiny_net(), "O3", master_weights=True)
-    assert optimizer._amp_fx.kind is OptimizerKind.MASTERS
+    assert amp_optimizer_of(optimizer).kind is OptimizerKind.MASTERS
     assert optimizer.param_groups[0]["params"][0].dtype == torch.float32
 
 
@@ -164,7 +164,7 @@ def test_o0_and_o3_hand_the_loss_through_unscaled(level, tiny_net, make_batch):
     with amp.scale_loss(loss, optimizer) as scaled:
         assert scaled is loss or torch.equal(scaled, loss.float())
         scaled.backward()
-    assert optimizer._amp_fx.found == {}  # nothing checked: Apex's short cut
+    assert amp_optimizer_of(optimizer).found == {}  # nothing checked: Apex's short cut
     assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 1.0, "unskipped": 0}
 
 
@@ -258,7 +258,7 @@ def test_enabled_false_makes_amp_a_no_op(tiny_net, make_batch):
     model = tiny_net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     returned_model, returned_optimizer = amp.initialize(model, optimizer, enabled=False, verbosity=0)
-    assert returned_model is model and returned_optimizer is optimizer and not hasattr(optimizer, "_amp_fx")
+    assert returned_model is model and returned_optimizer is optimizer and amp_optimizer_of(optimizer) is None
     loss = model(make_batch(0)[0]).sum()
     with amp.scale_loss(loss, optimizer) as scaled:
         assert scaled is loss
