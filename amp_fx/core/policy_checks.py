@@ -35,6 +35,7 @@ _LOW_PRECISION_BY_NAME = {dtype_name(dtype): dtype for dtype in LOW_PRECISION_DT
 
 
 def check_low_dtype(dtype: Any) -> torch.dtype:
+    """fp16 or bf16, also spelt as a string ("bfloat16", "torch.float16")."""
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in _LOW_PRECISION_BY_NAME:
         return _LOW_PRECISION_BY_NAME[dtype.removeprefix("torch.")]
     if dtype not in LOW_PRECISION_DTYPES:
@@ -46,6 +47,7 @@ def check_low_dtype(dtype: Any) -> torch.dtype:
 
 
 def check_output_dtype(dtype: Any) -> torch.dtype | None:
+    """A floating dtype (or its name) for cast_model_outputs, or None for outputs as computed."""
     if dtype is None:
         return None
     if isinstance(dtype, str):
@@ -62,6 +64,11 @@ def check_output_dtype(dtype: Any) -> torch.dtype | None:
 
 
 def check_device_type(device_type: Any) -> str:
+    """A device type autocast has op lists for; a torch.device gives its type.
+
+    >>> check_device_type(torch.device("cuda", 1))
+    'cuda'
+    """
     if isinstance(device_type, torch.device):
         device_type = device_type.type
     if device_type in DEVICE_TYPES:
@@ -76,6 +83,7 @@ def check_device_type(device_type: Any) -> str:
 
 
 def check_keep_batchnorm_fp32(value: Any) -> bool:
+    """True or False, or Apex's strings "True"/"False"."""
     # Apex accepted the strings "True"/"False" (from argparse); accept them, reject anything else.
     if isinstance(value, bool):
         return value
@@ -87,12 +95,14 @@ def check_keep_batchnorm_fp32(value: Any) -> bool:
 
 
 def check_flag(name: str, value: Any) -> bool:
+    """A bool switch named `name` (a fused-kernel flag)."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}")
     return value
 
 
 def check_rule(rule: Any) -> Rule:
+    """A `Rule` or its value ("lower", "fp32", ...)."""
     if isinstance(rule, Rule):
         return rule
     try:
@@ -103,6 +113,11 @@ def check_rule(rule: Any) -> Rule:
 
 
 def check_op(op: Any) -> str:
+    """The canonical name of a known op; an unknown one is refused with close matches.
+
+    >>> check_op("relu_")
+    'relu'
+    """
     name = canonical_op_name(op)
     if is_known_op(name):
         return name
@@ -116,6 +131,7 @@ def check_op(op: Any) -> str:
 
 
 def check_module_type(module_type: Any) -> type:
+    """A module class, for set_module_type."""
     if not isinstance(module_type, type):
         raise TypeError(
             f"set_module_type needs a class such as torch.nn.Linear, got {type(module_type).__name__} "
@@ -125,6 +141,7 @@ def check_module_type(module_type: Any) -> type:
 
 
 def check_regex(pattern: Any) -> str:
+    """A module-name pattern that compiles."""
     if not isinstance(pattern, str):
         raise TypeError(f"module name regex must be a str, got {type(pattern).__name__} {pattern!r}")
     try:
