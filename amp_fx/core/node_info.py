@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from amp_fx.core.policy import Rule
+from amp_fx.core.rules import Rule
 
 # Where amp_fx keeps its records: each node's NodeInfo in node.meta[META_KEY]; a converted
 # GraphModule's policy and its traced code before any cast in gm.meta (read by amp_fx.report).
