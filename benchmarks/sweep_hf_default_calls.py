@@ -80,6 +80,9 @@ class Row:
     parameters: int = 0
     bit_equal: bool | None = None
     unequal: list[str] = dataclasses.field(default_factory=list)
+    # For a row not bit-equal: whether O1 equals autocast running the code path torch.export takes
+    # (`_export_code_path`), i.e. the model's own code computes differently when exported.
+    export_path_equal: bool | None = None
     seconds: float = 0.0
 
     @property
@@ -293,6 +296,21 @@ def _where(error: BaseException) -> str:
     return f"{path}:{frame.lineno}"
 
 
+@contextmanager
+def _export_code_path() -> Iterator[None]:
+    """Eager code sees what it sees inside torch.export: ``torch.compiler.is_exporting()`` and
+    ``is_compiling()`` are true. Some models take another algorithm there (Qwen3-Next's gated delta
+    rule solves its triangular system by forward substitution; masks are built explicitly), which
+    rounds differently from their eager path; O1 is then compared with autocast on that path."""
+    from unittest import mock
+
+    with (
+        mock.patch("torch.compiler.is_exporting", lambda: True),
+        mock.patch("torch.compiler.is_compiling", lambda: True),
+    ):
+        yield
+
+
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
@@ -342,6 +360,7 @@ def check(name: str, group: str = "causal", timeout: float | None = 120.0) -> Ro
     """Run the default-call check on ``transformers.<name>`` (see the module docstring)."""
     import amp_fx
     from amp_fx.captured_model import capture_states
+    from amp_fx.testing import with_autocast
 
     row = Row(name, group)
     start = time.perf_counter()
@@ -361,6 +380,10 @@ def check(name: str, group: str = "causal", timeout: float | None = 120.0) -> Ro
             mine, theirs = _outputs(output), _outputs(reference)
             row.unequal = [k for k in theirs if k not in mine or not _bits_equal(mine[k], theirs[k])]
             row.bit_equal = bool(theirs) and not row.unequal
+            if theirs and row.unequal:
+                with _export_code_path():
+                    on_export_path = _outputs(with_autocast(model, "cpu", BF16)(**inputs))
+                row.export_path_equal = all(_bits_equal(mine[k], on_export_path[k]) for k in row.unequal)
             summary = amp_fx.capture_summary(converted, **inputs)
             row.island_parameters = 1.0 - summary.parameter_coverage
             row.op_share, row.flop_share = summary.op_share, summary.flop_share
@@ -402,7 +425,8 @@ def table(rows: list[Row]) -> list[str]:
         else:
             note = ""
         if r.unequal:
-            note = f"unequal: {', '.join(r.unequal)}. {note}"
+            path = {True: "; equal on the export code path", False: "; unequal on the export code path"}
+            note = f"unequal: {', '.join(r.unequal)}{path.get(r.export_path_equal, '')}. {note}"
         if r.builds and r.text_only:
             why = f" ({r.media_error})" if r.media_error else ""
             note = f"text only{why}. {note}"
@@ -420,7 +444,9 @@ def summary_line(rows: list[Row]) -> str:
     return (
         f"{len(rows)} classes: {len(built)} built, {sum(r.converts for r in built)} converted, "
         f"{sum(r.whole for r in built)} captured whole (0 islands), "
-        f"{sum(bool(r.bit_equal) for r in built)} O1 bit-equal to autocast"
+        f"{sum(bool(r.bit_equal) for r in built)} O1 bit-equal to autocast, "
+        f"{sum(bool(r.export_path_equal) for r in built)} more equal to autocast on the code path "
+        "torch.export takes"
     )
 
 
