@@ -50,7 +50,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from amp_fx.core.containers import Spec, flatten, leaves_in_objects, outer_objects, unflatten, write_back
-from amp_fx.core.node_info import KEEP_OUTPUT_DTYPE_KEY
+from amp_fx.core.node_info import KEEP_INPUT_DTYPE_KEY, KEEP_OUTPUT_DTYPE_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -321,6 +321,10 @@ def export_graph(
         # A cache's tensors and a container's state keep their dtype (an O2 KV cache stays low).
         kept = [*leaves_in_objects(call.output), *[True] * call.after.leaves]
         gm.meta[KEEP_OUTPUT_DTYPE_KEY] = frozenset(i for i, keep in enumerate(kept) if keep)
+        # And a cache passed in is seen as it is: the next call's graph then fits what this one returns.
+        gm.meta[KEEP_INPUT_DTYPE_KEY] = frozenset(
+            i for i, keep in enumerate(leaves_in_objects(call.arguments)) if keep
+        )
     return gm
 
 

@@ -47,7 +47,7 @@ import torch.fx
 from torch import nn
 from torch.fx.node import map_aggregate, map_arg
 
-from amp_fx.core.node_info import KEEP_OUTPUT_DTYPE_KEY, META_KEY, node_info
+from amp_fx.core.node_info import KEEP_INPUT_DTYPE_KEY, KEEP_OUTPUT_DTYPE_KEY, META_KEY, node_info
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.ops.casts import cast_if_floating
@@ -588,8 +588,10 @@ class _Propagation:
                 self._note_input_dtype(node, raw)
                 info.in_dtypes = ()
                 info.out_dtype = self._dtype_of(raw)
-                # Users of a model input see it cast to the entry dtype (O2/O3).
-                self.env[node] = self.cast_value(raw, self.policy.cast_inputs_dtype, not self.exact)
+                # Users of a model input see it cast to the entry dtype (O2/O3); a cache's do not.
+                kept = placeholder_index - 1 in self.gm.meta.get(KEEP_INPUT_DTYPE_KEY, ())
+                entry = None if kept else self.policy.cast_inputs_dtype
+                self.env[node] = self.cast_value(raw, entry, not self.exact)
                 continue
             if node.op == "get_attr":
                 self.env[node] = self._get_attr_value(node)

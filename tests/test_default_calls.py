@@ -8,6 +8,7 @@ O2 (issue 22). `generate()` captures a handful of graphs, not one per token.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -192,6 +193,33 @@ def test_generate_greedy_and_sampled(name: str, opt_level: str) -> None:
     before = _graphs(converted)
     converted.generate(ids[:1, :5], max_new_tokens=4, do_sample=False)  # batch 1, another length
     assert _graphs(converted) <= before + 2
+
+
+def test_o2_sees_a_cache_passed_in_as_it_is() -> None:
+    """A cache's tensors are the model's state, not input data: O2 does not cast them to the low
+    dtype at entry, as it casts the model's inputs. The cache then holds what autocast's would, and
+    a graph taking a cache fits the cache it returns (transformers 5.17 leaves an FP32 value cache
+    after the prompt; an entry cast made every second token a new capture)."""
+    model, inputs = _model("llama")
+    model.eval()
+    converted = amp_fx.convert(model, "O2", dtype=BF16)
+    ids = inputs["input_ids"]
+    with torch.no_grad():
+        cache = converted(ids).past_key_values
+    for layer in cache.layers:
+        layer.values = layer.values.float()
+    reference_cache = copy.deepcopy(cache)
+    step = ids[:, -1:]
+    with torch.no_grad():
+        converted(step, past_key_values=cache)
+        graphs = _graphs(converted)
+        converted(step, past_key_values=cache)
+        assert _graphs(converted) == graphs
+        with_autocast(model, "cpu", BF16)(step, past_key_values=reference_cache)
+        with_autocast(model, "cpu", BF16)(step, past_key_values=reference_cache)
+    for mine, theirs in zip(cache.layers, reference_cache.layers, strict=True):
+        assert type(mine.values) is torch.Tensor and mine.values.dtype == theirs.values.dtype == torch.float32
+        assert mine.keys.dtype == theirs.keys.dtype and mine.values.shape == theirs.values.shape
 
 
 def test_mixture_of_experts_islands_are_few_and_named() -> None:

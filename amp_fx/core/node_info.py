@@ -28,6 +28,9 @@ PARAMETERS_STORED_KEY = "amp_fx_parameters_stored"
 # gm.meta: indices of the graph's flat outputs that keep the dtype they are computed in (a KV
 # cache's tensors, a container's state after the call), not cast per ``cast_model_outputs``.
 KEEP_OUTPUT_DTYPE_KEY = "amp_fx_keep_output_dtype"
+# gm.meta: indices of the graph's placeholders that its users see in their own dtype (a KV cache's
+# tensors passed back in), not cast at the model entry (O2/O3): state the model itself left there.
+KEEP_INPUT_DTYPE_KEY = "amp_fx_keep_input_dtype"
 
 
 @dataclass
