@@ -28,7 +28,7 @@ _EXPORTS = {
     "preset": "amp_fx.core.policy",
     "LossScaler": "amp_fx.loss_scaler",
     "clip_grad_norm_": "amp_fx.clip_grad",
-    "fp32_cross_entropy": "amp_fx.ops.losses",
+    "fp32_cross_entropy": "amp_fx.ops.cross_entropy",
     "master_state_dict": "amp_fx.saving",
 }
 _SUBMODULES = {"optim", "testing", "amp", "passes", "kernels", "core", "ops", "training_step"}

@@ -1,4 +1,4 @@
-"""Pass 10 of convert (O2): BatchNorm2d, the residual add after it and the ReLU as one call.
+"""A convert pass (O2): BatchNorm2d, the residual add after it and the ReLU as one call.
 
 A ResNet spends most of a step outside its convolutions: training-mode BatchNorm reads its input
 twice and writes it once, the residual add and the ReLU read and write it again, and backward does

@@ -2,10 +2,11 @@
 
 After `fuse_losses`, a GPT's loss reads its low-precision logits directly:
 ``fp32_cross_entropy(lm_head(h).view(-1, V), t)``. The backward still reads those logits and writes
-their gradient, a [rows, V] pass as large as the loss's forward. `amp_fx.ops.losses.linear_cross_entropy`
-computes the gradient in the loss's forward kernel, over the logits' own buffer, and its backward
-is only the head's matmuls on it (under torch.compile; eagerly it runs the two calls, which are
-faster there). This pass makes that replacement where it is exact:
+their gradient, a [rows, V] pass as large as the loss's forward.
+`amp_fx.ops.cross_entropy.linear_cross_entropy` computes the gradient in the loss's forward kernel,
+over the logits' own buffer, and its backward is only the head's matmuls on it (under
+torch.compile; eagerly it runs the two calls, which are faster there). This pass makes that
+replacement where it is exact:
 
 - the loss is a fused `fp32_cross_entropy` (so its arguments are ones the kernel computes);
 - its input comes from a linear layer (``nn.Linear`` without hooks, or ``F.linear``) through views
@@ -43,7 +44,7 @@ from torch import nn
 
 from amp_fx.core.node_info import META_KEY, node_info
 from amp_fx.core.policy import Policy, Rule
-from amp_fx.ops.losses import fp32_cross_entropy, linear_cross_entropy
+from amp_fx.ops.cross_entropy import fp32_cross_entropy, linear_cross_entropy
 from amp_fx.ops.module_hooks import has_forward_hooks
 from amp_fx.passes.shared import is_fusable_loss
 
@@ -227,7 +228,7 @@ def _replace(
     info.in_dtypes = tuple(node_info(n).out_dtype for n in fused.all_input_nodes)
     where = linear.target if linear.op == "call_module" else linear.name
     note = (
-        f"fused with the linear layer {where}: amp_fx.ops.losses.linear_cross_entropy "
+        f"fused with the linear layer {where}: amp_fx.ops.cross_entropy.linear_cross_entropy "
         "(under torch.compile, the gradient in the forward)"
     )
     if note not in info.notes:

@@ -3,7 +3,7 @@
 At O2 ``cross_entropy`` is an FP32 island, so `insert_casts` gives it ``logits.to(float32)``. For a
 language model that cast is the most expensive op of the step: GPT-2 at 16 x 1024 tokens writes
 3.3 GB of float32 logits, runs log_softmax over them in float32, and does the same again backward.
-`amp_fx.ops.losses.fp32_cross_entropy` computes the same float32 math straight from the low-precision
+`amp_fx.ops.cross_entropy.fp32_cross_entropy` computes the same float32 math straight from the low-precision
 logits (one read forward; the gradient rounded once to their dtype backward, as the cast's
 backward rounds it), so this pass points the loss at the cast's source and drops the cast when
 nothing else reads it. It runs only where ``policy.fused_losses`` (default: O2), and only on calls
@@ -38,7 +38,7 @@ from torch import nn
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Policy, Rule
-from amp_fx.ops.losses import fp32_cross_entropy
+from amp_fx.ops.cross_entropy import fp32_cross_entropy
 from amp_fx.ops.module_hooks import has_forward_hooks
 from amp_fx.passes.shared import (
     CROSS_ENTROPY_DEFAULTS,

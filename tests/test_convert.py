@@ -18,7 +18,7 @@ from amp_fx.convert import convert
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Rule, preset
 from amp_fx.ops.autocast_island import AutocastIsland
-from amp_fx.ops.losses import fp32_cross_entropy, linear_cross_entropy
+from amp_fx.ops.cross_entropy import fp32_cross_entropy, linear_cross_entropy
 from amp_fx.passes.trace import TraceError
 from amp_fx.testing import assert_equivalent, rounding_tolerances, tolerances
 

@@ -1,5 +1,6 @@
-"""Runtime ops that converted graphs call, beneath the passes: the fp32 losses (`losses`), fused
-BatchNorm + ReLU (`batch_norm`), max pooling (`max_pool`), autocast islands for
-opaque parts (`autocast_island`), the guarded cast (`casts`), and their dispatch helpers. They
-import only `amp_fx.core` and `amp_fx.kernels`.
+"""Runtime ops that converted graphs call, beneath the passes: the fp32 cross-entropy losses
+(`cross_entropy`), fused BatchNorm + ReLU (`batch_norm`), max pooling (`max_pool`), autocast
+islands for opaque parts (`autocast_island`), the guarded cast (`casts`), and their dispatch
+helpers. They import only `amp_fx.core` and `amp_fx.kernels`; each fused op's module is named for
+its kernel family in `amp_fx.kernels`.
 """

@@ -1,6 +1,6 @@
 """Which implementation a fused op's call takes, from how it is being run.
 
-amp_fx's fused ops (`amp_fx.ops.losses`, `amp_fx.ops.batch_norm`, `amp_fx.ops.max_pool`) have three
+amp_fx's fused ops (`amp_fx.ops.cross_entropy`, `amp_fx.ops.batch_norm`, `amp_fx.ops.max_pool`) have three
 paths: plain eager tensors call the kernels through a ``torch.autograd.Function`` (the least host time);
 tracers (dispatch modes, fake or functional tensors) get the ``torch.library`` custom ops, which
 have fake implementations; and a backward that torch.compile traces is plain torch math, which

@@ -17,7 +17,7 @@ from torch import nn
 import amp_fx
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Policy, preset
-from amp_fx.ops.losses import fp32_cross_entropy, linear_cross_entropy
+from amp_fx.ops.cross_entropy import fp32_cross_entropy, linear_cross_entropy
 from amp_fx.passes.fuse_linear_loss import fuse_linear_loss
 from tests.tracer_path import PassThroughMode
 

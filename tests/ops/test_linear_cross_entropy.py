@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from amp_fx.ops import losses as losses_module
-from amp_fx.ops.losses import linear_cross_entropy, linear_cross_entropy_rows
+from amp_fx.ops import cross_entropy as cross_entropy_op
+from amp_fx.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_rows
 from amp_fx.testing import grad_tolerances, tolerances
 from tests.tracer_path import as_traced
 
@@ -99,7 +99,7 @@ PATHS = {"eager": linear_cross_entropy, "op": op_path}
 def fused_calls(monkeypatch) -> list[str]:
     """Records which fused path each call takes: "eager" (linear + fp32_cross_entropy) or "op"."""
     calls: list[str] = []
-    loss, op = losses_module.fp32_cross_entropy, losses_module.linear_cross_entropy_rows
+    loss, op = cross_entropy_op.fp32_cross_entropy, cross_entropy_op.linear_cross_entropy_rows
 
     def counted_loss(*args, **kwargs):
         calls.append("eager")
@@ -109,8 +109,8 @@ def fused_calls(monkeypatch) -> list[str]:
         calls.append("op")
         return op(*args)
 
-    monkeypatch.setattr(losses_module, "fp32_cross_entropy", counted_loss)
-    monkeypatch.setattr(losses_module, "linear_cross_entropy_rows", counted_op)
+    monkeypatch.setattr(cross_entropy_op, "fp32_cross_entropy", counted_loss)
+    monkeypatch.setattr(cross_entropy_op, "linear_cross_entropy_rows", counted_op)
     return calls
 
 

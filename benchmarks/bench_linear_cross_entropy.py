@@ -7,8 +7,8 @@ scaler does (65536 for fp16, 1 for bf16):
     cast_fp32          F.cross_entropy(F.linear(h, W).float(), t): torch.autocast's loss
     fp32_fused         amp_fx.fp32_cross_entropy(F.linear(h, W), t, grad_into_input=True): O2
                        today (the gradient written over the logits in the loss's backward)
-    linear_fused       amp_fx.ops.losses.linear_cross_entropy_rows(h, W, None, t, -100), the op that
-                       amp_fx.ops.losses.linear_cross_entropy runs under torch.compile (O2's default
+    linear_fused       amp_fx.ops.cross_entropy.linear_cross_entropy_rows(h, W, None, t, -100), the op that
+                       amp_fx.ops.cross_entropy.linear_cross_entropy runs under torch.compile (O2's default
                        there), called directly in eager mode too: the loss's gradient written in
                        its forward kernel, a backward of two matmuls. (Eagerly,
                        linear_cross_entropy itself runs fp32_fused, which measured faster.)
@@ -17,7 +17,7 @@ each eager and under ``torch.compile`` (Inductor). Per row: median ms (``triton.
 peak memory of one step above the inputs, and the largest differences from ``cast_fp32`` eager
 (loss; grad_h and grad_W relative to that gradient's largest entry). GPU only::
 
-    python benchmarks/bench_linear_loss.py --markdown BENCHMARKS.md
+    python benchmarks/bench_linear_cross_entropy.py --markdown BENCHMARKS.md
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from reporting import environment, publish
 
 import amp_fx
-from amp_fx.ops.losses import linear_cross_entropy_rows
+from amp_fx.ops.cross_entropy import linear_cross_entropy_rows
 
 VARIANTS = {
     "cast_fp32": lambda h, w, t: F.cross_entropy(F.linear(h, w).float(), t),
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--markdown", default=None, help="append the table to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench_linear_loss.py needs a CUDA device")
+        raise SystemExit("bench_linear_cross_entropy.py needs a CUDA device")
     from triton.testing import do_bench
 
     modes = args.modes.split(",")

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from amp_fx.kernels import reference
-from amp_fx.ops import losses as losses_module
-from amp_fx.ops.losses import (
+from amp_fx.ops import cross_entropy as cross_entropy_op
+from amp_fx.ops.cross_entropy import (
     cross_entropy_rows,
     cross_entropy_rows_backward,
     cross_entropy_rows_backward_,
@@ -72,7 +72,7 @@ def fused_calls(monkeypatch) -> list[int]:
         calls.append(1)
         return cross_entropy_rows(*args)
 
-    monkeypatch.setattr(losses_module, "cross_entropy_rows", counted)
+    monkeypatch.setattr(cross_entropy_op, "cross_entropy_rows", counted)
     return calls
 
 
