@@ -134,6 +134,9 @@ class Variant:
     fused_max_pool: bool = True
     # amp_fx's linear head + cross-entropy fusion (the O2 default); False runs them as two calls.
     fused_linear_loss: bool = True
+    # A transformers model called as its config says (use_cache: a key/value cache is filled);
+    # False sets config.use_cache=False, the comparison row of issue 22.
+    kv_cache: bool = True
 
     @property
     def uses_loss_scaling(self) -> bool:
@@ -163,6 +166,7 @@ VARIANTS: dict[str, Variant] = {
         Variant(
             "o2_fp16_unfused_linear_loss", "amp_fx", torch.float16, opt_level="O2", fused_linear_loss=False
         ),
+        Variant("o2_fp16_no_kv_cache", "amp_fx", torch.float16, opt_level="O2", kv_cache=False),
     ]
 }
 BASELINE = "autocast_fp16"
@@ -177,6 +181,7 @@ RUN_ORDER = [
     "o2_fp16_unfused_bn",
     "o2_fp16_unfused_pool",
     "o2_fp16_unfused_linear_loss",
+    "o2_fp16_no_kv_cache",
     "o1_fp16",
     "o3_fp16",
     "o1_bf16",
@@ -400,12 +405,14 @@ def short_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first_line[:100]}"
 
 
-def make_workload(model_name: str, args: argparse.Namespace, device: torch.device) -> Workload:
+def make_workload(
+    model_name: str, args: argparse.Namespace, device: torch.device, kv_cache: bool = True
+) -> Workload:
     """A fresh, seeded workload of the command line's size (--small, --batch-size, --seq-len)."""
     workload = build_workload(
         model_name, device, small=args.small, batch_size=args.batch_size, seq_len=args.seq_len
     )
-    if args.no_kv_cache and hasattr(workload.model, "config"):
+    if (args.no_kv_cache or not kv_cache) and hasattr(workload.model, "config"):
         workload.model.config.use_cache = False  # the comparison row; people call the default
     return workload
 
@@ -431,7 +438,7 @@ def prepare_variant(
     allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     step = None
     try:
-        work = make_workload(model_name, args, device)
+        work = make_workload(model_name, args, device, variant.kv_cache)
         step = build_step(variant, work, mode, args.compile_backend)
         # The step holds what it needs; amp_fx's unconverted original goes now, and the peak counts
         # from here: weights, optimizer state and activations of training, not conversion copies.
