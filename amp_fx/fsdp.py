@@ -60,7 +60,7 @@ from amp_fx.captured_model import CapturedModel
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES, default_device_type
 from amp_fx.core.node_info import POLICY_KEY, node_info
 from amp_fx.loss_scaler import LossScaler
-from amp_fx.optim._fused_base import is_fused_optimizer
+from amp_fx.optim.fused_optimizer import is_fused_optimizer
 
 logger = logging.getLogger(__name__)
 

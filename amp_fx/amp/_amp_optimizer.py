@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from amp_fx.optim._fused_base import is_fused_optimizer
+from amp_fx.optim.fused_optimizer import is_fused_optimizer
 from amp_fx.optim.torch_optimizer_scaling import FoundInf
 
 logger = logging.getLogger("amp_fx.amp")

@@ -7,8 +7,8 @@
 [torch.float32, torch.float32]
 """
 
-from amp_fx.optim._fused_base import master_params
 from amp_fx.optim.fused_adam import FusedAdam
+from amp_fx.optim.fused_optimizer import master_params
 from amp_fx.optim.fused_sgd import FusedSGD
 
 __all__ = ["FusedAdam", "FusedSGD", "master_params"]

@@ -9,7 +9,7 @@ from typing import Any
 from torch import Tensor
 
 from amp_fx.kernels.adam.arguments import check_adam_hyperparameters
-from amp_fx.optim._fused_base import FusedOptimizer, _as_float, _StepBatch
+from amp_fx.optim.fused_optimizer import FusedOptimizer, StepBatch, as_float
 
 
 class FusedAdam(FusedOptimizer):
@@ -23,7 +23,7 @@ class FusedAdam(FusedOptimizer):
     each parameter's own steps, as torch.optim.Adam does: the group's count
     (``param_groups[i]["step"]``, one float32 device tensor, advanced at each step of the group that
     was not skipped) minus ``state[p]["step_offset"]``, the group steps the parameter took no part
-    in (before its first grad, or without a grad since); see `amp_fx.optim._fused_base`.
+    in (before its first grad, or without a grad since); see `amp_fx.optim.fused_optimizer`.
 
     Hyperparameters are read from the param groups at each step as Python floats, so LR schedulers
     work as with torch.optim (when a step is captured in a CUDA graph, the values at capture time
@@ -76,17 +76,17 @@ class FusedAdam(FusedOptimizer):
             if not isinstance(group[name], bool):
                 raise TypeError(f"{name} must be True or False, got {group[name]!r}")
         check_adam_hyperparameters(
-            _as_float("lr", group["lr"]),
-            _as_float("beta1", betas[0]),
-            _as_float("beta2", betas[1]),
-            _as_float("eps", group["eps"]),
-            _as_float("weight_decay", group["weight_decay"]),
+            as_float("lr", group["lr"]),
+            as_float("beta1", betas[0]),
+            as_float("beta2", betas[1]),
+            as_float("eps", group["eps"]),
+            as_float("weight_decay", group["weight_decay"]),
         )
 
     def _update(
         self,
         kernels: ModuleType,
-        batch: _StepBatch,
+        batch: StepBatch,
         step: Tensor,
         group: dict[str, Any],
         grad_multiplier: Tensor | None,

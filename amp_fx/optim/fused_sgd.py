@@ -9,7 +9,7 @@ from typing import Any
 from torch import Tensor
 
 from amp_fx.kernels.sgd.arguments import check_sgd_hyperparameters
-from amp_fx.optim._fused_base import FusedOptimizer, _as_float, _StepBatch
+from amp_fx.optim.fused_optimizer import FusedOptimizer, StepBatch, as_float
 
 
 class FusedSGD(FusedOptimizer):
@@ -22,7 +22,7 @@ class FusedSGD(FusedOptimizer):
     dampening), as torch does, also for a parameter whose first grad comes late. The kernel tells
     a parameter's first step from the group's count (``param_groups[i]["step"]``, one float32
     device tensor, not advanced on a skipped step) minus ``state[p]["step_offset"]``, the group
-    steps the parameter took no part in; see `amp_fx.optim._fused_base`.
+    steps the parameter took no part in; see `amp_fx.optim.fused_optimizer`.
 
     Args:
         params: parameters or param groups, as for torch.optim.SGD.
@@ -64,12 +64,12 @@ class FusedSGD(FusedOptimizer):
         for name in ("nesterov", "master_weights"):
             if not isinstance(group[name], bool):
                 raise TypeError(f"{name} must be True or False, got {group[name]!r}")
-        momentum = _as_float("momentum", group["momentum"])
+        momentum = as_float("momentum", group["momentum"])
         check_sgd_hyperparameters(
-            _as_float("lr", group["lr"]),
+            as_float("lr", group["lr"]),
             momentum,
-            _as_float("dampening", group["dampening"]),
-            _as_float("weight_decay", group["weight_decay"]),
+            as_float("dampening", group["dampening"]),
+            as_float("weight_decay", group["weight_decay"]),
             group["nesterov"],
             # The buffers are created at the first step; only the hyperparameters are checked here.
             momentum_buffers=(),
@@ -78,7 +78,7 @@ class FusedSGD(FusedOptimizer):
     def _update(
         self,
         kernels: ModuleType,
-        batch: _StepBatch,
+        batch: StepBatch,
         step: Tensor,
         group: dict[str, Any],
         grad_multiplier: Tensor | None,
