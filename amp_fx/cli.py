@@ -169,7 +169,12 @@ def _small_config(config_class: type) -> object:
     for name, sub_class in getattr(config_class, "sub_configs", {}).items():
         if name in accepted and isinstance(sub_class, type):
             values[name] = _small_config(sub_class).to_dict()
-    return config_class(**values)
+    config = config_class(**values)
+    if getattr(config, "kv_lora_rank", None) and hasattr(config, "num_key_value_heads"):
+        # Multi-head latent attention expands its keys and values to every head: as in the
+        # released configs, as many key/value heads as heads (else they are repeated twice over).
+        config.num_key_value_heads = config.num_attention_heads
+    return config
 
 
 def _load_transformers(name: str) -> torch.nn.Module:
