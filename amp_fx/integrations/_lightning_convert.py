@@ -24,6 +24,7 @@ state and load into the FP32 LightningModule.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
@@ -32,6 +33,8 @@ from torch import Tensor, nn
 import amp_fx
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.optim.model_loads import masters_of
+
+logger = logging.getLogger(__name__)
 
 
 def _has_floating_parameters(module: nn.Module) -> bool:
@@ -48,6 +51,10 @@ def fp32_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str, 
             continue
         param = params.get(key)
         found = masters.get(id(param), []) if param is not None else []
+        if len(found) > 1:
+            logger.warning(
+                "%d optimizers keep FP32 masters for %s; the state dict holds one of them", len(found), key
+            )
         state_dict[key] = found[0].detach() if found else value.detach().float()
 
 

@@ -58,6 +58,7 @@ from amp_fx.integrations._lightning_optimizers import (
     fused_equivalent,
     retarget_schedulers,
 )
+from amp_fx.optim.model_loads import masters_of
 from amp_fx.optim.scaled_optimizer import ScaledOptimizer
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,11 @@ class AmpPrecision(Precision):
         self.loss_scaler = loss_scaler
         # Device count of steps the kernel skipped (inf/NaN grads); None until the first scaled step.
         self.skipped_steps: Tensor | None = None
+        self._forget_the_run()
+
+    def _forget_the_run(self) -> None:
+        """Reset what refers to one process's model and optimizers (not pickled: ddp_spawn copies
+        the plugin into new processes before any of it exists)."""
         self._converted: ConvertedChildren | None = None
         # The parameters conversion replaced (an optimizer over them trains nothing the model holds),
         # and the optimizers checked against them.
@@ -130,6 +136,22 @@ class AmpPrecision(Precision):
         self._checked_optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._unscaled: set[int] = set()
         self._grad_norm: Tensor | None = None
+        self._fitting = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        transient = (
+            "_converted",
+            "_replaced_params",
+            "_checked_optimizers",
+            "_unscaled",
+            "_grad_norm",
+            "_fitting",
+        )
+        return {k: v for k, v in self.__dict__.items() if k not in transient}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._forget_the_run()
 
     @staticmethod
     def _check_arguments(
@@ -215,12 +237,16 @@ class AmpPrecision(Precision):
             if converted is not None:
                 converted.restore()
             raise
-        originals = converted.originals_by_param() if converted is not None else {}
+        # Masters from the FP32 weights before conversion, or, for children converted by an earlier
+        # fit, from the masters an earlier optimizer keeps (a second fit continues from those).
+        originals = {key: found[0] for key, found in masters_of(model).items()}
+        originals.update(converted.originals_by_param() if converted is not None else {})
         fused = [fused_equivalent(optimizer, originals) for optimizer in optimizers]
         retarget_schedulers(
             [config.scheduler for config in lr_schedulers],
             {id(old): new for old, new in zip(optimizers, fused, strict=True)},
         )
+        self._fitting = bool(fused)
         return model, fused, lr_schedulers
 
     # ------------------------------------------------------------------------------------------
@@ -353,6 +379,16 @@ class AmpPrecision(Precision):
 
     # ------------------------------------------------------------------------------------------
     # Checkpoints
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse to resume training from a checkpoint saved without AmpPrecision (before any state loads)."""
+        if self._fitting and checkpoint.get("optimizer_states") and type(self).__qualname__ not in checkpoint:
+            raise ValueError(
+                "this checkpoint was saved without AmpPrecision: its optimizer state is a torch optimizer's, "
+                "with no FP32 masters, so the fused optimizer cannot continue it. Start from its weights "
+                "instead (module = YourModule.load_from_checkpoint(path), then trainer.fit(module) without "
+                "ckpt_path), or resume it with the precision it was saved with"
+            )
+
     def state_dict(self) -> dict[str, Any]:
         """The loss scaler's state and the count of skipped steps (reads the device: checkpoint time only)."""
         skipped = 0 if self.skipped_steps is None else int(self.skipped_steps.item())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import amp_fx
 from amp_fx.integrations.lightning import AmpPrecision
 from amp_fx.optim import FusedAdam, FusedSGD, master_params
-from amp_fx.testing.dtype_tolerances import tolerances
+from amp_fx.testing import assert_close_normwise, tolerances
 
 BATCHES, BATCH_SIZE, FEATURES = 4, 8, 8
 INIT_SCALE = 1024.0
@@ -115,6 +116,10 @@ class Regression(pl.LightningModule):
         self.lr_schedulers().step()
         return None
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+
     def configure_optimizers(self) -> Any:
         optimizer = OPTIMIZERS[self.optimizer_name](no_decay_groups(self, weight_decay=0.1))
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
@@ -137,9 +142,15 @@ def trainer(tmp_path: Path, plugin: AmpPrecision | None = None, **kwargs: Any) -
     return pl.Trainer(**options)
 
 
-def fit(module: Regression, tmp_path: Path, plugin: AmpPrecision | None = None, **kwargs: Any) -> pl.Trainer:
+def fit(
+    module: Regression,
+    tmp_path: Path,
+    plugin: AmpPrecision | None = None,
+    ckpt_path: Path | None = None,
+    **kwargs: Any,
+) -> pl.Trainer:
     run = trainer(tmp_path, plugin, **kwargs)
-    run.fit(module, train_dataloaders=batches())
+    run.fit(module, train_dataloaders=batches(), ckpt_path=ckpt_path)
     return run
 
 
@@ -248,6 +259,18 @@ def test_overflowing_steps_are_skipped_counted_and_the_schedule_goes_on(tmp_path
     assert run.lr_scheduler_configs[0].scheduler.last_epoch == 4  # stepped every step, as "16-mixed"
 
 
+def test_gradient_accumulation_matches_the_larger_batch(tmp_path):
+    accumulated = Regression()
+    run = trainer(tmp_path / "accumulated", fp16_plugin(), max_steps=2, accumulate_grad_batches=2)
+    run.fit(accumulated, train_dataloaders=batches())
+    whole = Regression()
+    run_whole = trainer(tmp_path / "whole", fp16_plugin(), max_steps=2)
+    run_whole.fit(whole, train_dataloaders=DataLoader(dataset(), batch_size=2 * BATCH_SIZE))
+    rtol, atol = tolerances(torch.float16)
+    for actual, expected in zip(masters(run), masters(run_whole), strict=True):
+        assert_close_normwise(actual, expected, rtol=rtol, atol=atol)
+
+
 def test_manual_optimization_matches_automatic(tmp_path):
     automatic = Regression(clip=0.5)
     fit(automatic, tmp_path / "auto", fp16_plugin(), gradient_clip_val=0.5)
@@ -319,6 +342,24 @@ def test_the_checkpoint_is_fp32_whole_and_loads_with_weights_only(tmp_path):
     assert all(p.dtype == torch.float32 for p in plain.parameters())
 
 
+def test_a_second_fit_continues_from_the_masters_of_the_first(tmp_path):
+    module = Regression()
+    first = fit(module, tmp_path, fp16_plugin(), max_epochs=1)
+    second = fit(module, tmp_path, fp16_plugin(), max_steps=0)
+    assert all(torch.equal(a, b) for a, b in zip(masters(first), masters(second), strict=True))
+    assert any(
+        not torch.equal(m, p.float()) for m, p in zip(masters(second), module.parameters(), strict=True)
+    )
+
+
+def test_the_plugin_pickles_for_ddp_spawn(tmp_path):
+    plugin = fp16_plugin()
+    fit(Regression(), tmp_path, plugin, max_steps=1)
+    copy = pickle.loads(pickle.dumps(plugin))
+    assert copy.loss_scaler.get_scale() == plugin.loss_scaler.get_scale()
+    assert (copy.opt_level, copy.dtype) == ("O2", torch.float16)
+
+
 # ----------------------------------------------------------------------------------------------
 # Refused before anything changes
 def test_a_precision_string_with_the_plugin_is_refused():
@@ -376,6 +417,16 @@ def test_an_optimizer_built_before_conversion_is_refused(tmp_path):
     module.configure_optimizers = lambda: stale
     with pytest.raises(ValueError, match="from before AmpPrecision converted it.*in configure_optimizers"):
         fit(module, tmp_path, AmpPrecision("O2", dtype=torch.bfloat16))
+
+
+def test_resuming_a_checkpoint_saved_without_the_plugin_is_refused(tmp_path):
+    run = fit(Regression(), tmp_path, max_steps=1)
+    run.save_checkpoint(tmp_path / "plain.ckpt")
+    with pytest.raises(ValueError, match="saved without AmpPrecision.*load_from_checkpoint"):
+        fit(Regression(), tmp_path, fp16_plugin(), ckpt_path=tmp_path / "plain.ckpt")
+    validation = trainer(tmp_path, fp16_plugin())
+    validation.validate(Regression(), batches(), ckpt_path=tmp_path / "plain.ckpt")  # no optimizer state read
+    assert math.isfinite(validation.callback_metrics["val_loss"].item())
 
 
 def test_value_clipping_is_refused_before_conversion(tmp_path):
