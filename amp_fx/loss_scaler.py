@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -51,16 +50,15 @@ from torch import Tensor
 
 from amp_fx.distributed import agree_on_overflow_
 from amp_fx.kernels import implementation_for
-from amp_fx.kernels.loss_scale.arguments import check_scale_bound, check_tracker_count
 from amp_fx.kernels.reference import reciprocal_scale_
+from amp_fx.loss_scaler_settings import LossScaleSettings, check_number, checked_state_dict_values
 from amp_fx.optim.scaled_optimizer import ScaledOptimizer
 from amp_fx.optim.torch_optimizer_scaling import (
-    FoundInf,
     any_overflow_on_host,
     reads_found_inf,
     step_reading_found_inf,
     total_found_inf,
-    unscale_and_check_,
+    unscale_grads_in_place_,
 )
 
 logger = logging.getLogger(__name__)
@@ -78,59 +76,7 @@ def _fresh_optimizer_state() -> dict[str, Any]:
     return {"stage": _Stage.READY, "found_inf_per_device": {}, "optimizer": None}
 
 
-def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
-        kind = "an int" if integer else "a finite number"
-        raise TypeError(f"{name} must be {kind}, got {value!r}")
-
-
-def _check_config(
-    init_scale: float,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
-    hysteresis: int,
-    min_scale: float | None,
-    max_scale: float | None,
-) -> None:
-    """Raise TypeError/ValueError for a bad scaler configuration (constructor and load_state_dict)."""
-    if isinstance(init_scale, str):
-        raise TypeError(
-            f"LossScaler's first argument is init_scale, got {init_scale!r}: unlike torch.amp.GradScaler it "
-            "takes no device (the scale lives on the device of the first scaled loss); drop that argument"
-        )
-    _check_number("init_scale", init_scale)
-    _check_number("growth_factor", growth_factor)
-    _check_number("backoff_factor", backoff_factor)
-    _check_number("growth_interval", growth_interval, integer=True)
-    _check_number("hysteresis", hysteresis, integer=True)
-    if init_scale <= 0:
-        raise ValueError(f"init_scale must be > 0, got {init_scale}")
-    if growth_factor <= 1.0:
-        raise ValueError(f"growth_factor must be > 1.0, got {growth_factor}")
-    if not 0.0 < backoff_factor < 1.0:
-        raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
-    # Both in [1, 2**31 - 1], the trackers counting up to them being int32 (hysteresis 1 backs off at
-    # the first overflow).
-    check_tracker_count("growth_interval", growth_interval, 1)
-    check_tracker_count("hysteresis", hysteresis, 1)
-    for name, bound in (("min_scale", min_scale), ("max_scale", max_scale)):
-        if bound is not None:
-            _check_number(name, bound)
-            check_scale_bound(name, bound)
-    low = min_scale if min_scale is not None else 0.0
-    high = max_scale if max_scale is not None else math.inf
-    if low > high:
-        raise ValueError(f"min_scale ({min_scale}) must not exceed max_scale ({max_scale})")
-    if not low <= init_scale <= high:
-        raise ValueError(
-            f"the scale {init_scale} is outside [min_scale, max_scale] = [{min_scale}, {max_scale}]; "
-            "widen the bounds or change the scale"
-        )
-
-
-class LossScaler:
+class LossScaler(LossScaleSettings):
     """Dynamic loss scaler: torch.amp.GradScaler's protocol with hysteresis and a min/max scale.
 
     The scale starts at ``init_scale``, is multiplied by ``growth_factor`` after
@@ -189,18 +135,11 @@ class LossScaler:
     ) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be True or False, got {enabled!r}")
-        _check_config(
+        self._set_settings(
             init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale
         )
         self._enabled = enabled
         self._process_group = process_group
-        self._init_scale = float(init_scale)
-        self._growth_factor = float(growth_factor)
-        self._backoff_factor = float(backoff_factor)
-        self._growth_interval = int(growth_interval)
-        self._hysteresis = int(hysteresis)
-        self._min_scale = None if min_scale is None else float(min_scale)
-        self._max_scale = None if max_scale is None else float(max_scale)
         self._init_growth_tracker = 0
         self._init_hysteresis_tracker = self._hysteresis
         # Created lazily on the device of the first scaled loss.
@@ -295,35 +234,9 @@ class LossScaler:
         if isinstance(optimizer, ScaledOptimizer):
             found_infs = optimizer.unscale_grads_(inv_scale)
         else:
-            found_infs = self._unscale_in_place(optimizer, inv_scale, allow_fp16=False)
+            found_infs = unscale_grads_in_place_(optimizer, inv_scale, allow_fp16=False)
         agree_on_overflow_(found_infs, self._process_group)
         state.update(stage=_Stage.UNSCALED, found_inf_per_device=found_infs, optimizer=optimizer)
-
-    def _unscale_in_place(
-        self, optimizer: torch.optim.Optimizer, inv_scale: Tensor, allow_fp16: bool
-    ) -> FoundInf:
-        """GradScaler's unscale: grads *= inv_scale in place, found_inf per device (torch optimizers)."""
-        grads: list[Tensor] = []
-        with torch.no_grad():
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    if param.grad is None:
-                        continue
-                    if not allow_fp16 and param.grad.dtype == torch.float16:
-                        raise ValueError(
-                            "Attempting to unscale FP16 gradients of a torch.optim optimizer (GradScaler "
-                            "refuses too); use amp_fx.optim.FusedAdam / FusedSGD, which keep FP32 masters"
-                        )
-                    grad = param.grad
-                    if grad.is_sparse:
-                        if grad.dtype is torch.float16:
-                            param.grad = grad = grad.coalesce()
-                        grad = grad._values()
-                    grads.append(grad)
-            found_infs: FoundInf = {}
-            # GradScaler's flags are 0-dim.
-            unscale_and_check_(grads, inv_scale, found_infs, flag_shape=())
-        return found_infs
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless ``unscale_`` ran) and step ``optimizer``, skipping the update on inf/NaN grads.
@@ -367,7 +280,7 @@ class LossScaler:
         """GradScaler's protocol for optimizers that unscale in their own kernel (torch's fused Adam)."""
         if state["stage"] is _Stage.READY:
             dummy_inv_scale = torch.ones((), dtype=torch.float32, device=scale.device)
-            infs = self._unscale_in_place(optimizer, dummy_inv_scale, allow_fp16=True)
+            infs = unscale_grads_in_place_(optimizer, dummy_inv_scale, allow_fp16=True)
             agree_on_overflow_(infs, self._process_group)
             state.update(found_inf_per_device=infs, optimizer=optimizer)
         self._require_inf_checks(state)
@@ -435,7 +348,7 @@ class LossScaler:
                 )
             self._scale.copy_(new_scale.reshape(()))
         else:
-            _check_number("new_scale", new_scale)
+            check_number("new_scale", new_scale)
             if new_scale <= 0:
                 raise ValueError(f"new_scale must be > 0, got {new_scale}")
             self._scale.fill_(float(new_scale))
@@ -479,7 +392,7 @@ class LossScaler:
         )
 
     # ----------------------------------------------------------------------------------------
-    # Getters and setters (GradScaler's)
+    # Getters (GradScaler's; the settings' own are LossScaleSettings')
 
     def _get_scale_async(self) -> Tensor | None:
         return self._scale
@@ -489,69 +402,6 @@ class LossScaler:
         if not self._enabled:
             return 1.0
         return self._init_scale if self._scale is None else float(self._scale.item())
-
-    def get_growth_factor(self) -> float:
-        """The factor the scale grows by after ``growth_interval`` clean steps."""
-        return self._growth_factor
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        """Set the growth factor (> 1)."""
-        _check_config(
-            self._init_scale,
-            new_factor,
-            self._backoff_factor,
-            self._growth_interval,
-            self._hysteresis,
-            self._min_scale,
-            self._max_scale,
-        )
-        self._growth_factor = float(new_factor)
-
-    def get_backoff_factor(self) -> float:
-        """The factor the scale shrinks by on overflow."""
-        return self._backoff_factor
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the backoff factor (in (0, 1))."""
-        _check_config(
-            self._init_scale,
-            self._growth_factor,
-            new_factor,
-            self._growth_interval,
-            self._hysteresis,
-            self._min_scale,
-            self._max_scale,
-        )
-        self._backoff_factor = float(new_factor)
-
-    def get_growth_interval(self) -> int:
-        """The number of consecutive clean steps before the scale grows."""
-        return self._growth_interval
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (>= 1)."""
-        _check_config(
-            self._init_scale,
-            self._growth_factor,
-            self._backoff_factor,
-            new_interval,
-            self._hysteresis,
-            self._min_scale,
-            self._max_scale,
-        )
-        self._growth_interval = int(new_interval)
-
-    def get_hysteresis(self) -> int:
-        """The number of consecutive overflowing steps before the scale backs off."""
-        return self._hysteresis
-
-    def get_min_scale(self) -> float | None:
-        """The lower bound of the scale (None: unbounded)."""
-        return self._min_scale
-
-    def get_max_scale(self) -> float | None:
-        """The upper bound of the scale (None: unbounded)."""
-        return self._max_scale
 
     def _get_growth_tracker(self) -> int:
         if not self._enabled:
@@ -617,51 +467,10 @@ class LossScaler:
                 "the loaded scaler state dict is empty: it was saved from a disabled scaler (enabled=False); "
                 "create this scaler with enabled=False too, or load a state dict from an enabled one"
             )
-        required = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-        missing = [key for key in required if key not in state_dict]
-        if missing:
-            raise ValueError(
-                f"the loaded scaler state dict lacks {missing}; load one from LossScaler.state_dict()"
-            )
-
-        def number(key: str, default: Any) -> Any:
-            value = state_dict.get(key, default)
-            if isinstance(value, Tensor):
-                if value.numel() != 1:
-                    raise ValueError(
-                        f"'{key}' must be a number or a one-element tensor, got shape {tuple(value.shape)}"
-                    )
-                value = value.item()
-            return value
-
-        values = {
-            "init_scale": number("scale", None),
-            "growth_factor": number("growth_factor", None),
-            "backoff_factor": number("backoff_factor", None),
-            "growth_interval": number("growth_interval", None),
-            "hysteresis": number("hysteresis", self._hysteresis),
-            "min_scale": number("min_scale", self._min_scale),
-            "max_scale": number("max_scale", self._max_scale),
-        }
-        _check_config(**values)
-        growth_tracker = number("_growth_tracker", None)
-        hysteresis_tracker = number("_hysteresis_tracker", values["hysteresis"])
-        _check_number("_growth_tracker", growth_tracker, integer=True)
-        _check_number("_hysteresis_tracker", hysteresis_tracker, integer=True)
-        check_tracker_count("_growth_tracker", int(growth_tracker), 0)
-        if not 0 <= hysteresis_tracker <= values["hysteresis"]:
-            raise ValueError(
-                f"_hysteresis_tracker ({hysteresis_tracker}) must be in "
-                f"[0, hysteresis={values['hysteresis']}]"
-            )
-
-        self._init_scale = float(values["init_scale"])
-        self._growth_factor = float(values["growth_factor"])
-        self._backoff_factor = float(values["backoff_factor"])
-        self._growth_interval = int(values["growth_interval"])
-        self._hysteresis = int(values["hysteresis"])
-        self._min_scale = None if values["min_scale"] is None else float(values["min_scale"])
-        self._max_scale = None if values["max_scale"] is None else float(values["max_scale"])
+        values, growth_tracker, hysteresis_tracker = checked_state_dict_values(
+            state_dict, self._hysteresis, self._min_scale, self._max_scale
+        )
+        self._set_settings(**values)
         self._init_growth_tracker = int(growth_tracker)
         self._init_hysteresis_tracker = int(hysteresis_tracker)
         if self._scale is not None:

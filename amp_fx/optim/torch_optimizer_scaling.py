@@ -38,6 +38,7 @@ __all__ = [
     "step_reading_found_inf",
     "total_found_inf",
     "unscale_and_check_",
+    "unscale_grads_in_place_",
 ]
 
 # Overflow flags per device (float32; > 0 where a grad held inf or NaN).
@@ -107,3 +108,39 @@ def step_reading_found_inf(
     finally:
         for name in attributes:
             delattr(optimizer, name)
+
+
+def unscale_grads_in_place_(
+    optimizer: torch.optim.Optimizer, inv_scale: Tensor, allow_fp16: bool
+) -> FoundInf:
+    """GradScaler's unscale of ``optimizer``'s grads: grads *= inv_scale in place, and a fresh
+    found_inf per device (0-dim, as GradScaler's). fp16 grads are refused unless ``allow_fp16``
+    (an optimizer that reads ``found_inf`` itself unscales with 1, leaving them as they are).
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.ones(2)); w.grad = torch.full((2,), 8.0)
+        >>> found = unscale_grads_in_place_(torch.optim.SGD([w]), torch.tensor(0.25), allow_fp16=False)
+        >>> w.grad, found[torch.device("cpu")]
+        (tensor([2., 2.]), tensor(0.))
+    """
+    grads: list[Tensor] = []
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if not allow_fp16 and param.grad.dtype == torch.float16:
+                    raise ValueError(
+                        "Attempting to unscale FP16 gradients of a torch.optim optimizer (GradScaler "
+                        "refuses too); use amp_fx.optim.FusedAdam / FusedSGD, which keep FP32 masters"
+                    )
+                grad = param.grad
+                if grad.is_sparse:
+                    if grad.dtype is torch.float16:
+                        param.grad = grad = grad.coalesce()
+                    grad = grad._values()
+                grads.append(grad)
+        found_infs: FoundInf = {}
+        # GradScaler's flags are 0-dim.
+        unscale_and_check_(grads, inv_scale, found_infs, flag_shape=())
+    return found_infs
