@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 import amp_fx
+from amp_fx.core.opt_levels import lookup_opt_level
 from amp_fx.integrations._lightning_convert import ConvertedChildren
 from amp_fx.integrations._lightning_optimizers import (
     SUPPORTED,
@@ -64,9 +65,6 @@ from amp_fx.optim.scaled_optimizer import ScaledOptimizer
 logger = logging.getLogger(__name__)
 
 __all__ = ["AmpPrecision"]
-
-# Opt levels whose fp16 training is loss-scaled (Apex's table: O0 is FP32, O3 runs unscaled).
-_SCALED_LEVELS = ("O1", "O2")
 
 
 def _trainer_of(module: Any) -> Any:
@@ -120,7 +118,9 @@ class AmpPrecision(Precision):
         self.device_type = device_type
         self.precision = "bf16-mixed" if low_dtype == torch.bfloat16 else "16-mixed"
         if loss_scaler is None:
-            loss_scaler = amp_fx.LossScaler(enabled=low_dtype == torch.float16 and level in _SCALED_LEVELS)
+            # bf16 has float32's range: only fp16 is scaled, at the levels whose loss scale is dynamic.
+            scaled = low_dtype == torch.float16 and lookup_opt_level(level).dynamic_loss_scale
+            loss_scaler = amp_fx.LossScaler(enabled=scaled)
         self.loss_scaler = loss_scaler
         # Device count of steps the kernel skipped (inf/NaN grads); None until the first scaled step.
         self.skipped_steps: Tensor | None = None

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import amp_fx
+from amp_fx.core.node_info import POLICY_KEY
 from amp_fx.integrations.lightning import AmpPrecision
 from amp_fx.optim import FusedAdam, FusedSGD, master_params
 from amp_fx.testing import assert_close_normwise, tolerances
@@ -291,22 +292,27 @@ def resumable_state(run: pl.Trainer) -> list[torch.Tensor]:
     return tensors + [torch.tensor(run.precision_plugin.loss_scaler.get_scale())]
 
 
+@pytest.mark.parametrize("accelerator", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize(
     "resume_step, loader", [(4, "plain"), (5, "resumable")], ids=["epoch_end", "mid_epoch"]
 )
-def test_ckpt_path_resumes_bit_for_bit(tmp_path, resume_step, loader):
+def test_ckpt_path_resumes_bit_for_bit(tmp_path, resume_step, loader, accelerator):
     make_loader = batches if loader == "plain" else ResumableLoader
     every_step = ModelCheckpoint(
         dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}"
     )
     uninterrupted = Regression()
     uninterrupted.inf_at = {2}  # a skipped step and a backed-off scale before the checkpoint
-    run = trainer(tmp_path, fp16_plugin(), callbacks=[every_step], enable_checkpointing=True)
+    run = trainer(
+        tmp_path, fp16_plugin(), accelerator=accelerator, callbacks=[every_step], enable_checkpointing=True
+    )
     run.fit(uninterrupted, train_dataloaders=make_loader())
+    # The policy is the Trainer's device's (the module was still on the CPU when it was converted).
+    assert uninterrupted.net.meta[POLICY_KEY].device_type == run.strategy.root_device.type
 
     resumed = Regression()
     resumed.inf_at = {2}
-    rerun = trainer(tmp_path, fp16_plugin())
+    rerun = trainer(tmp_path, fp16_plugin(), accelerator=accelerator)
     rerun.fit(
         resumed, train_dataloaders=make_loader(), ckpt_path=tmp_path / "ckpt" / f"step={resume_step}.ckpt"
     )
