@@ -89,17 +89,17 @@ class Policy:
     - O3: parameters low (BatchNorm too unless ``keep_batchnorm_fp32=True``), no FP32 islands.
 
     ``fused_losses`` (default True at O2 only): an FP32 cross_entropy whose input is a cast of
-    low-precision logits reads them directly (`amp_fx.ops.losses.fp32_cross_entropy`): the same fp32
-    math without a float32 copy of the logits. O1 leaves it off to stay bit-identical to autocast.
-    ``fused_linear_loss`` (default True at O2 on CUDA; needs ``fused_losses``): such a loss whose
-    logits come, through row-keeping views only, from a linear layer nothing else reads runs with
-    that layer as one call (`amp_fx.ops.losses.linear_cross_entropy`: under torch.compile the gradient
-    is computed in the loss's forward kernel and the backward is matmuls only; eagerly the two
-    calls run as before, which measured faster there).
+    low-precision logits reads them directly (`amp_fx.ops.cross_entropy.fp32_cross_entropy`): the same
+    fp32 math without a float32 copy of the logits. O1 leaves it off to stay bit-identical to autocast.
+    ``fused_linear_loss`` (default True at O2 on CUDA; needs ``fused_losses``): such a loss whose logits
+    come, through row-keeping views only, from a linear layer nothing else reads runs with that layer as
+    one call (`amp_fx.ops.cross_entropy.linear_cross_entropy`: under torch.compile the gradient is
+    computed in the loss's forward kernel and the backward is matmuls only; eagerly the two calls run as
+    before, which measured faster there).
     ``fused_batch_norm`` (default True at O2 on CUDA): BatchNorm2d followed by ReLU (or by a residual
-    add and ReLU) runs as one call (`amp_fx.ops.fused_batch_norm.FusedBatchNormAct`) when its input is
-    large. ``fused_max_pool`` (default True at O2 on CUDA): large 2-D max-pools run through
-    `amp_fx.ops.pooling.max_pool2d` (1-byte argmax offsets, a one-pass gather backward). Both kernels
+    add and ReLU) runs as one call (`amp_fx.ops.batch_norm.FusedBatchNormAct`) when its input is large.
+    ``fused_max_pool`` (default True at O2 on CUDA): large 2-D max-pools run through
+    `amp_fx.ops.max_pool.max_pool2d` (1-byte argmax offsets, a one-pass gather backward). Both kernels
     are for GPUs: on other devices they would run their pure-torch references, slower than torch.
 
     >>> policy = preset("O1", device_type="cpu", dtype=torch.bfloat16)
