@@ -360,19 +360,15 @@ def _default_subset(launches: list[dict]) -> list[dict]:
 
 
 def _launched_kernels() -> set[str]:
-    """``module.name`` of every @triton.jit function in amp_fx.kernels that its module launches
-    (``name[grid](...)``); helpers called from kernels are compiled as part of them."""
+    """``module.name`` (where it is defined) of every @triton.jit function in amp_fx.kernels that a
+    module launches (``name[grid](...)``); helpers called from kernels are compiled as part of them."""
     launched = set()
     for info in pkgutil.walk_packages(amp_fx.kernels.__path__, prefix="amp_fx.kernels."):
         module = importlib.import_module(info.name)
         source = inspect.getsource(module)
         for name, value in vars(module).items():
-            if (
-                isinstance(value, KERNEL_CLASSES)
-                and value.fn.__module__ == module.__name__
-                and re.search(rf"\b{re.escape(name)}\[", source)
-            ):
-                launched.add(f"{module.__name__}.{name}")
+            if isinstance(value, KERNEL_CLASSES) and re.search(rf"\b{re.escape(name)}\[", source):
+                launched.add(f"{value.fn.__module__}.{value.fn.__name__}")
     return launched
 
 
