@@ -402,3 +402,32 @@ def test_amp_initialize_and_disable_casts_on_a_hugging_face_model() -> None:
         output = model(input_ids=ids).logits
     assert type(output) is torch.Tensor and bits_equal(output, reference(input_ids=ids).logits)
     assert not bits_equal(model(input_ids=ids).logits, output)  # converted again outside the block
+
+
+class _ChoosesWithoutGrad(nn.Module):
+    """DeepSeek-V3.2's indexer picks positions under ``torch.no_grad()``: torch.export wraps the
+    region in a higher-order op (``wrap_with_set_grad_enabled``) holding a subgraph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.score = nn.Linear(8, 4)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            picked = self.score(x).float().softmax(-1).topk(2, dim=-1).indices
+        return self.proj(x).gather(-1, picked)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_no_grad_region_runs_as_autocast_runs_it(opt_level: str) -> None:
+    torch.manual_seed(0)
+    model = _ChoosesWithoutGrad()
+    x = torch.randn(3, 8)
+    converted = amp_fx.convert(copy.deepcopy(model), opt_level, dtype=BF16, front_end="export")
+    out = converted(x)
+    assert type(out) is torch.Tensor and not dict(capture_states(converted))[""].islands
+    if opt_level == "O1":
+        assert bits_equal(out, with_autocast(model, "cpu", BF16)(x))
+    out.float().sum().backward()
+    assert converted.proj.weight.grad is not None and converted.score.weight.grad is None
