@@ -455,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group", choices=[*GROUPS, "all"], default="all")
     parser.add_argument("--only", default="", help="comma-separated class names")
     parser.add_argument("--limit", type=int, default=0, help="at most this many classes per group")
+    parser.add_argument("--skip", default="", help="comma-separated class names to leave out")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per class (0: none)")
     parser.add_argument("--markdown", help="write the table (markdown) to this path")
     parser.add_argument("--json", help="write the rows (JSON lines) to this path, one as each finishes")
@@ -462,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
 
     groups = GROUPS if args.group == "all" else (args.group,)
     only = [n for n in args.only.split(",") if n]
+    skip = {n for n in args.skip.split(",") if n}
     registered = {group: class_names(group) for group in groups}
     todo: list[tuple[str, str]] = []
     if only:  # each in the first group that registers it (else the first group asked for)
@@ -469,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for group in groups:
             names = registered[group][: args.limit] if args.limit else registered[group]
-            todo += [(n, group) for n in names if all(n != t for t, _ in todo)]
+            todo += [(n, group) for n in names if n not in skip and all(n != t for t, _ in todo)]
 
     rows: list[Row] = []
     sink = open(args.json, "a") if args.json else None  # noqa: SIM115
