@@ -133,15 +133,19 @@ def _batch_norm_act_backward_fake(
     )
 
 
+def _output_for_backward(out: Tensor, residual: Tensor | None, relu: bool) -> Tensor | None:
+    """The forward's output if the backward needs it, else None: the mask of a ReLU after a residual
+    depends on the residual, so it is read from the output; without a residual the backward
+    recomputes it from x and the statistics, and the output is not kept alive."""
+    return out if relu and residual is not None else None
+
+
 def _setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor, Tensor, Tensor]) -> None:
     input, weight, bias, residual, _eps, relu = inputs
     out, mean, invstd, var = output
     ctx.has_residual = residual is not None
     ctx.relu = relu
-    # The mask of a ReLU after a residual depends on the residual: read it from the output. Without
-    # a residual the backward recomputes it from x and the statistics, so out is not kept alive.
-    keep_out = relu and residual is not None
-    ctx.save_for_backward(input, weight, bias, mean, invstd, out if keep_out else None)
+    ctx.save_for_backward(input, weight, bias, mean, invstd, _output_for_backward(out, residual, relu))
     ctx.mark_non_differentiable(mean, invstd, var)
 
 
@@ -295,9 +299,7 @@ class _BatchNormAct(torch.autograd.Function):
         ctx.kernels = kernels
         ctx.has_residual = residual is not None
         ctx.relu = relu
-        # As in _setup_context: the output is kept only when the ReLU mask depends on a residual.
-        keep_out = relu and residual is not None
-        ctx.save_for_backward(input, weight, bias, mean, invstd, out if keep_out else None)
+        ctx.save_for_backward(input, weight, bias, mean, invstd, _output_for_backward(out, residual, relu))
         return out
 
     @staticmethod
