@@ -1,9 +1,11 @@
-"""Every argument check of the kernels, shared by the pure-torch reference and the Triton kernels.
+"""The argument checks every kernel family shares (dtypes, dense layouts, one-element tensors,
+ranges) and the optimizer updates' (``check_update``); each family's own checks are in its
+``arguments`` module (``amp_fx.kernels.<family>.arguments``).
 
-Both implementations take the same arguments and must refuse the same bad input with the same
-message, before anything is written; the optimizers, the loss scaler and the ops call the same
-checks to refuse bad configuration up front. The checks run on the host and read only metadata
-(dtype, shape, strides, device) and Python numbers, never tensor values, so they never
+Both implementations of a kernel take the same arguments and must refuse the same bad input with
+the same message, before anything is written; the optimizers, the loss scaler and the ops call the
+same checks to refuse bad configuration up front. The checks run on the host and read only
+metadata (dtype, shape, strides, device) and Python numbers, never tensor values, so they never
 synchronize with the device. A few checks are the Triton kernels' own (layouts and index widths
 they need, named ``check_triton_...``); the reference accepts more.
 
