@@ -120,7 +120,7 @@ def run(args: argparse.Namespace, checkpoint_dir: Path) -> dict:
     last = checkpoint_dir / "last.ckpt"
     weights = torch.load(last, weights_only=True)["state_dict"]
     print(f"checkpoint {last}: weights {sorted({str(w.dtype) for w in weights.values()})}")
-    plain = Classifier.load_from_checkpoint(last)
+    plain = Classifier.load_from_checkpoint(last, map_location="cpu")
     reloaded = accuracy(plain, data)
     print(f"  reloaded into the FP32 Classifier: accuracy {reloaded:.1f}%")
 

@@ -205,6 +205,14 @@ class AmpPrecision(Precision):
         device_type = self.device_type
         if device_type is None and trainer is not None:
             device_type = trainer.strategy.root_device.type
+        elif device_type is None and torch.cuda.is_available():
+            on_cpu = all(p.device.type == "cpu" for p in module.parameters())
+            if on_cpu:  # Fabric converts before it moves the module: its device is not known here
+                logger.warning(
+                    "AmpPrecision converts %s with the CPU's policy (it is on the CPU); if Fabric runs it "
+                    "on a GPU, pass AmpPrecision(..., device_type='cuda')",
+                    type(module).__name__,
+                )
         if self.policy is not None:
             kwargs: dict[str, Any] = {"policy": self.policy, "device_type": device_type}
         else:

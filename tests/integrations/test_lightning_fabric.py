@@ -45,16 +45,19 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, x @ torch.linspace(-1.0, 1.0, 8).unsqueeze(1)
 
 
-def set_up() -> tuple[lf.Fabric, AmpPrecision, nn.Module, torch.optim.Optimizer]:
-    plugin = AmpPrecision("O2", dtype=torch.float16, loss_scaler=amp_fx.LossScaler(init_scale=INIT_SCALE))
-    fabric = lf.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+def set_up(accelerator: str = "cpu") -> tuple[lf.Fabric, AmpPrecision, nn.Module, torch.optim.Optimizer]:
+    scaler = amp_fx.LossScaler(init_scale=INIT_SCALE)
+    # Fabric converts the module before it moves it: the policy's device is named.
+    device_type = "cuda" if accelerator == "gpu" else "cpu"
+    plugin = AmpPrecision("O2", dtype=torch.float16, device_type=device_type, loss_scaler=scaler)
+    fabric = lf.Fabric(accelerator=accelerator, devices=1, plugins=[plugin])
     model = fabric.setup_module(Net())
     optimizer = fabric.setup_optimizers(FusedAdam(model.parameters(), lr=1e-2))
     return fabric, plugin, model, optimizer
 
 
 def train(model, optimizer, fabric, plugin, steps: int, inf_at: int = -1) -> list[float]:
-    x, y = data()
+    x, y = fabric.to_device(data())
     losses = []
     for step in range(steps):
         optimizer.zero_grad()
@@ -66,11 +69,13 @@ def train(model, optimizer, fabric, plugin, steps: int, inf_at: int = -1) -> lis
     return losses
 
 
-def test_fabric_trains_a_converted_module_with_masters_and_skips_overflows():
-    fabric, plugin, model, optimizer = set_up()
+@pytest.mark.parametrize("accelerator", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_fabric_trains_a_converted_module_with_masters_and_skips_overflows(accelerator):
+    fabric, plugin, model, optimizer = set_up(accelerator)
     losses = train(model, optimizer, fabric, plugin, STEPS, inf_at=1)
     assert losses[-1] < 0.7 * losses[0]
     assert model.module.head.weight.dtype == torch.float16  # the user's module, its children converted
+    assert model.module.head.weight.device.type == fabric.device.type
     assert all(m.dtype == torch.float32 for m in master_params(optimizer.optimizer))
     assert plugin.skipped_steps.item() == 1
     assert plugin.loss_scaler.get_scale() == INIT_SCALE / 2
