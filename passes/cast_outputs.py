@@ -29,6 +29,7 @@ import torch
 import torch.fx
 
 from amp_fx.core.node_info import node_info
+from amp_fx.core.op_facts import FLOATING_CONVERSION_METHODS
 from amp_fx.core.policy import Policy
 from amp_fx.passes.shared import CastCache, insert_input_casts, is_output_structure, updates_in_place
 
@@ -37,7 +38,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["cast_outputs"]
 
 aten = torch.ops.aten
-_DTYPE_METHODS = {"float", "double", "half", "bfloat16"}
 
 
 def _plain_conversion_source(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -46,7 +46,12 @@ def _plain_conversion_source(node: torch.fx.Node) -> torch.fx.Node | None:
     args, kwargs = node.args, node.kwargs
     if not args or not isinstance(args[0], torch.fx.Node):
         return None
-    if node.op == "call_method" and node.target in _DTYPE_METHODS and len(args) == 1 and not kwargs:
+    if (
+        node.op == "call_method"
+        and node.target in FLOATING_CONVERSION_METHODS
+        and len(args) == 1
+        and not kwargs
+    ):
         return args[0]
     converts = (node.op == "call_method" and node.target == "to") or node.target is aten.to.dtype
     if converts and len(args) == 2 and isinstance(args[1], torch.dtype) and not kwargs:

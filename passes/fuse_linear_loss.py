@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from amp_fx.core.node_info import META_KEY, node_info
+from amp_fx.core.op_facts import SHAPE_METHODS
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.cross_entropy import fp32_cross_entropy, linear_cross_entropy
 from amp_fx.ops.module_hooks import has_forward_hooks
@@ -51,8 +52,6 @@ from amp_fx.passes.shared import is_fusable_loss
 logger = logging.getLogger(__name__)
 
 __all__ = ["fuse_linear_loss"]
-
-_METADATA_METHODS = frozenset({"size", "dim", "numel", "stride"})
 
 
 def _is_plain_linear(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
@@ -179,7 +178,7 @@ def _metadata_readers(chain: list[torch.fx.Node], loss: torch.fx.Node) -> list[t
         for user in node.users:
             if user in inside:
                 continue
-            is_size = user.op == "call_method" and user.target in _METADATA_METHODS
+            is_size = user.op == "call_method" and user.target in SHAPE_METHODS
             is_shape = (
                 user.op == "call_function" and user.target is getattr and list(user.args[1:]) == ["shape"]
             )

@@ -37,6 +37,7 @@ from torch import nn
 
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.core.node_info import node_info
+from amp_fx.core.op_facts import METADATA_ATTRIBUTES, OUTPUT_NOT_SAVED_OPS, RESHAPE_OPS, SHAPE_METHODS
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.cross_entropy import fp32_cross_entropy
 from amp_fx.ops.module_hooks import has_forward_hooks
@@ -84,17 +85,12 @@ def _cross_entropy_arguments(gm: torch.fx.GraphModule, node: torch.fx.Node) -> d
     return CROSS_ENTROPY_DEFAULTS | arguments
 
 
-# Ops whose autograd backward reads their inputs, never their output: the output may be overwritten
-# once nothing else reads it.
-_OUTPUT_NOT_SAVED_OPS = frozenset({"linear", "matmul", "mm", "bmm", "addmm"})
-# Ops whose output is a view or copy of their first argument, with the same values.
-_VIEW_OPS = frozenset({"view", "reshape", "flatten", "contiguous"})
 # Users that read a tensor's metadata, never its values (``logits.view(-1, logits.size(-1))``).
-_METADATA_OPS = frozenset({"size", "shape", "dim", "ndim", "numel", "stride", "dtype", "device"})
+_METADATA_READS = SHAPE_METHODS | METADATA_ATTRIBUTES
 
 
 def _value_users(node: torch.fx.Node) -> list[torch.fx.Node]:
-    return [user for user in node.users if node_info(user).op not in _METADATA_OPS]
+    return [user for user in node.users if node_info(user).op not in _METADATA_READS]
 
 
 def _only_the_loss_reads(logits: torch.fx.Node) -> bool:
@@ -103,9 +99,9 @@ def _only_the_loss_reads(logits: torch.fx.Node) -> bool:
     node = logits
     while len(_value_users(node)) == 1 and node.op in ("call_function", "call_method", "call_module"):
         op = node_info(node).op
-        if op in _OUTPUT_NOT_SAVED_OPS:
+        if op in OUTPUT_NOT_SAVED_OPS:
             return True
-        if op not in _VIEW_OPS or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        if op not in RESHAPE_OPS or not node.args or not isinstance(node.args[0], torch.fx.Node):
             return False
         node = node.args[0]
     return False

@@ -48,6 +48,24 @@ from torch import nn
 from torch.fx.node import map_aggregate, map_arg
 
 from amp_fx.core.node_info import KEEP_INPUT_DTYPE_KEY, KEEP_OUTPUT_DTYPE_KEY, META_KEY, node_info
+from amp_fx.core.op_facts import (
+    ALWAYS_VALUES_INDICES_OPS,
+    BOOL_OPS,
+    CONVERSION_METHOD_DTYPES,
+    FACTORY_FUNCTIONS,
+    FIRST_ARGUMENT_DTYPE_OPS,
+    INT64_ACCUMULATING_OPS,
+    INT64_OPS,
+    NON_TENSOR_ATTRIBUTES,
+    NON_TENSOR_METHODS,
+    NON_TENSOR_MODULES,
+    NORM_OPS,
+    PAIR_OPS,
+    SAME_DTYPE_ATTRIBUTES,
+    SPLIT_OPS,
+    TENSOR_TYPE_DTYPES,
+    VALUES_INDICES_OPS,
+)
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.ops.casts import cast_if_floating
@@ -156,11 +174,6 @@ def rule_cast_dtype(
     return None
 
 
-# Functional norms whose weight and bias must match their input's dtype unless the weights are
-# float32 (batch/layer/group norm accept low-precision input with float32 weights, not the reverse).
-_NORM_OPS = frozenset({"batch_norm", "instance_norm", "layer_norm", "group_norm", "rms_norm"})
-
-
 def _low_parameter_dtype(
     node: torch.fx.Node, values: Sequence[Any], params: dict[str, Any]
 ) -> torch.dtype | None:
@@ -173,7 +186,7 @@ def _low_parameter_dtype(
     """
     if node.op == "call_module":
         weights = list(params.values())
-    elif (node_info(node).op or "") in _NORM_OPS:
+    elif (node_info(node).op or "") in NORM_OPS:
         weights = values[1:]  # all_input_nodes: the input first, then weight/bias/statistics
     else:
         return None
@@ -227,87 +240,6 @@ def _seen_dtype(value: Any, target: torch.dtype | None) -> torch.dtype | None:
 # ---------------------------------------------------------------------------------------------
 # Static transfer rules for PASSTHROUGH ops (ops whose rule casts nothing).
 # ---------------------------------------------------------------------------------------------
-_METHOD_DTYPES = {
-    "float": torch.float32,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "double": torch.float64,
-    "int": torch.int32,
-    "long": torch.int64,
-    "short": torch.int16,
-    "bool": torch.bool,
-    "byte": torch.uint8,
-    "char": torch.int8,
-    "cfloat": torch.complex64,
-    "cdouble": torch.complex128,
-}
-_TENSOR_TYPE_STRINGS = {
-    "torch.FloatTensor": torch.float32,
-    "torch.HalfTensor": torch.float16,
-    "torch.BFloat16Tensor": torch.bfloat16,
-    "torch.DoubleTensor": torch.float64,
-    "torch.LongTensor": torch.int64,
-    "torch.IntTensor": torch.int32,
-    "torch.BoolTensor": torch.bool,
-}
-_BOOL_OPS = frozenset(
-    {
-        "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "logical_xor",
-        "isnan", "isinf", "isfinite", "isneginf", "isposinf", "isclose", "any", "all", "signbit",
-        "isreal", "is_nonzero", "equal",
-    }
-)  # fmt: skip
-_INT64_OPS = frozenset(
-    {
-        "argmax",
-        "argmin",
-        "argsort",
-        "nonzero",
-        "count_nonzero",
-        "bucketize",
-        "searchsorted",
-        "one_hot",
-        "multinomial",
-    }
-)
-# Ops returning (values, int64 indices); max/min only with a dim argument.
-_VALUES_INDICES_OPS = frozenset(
-    {"topk", "sort", "kthvalue", "mode", "cummax", "cummin", "median", "max", "min"}
-)
-_ALWAYS_VALUES_INDICES = frozenset({"topk", "sort", "kthvalue", "mode", "cummax", "cummin"})
-_PAIR_OPS = frozenset({"var_mean", "std_mean", "aminmax"})
-_SPLIT_OPS = frozenset(
-    {"split", "chunk", "unbind", "tensor_split", "split_with_sizes", "hsplit", "vsplit", "dsplit"}
-)
-_NOT_TENSOR_METHODS = frozenset(
-    {
-        "size", "dim", "numel", "stride", "item", "tolist", "element_size", "data_ptr", "is_contiguous",
-        "is_floating_point", "is_complex", "nelement", "ndimension", "get_device", "__len__",
-        "storage_offset",
-    }
-)  # fmt: skip
-_NOT_TENSOR_ATTRIBUTES = frozenset(
-    {"shape", "ndim", "dtype", "device", "is_cuda", "requires_grad", "layout", "is_leaf", "grad_fn"}
-)
-_SAME_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "data", "real", "imag", "grad"})
-# Reductions that accumulate integer and bool inputs in int64.
-_INT64_ACCUMULATING_OPS = frozenset({"sum", "prod", "cumsum", "cumprod", "nansum"})
-_FIRST_ARG_OPS = frozenset(
-    {
-        "embedding_bag", "batch_norm", "instance_norm", "layer_norm", "group_norm", "rms_norm",
-        "local_response_norm", "index_select", "gather", "take", "take_along_dim", "masked_select",
-        "masked_fill", "masked_scatter", "index_fill", "scatter", "scatter_reduce", "index_add",
-        "index_copy", "narrow", "select", "roll", "pad", "repeat_interleave", "dropout",
-    }
-)  # fmt: skip
-_FACTORIES = {
-    torch.zeros, torch.ones, torch.empty, torch.rand, torch.randn, torch.eye, torch.linspace, torch.logspace,
-    torch.full, torch.arange, torch.randint, torch.randperm, torch.tensor, torch.as_tensor, torch.zeros_like,
-    torch.ones_like, torch.empty_like, torch.rand_like, torch.randn_like, torch.full_like, torch.randint_like,
-}  # fmt: skip
-_PYTHON_MODULES = frozenset({"operator", "_operator", "builtins", "math"})
-
-
 def _scalar_category(value: Any) -> int:
     # bool < int < float < complex, as torch's type promotion orders dtype categories.
     if isinstance(value, bool):
@@ -363,8 +295,8 @@ def _conversion_dtype(node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str
     """Output of x.to(...), x.float(), x.type(...), x.type_as(y)."""
     method = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     source = args[0] if args else UNKNOWN
-    if method in _METHOD_DTYPES:
-        return _METHOD_DTYPES[method]
+    if method in CONVERSION_METHOD_DTYPES:
+        return CONVERSION_METHOD_DTYPES[method]
     if method == "type_as":
         return args[1] if len(args) > 1 else UNKNOWN
     if method == "type":
@@ -373,7 +305,7 @@ def _conversion_dtype(node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str
             return NOT_TENSOR  # x.type() returns a string
         if isinstance(spec, torch.dtype):
             return spec
-        return _TENSOR_TYPE_STRINGS.get(spec, UNKNOWN)
+        return TENSOR_TYPE_DTYPES.get(spec, UNKNOWN)
     if method in ("cuda", "cpu"):
         return source
     # to(dtype) / to(device, dtype) / to(tensor) / to(dtype=...) / to(device)
@@ -406,13 +338,13 @@ def _static_passthrough(
         return args[1] if is_eligible(args[0]) is not False else args[0]
     if op == "to":
         return _conversion_dtype(node, args, kwargs)
-    if node.op == "call_method" and target in _NOT_TENSOR_METHODS:
+    if node.op == "call_method" and target in NON_TENSOR_METHODS:
         return NOT_TENSOR
     if node.op == "call_function" and target is builtins.getattr:
         attribute = node.args[1] if len(node.args) > 1 else None
-        if attribute in _NOT_TENSOR_ATTRIBUTES:
+        if attribute in NON_TENSOR_ATTRIBUTES:
             return NOT_TENSOR
-        if attribute in _SAME_ATTRIBUTES:
+        if attribute in SAME_DTYPE_ATTRIBUTES:
             return _first(args)
         container = _first(args)
         if isinstance(container, tuple) and attribute in ("values", "indices") and len(container) == 2:
@@ -435,7 +367,7 @@ def _static_passthrough(
         if op in ("embedding", "embedding_bag"):
             return params.get("weight", UNKNOWN)
         return _first(args)
-    if node.op == "call_function" and target in _FACTORIES:
+    if node.op == "call_function" and target in FACTORY_FUNCTIONS:
         name = target.__name__
         if name.endswith("_like"):
             return _first(args)
@@ -450,23 +382,23 @@ def _static_passthrough(
         if name in ("tensor", "as_tensor"):
             return UNKNOWN
         return torch.get_default_dtype()
-    if op in _BOOL_OPS:
+    if op in BOOL_OPS:
         return torch.bool
-    if op in _INT64_OPS:
+    if op in INT64_OPS:
         return torch.int64
-    if op in _VALUES_INDICES_OPS and (op in _ALWAYS_VALUES_INDICES or _has_dim_argument(node)):
+    if op in VALUES_INDICES_OPS and (op in ALWAYS_VALUES_INDICES_OPS or _has_dim_argument(node)):
         if op in ("max", "min") and len(args) > 1 and isinstance(args[1], (torch.dtype, _Marker)):
             return _promote(args[:2])  # torch.max(a, b): elementwise
         return (_first(args), torch.int64)
-    if op in _PAIR_OPS:
+    if op in PAIR_OPS:
         return (_first(args), _first(args))
-    if op in _SPLIT_OPS:
+    if op in SPLIT_OPS:
         return _Repeated(_first(args))
     if op == "embedding":
         return args[1] if len(args) > 1 else kwargs.get("weight", UNKNOWN)
-    if op in _FIRST_ARG_OPS or op.startswith("new_"):
+    if op in FIRST_ARGUMENT_DTYPE_OPS or op.startswith("new_"):
         return _first(args)
-    if op in _INT64_ACCUMULATING_OPS:
+    if op in INT64_ACCUMULATING_OPS:
         source = _first(args)
         if isinstance(source, torch.dtype) and not source.is_floating_point and not source.is_complex:
             return torch.int64
@@ -480,7 +412,7 @@ def _static_passthrough(
     if promoted is not None:
         return promoted
     module = getattr(target, "__module__", None) or ""
-    if node.op == "call_function" and module in _PYTHON_MODULES:
+    if node.op == "call_function" and module in NON_TENSOR_MODULES:
         return NOT_TENSOR  # arithmetic on sizes
     return UNKNOWN
 

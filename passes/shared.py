@@ -31,7 +31,6 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
-import operator
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,6 +42,7 @@ from torch.fx.operator_schemas import normalize_function
 from amp_fx.core.dtypes import dtype_name
 from amp_fx.core.module_ops import module_op
 from amp_fx.core.node_info import META_KEY, PARAMETERS_STORED_KEY, NodeInfo, node_info
+from amp_fx.core.op_facts import INPLACE_OPERATORS, RUNNING_STATS_FLAGS, VIEW_OPS
 from amp_fx.core.op_lists import OPAQUE_OP
 from amp_fx.core.policy import Decision, Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
@@ -124,26 +124,6 @@ def is_exact_widening(source: torch.dtype, wide: torch.dtype) -> bool:
 # ---------------------------------------------------------------------------------------------
 # The policy's decision for one node
 # ---------------------------------------------------------------------------------------------
-_INPLACE_OPERATORS = frozenset(
-    {
-        operator.iadd,
-        operator.isub,
-        operator.imul,
-        operator.itruediv,
-        operator.ifloordiv,
-        operator.imod,
-        operator.ipow,
-        operator.imatmul,
-        operator.iand,
-        operator.ior,
-        operator.ixor,
-        operator.ilshift,
-        operator.irshift,
-        operator.setitem,
-    }
-)
-
-
 def is_inplace_call(node: torch.fx.Node) -> bool:
     """True for ``x.add_(y)``, ``x += y``, ``x[i] = y`` and functions called with ``inplace=True``.
 
@@ -162,7 +142,7 @@ def is_inplace_call(node: torch.fx.Node) -> bool:
             target._opname if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", "")
         )
         return (
-            node.target in _INPLACE_OPERATORS
+            node.target in INPLACE_OPERATORS
             or node.kwargs.get("inplace") is True
             or (name.endswith("_") and not name.endswith("__") and _is_torch_function(node.target))
         )
@@ -172,10 +152,6 @@ def is_inplace_call(node: torch.fx.Node) -> bool:
 def _is_torch_function(target: Any) -> bool:
     module = getattr(target, "__module__", None) or ""
     return module.split(".")[0] == "torch" or getattr(torch, getattr(target, "__name__", ""), None) is target
-
-
-# Functional norms that update the running statistics they are given while training.
-_RUNNING_STATS_OPS = {"batch_norm": "training", "instance_norm": "use_input_stats"}
 
 
 def call_argument(node: torch.fx.Node, position: int, keyword: str, default: Any = None) -> Any:
@@ -222,7 +198,7 @@ def mutated_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     if node.op != "call_function":
         return []
     mutated = [node.kwargs["out"]] if isinstance(node.kwargs.get("out"), torch.fx.Node) else []
-    flag = _RUNNING_STATS_OPS.get(node_info(node).op or "")
+    flag = RUNNING_STATS_FLAGS.get(node_info(node).op or "")
     if flag is not None:
         arguments = _arguments(node)
         if arguments.get(flag) is not False:  # True, or only known at run time
@@ -465,18 +441,6 @@ def _write_back(
     )
 
 
-# Ops whose result shares its first argument's storage: an update of the result updates it.
-_VIEW_OPS = frozenset(
-    {
-        "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "squeeze", "unsqueeze",
-        "expand", "expand_as", "narrow", "select", "t", "unflatten", "flatten", "as_strided", "unfold",
-        "diagonal", "movedim", "moveaxis", "swapaxes", "swapdims", "getitem", "contiguous", "detach",
-        "chunk", "split", "unbind", "tensor_split", "split_with_sizes", "real", "imag", "view_as_real",
-        "view_as_complex", "alias", "T", "mT",
-    }
-)  # fmt: skip
-
-
 def _is_alias_of_first_argument(node: torch.fx.Node) -> bool:
     if node.op not in ("call_method", "call_function") or not node.args:
         return False
@@ -484,7 +448,7 @@ def _is_alias_of_first_argument(node: torch.fx.Node) -> bool:
         returns = node.target._schema.returns
         return bool(returns) and returns[0].alias_info is not None
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    return name in _VIEW_OPS or (node_info(node).op or "") in _VIEW_OPS or is_inplace_call(node)
+    return name in VIEW_OPS or (node_info(node).op or "") in VIEW_OPS or is_inplace_call(node)
 
 
 def alias_base(node: torch.fx.Node) -> torch.fx.Node:

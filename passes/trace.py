@@ -70,6 +70,7 @@ import torch.fx
 from torch import nn
 
 from amp_fx.core.node_info import node_info
+from amp_fx.core.op_facts import NON_TENSOR_MODULES
 from amp_fx.core.policy import Rule
 from amp_fx.passes.shared import copy_model
 
@@ -107,8 +108,6 @@ _MACHINERY_FILES = {
     os.path.join(_TORCH_DIR, name)
     for name in ("_tensor.py", "overrides.py", "__init__.py", "_jit_internal.py")
 } | {os.path.abspath(__file__)}
-# Functions called on plain Python values (sizes, shapes) that fx auto-wraps; not tensor ops.
-_NON_TENSOR_MODULES = {"math", "builtins", "operator", "_operator"}
 
 
 class TraceError(TypeError):
@@ -507,7 +506,7 @@ def _is_opaque_function(node: torch.fx.Node) -> bool:
     if node.op != "call_function" or not node.meta.get("is_wrapped"):
         return False
     module = getattr(node.target, "__module__", None) or ""
-    return module not in _NON_TENSOR_MODULES and not (module == "torch" or module.startswith("torch."))
+    return module not in NON_TENSOR_MODULES and not (module == "torch" or module.startswith("torch."))
 
 
 def _function_name(fn: Any) -> str:
