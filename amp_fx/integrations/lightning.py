@@ -304,6 +304,8 @@ class AmpPrecision(Precision):
         """Hand ``1 / scale`` to the optimizer (once per step) and count the step if it will be skipped."""
         if id(optimizer) in self._unscaled or not self.loss_scaler.is_enabled():
             return
+        if not optimizer.grads_by_device():
+            return  # no backward ran (a training_step that returned None): nothing to unscale or step
         self.loss_scaler.unscale_(optimizer)
         self._unscaled.add(id(optimizer))
         flags = [optimizer.pending_scaling(device)[1] for device in optimizer.grads_by_device()]
@@ -374,6 +376,8 @@ class AmpPrecision(Precision):
                 "gradient_clip_algorithm='norm'"
             )
         optimizer = self._fused(optimizer)
+        if not optimizer.grads_by_device():
+            return None
         self._unscale_once(optimizer)
         self._grad_norm = amp_fx.clip_grad_norm_(optimizer, clip_val)
         return self._grad_norm

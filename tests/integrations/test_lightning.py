@@ -99,9 +99,12 @@ class Regression(pl.LightningModule):
         self.automatic_optimization = not manual
         self.clip = clip
         self.losses: list[float] = []
-        self.inf_at: set[int] = set()  # batch indices whose loss is made inf (an overflow)
+        self.inf_at: set[int] = set()  # global steps whose loss is made inf (an overflow)
+        self.none_at: set[int] = set()  # batch indices whose training_step returns None (no step)
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if batch_idx in self.none_at:
+            return None
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
         self.losses.append(loss.item())
@@ -270,6 +273,16 @@ def test_gradient_accumulation_matches_the_larger_batch(tmp_path):
     rtol, atol = tolerances(torch.float16)
     for actual, expected in zip(masters(run), masters(run_whole), strict=True):
         assert_close_normwise(actual, expected, rtol=rtol, atol=atol)
+
+
+def test_a_training_step_returning_none_steps_nothing(tmp_path):
+    module = Regression()
+    module.none_at = {1}
+    run = fit(module, tmp_path, fp16_plugin(), max_epochs=1, gradient_clip_val=1.0)
+    assert len(module.losses) == BATCHES - 1
+    # Lightning counts the call; the optimizer, which steps only after a backward, took one step fewer.
+    assert run.global_step == BATCHES
+    assert [g["step"].item() for g in run.optimizers[0].param_groups] == [BATCHES - 1] * 2
 
 
 def test_manual_optimization_matches_automatic(tmp_path):
