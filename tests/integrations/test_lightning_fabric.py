@@ -114,3 +114,10 @@ def test_fabric_refuses_an_optimizer_without_masters_naming_the_fix():
         torch_optimizer.step()
     with pytest.raises(NotImplementedError, match="call clip_gradients"):
         fabric.clip_gradients(model, torch_optimizer, max_norm=1.0)
+
+
+def test_fabric_refuses_a_precision_string_with_the_plugin():
+    with pytest.raises(ValueError, match="Received both `precision=bf16-mixed`"):
+        lf.Fabric(
+            accelerator="cpu", precision="bf16-mixed", plugins=[AmpPrecision("O2", dtype=torch.bfloat16)]
+        )
