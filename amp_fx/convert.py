@@ -31,12 +31,12 @@ from torch import nn
 
 from amp_fx.captured_model import CapturedModel, captured_model
 from amp_fx.core.dtypes import default_device_type, short_repr
-from amp_fx.core.node_info import POLICY_KEY, node_info
+from amp_fx.core.node_info import OTHER_MODE_GRAPH_KEY, POLICY_KEY, UNTRACEABLE_MODULES_KEY, node_info
 from amp_fx.core.opt_levels import check_opt_level
 from amp_fx.core.policy import Policy, preset
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.optim.model_loads import follow_model_loads
-from amp_fx.passes.trace import OTHER_MODE_GRAPH_KEY, UNTRACEABLE_MODULES_KEY, TraceError, trace
+from amp_fx.passes.trace import TraceError, trace
 from amp_fx.pipeline import rewrite_graph
 
 logger = logging.getLogger(__name__)

@@ -35,10 +35,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from amp_fx.captured_model import CapturedModel, capture_states, captured_model  # noqa: F401  (doctests)
-from amp_fx.core.node_info import META_KEY, POLICY_KEY
+from amp_fx.core.node_info import META_KEY, OTHER_MODE_GRAPH_KEY, POLICY_KEY
 from amp_fx.core.policy import Rule
 from amp_fx.ops.autocast_island import AutocastIsland
-from amp_fx.passes.trace import OTHER_MODE_GRAPH_KEY
 from amp_fx.reporting import REPORT_WIDTH
 
 logger = logging.getLogger(__name__)

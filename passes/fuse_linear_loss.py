@@ -42,7 +42,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from amp_fx.core.node_info import META_KEY, node_info
+from amp_fx.core.node_info import FX_WRAPPED_KEY, META_KEY, node_info
 from amp_fx.core.op_facts import SHAPE_METHODS
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.cross_entropy import fp32_cross_entropy, linear_cross_entropy
@@ -221,7 +221,7 @@ def _replace(
         kwargs = {name: loss.kwargs[name] for name in ("ignore_index", "reduction")}
         fused = graph.call_function(linear_cross_entropy, (rows, weight, bias, loss.kwargs["target"]), kwargs)
     # Recorded as one call if the graph is traced again.
-    fused.meta["is_wrapped"] = True
+    fused.meta[FX_WRAPPED_KEY] = True
     info = node_info(loss)
     fused.meta[META_KEY] = info
     info.in_dtypes = tuple(node_info(n).out_dtype for n in fused.all_input_nodes)

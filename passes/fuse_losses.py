@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
-from amp_fx.core.node_info import node_info
+from amp_fx.core.node_info import FX_WRAPPED_KEY, node_info
 from amp_fx.core.op_facts import METADATA_ATTRIBUTES, OUTPUT_NOT_SAVED_OPS, RESHAPE_OPS, SHAPE_METHODS
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.cross_entropy import fp32_cross_entropy
@@ -160,7 +160,7 @@ def fuse_losses(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModul
         node.op, node.target = "call_function", fp32_cross_entropy
         node.args, node.kwargs = (source,), rest
         # Recorded as one call if the graph is traced again (its checks read tensor ranks).
-        node.meta["is_wrapped"] = True
+        node.meta[FX_WRAPPED_KEY] = True
         seen[source] = node_info(source).out_dtype
         info.in_dtypes = tuple(seen.get(n) for n in node.all_input_nodes)
         low = dtype_name(node_info(source).out_dtype)

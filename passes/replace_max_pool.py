@@ -30,7 +30,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from amp_fx.core.node_info import node_info
+from amp_fx.core.node_info import FX_WRAPPED_KEY, node_info
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.max_pool import max_pool2d
 from amp_fx.ops.module_hooks import has_forward_hooks
@@ -113,7 +113,7 @@ def replace_max_pool(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.Graph
         node.args = (arguments.pop("input"), arguments.pop("kernel_size"))
         node.kwargs = arguments
         # Recorded as one call if the graph is traced again (its checks read tensor layouts).
-        node.meta["is_wrapped"] = True
+        node.meta[FX_WRAPPED_KEY] = True
         if _NOTE not in info.notes:
             info.notes.append(_NOTE)
         replaced += 1

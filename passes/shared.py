@@ -41,7 +41,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from amp_fx.core.dtypes import dtype_name
 from amp_fx.core.module_ops import module_op
-from amp_fx.core.node_info import META_KEY, PARAMETERS_STORED_KEY, NodeInfo, node_info
+from amp_fx.core.node_info import FX_WRAPPED_KEY, META_KEY, PARAMETERS_STORED_KEY, NodeInfo, node_info
 from amp_fx.core.op_facts import INPLACE_OPERATORS, RUNNING_STATS_FLAGS, VIEW_OPS
 from amp_fx.core.op_lists import OPAQUE_OP
 from amp_fx.core.policy import Decision, Policy, Rule
@@ -391,7 +391,7 @@ def make_cast(
         cast = graph.create_node("call_function", cast_if_floating, (value, dtype), name=name)
         # Recorded as a call if the converted graph is ever traced again (fx.wrap semantics);
         # tracing into it would drop the cast (isinstance of a Proxy is False).
-        cast.meta["is_wrapped"] = True
+        cast.meta[FX_WRAPPED_KEY] = True
     else:
         cast = graph.create_node("call_method", "to", (value, dtype), name=name)
     cast.meta[META_KEY] = NodeInfo(

@@ -69,7 +69,13 @@ import torch
 import torch.fx
 from torch import nn
 
-from amp_fx.core.node_info import node_info
+from amp_fx.core.node_info import (
+    FORWARD_SIGNATURE_KEY,
+    FX_WRAPPED_KEY,
+    OTHER_MODE_GRAPH_KEY,
+    UNTRACEABLE_MODULES_KEY,
+    node_info,
+)
 from amp_fx.core.op_facts import NON_TENSOR_MODULES
 from amp_fx.core.policy import Rule
 from amp_fx.passes.shared import copy_model
@@ -77,23 +83,12 @@ from amp_fx.passes.shared import copy_model
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "FORWARD_SIGNATURE_KEY",
     "OPAQUE_TORCH_MODULES",
-    "OTHER_MODE_GRAPH_KEY",
-    "UNTRACEABLE_MODULES_KEY",
     "TraceError",
     "TracedGraphModule",
     "is_primitive_module",
     "trace",
 ]
-
-# gm.meta keys of a `TracedGraphModule`: the traced model's ``inspect.signature(model.forward)``, and
-# (training, graph) for the mode whose graph is not ``gm.graph`` where the two modes' graphs differ.
-FORWARD_SIGNATURE_KEY = "amp_fx_forward_signature"
-OTHER_MODE_GRAPH_KEY = "amp_fx_other_mode_graph"
-# gm.meta key: qualified name -> opaque_reason of each submodule that stopped the tracer (not those
-# the user named in leaf_modules), for a later step to capture another way.
-UNTRACEABLE_MODULES_KEY = "amp_fx_untraceable_modules"
 
 # torch.nn modules that are leaves but whose forward is not one op the policy can reason about:
 # fused attention/recurrent kernels with data-dependent fast paths. They run as opaque nodes.
@@ -503,7 +498,7 @@ def _concrete_args_hint(root: nn.Module, source: str) -> str:
 def _is_opaque_function(node: torch.fx.Node) -> bool:
     """A call_function recorded as a whole by torch.fx.wrap, unless it is torch's own or a plain
     Python helper on sizes (math.sqrt, len)."""
-    if node.op != "call_function" or not node.meta.get("is_wrapped"):
+    if node.op != "call_function" or not node.meta.get(FX_WRAPPED_KEY):
         return False
     module = getattr(node.target, "__module__", None) or ""
     return module not in NON_TENSOR_MODULES and not (module == "torch" or module.startswith("torch."))

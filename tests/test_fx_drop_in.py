@@ -14,8 +14,8 @@ from torch import nn
 
 import amp_fx
 from amp_fx.captured_model import CapturedModel, capture_states
+from amp_fx.core.node_info import OTHER_MODE_GRAPH_KEY
 from amp_fx.ops.autocast_island import AutocastIsland
-from amp_fx.passes.trace import OTHER_MODE_GRAPH_KEY
 
 BF16 = torch.bfloat16
 

@@ -31,6 +31,18 @@ KEEP_OUTPUT_DTYPE_KEY = "amp_fx_keep_output_dtype"
 # gm.meta: indices of the graph's placeholders that its users see in their own dtype (a KV cache's
 # tensors passed back in), not cast at the model entry (O2/O3): state the model itself left there.
 KEEP_INPUT_DTYPE_KEY = "amp_fx_keep_input_dtype"
+# gm.meta of a torch.export front end graph: the ``module.training`` it was captured in.
+TRAINING_MODE_KEY = "amp_fx_training"
+# gm.meta keys of a `TracedGraphModule`: the traced model's ``inspect.signature(model.forward)``, and
+# (training, graph) for the mode whose graph is not ``gm.graph`` where the two modes' graphs differ.
+FORWARD_SIGNATURE_KEY = "amp_fx_forward_signature"
+OTHER_MODE_GRAPH_KEY = "amp_fx_other_mode_graph"
+# gm.meta key: qualified name -> opaque_reason of each submodule that stopped the tracer (not those
+# the user named in leaf_modules), for a later step to capture another way.
+UNTRACEABLE_MODULES_KEY = "amp_fx_untraceable_modules"
+# torch.fx's own node.meta key: a call_function recorded as a call (``torch.fx.wrap``), so tracing
+# the graph again records it as a call too instead of tracing into it.
+FX_WRAPPED_KEY = "is_wrapped"
 
 
 @dataclass
