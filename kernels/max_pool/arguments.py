@@ -49,7 +49,7 @@ def _check_pair(name: str, value: object, minimum: int) -> tuple[int, int]:
     ):
         raise TypeError(
             f"{name} must be a pair of ints (height, width), got {value!r}; "
-            "amp_fx.ops.pooling.max_pool2d accepts F.max_pool2d's forms and normalizes them"
+            "amp_fx.ops.max_pool.max_pool2d accepts F.max_pool2d's forms and normalizes them"
         )
     if min(value) < minimum:
         raise ValueError(f"{name} must be >= {minimum} in both dimensions, got {tuple(value)}")
