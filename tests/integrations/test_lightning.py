@@ -448,6 +448,25 @@ def test_resuming_a_checkpoint_saved_without_the_plugin_is_refused(tmp_path):
     assert math.isfinite(validation.callback_metrics["val_loss"].item())
 
 
+def test_weights_tied_across_submodules_are_refused_before_conversion(tmp_path):
+    module = Regression()
+    module.head = nn.Linear(32, 1)
+    module.head.weight = module.net[3].weight  # one parameter in two children
+    with pytest.raises(ValueError, match="'net' and 'head' share a parameter.*hold both in one submodule"):
+        fit(module, tmp_path, fp16_plugin())
+    assert module.net[3].weight is module.head.weight and module.head.weight.dtype == torch.float32
+
+
+def test_a_policy_decides_level_and_dtype(tmp_path):
+    policy = amp_fx.preset("O2", dtype=torch.bfloat16).set_module_name("3", amp_fx.Rule.FP32)
+    plugin = AmpPrecision(policy=policy)
+    assert (plugin.opt_level, plugin.dtype, plugin.loss_scaler.is_enabled()) == ("O2", torch.bfloat16, False)
+    module = Regression()
+    fit(module, tmp_path, plugin, max_steps=1)
+    assert module.net.get_parameter("0.weight").dtype == torch.bfloat16
+    assert module.net.get_parameter("3.weight").dtype == torch.float32  # the policy's override
+
+
 def test_value_clipping_is_refused_before_conversion(tmp_path):
     module = Regression()
     original_net = module.net
