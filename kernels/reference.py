@@ -2,10 +2,11 @@
 kernels compute, and what the optimizers, the loss scaler and the ops run without CUDA.
 
 Each function comes from its family's ``reference`` module (``amp_fx.kernels.<family>.reference``,
-the family's ``__init__`` states its contract) and has the same name, signature and semantics as
-its Triton twin in ``amp_fx.kernels.triton_ops``: ``amp_fx.kernels.implementation_for`` picks one
-of the two modules. None of them reads a tensor value on the host (no ``.item()``, no ``if
-tensor``), so a training step built on them never synchronizes with the device.
+the family's ``__init__`` states its contract), bound here by ``amp_fx.kernels.families``, and has
+the same name, signature and semantics as its Triton twin in ``amp_fx.kernels.triton_ops``:
+``amp_fx.kernels.implementation_for`` picks one of the two modules. None of them reads a tensor
+value on the host (no ``.item()``, no ``if tensor``), so a training step built on them never
+synchronizes with the device.
 
 Example:
     >>> import torch
@@ -21,25 +22,12 @@ Example:
     tensor([0.8999, 0.8999, 0.8999], dtype=torch.float16)
 """
 
-# Each family's kernels, bound here under their own names; __all__ lists them from the families
-# (KERNEL_NAMES), so the imports are re-exports a linter cannot see.
-from amp_fx.kernels.adam.reference import adam_step_  # noqa: F401
-from amp_fx.kernels.batch_norm.reference import (  # noqa: F401
-    batch_norm_act_backward,
-    batch_norm_act_forward,
-    update_batch_norm_running_stats_,
-)
-from amp_fx.kernels.cross_entropy.reference import (  # noqa: F401
-    cross_entropy_backward,
-    cross_entropy_forward,
-    cross_entropy_forward_with_grad,
-)
-from amp_fx.kernels.families import KERNEL_NAMES
-from amp_fx.kernels.loss_scale.reference import reciprocal_scale_, update_loss_scale_  # noqa: F401
-from amp_fx.kernels.max_pool.reference import max_pool2d_backward, max_pool2d_forward  # noqa: F401
-from amp_fx.kernels.optimizer_step import advance_step_  # noqa: F401
-from amp_fx.kernels.overflow_check.reference import check_finite_and_norm_  # noqa: F401
-from amp_fx.kernels.sgd.reference import sgd_step_  # noqa: F401
+from amp_fx.kernels.batch_norm.reference import update_batch_norm_running_stats_
+from amp_fx.kernels.families import KERNEL_NAMES, kernels_of
+from amp_fx.kernels.loss_scale.reference import reciprocal_scale_
+
+# Every family's reference kernels, bound here under their names.
+globals().update(kernels_of("reference"))
 
 __all__ = [
     *KERNEL_NAMES,

@@ -1,5 +1,5 @@
 """The Triton implementation of every kernel, under one name: each function comes from its family's
-``triton`` module (``amp_fx.kernels.<family>.triton``).
+``triton`` module (``amp_fx.kernels.<family>.triton``), bound here by ``amp_fx.kernels.families``.
 
 Same names (``amp_fx.kernels.families.KERNEL_NAMES``), signatures and semantics as
 ``amp_fx.kernels.reference``; each optimizer kernel
@@ -19,20 +19,9 @@ Example:
      'update_loss_scale_']
 """
 
-# Each family's kernels, bound here under their own names; __all__ lists them from the families
-# (KERNEL_NAMES), so the imports are re-exports a linter cannot see.
-from amp_fx.kernels.adam.triton import adam_step_  # noqa: F401
-from amp_fx.kernels.batch_norm.triton import batch_norm_act_backward, batch_norm_act_forward  # noqa: F401
-from amp_fx.kernels.cross_entropy.triton import (  # noqa: F401
-    cross_entropy_backward,
-    cross_entropy_forward,
-    cross_entropy_forward_with_grad,
-)
-from amp_fx.kernels.families import KERNEL_NAMES
-from amp_fx.kernels.loss_scale.triton import update_loss_scale_  # noqa: F401
-from amp_fx.kernels.max_pool.triton import max_pool2d_backward, max_pool2d_forward  # noqa: F401
-from amp_fx.kernels.optimizer_step import advance_step_  # noqa: F401
-from amp_fx.kernels.overflow_check.triton import check_finite_and_norm_  # noqa: F401
-from amp_fx.kernels.sgd.triton import sgd_step_  # noqa: F401
+from amp_fx.kernels.families import KERNEL_NAMES, kernels_of
+
+# Every family's Triton kernels, bound here under their names.
+globals().update(kernels_of("triton"))
 
 __all__ = list(KERNEL_NAMES)
