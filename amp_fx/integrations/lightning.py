@@ -197,7 +197,10 @@ class AmpPrecision(Precision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Convert ``module``'s children in place (the module object stays); returns ``module``."""
         trainer = _trainer_of(module)
-        if trainer is not None and trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+        clips_by_value = (
+            trainer is not None and trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE
+        )
+        if clips_by_value and trainer.gradient_clip_val:
             raise ValueError(
                 "AmpPrecision clips by norm only (the grads stay scaled until the optimizer's kernel): use "
                 "Trainer(gradient_clip_algorithm='norm'), or no gradient_clip_algorithm"
