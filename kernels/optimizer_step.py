@@ -1,5 +1,7 @@
-"""What every optimizer kernel of the reference shares: the gradient multiplier, the skip rule and
-the step counter.
+"""What every optimizer kernel shares: the gradient multiplier, the skip rule and the step counter
+(``advance_step_``, the one kernel both implementations run as it is here: a single elementwise op
+on a one-element tensor). The other helpers are the reference kernels' (``adam``, ``sgd``,
+``overflow_check``).
 
 The skip rule: when ``found_inf`` is given and > 0, nothing is written. Here that is done with
 ``torch.where(skip, old, new)`` per tensor, so skipped tensors keep their exact bits; the Triton
