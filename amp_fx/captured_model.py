@@ -71,7 +71,7 @@ from amp_fx.passes.export import (
     export_graph,
     graph_inputs,
 )
-from amp_fx.passes.shared import copy_model
+from amp_fx.passes.shared.model_copy import copy_model
 from amp_fx.pipeline import rewrite_graph
 from amp_fx.saving import master_state_dict
 

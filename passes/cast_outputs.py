@@ -31,7 +31,8 @@ import torch.fx
 from amp_fx.core.node_info import node_info
 from amp_fx.core.op_facts import FLOATING_CONVERSION_METHODS
 from amp_fx.core.policy import Policy
-from amp_fx.passes.shared import CastCache, insert_input_casts, is_output_structure, updates_in_place
+from amp_fx.passes.shared.casts import CastCache, insert_input_casts, is_output_structure
+from amp_fx.passes.shared.in_place_updates import updates_in_place
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import torch.fx
 
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Policy
-from amp_fx.passes.shared import module_tensors, planned_parameter_dtypes
+from amp_fx.passes.shared.decisions import module_tensors, planned_parameter_dtypes
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ Example (O1, CPU, bf16)::
     pow = call_method pow_ (in-place)          pow_      PASSTHROUGH  in-place pow_: autocast leaves it alone
     output                                     output
 
-The question for each node is `amp_fx.passes.shared.decide_node` (`cast_parameters` plans
+The question for each node is `amp_fx.passes.shared.decisions.decide_node` (`cast_parameters` plans
 storage dtypes with it too). Besides asking `Policy.decide`, it knows three things the policy
 cannot:
 
@@ -36,7 +36,7 @@ import torch.fx
 
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Policy, Rule
-from amp_fx.passes.shared import decide_node
+from amp_fx.passes.shared.decisions import decide_node
 
 logger = logging.getLogger(__name__)
 

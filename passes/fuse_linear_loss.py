@@ -47,7 +47,7 @@ from amp_fx.core.op_facts import SHAPE_METHODS
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.cross_entropy import fp32_cross_entropy, linear_cross_entropy
 from amp_fx.ops.module_hooks import has_forward_hooks
-from amp_fx.passes.shared import is_fusable_loss
+from amp_fx.passes.shared.losses import is_fusable_loss
 
 logger = logging.getLogger(__name__)
 

@@ -35,19 +35,14 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
+from amp_fx.core.dtypes import LOW_PRECISION_DTYPES, dtype_name
 from amp_fx.core.node_info import FX_WRAPPED_KEY, node_info
 from amp_fx.core.op_facts import METADATA_ATTRIBUTES, OUTPUT_NOT_SAVED_OPS, RESHAPE_OPS, SHAPE_METHODS
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.cross_entropy import fp32_cross_entropy
 from amp_fx.ops.module_hooks import has_forward_hooks
-from amp_fx.passes.shared import (
-    CROSS_ENTROPY_DEFAULTS,
-    CROSS_ENTROPY_PARAMETERS,
-    dtype_is_assumed,
-    dtype_name,
-    is_fusable_loss,
-)
+from amp_fx.passes.shared.dtypes import dtype_is_assumed
+from amp_fx.passes.shared.losses import CROSS_ENTROPY_DEFAULTS, CROSS_ENTROPY_PARAMETERS, is_fusable_loss
 
 logger = logging.getLogger(__name__)
 

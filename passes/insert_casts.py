@@ -51,14 +51,10 @@ from torch import nn
 from amp_fx.core.node_info import META_KEY, NodeInfo, node_info
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
-from amp_fx.passes.shared import (
-    CastCache,
-    call_argument,
-    insert_input_casts,
-    is_output_structure,
-    planned_parameter_dtypes,
-    write_back_updates,
-)
+from amp_fx.passes.shared.calls import call_argument
+from amp_fx.passes.shared.casts import CastCache, insert_input_casts, is_output_structure
+from amp_fx.passes.shared.decisions import planned_parameter_dtypes
+from amp_fx.passes.shared.in_place_updates import write_back_updates
 
 logger = logging.getLogger(__name__)
 

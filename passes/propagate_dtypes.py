@@ -69,13 +69,13 @@ from amp_fx.core.op_facts import (
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.ops.casts import cast_if_floating
-from amp_fx.passes.shared import (
+from amp_fx.passes.shared.casts import is_output_structure
+from amp_fx.passes.shared.decisions import planned_parameter_dtypes
+from amp_fx.passes.shared.dtypes import (
     ASSUMED_DTYPE_NOTE,
     DERIVED_ASSUMED_DTYPE_NOTE,
     UNKNOWN_INPUT_DTYPE_NOTE,
     dtype_is_assumed,
-    is_output_structure,
-    planned_parameter_dtypes,
 )
 
 logger = logging.getLogger(__name__)

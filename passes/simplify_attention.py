@@ -51,7 +51,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from amp_fx.passes.shared import call_argument
+from amp_fx.passes.shared.calls import call_argument
 
 logger = logging.getLogger(__name__)
 

@@ -38,16 +38,9 @@ import torch.fx
 
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Policy
-from amp_fx.passes.shared import (
-    alias_base,
-    dtype_is_assumed,
-    forget_casts,
-    is_exact_widening,
-    is_write_back,
-    may_share_cast,
-    mutated_inputs,
-    updates_in_place,
-)
+from amp_fx.passes.shared.casts import forget_casts, may_share_cast
+from amp_fx.passes.shared.dtypes import dtype_is_assumed, is_exact_widening
+from amp_fx.passes.shared.in_place_updates import alias_base, is_write_back, mutated_inputs, updates_in_place
 
 logger = logging.getLogger(__name__)
 

@@ -78,7 +78,8 @@ from amp_fx.core.node_info import (
 )
 from amp_fx.core.op_facts import NON_TENSOR_MODULES
 from amp_fx.core.policy import Rule
-from amp_fx.passes.shared import copy_model
+from amp_fx.passes.shared.model_copy import copy_model
+from amp_fx.passes.shared.torch_source import TORCH_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +98,9 @@ OPAQUE_TORCH_MODULES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention, nn.R
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 _TORCH_NN_PREFIXES = ("torch.nn.", "torch.ao.nn.")
 # Files of the tracing machinery itself: never "the line that stopped the tracer".
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _FX_DIR = os.path.dirname(torch.fx.__file__) + os.sep
 _MACHINERY_FILES = {
-    os.path.join(_TORCH_DIR, name)
+    os.path.join(TORCH_DIR, name)
     for name in ("_tensor.py", "overrides.py", "__init__.py", "_jit_internal.py")
 } | {os.path.abspath(__file__)}
 
@@ -405,7 +405,7 @@ def _culprit_frame(frames: Sequence[types.FrameType]) -> types.FrameType | None:
     """The line that stopped the tracer: the innermost frame outside torch (user code), or else
     the innermost frame outside the tracing machinery (e.g. inside torch.nn's own modules)."""
     outside_machinery = [f for f in frames if not _is_machinery(f.f_code.co_filename)]
-    outside_torch = [f for f in outside_machinery if not f.f_code.co_filename.startswith(_TORCH_DIR)]
+    outside_torch = [f for f in outside_machinery if not f.f_code.co_filename.startswith(TORCH_DIR)]
     chosen = outside_torch or outside_machinery
     # A library's own argument check (`raise RuntimeError(...)`) is not what the user must look
     # at; the call that passed it a traced value is.

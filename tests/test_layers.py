@@ -3,8 +3,8 @@
 - importing any pass loads none of the user API (checked by importing it, in a child process);
 - kernels/, amp_fx/core/ and amp_fx/ops/ import neither the passes nor the user API, and kernels/
   imports nothing of amp_fx outside amp_fx.kernels;
-- a pass imports only amp_fx.core, amp_fx.ops and the passes' one shared helper module, never
-  another pass.
+- a pass imports only amp_fx.core, amp_fx.ops and the passes' shared helpers
+  (amp_fx.passes.shared), never another pass.
 
 The static checks read every ``import`` statement with `ast`, also those inside functions.
 """
@@ -151,8 +151,11 @@ def test_passes_import_no_other_pass():
     )
 
 
+# Every module of amp_fx.passes but the package itself, relative to it ("trace", "shared.casts").
 PASS_MODULES = sorted(
-    path.stem for path in PACKAGE_DIRECTORIES["amp_fx.passes"].glob("*.py") if path.stem != "__init__"
+    _module_name("amp_fx.passes", path).removeprefix("amp_fx.passes.")
+    for path in PACKAGE_DIRECTORIES["amp_fx.passes"].rglob("*.py")
+    if path != PACKAGE_DIRECTORIES["amp_fx.passes"] / "__init__.py"
 )
 
 # Imports torch once (most of the cost), then forks one child per pass: each child starts with

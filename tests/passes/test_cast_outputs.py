@@ -17,7 +17,7 @@ from amp_fx.passes.classify import classify
 from amp_fx.passes.insert_casts import insert_casts
 from amp_fx.passes.normalize_ops import normalize_ops
 from amp_fx.passes.propagate_dtypes import propagate_dtypes
-from amp_fx.passes.shared import is_output_structure
+from amp_fx.passes.shared.casts import is_output_structure
 from amp_fx.passes.trace import trace
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32

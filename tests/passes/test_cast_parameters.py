@@ -14,7 +14,7 @@ from amp_fx.core.policy import Rule, preset
 from amp_fx.passes.cast_parameters import cast_parameters
 from amp_fx.passes.classify import classify
 from amp_fx.passes.normalize_ops import module_op, normalize_ops
-from amp_fx.passes.shared import planned_parameter_dtypes
+from amp_fx.passes.shared.decisions import planned_parameter_dtypes
 from amp_fx.passes.trace import trace
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32

@@ -17,7 +17,7 @@ from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import preset
 from amp_fx.ops.cross_entropy import fp32_cross_entropy
 from amp_fx.passes.fuse_losses import fuse_losses
-from amp_fx.passes.shared import dtype_is_assumed
+from amp_fx.passes.shared.dtypes import dtype_is_assumed
 from amp_fx.testing import tolerances
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32

@@ -22,7 +22,7 @@ from amp_fx.passes.propagate_dtypes import (
     propagate_dtypes,
     rule_cast_dtype,
 )
-from amp_fx.passes.shared import ASSUMED_DTYPE_NOTE
+from amp_fx.passes.shared.dtypes import ASSUMED_DTYPE_NOTE
 from amp_fx.passes.trace import trace
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32

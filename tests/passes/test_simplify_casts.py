@@ -8,7 +8,8 @@ from torch import nn
 
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import preset
-from amp_fx.passes.shared import ASSUMED_DTYPE_NOTE, is_exact_widening, make_cast
+from amp_fx.passes.shared.casts import make_cast
+from amp_fx.passes.shared.dtypes import ASSUMED_DTYPE_NOTE, is_exact_widening
 from amp_fx.passes.simplify_casts import simplify_casts
 
 F16, F32 = torch.float16, torch.float32

@@ -1,0 +1,16 @@
+"""Helpers that more than one pass needs, so that no pass imports another; one module a topic.
+
+Passes import `amp_fx.core`, `amp_fx.ops` and these modules, nothing else of amp_fx; a helper used
+by one pass only stays in that pass.
+
+- `calls`: a call's argument by position or keyword, whether it updates in place, which module
+  made it;
+- `dtypes`: the notes on assumed dtypes and which casts are exact;
+- `decisions`: the policy's decision for one node and the storage dtype of every parameter;
+- `casts`: amp_fx's cast nodes, shared or one per user, and the casts a node's ``in_dtypes`` ask for;
+- `in_place_updates`: which inputs a node updates in place, through views, and the write-back of
+  an update that lands on a cast;
+- `losses`: which cross-entropy calls the fused loss computes;
+- `model_copy`: the deep copy of a model the front ends convert;
+- `torch_source`: where torch's own files are (a frame there is not the user's).
+"""

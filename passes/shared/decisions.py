@@ -1,0 +1,176 @@
+"""The policy's decisions for the graph: the rule of one node (`decide_node`, read by `classify`)
+and the storage dtype of every parameter (`planned_parameter_dtypes`, planned by
+`cast_parameters` and read by `propagate_dtypes` and `insert_casts` before it runs).
+
+    >>> [name for name, _ in module_tensors(nn.BatchNorm1d(2), "bn")][:3]
+    ['bn.weight', 'bn.bias', 'bn.running_mean']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.fx
+from torch import nn
+
+from amp_fx.core.module_ops import module_op
+from amp_fx.core.node_info import PARAMETERS_STORED_KEY, node_info
+from amp_fx.core.op_lists import OPAQUE_OP
+from amp_fx.core.policy import Decision, Policy, Rule
+from amp_fx.ops.autocast_island import AutocastIsland
+from amp_fx.ops.batch_norm import FusedBatchNormAct
+from amp_fx.passes.shared.calls import calling_module, is_inplace_call
+
+__all__ = ["decide_node", "module_tensors", "planned_parameter_dtypes"]
+
+
+def decide_node(node: torch.fx.Node, gm: torch.fx.GraphModule, policy: Policy) -> Decision | None:
+    """The policy's decision for one call node (None for placeholders, get_attr, output).
+
+    This is the one place a node is turned into a ``policy.decide`` question; `classify` keeps its
+    rule and reason, `cast_parameters` its ``param_dtype``.
+    """
+    if node.op not in ("call_module", "call_function", "call_method"):
+        return None
+    info = node_info(node)
+    if info.is_cast:
+        return Decision(Rule.PASSTHROUGH, info.cast_reason or "amp_fx cast", None)
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if isinstance(module, FusedBatchNormAct):  # asked about the BatchNorm it calls
+            batch_norm = module.batch_norm
+            return policy.decide("batch_norm", module.batch_norm_name, type(batch_norm))
+        if isinstance(module, AutocastIsland):
+            wrapped = module.wrapped
+            decision = policy.decide(
+                OPAQUE_OP,
+                module_name=module.name if isinstance(wrapped, nn.Module) else None,
+                module_type=type(wrapped) if isinstance(wrapped, nn.Module) else None,
+            )
+            reason = f"runs {module.name} under torch.autocast({module.device_type!r}, {module.dtype})"
+            return Decision(Rule.OPAQUE, reason, decision.param_dtype)
+    if is_inplace_call(node) and info.op != OPAQUE_OP:
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        reason = f"in-place {name}: autocast leaves in-place ops alone (a cast would write into a copy)"
+        return Decision(Rule.PASSTHROUGH, reason, None)
+    module_name, module_type = calling_module(node, gm)
+    # `normalize_ops` names untraced code OPAQUE_OP; a call it did not name is asked by its
+    # target's name (the policy's global rule then applies).
+    op = info.op or getattr(node.target, "__name__", str(node.target))
+    decision = policy.decide(op, module_name=module_name, module_type=module_type)
+    if op == OPAQUE_OP and info.opaque_reason:
+        return Decision(decision.rule, f"{decision.reason} ({info.opaque_reason})", decision.param_dtype)
+    return decision
+
+
+# The op a parameter that no call decides about is asked under (the policy's global rule applies,
+# and module-name overrides of its owner).
+_UNCALLED_OP = "parameter"
+
+
+def _castable(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() and tensor.dtype != torch.float64
+
+
+def module_tensors(module: nn.Module, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(qualified name, tensor) of every parameter and buffer of `module`, which sits at `path`.
+
+    >>> [name for name, _ in module_tensors(nn.BatchNorm1d(2), "bn")][:3]
+    ['bn.weight', 'bn.bias', 'bn.running_mean']
+    """
+    prefix = f"{path}." if path else ""
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        yield prefix + name, tensor
+
+
+def _effective_users(node: torch.fx.Node) -> Iterator[torch.fx.Node]:
+    # Look through amp_fx's casts: a weight cast for a LOWER op is read by that op.
+    for user in node.users:
+        if node_info(user).is_cast:
+            yield from _effective_users(user)
+        else:
+            yield user
+
+
+def planned_parameter_dtypes(gm: torch.fx.GraphModule, policy: Policy) -> dict[str, torch.dtype]:
+    """Qualified name -> storage dtype for every parameter/buffer `cast_parameters` will cast.
+
+    Empty unless ``policy.cast_parameters`` (O2/O3). A tensor reachable under several names
+    (tied weights) gets one dtype under all of them: float32 if any caller wants float32.
+
+    >>> from amp_fx.core.policy import preset
+    >>> from amp_fx.passes.normalize_ops import normalize_ops
+    >>> from amp_fx.passes.trace import trace
+    >>> gm = normalize_ops(trace(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))))
+    >>> planned_parameter_dtypes(gm, preset("O2", torch.bfloat16, "cpu"))
+    {'0.weight': torch.bfloat16, '0.bias': torch.bfloat16, '1.weight': torch.float32, '1.bias': torch.float32}
+    """
+    if not policy.cast_parameters or gm.meta.get(PARAMETERS_STORED_KEY):
+        return {}
+    by_tensor: dict[int, torch.dtype] = {}
+    names: dict[int, list[str]] = {}
+
+    def want(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> None:
+        if dtype is None or not _castable(tensor):
+            return
+        key = id(tensor)
+        names.setdefault(key, [])
+        if name not in names[key]:
+            names[key].append(name)
+        current = by_tensor.get(key)
+        by_tensor[key] = dtype if current is None or dtype == torch.float32 else current
+
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            module = gm.get_submodule(node.target)
+            path = node.target
+            if isinstance(module, AutocastIsland):
+                if not isinstance(module.wrapped, nn.Module):
+                    continue
+                module, path = module.wrapped, module.name
+            elif isinstance(module, FusedBatchNormAct):
+                module, path = module.batch_norm, module.batch_norm_name
+            decision = decide_node(node, gm, policy)
+            for name, tensor in module_tensors(module, path):
+                want(name, tensor, decision.param_dtype if decision is not None else None)
+            if decision is not None and decision.rule is Rule.OPAQUE:
+                for name, tensor, dtype in _opaque_parameter_dtypes(module, path, policy):
+                    want(name, tensor, dtype)
+        elif node.op == "get_attr":
+            tensor = _tensor_at(gm, node.target)
+            if tensor is None:
+                continue
+            for user in _effective_users(node):
+                decision = decide_node(user, gm, policy)
+                if decision is not None:
+                    want(node.target, tensor, decision.param_dtype)
+    # Parameters no call reads (unused, or reached only through untraced code): the owner's default.
+    for path, module in gm.named_modules():
+        own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for attribute, tensor in own:
+            name = f"{path}.{attribute}" if path else attribute
+            if id(tensor) not in by_tensor:
+                want(name, tensor, policy.decide(_UNCALLED_OP, module_name=path or None).param_dtype)
+            elif id(tensor) in names and name not in names[id(tensor)]:
+                names[id(tensor)].append(name)
+    return {name: by_tensor[key] for key, aliases in names.items() for name in aliases}
+
+
+def _opaque_parameter_dtypes(
+    module: nn.Module, path: str, policy: Policy
+) -> Iterator[tuple[str, torch.Tensor, torch.dtype | None]]:
+    """Inside an opaque module each module's own tensors (its own too) get the storage dtype the
+    policy decides for that module's op: autocast runs a LayerNorm in the island on FP32 weights at O2,
+    as outside. Float32 wins over the island's own (low) decision in `planned_parameter_dtypes`."""
+    for sub_path, sub in module.named_modules(prefix=path):
+        decision = policy.decide(module_op(sub), module_name=sub_path, module_type=type(sub))
+        for attribute, tensor in [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]:
+            yield f"{sub_path}.{attribute}", tensor, decision.param_dtype
+
+
+def _tensor_at(gm: torch.fx.GraphModule, target: str) -> torch.Tensor | None:
+    owner_path, _, attribute = target.rpartition(".")
+    owner = gm.get_submodule(owner_path)
+    tensor = owner._parameters.get(attribute, owner._buffers.get(attribute))
+    return tensor if isinstance(tensor, torch.Tensor) else None
