@@ -86,6 +86,9 @@ def test_fabric_save_and_load_resume_bit_for_bit(tmp_path: Path):
     fabric, plugin, model, optimizer = set_up()
     first = train(model, optimizer, fabric, plugin, 3, inf_at=1)
     fabric.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer, "amp": plugin})
+    saved = torch.load(tmp_path / "ckpt", weights_only=True)
+    assert {v.dtype for v in saved["model"].values()} == {torch.float32}
+    assert saved["amp"]["loss_scaler"]["scale"] == INIT_SCALE / 2
     continued = train(model, optimizer, fabric, plugin, 3)
 
     fabric, plugin, resumed_model, resumed_optimizer = set_up()
