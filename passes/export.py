@@ -51,6 +51,7 @@ from torch import nn
 
 from amp_fx.core.containers import Spec, flatten, leaves_in_objects, outer_objects, unflatten, write_back
 from amp_fx.core.node_info import KEEP_INPUT_DTYPE_KEY, KEEP_OUTPUT_DTYPE_KEY
+from amp_fx.passes.shared.torch_source import TORCH_DIR as _TORCH_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,6 @@ _CONTAINERS_ATTR = "_amp_fx_container_call"
 # casts the passes insert, and `accepts` checks the inputs before the graph runs.
 _CAPTURE_CHECKS = {torch.ops.aten._assert_tensor_metadata.default}
 _GUARDS_MODULE = "_guards_fn"
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
 class ExportError(RuntimeError):
