@@ -8,6 +8,7 @@ call it does not fuse must give exactly torch's result.
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
@@ -424,3 +425,18 @@ def test_no_host_synchronization_on_gpu() -> None:
         run(batch_norm_act, inputs)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def _positional_names(function) -> list[str]:
+    parameters = inspect.signature(function).parameters.values()
+    return [p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD]
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_custom_ops_take_the_kernel_contracts_arguments(direction) -> None:
+    # The contract (amp_fx.kernels.batch_norm) is written once; the custom op and its fake repeat
+    # its positional arguments, name for name.
+    expected = _positional_names(getattr(reference, f"batch_norm_act_{direction}"))
+    schema = getattr(torch.ops.amp_fx, f"batch_norm_act_{direction}").default._schema
+    assert [argument.name for argument in schema.arguments] == expected
+    assert _positional_names(getattr(batch_norm_op, f"_batch_norm_act_{direction}_fake")) == expected

@@ -7,12 +7,14 @@ The eager path runs the pure-torch reference on CPU, and the Triton kernels on C
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from amp_fx.kernels import FORCE_TRITON_ENV
+from amp_fx.kernels import FORCE_TRITON_ENV, reference
 from amp_fx.ops import max_pool as max_pool_op
 from amp_fx.ops.max_pool import max_pool2d, max_pool2d_backward, max_pool2d_forward
 
@@ -211,3 +213,18 @@ def test_no_host_synchronization() -> None:
         out.backward(torch.ones_like(out))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def _positional_names(function) -> list[str]:
+    parameters = inspect.signature(function).parameters.values()
+    return [p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD]
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_custom_ops_take_the_kernel_contracts_arguments(direction) -> None:
+    # The contract (amp_fx.kernels.max_pool) is written once; the custom op and its fake repeat its
+    # positional arguments, name for name.
+    expected = _positional_names(getattr(reference, f"max_pool2d_{direction}"))
+    schema = getattr(torch.ops.amp_fx, f"max_pool2d_{direction}").default._schema
+    assert [argument.name for argument in schema.arguments] == expected
+    assert _positional_names(getattr(max_pool_op, f"_max_pool2d_{direction}_fake")) == expected
