@@ -39,6 +39,7 @@ import dataclasses
 import inspect
 import io
 import logging
+import operator
 import os
 import sys
 import traceback
@@ -76,6 +77,7 @@ _CONTAINERS_ATTR = "_amp_fx_container_call"
 # Nodes of an exported graph that check what the capture saw: the dtype asserts would refuse the
 # casts the passes insert, and `accepts` checks the inputs before the graph runs.
 _CAPTURE_CHECKS = {torch.ops.aten._assert_tensor_metadata.default}
+_GRAD_REGION = torch.ops.higher_order.wrap_with_set_grad_enabled
 _GUARDS_MODULE = "_guards_fn"
 
 
@@ -331,6 +333,7 @@ def export_graph(
 def _clean(program: Any, name: str, keywords: dict[str, Any]) -> torch.fx.GraphModule:
     exported = program.module()
     graph = exported.graph
+    _inline_grad_regions(exported)
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _CAPTURE_CHECKS:
             graph.erase_node(node)
@@ -345,6 +348,49 @@ def _clean(program: Any, name: str, keywords: dict[str, Any]) -> torch.fx.GraphM
     setattr(gm, _KWARGS_ATTR, tuple(keywords))
     gm.recompile()
     return gm
+
+
+def _inline_grad_regions(gm: torch.fx.GraphModule) -> None:
+    """Inline the ``torch.no_grad()`` / ``enable_grad()`` regions torch.export wraps in the
+    higher-order op ``wrap_with_set_grad_enabled`` (a subgraph the passes would not enter, whose
+    ops would then run uncast): their ops join the graph between ``torch._C._set_grad_enabled``
+    calls, as the model's code switches the mode, so the passes rewrite them like any other."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _GRAD_REGION:
+            continue
+        enabled, body, *operands = node.args
+        region = getattr(gm, body.target)
+        _inline_grad_regions(region)
+        with graph.inserting_before(node):
+            previous = graph.call_function(torch.is_grad_enabled)
+            graph.call_function(torch._C._set_grad_enabled, (enabled,))
+            values = dict(zip(region.graph.find_nodes(op="placeholder"), operands, strict=True))
+            result: Any = None
+            for inner in region.graph.nodes:
+                if inner.op == "placeholder":
+                    continue
+                if inner.op == "output":
+                    result = torch.fx.map_arg(inner.args[0], values.__getitem__)
+                    break
+                if inner.op == "get_attr":  # a constant of the region becomes the root's
+                    name = f"{body.target}_{inner.target}".replace(".", "_")
+                    setattr(gm, name, getattr(region, inner.target))
+                    values[inner] = graph.get_attr(name)
+                    values[inner].meta.update(inner.meta)
+                    continue
+                values[inner] = graph.node_copy(inner, values.__getitem__)
+            graph.call_function(torch._C._set_grad_enabled, (previous,))
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(result[user.args[1]])
+                graph.erase_node(user)
+        if node.users:
+            node.replace_all_uses_with(result)
+        graph.erase_node(node)
+        if not body.users:
+            graph.erase_node(body)
+            delattr(gm, body.target)
 
 
 def graph_inputs(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:

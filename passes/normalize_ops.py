@@ -288,12 +288,10 @@ _KNOWN_NAMESPACES = frozenset({"aten", "prims", "amp_fx"})
 
 
 def _is_library_op(node: torch.fx.Node) -> bool:
-    """A call of a custom op another library registered (``torch.ops.<library>.<op>``), or of a
-    higher-order op holding a subgraph the passes do not enter (a ``torch.no_grad()`` region
-    torch.export wraps in ``wrap_with_set_grad_enabled``): autocast runs it, as it runs eager code."""
+    """A call of a custom op another library registered (``torch.ops.<library>.<op>``)."""
     target = node.target
-    if node.op != "call_function":
-        return False
-    if isinstance(target, torch._ops.HigherOrderOperator):
-        return True
-    return isinstance(target, torch._ops.OpOverload) and target.namespace not in _KNOWN_NAMESPACES
+    return (
+        node.op == "call_function"
+        and isinstance(target, torch._ops.OpOverload)
+        and target.namespace not in _KNOWN_NAMESPACES
+    )
