@@ -99,13 +99,15 @@ def check_optimizer(optimizer: Any, index: int, stale_params: Iterable[Tensor]) 
 
 
 def fused_equivalent(
-    optimizer: torch.optim.Optimizer, originals: Mapping[int, Tensor]
+    optimizer: torch.optim.Optimizer, originals: Mapping[int, Tensor], master_weights: bool = True
 ) -> torch.optim.Optimizer:
     """The amp_fx fused optimizer doing ``optimizer``'s maths with FP32 masters (`check_optimizer` first).
 
     ``originals`` maps id(converted parameter) to its FP32 value before conversion, which becomes
-    its master (parameters not in it keep the masters made from their own values). An amp_fx
-    fused optimizer is returned itself, its masters set the same way.
+    its master (parameters not in it keep the masters made from their own values).
+    ``master_weights=False`` (the opt levels without masters, O3) updates fp16/bf16 parameters in
+    place, in FP32 arithmetic. An amp_fx fused optimizer is returned itself, as the user built it,
+    its masters set the same way.
     """
     if isinstance(optimizer, ScaledOptimizer):
         fused = optimizer
@@ -114,14 +116,15 @@ def fused_equivalent(
         groups = [{k: v for k, v in group.items() if k not in dropped} for group in optimizer.param_groups]
         defaults = {k: optimizer.defaults[k] for k in _HYPERPARAMETERS[type(optimizer)]}
         if type(optimizer) is torch.optim.SGD:
-            fused = FusedSGD(groups, **defaults)
+            fused = FusedSGD(groups, **defaults, master_weights=master_weights)
         else:
             # torch's Adam does AdamW's decoupled decay when it has decoupled_weight_decay=True.
             for group, source in zip(groups, optimizer.param_groups, strict=True):
                 group["adam_w_mode"] = type(optimizer) is torch.optim.AdamW or bool(
                     source.get("decoupled_weight_decay", False)
                 )
-            fused = FusedAdam(groups, **defaults, adam_w_mode=groups[0]["adam_w_mode"] if groups else True)
+            adam_w_mode = groups[0]["adam_w_mode"] if groups else True
+            fused = FusedAdam(groups, **defaults, adam_w_mode=adam_w_mode, master_weights=master_weights)
     with torch.no_grad():
         for param, master in zip(_params(fused), master_params(fused), strict=True):
             original = originals.get(id(param))

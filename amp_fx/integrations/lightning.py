@@ -252,7 +252,8 @@ class AmpPrecision(Precision):
         # fit, from the masters an earlier optimizer keeps (a second fit continues from those).
         originals = {key: found[0] for key, found in masters_of(model).items()}
         originals.update(converted.originals_by_param() if converted is not None else {})
-        fused = [fused_equivalent(optimizer, originals) for optimizer in optimizers]
+        masters = lookup_opt_level(self.opt_level).keeps_fp32_masters  # as amp.initialize: not at O3
+        fused = [fused_equivalent(optimizer, originals, masters) for optimizer in optimizers]
         retarget_schedulers(
             [config.scheduler for config in lr_schedulers],
             {id(old): new for old, new in zip(optimizers, fused, strict=True)},

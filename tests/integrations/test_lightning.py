@@ -163,12 +163,17 @@ def fp16_plugin() -> AmpPrecision:
     return AmpPrecision("O2", dtype=torch.float16, loss_scaler=amp_fx.LossScaler(init_scale=INIT_SCALE))
 
 
-def masters(run: pl.Trainer) -> list[torch.Tensor]:
-    """The optimizer's FP32 masters, in the order of the module's parameters."""
+def masters_in_place(run: pl.Trainer) -> list[torch.Tensor]:
+    """The optimizer's masters (a parameter without one is its own), in the module's parameter order."""
     optimizer = run.optimizers[0]
     params = [p for group in optimizer.param_groups for p in group["params"]]
     by_param = {id(p): m for p, m in zip(params, master_params(optimizer), strict=True)}
-    return [by_param[id(p)].detach().clone() for p in run.lightning_module.parameters()]
+    return [by_param[id(p)] for p in run.lightning_module.parameters()]
+
+
+def masters(run: pl.Trainer) -> list[torch.Tensor]:
+    """Copies of the optimizer's FP32 masters, in the order of the module's parameters."""
+    return [m.detach().clone() for m in masters_in_place(run)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -189,6 +194,19 @@ def test_bf16_o2_loss_goes_down_with_fp32_masters_and_the_module_kept(tmp_path):
         assert torch.equal(param.detach(), master.to(param.dtype))  # the weight is the rounded master
     assert set(before) == set(dtypes)
     assert not run.callback_metrics.keys() & {"amp_fx/loss_scale", "amp_fx/skipped_steps"}  # bf16: unscaled
+
+
+@pytest.mark.parametrize("level, dtype", [("O1", torch.float16), ("O3", torch.bfloat16)])
+def test_o1_and_o3_train_with_their_own_weights_masters_and_scaling(tmp_path, level, dtype):
+    module = Regression()
+    plugin = AmpPrecision(level, dtype=dtype)
+    run = fit(module, tmp_path, plugin, max_epochs=4)
+    assert module.losses[-1] < 0.5 * module.losses[0]
+    weight_dtype = torch.float32 if level == "O1" else dtype  # O1 keeps FP32 weights, O3 stores them low
+    assert {p.dtype for p in module.parameters()} == {weight_dtype}
+    # Apex's table: neither level keeps FP32 masters; O1 scales fp16 losses, O3 does not.
+    assert all(m is p for m, p in zip(masters_in_place(run), module.parameters(), strict=True))
+    assert plugin.loss_scaler.is_enabled() == (level == "O1")
 
 
 def test_masters_start_from_the_fp32_weights_not_their_rounded_copies(tmp_path):
