@@ -10,9 +10,10 @@ What it does, in the order Lightning calls it:
   object stays the user's. Its state dict becomes FP32 (the masters), so checkpoints hold the
   training state and load into the FP32 model.
 - ``connect`` (Trainer): the optimizers ``configure_optimizers`` returned are replaced by their
-  fused equivalents with FP32 masters made from the weights before conversion
-  (`amp_fx.integrations._lightning_optimizers`), and the LR schedulers pointed at them. An
-  optimizer with no fused equivalent is refused and the children are put back.
+  fused equivalents, with FP32 masters made from the weights before conversion where the opt
+  level keeps masters (O2, as ``amp.initialize``; `amp_fx.integrations._lightning_optimizers`),
+  and the LR schedulers pointed at them. An optimizer with no fused equivalent is refused and
+  the children are put back.
 - backward: the loss is scaled by an `amp_fx.LossScaler` (fp16 at O1/O2; bf16, O0 and O3 need
   no scaling), for ``training_step``'s loss and for ``manual_backward`` alike.
 - ``optimizer_step``: the scaler's ``unscale_`` hands ``1 / scale`` to the optimizer's kernel
