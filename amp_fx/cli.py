@@ -35,6 +35,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx
 
+from amp_fx.core.opt_levels import OPT_LEVELS
 from amp_fx.summary import CaptureSummary, capture_summary
 
 DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -296,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_cmd.add_argument(
         "model", metavar="MODEL", help="torchvision:NAME, path/to/file.py:Class or pkg.module:Class"
     )
-    inspect_cmd.add_argument("--opt-level", default="O2", choices=["O0", "O1", "O2", "O3"])
+    inspect_cmd.add_argument("--opt-level", default="O2", choices=OPT_LEVELS)
     inspect_cmd.add_argument("--dtype", default="fp16", choices=sorted(DTYPES), help="low-precision dtype")
     inspect_cmd.add_argument(
         "--device-type", default=None, choices=["cuda", "cpu"], help="whose autocast op lists O1 follows"

@@ -179,7 +179,7 @@ def _capture_untraceable_children(gm: torch.fx.GraphModule, policy: Policy) -> N
     `captured_model` decides), and treated its outputs as of unknown dtype, so the copy leaves its
     outputs in the dtype its graph computes (no float32 cast of model outputs in mid-graph)."""
     untraceable = gm.meta.get(UNTRACEABLE_MODULES_KEY, {})
-    if not untraceable or policy.opt_level == "O0":
+    if not untraceable or not policy.level.lowers_precision:
         return
     graphs = [gm.graph]
     if OTHER_MODE_GRAPH_KEY in gm.meta:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +64,20 @@ def test_find_picks_the_one_level_with_the_fields() -> None:
         find_opt_level(stores_weights_low=True)
     with pytest.raises(TypeError, match="no field 'stores_weights'"):
         find_opt_level(stores_weights=True)
+
+
+def test_no_code_compares_an_opt_level_name() -> None:
+    """Code reads the table's fields; a comparison with "O0".."O3" outside it would be a second
+    home for what a level does."""
+    root = Path(__file__).resolve().parents[2]
+    name = r"""["']O[0-3]["']"""
+    comparison = re.compile(rf"(==|!=)\s*{name}|{name}\s*(==|!=)|in\s*[(\[{{]{name}")
+    found = [
+        f"{path.relative_to(root)}:{number}: {line.strip()}"
+        for folder in ("amp_fx", "passes", "kernels")
+        for path in sorted((root / folder).rglob("*.py"))
+        if path.name != "opt_levels.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if comparison.search(line)
+    ]
+    assert not found, "\n".join(found)
