@@ -175,6 +175,11 @@ def _small_config(config_class: type) -> object:
         # Multi-head latent attention expands its keys and values to every head: as in the
         # released configs, as many key/value heads as heads (else they are repeated twice over).
         config.num_key_value_heads = config.num_attention_heads
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    if isinstance(getattr(config, "rotary_dim", None), int) and heads and width:
+        # GPT-J's and CodeGen's rotary width is part of a head: at most the small head's size.
+        config.rotary_dim = min(config.rotary_dim, width // heads)
     return config
 
 
