@@ -136,6 +136,8 @@ class AmpPrecision(Precision):
         self._replaced_params = WeakIdKeyDictionary()
         self._checked_optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._unscaled: set[int] = set()
+        # Optimizers stepped since the last scale update (ids).
+        self._stepped: set[int] = set()
         self._grad_norm: Tensor | None = None
         self._fitting = False
 
@@ -145,6 +147,7 @@ class AmpPrecision(Precision):
             "_replaced_params",
             "_checked_optimizers",
             "_unscaled",
+            "_stepped",
             "_grad_norm",
             "_fitting",
         )
@@ -264,16 +267,31 @@ class AmpPrecision(Precision):
 
     # ------------------------------------------------------------------------------------------
     # Backward
+    def _scale(self, loss: Tensor) -> Tensor:
+        self._finish_iteration()
+        return self.loss_scaler.scale(loss)
+
+    def _finish_iteration(self) -> None:
+        """Update the scale from the steps since the last update.
+
+        One update per iteration, after every optimizer has stepped (GradScaler's protocol): it
+        runs before the next loss is scaled, so that two optimizers stepped on one backward (manual
+        optimization) both unscale by the scale their gradients carry.
+        """
+        if self._stepped:
+            self.loss_scaler.update()
+            self._stepped.clear()
+
     def pre_backward(self, tensor: Tensor, module: Any) -> Any:
         if _trainer_of(module) is None:
             return None  # Fabric: its strategy ignores this; `backward` scales
-        return super().pre_backward(self.loss_scaler.scale(tensor), module)
+        return super().pre_backward(self._scale(tensor), module)
 
     def backward(self, tensor: Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
         if _trainer_of(model) is not None:
             super().backward(tensor, model, *args, **kwargs)  # scaled by pre_backward
         else:
-            self.loss_scaler.scale(tensor).backward(*args, **kwargs)
+            self._scale(tensor).backward(*args, **kwargs)
 
     def post_backward(self, tensor: Tensor, module: Any) -> Any:
         if _trainer_of(module) is None:
@@ -309,6 +327,8 @@ class AmpPrecision(Precision):
         """Hand ``1 / scale`` to the optimizer (once per step) and count the step if it will be skipped."""
         if id(optimizer) in self._unscaled or not self.loss_scaler.is_enabled():
             return
+        if id(optimizer) in self._stepped:
+            self._finish_iteration()  # a second step of one optimizer with no backward between
         if not optimizer.grads_by_device():
             return  # no backward ran (a training_step that returned None): nothing to unscale or step
         self.loss_scaler.unscale_(optimizer)
@@ -348,7 +368,8 @@ class AmpPrecision(Precision):
         self._unscale_once(optimizer)
         self._unscaled.discard(id(optimizer))
         result = self.loss_scaler.step(optimizer, **kwargs)
-        self.loss_scaler.update()
+        if self.loss_scaler.is_enabled():
+            self._stepped.add(id(optimizer))  # the scale is updated before the next loss is scaled
         return result
 
     def _log(self, model: Any) -> None:
@@ -394,6 +415,11 @@ class AmpPrecision(Precision):
             "gradients; call clip_gradients(optimizer, max_norm) on your AmpPrecision instead"
         )
 
+    def teardown(self) -> None:
+        """The end of a Trainer run: the last step's scale update."""
+        self._finish_iteration()
+        super().teardown()
+
     # ------------------------------------------------------------------------------------------
     # Checkpoints
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -408,6 +434,7 @@ class AmpPrecision(Precision):
 
     def state_dict(self) -> dict[str, Any]:
         """The loss scaler's state and the count of skipped steps (reads the device: checkpoint time only)."""
+        self._finish_iteration()
         skipped = 0 if self.skipped_steps is None else int(self.skipped_steps.item())
         return {"loss_scaler": self.loss_scaler.state_dict(), "skipped_steps": skipped}
 
@@ -418,6 +445,7 @@ class AmpPrecision(Precision):
                 "AmpPrecision.load_state_dict takes the dict AmpPrecision.state_dict() returned (a "
                 "checkpoint saved with AmpPrecision); this one has no 'loss_scaler' entry"
             )
+        self._finish_iteration()
         if self.loss_scaler.is_enabled():
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         self.skipped_steps = torch.tensor(int(state_dict.get("skipped_steps", 0)))

@@ -313,6 +313,44 @@ def test_manual_optimization_matches_automatic(tmp_path):
         assert torch.equal(actual, expected)
 
 
+class TwoOptimizers(Regression):
+    """Manual optimization with two optimizers stepped on one backward (as GANs' code does)."""
+
+    def __init__(self) -> None:
+        super().__init__(manual=True)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(loss.item())
+        optimizers = self.optimizers()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        self.manual_backward(loss)
+        for optimizer in optimizers:
+            optimizer.step()
+
+    def configure_optimizers(self) -> Any:
+        params = list(self.parameters())
+        return [torch.optim.AdamW(params[:2], lr=3e-2), torch.optim.AdamW(params[2:], lr=3e-2)]
+
+
+def test_two_optimizers_on_one_backward_unscale_by_the_same_scale(tmp_path):
+    def growing_every_step() -> AmpPrecision:  # a scale that changes at every update, never overflowing
+        scaler = amp_fx.LossScaler(init_scale=4.0, growth_interval=1)
+        return AmpPrecision("O2", dtype=torch.float16, loss_scaler=scaler)
+
+    one = Regression()
+    one.configure_optimizers = lambda: torch.optim.AdamW(one.parameters(), lr=3e-2)
+    fit(one, tmp_path / "one", growing_every_step())
+    two = TwoOptimizers()
+    run = fit(two, tmp_path / "two", growing_every_step())
+    assert len(run.optimizers) == 2 and two.losses == one.losses
+    assert run.precision_plugin.loss_scaler.get_scale() == 4.0 * 2 ** (2 * BATCHES)  # grew at every step
+    for expected, actual in zip(one.state_dict().values(), two.state_dict().values(), strict=True):
+        assert torch.equal(actual, expected)
+
+
 def resumable_state(run: pl.Trainer) -> list[torch.Tensor]:
     """Everything a resumed run must continue from: weights, masters, moments, step counts, the scale."""
     module, optimizer = run.lightning_module, run.optimizers[0]
