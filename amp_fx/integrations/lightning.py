@@ -19,8 +19,9 @@ What it does, in the order Lightning calls it:
 - ``optimizer_step``: the scaler's ``unscale_`` hands ``1 / scale`` to the optimizer's kernel
   (the grads stay scaled: an fp16 grad divided in place would lose its small values), then
   Lightning's hooks and clipping run, then the step, which the kernel skips on inf/NaN; the
-  skip is counted on the device. Schedulers step as Lightning steps them, every step, skipped or
-  not, as under ``precision="16-mixed"``.
+  skip is counted on the device. The scale is updated once per iteration, before the next loss
+  is scaled, so optimizers stepped on one backward share a scale. Schedulers step as Lightning
+  steps them, every step, skipped or not, as under ``precision="16-mixed"``.
 - ``clip_gradients`` (``gradient_clip_val``, ``self.clip_gradients``): `amp_fx.clip_grad_norm_`,
   the norm of the unscaled grads, folded into the kernel's multiplier.
 - logged each step (``self.log``, on_step): ``amp_fx/loss_scale`` and ``amp_fx/skipped_steps``
