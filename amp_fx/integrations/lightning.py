@@ -351,8 +351,10 @@ class AmpPrecision(Precision):
     ) -> Any:
         """Run the closure (Trainer), unscale, clip, step (skipped on the device on inf/NaN), update."""
         optimizer = self._fused(optimizer)
-        if closure is None:  # Fabric: the user ran forward and backward
-            return self._step(optimizer, kwargs)
+        if model is None:  # Fabric: the user ran forward and backward, or hands a closure that does
+            loss = closure() if closure is not None else None
+            result = self._step(optimizer, kwargs)
+            return loss if closure is not None else result
         closure_result = closure()
         # A training_step that returned None ran no backward: nothing to step (as under "16-mixed").
         skip = closure_result is None and model.automatic_optimization
@@ -376,7 +378,8 @@ class AmpPrecision(Precision):
     def _log(self, model: Any) -> None:
         values = {}
         if self.loss_scaler.is_enabled():
-            values["amp_fx/loss_scale"] = self.loss_scaler._get_scale_async()
+            # A copy: the scaler updates its scale in place before the next loss.
+            values["amp_fx/loss_scale"] = self.loss_scaler._get_scale_async().clone()
             if self.skipped_steps is not None:
                 values["amp_fx/skipped_steps"] = self.skipped_steps.float()
         if self._grad_norm is not None:

@@ -124,3 +124,17 @@ def test_fabric_refuses_a_precision_string_with_the_plugin():
         lf.Fabric(
             accelerator="cpu", precision="bf16-mixed", plugins=[AmpPrecision("O2", dtype=torch.bfloat16)]
         )
+
+
+def test_fabric_steps_with_a_closure():
+    fabric, plugin, model, optimizer = set_up()
+    x, y = data()
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        fabric.backward(loss)
+        return loss
+
+    first = optimizer.step(closure).item()
+    assert optimizer.step(closure).item() < first
