@@ -167,6 +167,7 @@ VARIANTS: dict[str, Variant] = {
             "o2_fp16_unfused_linear_loss", "amp_fx", torch.float16, opt_level="O2", fused_linear_loss=False
         ),
         Variant("o2_fp16_no_kv_cache", "amp_fx", torch.float16, opt_level="O2", kv_cache=False),
+        Variant("autocast_fp16_no_kv_cache", "torch", torch.float16, autocast=True, kv_cache=False),
     ]
 }
 BASELINE = "autocast_fp16"
@@ -182,6 +183,7 @@ RUN_ORDER = [
     "o2_fp16_unfused_pool",
     "o2_fp16_unfused_linear_loss",
     "o2_fp16_no_kv_cache",
+    "autocast_fp16_no_kv_cache",
     "o1_fp16",
     "o3_fp16",
     "o1_bf16",
