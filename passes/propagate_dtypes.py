@@ -11,10 +11,11 @@ inserts nothing.
 
 Two ways to get the dtypes:
 
-- static (default): transfer rules per op (LOWER -> low dtype, FP32 -> float32, comparisons -> bool,
-  ``x.to(d)`` -> d, otherwise torch's type promotion of the inputs); model inputs are taken to be
-  float32 (an integer input is harmless: casts from model inputs only ever touch floating tensors).
-  Opaque nodes produce "unknown", and casts of unknown values are guarded (`cast_if_floating`).
+- static (default): transfer rules per op (`amp_fx.passes.shared.dtype_rules`: LOWER -> low
+  dtype, FP32 -> float32, comparisons -> bool, ``x.to(d)`` -> d, otherwise torch's type promotion
+  of the inputs); model inputs are taken to be float32 (an integer input is harmless: casts from
+  model inputs only ever touch floating tensors). Opaque nodes produce "unknown", and casts of
+  unknown values are guarded (`cast_if_floating`).
 - exact, with ``example_inputs``: the graph is run on fake tensors (``FakeTensorMode``: shapes
   and dtypes only, no compute), each node on its inputs cast as its rule says, parameters faked in
   their planned dtype, opaque nodes under ``torch.autocast``.
@@ -33,13 +34,10 @@ Apex's O2), while the placeholder's own ``out_dtype`` stays the input's dtype.
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import copy
 import logging
-import operator
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,29 +46,21 @@ from torch import nn
 from torch.fx.node import map_aggregate, map_arg
 
 from amp_fx.core.node_info import KEEP_INPUT_DTYPE_KEY, KEEP_OUTPUT_DTYPE_KEY, META_KEY, node_info
-from amp_fx.core.op_facts import (
-    ALWAYS_VALUES_INDICES_OPS,
-    BOOL_OPS,
-    CONVERSION_METHOD_DTYPES,
-    FACTORY_FUNCTIONS,
-    FIRST_ARGUMENT_DTYPE_OPS,
-    INT64_ACCUMULATING_OPS,
-    INT64_OPS,
-    NON_TENSOR_ATTRIBUTES,
-    NON_TENSOR_METHODS,
-    NON_TENSOR_MODULES,
-    NORM_OPS,
-    PAIR_OPS,
-    SAME_DTYPE_ATTRIBUTES,
-    SPLIT_OPS,
-    TENSOR_TYPE_DTYPES,
-    VALUES_INDICES_OPS,
-)
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
-from amp_fx.ops.casts import cast_if_floating
 from amp_fx.passes.shared.casts import is_output_structure
 from amp_fx.passes.shared.decisions import planned_parameter_dtypes
+from amp_fx.passes.shared.dtype_rules import (
+    NOT_TENSOR,
+    UNKNOWN,
+    abstract_structure,
+    abstract_value,
+    is_eligible,
+    low_parameter_dtype,
+    rule_cast_dtype,
+    seen_dtype,
+    static_output,
+)
 from amp_fx.passes.shared.dtypes import (
     ASSUMED_DTYPE_NOTE,
     DERIVED_ASSUMED_DTYPE_NOTE,
@@ -80,146 +70,7 @@ from amp_fx.passes.shared.dtypes import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "propagate_dtypes",
-    "ExampleInputsMismatch",
-    "rule_cast_dtype",
-    "is_eligible",
-    "UNKNOWN",
-    "NOT_TENSOR",
-]
-
-
-class _Marker:
-    """A static value that is not a tensor of known dtype."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return self.name
-
-
-# A value that may be a tensor of any dtype (output of untraced code), or anything else.
-UNKNOWN = _Marker("UNKNOWN")
-# A value that is certainly not a tensor (a size, a shape, a Python number).
-NOT_TENSOR = _Marker("NOT_TENSOR")
-
-
-@dataclass(frozen=True)
-class _Repeated:
-    """A list/tuple of unknown length whose elements all have one value (``torch.split``)."""
-
-    element: Any
-
-
-def is_eligible(value: Any) -> bool | None:
-    """Would autocast cast this value? True for floating dtypes other than float64, False for
-    other dtypes and non-tensors, None when unknown.
-
-    >>> is_eligible(torch.bfloat16), is_eligible(torch.int64), is_eligible(UNKNOWN)
-    (True, False, None)
-    """
-    if isinstance(value, torch.dtype):
-        return value.is_floating_point and value != torch.float64
-    if value is UNKNOWN:
-        return None
-    return False
-
-
-def _autocast_promote(low: torch.dtype, values: Sequence[Any]) -> torch.dtype | None:
-    # aten/src/ATen/autocast_mode.h promote_type: start from the low dtype; a float32 input makes
-    # it float32; float64 and non-floating inputs are ignored. Unknown inputs leave it undecided
-    # unless a float32 input already decided it.
-    target, undecided = low, False
-    for value in values:
-        eligible = is_eligible(value)
-        if eligible is None:
-            undecided = True
-        elif eligible and value != target:
-            target = torch.float32 if torch.float32 in (value, target) else torch.promote_types(value, target)
-    if target == torch.float32:
-        return target
-    return None if undecided else target
-
-
-def _passes_dtype(node: torch.fx.Node) -> bool:
-    # fp32_set_opt_dtype / fp32_append_dtype ops respect an explicit dtype (softmax(x, 0, dtype=d)).
-    return isinstance(node.kwargs.get("dtype"), torch.dtype) or any(
-        isinstance(a, torch.dtype) for a in node.args
-    )
-
-
-def rule_cast_dtype(
-    rule: Rule | None, policy: Policy, input_values: Sequence[Any], node: torch.fx.Node | None = None
-) -> torch.dtype | None:
-    """The dtype a node's eligible floating inputs are cast to under `rule` (None: no casts).
-
-    LOWER: the policy's low dtype. FP32: float32, unless the call passes an explicit ``dtype=``
-    (autocast respects it). PROMOTE: autocast's promote type over `input_values`. OPAQUE: the
-    model-entry dtype at O2/O3 (the island's weights are low there), nothing at O1.
-
-    >>> from amp_fx.core.policy import preset
-    >>> rule_cast_dtype(Rule.PROMOTE, preset("O1", torch.bfloat16, "cpu"), [torch.bfloat16, torch.float32])
-    torch.float32
-    """
-    if rule is Rule.LOWER:
-        return policy.dtype
-    if rule is Rule.FP32:
-        return None if node is not None and _passes_dtype(node) else torch.float32
-    if rule is Rule.PROMOTE:
-        return _autocast_promote(policy.dtype, input_values)
-    if rule is Rule.OPAQUE:
-        return policy.cast_inputs_dtype
-    return None
-
-
-def _low_parameter_dtype(
-    node: torch.fx.Node, values: Sequence[Any], params: dict[str, Any]
-) -> torch.dtype | None:
-    """The dtype a PASSTHROUGH call must run in because of its parameters, or None.
-
-    A module (or functional norm) whose parameters are stored in a low dtype cannot take a
-    float32 input (an FP32 island's output at O2): "expected scalar type", "mixed dtype (CPU):
-    expect parameter to have scalar type of Float". Its floating inputs are cast to the
-    parameters' dtype; float32 parameters need nothing (low input with fp32 weights works).
-    """
-    if node.op == "call_module":
-        weights = list(params.values())
-    elif (node_info(node).op or "") in NORM_OPS:
-        weights = values[1:]  # all_input_nodes: the input first, then weight/bias/statistics
-    else:
-        return None
-    low = {d for d in weights if is_eligible(d) and d != torch.float32}
-    return low.pop() if len(low) == 1 else None
-
-
-def _flat_values(value: Any) -> Iterator[Any]:
-    """The tensor-like leaves of an argument structure (lists/tuples/dicts of values)."""
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _flat_values(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _flat_values(item)
-    elif isinstance(value, _Repeated):
-        yield value.element
-    else:
-        yield value
-
-
-def _abstract(value: Any) -> Any:
-    """The static value of a concrete (fake) one: its dtype for a tensor, structure kept."""
-    if isinstance(value, torch.Tensor):
-        return value.dtype
-    if isinstance(value, (list, tuple)):
-        return tuple(_abstract(v) for v in value)
-    return NOT_TENSOR
-
-
-def _abstract_structure(structure: Any) -> Any:
-    """A returned tuple/namedtuple of static values keeps its elements (for getitem); others are unknown."""
-    return tuple(structure) if isinstance(structure, tuple) else UNKNOWN
+__all__ = ["propagate_dtypes", "ExampleInputsMismatch"]
 
 
 def _outputs_keeping_dtype(gm: torch.fx.GraphModule, output: torch.fx.Node) -> set[torch.fx.Node]:
@@ -229,220 +80,6 @@ def _outputs_keeping_dtype(gm: torch.fx.GraphModule, output: torch.fx.Node) -> s
     return {flat[i] for i in indices if i < len(flat) and isinstance(flat[i], torch.fx.Node)}
 
 
-def _seen_dtype(value: Any, target: torch.dtype | None) -> torch.dtype | None:
-    """The dtype a user sees of `value` when its rule casts eligible inputs to `target`."""
-    eligible = is_eligible(value)
-    if target is not None and eligible is not False:
-        return target
-    return value if isinstance(value, torch.dtype) else None
-
-
-# ---------------------------------------------------------------------------------------------
-# Static transfer rules for PASSTHROUGH ops (ops whose rule casts nothing).
-# ---------------------------------------------------------------------------------------------
-def _scalar_category(value: Any) -> int:
-    # bool < int < float < complex, as torch's type promotion orders dtype categories.
-    if isinstance(value, bool):
-        return 0
-    if isinstance(value, int):
-        return 1
-    if isinstance(value, float):
-        return 2
-    if isinstance(value, complex):
-        return 3
-    return -1
-
-
-def _dtype_category(dtype: torch.dtype) -> int:
-    if dtype == torch.bool:
-        return 0
-    if dtype.is_complex:
-        return 3
-    if dtype.is_floating_point:
-        return 2
-    return 1
-
-
-_CATEGORY_DEFAULTS = {0: torch.bool, 1: torch.int64, 3: torch.complex64}
-
-
-def _promote(args: Any) -> Any:
-    """torch's type promotion over the tensor values among `args` (Python numbers take part as
-    scalars: they only raise the category, as ``int_tensor * 0.5`` is float32)."""
-    dtypes: list[torch.dtype] = []
-    scalar_category = -1
-    unknown = False
-    for value in _flat_values(args):
-        if isinstance(value, torch.dtype):
-            dtypes.append(value)
-        elif value is UNKNOWN or isinstance(value, tuple):
-            unknown = True
-        else:
-            scalar_category = max(scalar_category, _scalar_category(value))
-    if unknown:
-        return UNKNOWN
-    if not dtypes:
-        return None
-    result = dtypes[0]
-    for dtype in dtypes[1:]:
-        result = torch.promote_types(result, dtype)
-    if scalar_category > _dtype_category(result):
-        result = _CATEGORY_DEFAULTS.get(scalar_category, torch.get_default_dtype())
-    return result
-
-
-def _conversion_dtype(node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    """Output of x.to(...), x.float(), x.type(...), x.type_as(y)."""
-    method = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    source = args[0] if args else UNKNOWN
-    if method in CONVERSION_METHOD_DTYPES:
-        return CONVERSION_METHOD_DTYPES[method]
-    if method == "type_as":
-        return args[1] if len(args) > 1 else UNKNOWN
-    if method == "type":
-        spec = args[1] if len(args) > 1 else kwargs.get("dtype")
-        if spec is None:
-            return NOT_TENSOR  # x.type() returns a string
-        if isinstance(spec, torch.dtype):
-            return spec
-        return TENSOR_TYPE_DTYPES.get(spec, UNKNOWN)
-    if method in ("cuda", "cpu"):
-        return source
-    # to(dtype) / to(device, dtype) / to(tensor) / to(dtype=...) / to(device)
-    if isinstance(kwargs.get("dtype"), torch.dtype):
-        return kwargs["dtype"]
-    for original, value in zip(node.args[1:], args[1:], strict=False):
-        if isinstance(original, torch.dtype):
-            return original
-        if isinstance(original, torch.fx.Node):
-            return value  # to(other_tensor): other's dtype
-    return source
-
-
-def _first(args: Sequence[Any]) -> Any:
-    return args[0] if args else UNKNOWN
-
-
-def _has_dim_argument(node: torch.fx.Node) -> bool:
-    if "dim" in node.kwargs:
-        return True
-    return len(node.args) > 1 and isinstance(node.args[1], int) and not isinstance(node.args[1], bool)
-
-
-def _static_passthrough(
-    node: torch.fx.Node, op: str, args: Sequence[Any], kwargs: dict[str, Any], params: dict[str, torch.dtype]
-) -> Any:
-    """The static output value of a call whose rule casts nothing."""
-    target = node.target
-    if node.op == "call_function" and target is cast_if_floating:
-        return args[1] if is_eligible(args[0]) is not False else args[0]
-    if op == "to":
-        return _conversion_dtype(node, args, kwargs)
-    if node.op == "call_method" and target in NON_TENSOR_METHODS:
-        return NOT_TENSOR
-    if node.op == "call_function" and target is builtins.getattr:
-        attribute = node.args[1] if len(node.args) > 1 else None
-        if attribute in NON_TENSOR_ATTRIBUTES:
-            return NOT_TENSOR
-        if attribute in SAME_DTYPE_ATTRIBUTES:
-            return _first(args)
-        container = _first(args)
-        if isinstance(container, tuple) and attribute in ("values", "indices") and len(container) == 2:
-            return container[0 if attribute == "values" else 1]
-        return UNKNOWN
-    if node.op == "call_function" and target is operator.getitem:
-        container, index = _first(args), args[1] if len(args) > 1 else None
-        if isinstance(container, tuple):
-            return (
-                container[index]
-                if isinstance(index, int) and -len(container) <= index < len(container)
-                else UNKNOWN
-            )
-        if isinstance(container, _Repeated):
-            return container.element if isinstance(index, int) else container
-        return container  # tensor indexing keeps the dtype; NOT_TENSOR/UNKNOWN stay so
-    if isinstance(kwargs.get("dtype"), torch.dtype):
-        return kwargs["dtype"]
-    if node.op == "call_module":
-        if op in ("embedding", "embedding_bag"):
-            return params.get("weight", UNKNOWN)
-        return _first(args)
-    if node.op == "call_function" and target in FACTORY_FUNCTIONS:
-        name = target.__name__
-        if name.endswith("_like"):
-            return _first(args)
-        if name in ("arange", "full"):
-            scalars = [_scalar_category(a) for a in node.args if not isinstance(a, torch.fx.Node)]
-            if name == "full":
-                scalars = scalars[-1:]
-            category = max(scalars, default=1)
-            return _CATEGORY_DEFAULTS.get(category, torch.get_default_dtype())
-        if name in ("randint", "randperm"):
-            return torch.int64
-        if name in ("tensor", "as_tensor"):
-            return UNKNOWN
-        return torch.get_default_dtype()
-    if op in BOOL_OPS:
-        return torch.bool
-    if op in INT64_OPS:
-        return torch.int64
-    if op in VALUES_INDICES_OPS and (op in ALWAYS_VALUES_INDICES_OPS or _has_dim_argument(node)):
-        if op in ("max", "min") and len(args) > 1 and isinstance(args[1], (torch.dtype, _Marker)):
-            return _promote(args[:2])  # torch.max(a, b): elementwise
-        return (_first(args), torch.int64)
-    if op in PAIR_OPS:
-        return (_first(args), _first(args))
-    if op in SPLIT_OPS:
-        return _Repeated(_first(args))
-    if op == "embedding":
-        return args[1] if len(args) > 1 else kwargs.get("weight", UNKNOWN)
-    if op in FIRST_ARGUMENT_DTYPE_OPS or op.startswith("new_"):
-        return _first(args)
-    if op in INT64_ACCUMULATING_OPS:
-        source = _first(args)
-        if isinstance(source, torch.dtype) and not source.is_floating_point and not source.is_complex:
-            return torch.int64
-        return source
-    if op == "div" and kwargs.get("rounding_mode") is None:
-        promoted = _promote(args)
-        if isinstance(promoted, torch.dtype) and _dtype_category(promoted) < 2:
-            return torch.get_default_dtype()
-        return promoted
-    promoted = _promote(list(args) + list(kwargs.values()))
-    if promoted is not None:
-        return promoted
-    module = getattr(target, "__module__", None) or ""
-    if node.op == "call_function" and module in NON_TENSOR_MODULES:
-        return NOT_TENSOR  # arithmetic on sizes
-    return UNKNOWN
-
-
-def _static_output(
-    node: torch.fx.Node,
-    rule: Rule | None,
-    target: torch.dtype | None,
-    args: Sequence[Any],
-    kwargs: dict[str, Any],
-    gm: torch.fx.GraphModule,
-    params: dict[str, torch.dtype],
-) -> Any:
-    if rule is Rule.OPAQUE:
-        return UNKNOWN
-    if node.op == "call_module" and isinstance(gm.get_submodule(node.target), AutocastIsland):
-        return UNKNOWN
-    op = node_info(node).op or ""
-    if target is not None and rule in (Rule.LOWER, Rule.FP32, Rule.PROMOTE):
-        inputs = [*_flat_values(list(args) + list(kwargs.values())), *params.values()]
-        if any(is_eligible(v) is not False for v in inputs):
-            return target
-    if rule is Rule.FP32 and isinstance(kwargs.get("dtype"), torch.dtype):
-        return kwargs["dtype"]
-    return _static_passthrough(node, op, args, kwargs, params)
-
-
-# ---------------------------------------------------------------------------------------------
-# The pass
-# ---------------------------------------------------------------------------------------------
 def _module_state(module: nn.Module, path: str, plan: dict[str, torch.dtype]) -> dict[str, torch.dtype]:
     """Planned dtype of each parameter/buffer of `module`, by its name inside the module."""
     prefix = f"{path}." if path else ""
@@ -486,7 +123,7 @@ class _Propagation:
 
     def abstract(self, node: torch.fx.Node) -> Any:
         value = self.env[node]
-        return value if self.is_static(node) else _abstract(value)
+        return value if self.is_static(node) else abstract_value(value)
 
     def cast_value(self, value: Any, dtype: torch.dtype | None, static: bool) -> Any:
         if dtype is None:
@@ -543,12 +180,12 @@ class _Propagation:
                 rule, params = info.rule, self._params(node)
                 target = rule_cast_dtype(rule, self.policy, [*values, *params.values()], node)
                 if target is None and rule is Rule.PASSTHROUGH:
-                    target = _low_parameter_dtype(node, values, params)
-            info.in_dtypes = tuple(_seen_dtype(v, target) for v in values)
+                    target = low_parameter_dtype(node, values, params)
+            info.in_dtypes = tuple(seen_dtype(v, target) for v in values)
             if node.op == "output":
                 kept = _outputs_keeping_dtype(self.gm, node)
                 info.in_dtypes = tuple(
-                    _seen_dtype(v, None if a in kept else target) for a, v in zip(inputs, values, strict=True)
+                    seen_dtype(v, None if a in kept else target) for a, v in zip(inputs, values, strict=True)
                 )
                 info.out_dtype = None
                 continue
@@ -575,7 +212,7 @@ class _Propagation:
                 seen = {a: self.cast_value(v, target, True) for a, v in zip(inputs, values, strict=True)}
                 if returned:
                     try:
-                        out = _abstract_structure(self._run_returned(node, seen))
+                        out = abstract_structure(self._run_returned(node, seen))
                     except TypeError:  # built from an iterable value, e.g. tuple(x.unbind())
                         out = UNKNOWN
                 else:
@@ -583,11 +220,11 @@ class _Propagation:
                         map_arg(node.args, seen.__getitem__),
                         map_arg(node.kwargs, seen.__getitem__),
                     )
-                    out = _static_output(node, rule, target, args, kwargs, self.gm, params)
+                    out = static_output(node, rule, target, args, kwargs, self.gm, params)
                 if self.exact:
                     self.static_nodes.add(node)
             self.env[node] = out
-            info.out_dtype = None if returned else self._dtype_of(_abstract(out) if not static else out)
+            info.out_dtype = None if returned else self._dtype_of(abstract_value(out) if not static else out)
             self._note_assumed_dtype(node, inputs, static)
 
     def _note_input_dtype(self, node: torch.fx.Node, raw: Any) -> None:
@@ -636,7 +273,7 @@ class _Propagation:
         return node.target(*map_arg(node.args, seen.__getitem__), **map_arg(node.kwargs, seen.__getitem__))
 
     def _dtype_of(self, value: Any) -> torch.dtype | None:
-        value = _abstract(value) if isinstance(value, torch.Tensor) else value
+        value = abstract_value(value) if isinstance(value, torch.Tensor) else value
         return value if isinstance(value, torch.dtype) else None
 
     def check_example_inputs(self) -> None:

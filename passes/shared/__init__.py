@@ -6,6 +6,8 @@ by one pass only stays in that pass.
 - `calls`: a call's argument by position or keyword, whether it updates in place, which module
   made it;
 - `dtypes`: the notes on assumed dtypes and which casts are exact;
+- `dtype_rules`: the static dtype rules of `propagate_dtypes` (what a node produces from the dtypes
+  it sees), apart from the pass for its size;
 - `decisions`: the policy's decision for one node and the storage dtype of every parameter;
 - `casts`: amp_fx's cast nodes, shared or one per user, and the casts a node's ``in_dtypes`` ask for;
 - `in_place_updates`: which inputs a node updates in place, through views, and the write-back of

@@ -15,13 +15,8 @@ from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Rule, preset
 from amp_fx.passes.classify import classify
 from amp_fx.passes.normalize_ops import normalize_ops
-from amp_fx.passes.propagate_dtypes import (
-    UNKNOWN,
-    ExampleInputsMismatch,
-    is_eligible,
-    propagate_dtypes,
-    rule_cast_dtype,
-)
+from amp_fx.passes.propagate_dtypes import ExampleInputsMismatch, propagate_dtypes
+from amp_fx.passes.shared.dtype_rules import UNKNOWN, is_eligible, rule_cast_dtype
 from amp_fx.passes.shared.dtypes import ASSUMED_DTYPE_NOTE
 from amp_fx.passes.trace import trace
 
