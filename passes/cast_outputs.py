@@ -82,7 +82,15 @@ def cast_outputs(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModu
 
     Example::
 
-        >>> gm = cast_outputs(gm, preset("O2", torch.float16, "cpu"))   # doctest: +SKIP
+        >>> from amp_fx.core.policy import preset
+        >>> from amp_fx.passes.classify import classify
+        >>> from amp_fx.passes.normalize_ops import normalize_ops
+        >>> from amp_fx.passes.propagate_dtypes import propagate_dtypes
+        >>> from amp_fx.passes.trace import trace
+        >>> policy = preset("O2", torch.float16, "cpu")
+        >>> gm = propagate_dtypes(classify(normalize_ops(trace(torch.nn.Linear(4, 2))), policy), policy)
+        >>> [n.name for n in cast_outputs(gm, policy).graph.nodes if node_info(n).is_cast]
+        ['linear_to_float32']
     """
     readers = [node for node in gm.graph.nodes if node.op == "output" or is_output_structure(node)]
     cache = _existing_copies(gm, {value for reader in readers for value in reader.all_input_nodes})

@@ -81,9 +81,26 @@ def _forget_updated(
 def simplify_casts(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
     """Remove no-op casts, merge duplicates, cancel exact round trips (see the module docstring).
 
-    Example::
+    Example (a bfloat16 result cast to float32 and back, an exact round trip)::
 
-        >>> gm = simplify_casts(insert_casts(gm, policy), policy)   # doctest: +SKIP
+        >>> from amp_fx.core.policy import preset
+        >>> from amp_fx.passes.classify import classify
+        >>> from amp_fx.passes.insert_casts import insert_casts
+        >>> from amp_fx.passes.normalize_ops import normalize_ops
+        >>> from amp_fx.passes.propagate_dtypes import propagate_dtypes
+        >>> from amp_fx.passes.shared.casts import make_cast
+        >>> from amp_fx.passes.trace import trace
+        >>> policy = preset("O1", torch.bfloat16, "cpu")
+        >>> gm = trace(torch.nn.Linear(4, 2))
+        >>> gm = insert_casts(propagate_dtypes(classify(normalize_ops(gm), policy), policy), policy)
+        >>> linear = next(n for n in gm.graph.nodes if node_info(n).op == "linear")
+        >>> with gm.graph.inserting_after(linear):
+        ...     wide = make_cast(gm.graph, linear, torch.float32, guarded=False, reason="up")
+        >>> with gm.graph.inserting_after(wide):
+        ...     back = make_cast(gm.graph, wide, torch.bfloat16, guarded=False, reason="down")
+        >>> gm.graph.output_node().replace_input_with(linear, back)
+        >>> [n.name for n in simplify_casts(gm, policy).graph.nodes if node_info(n).is_cast]
+        ['input_1_to_bfloat16', 'weight_to_bfloat16', 'bias_to_bfloat16']
     """
     graph = gm.graph
     first_cast: dict[tuple[torch.fx.Node, torch.dtype, object], torch.fx.Node] = {}
