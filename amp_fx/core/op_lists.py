@@ -4,7 +4,7 @@ The lists are transcribed from PyTorch's ``aten/src/ATen/autocast_mode.h`` (the 
 macros the CUDA backend registers) and ``aten/src/ATen/autocast_mode.cpp`` (the ``KERNEL_CPU``
 registrations), for torch 2.11 and 2.14.1, and checked against the dispatcher of the installed torch
 (``torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU")``) by
-``tests/test_op_lists.py``. Names are *canonical op names*: the aten op name without overload and
+``tests/core/test_op_lists.py``. Names are *canonical op names*: the aten op name without overload and
 without the in-place trailing underscore ("conv2d" covers ``aten::conv2d`` and ``aten::conv2d.padding``).
 
 Autocast's policies, and what amp_fx does with each (see `amp_fx.core.policy`):
