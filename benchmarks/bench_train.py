@@ -33,7 +33,7 @@ variant trains the same freshly seeded model on the same batch:
                      cuDNN's BatchNorm and separate add and ReLU kernels, as autocast runs them)
     o2_fp16_unfused_pool
                      o2_fp16 with torch's max-pool (``fused_max_pool=False``: int64 indices, as
-                     autocast runs it) instead of amp_fx.ops.pooling.max_pool2d
+                     autocast runs it) instead of amp_fx.ops.max_pool.max_pool2d
     o2_fp16_unfused_linear_loss
                      o2_fp16 without its linear-head + loss fusion (``fused_linear_loss=False``):
                      a GPT's lm_head, then the loss (under torch.compile the fused call computes
@@ -41,8 +41,9 @@ variant trains the same freshly seeded model on the same batch:
 
 Every variant trains ``WithLoss(model, loss_fn)``: the model and its loss as one module (the loss
 under autocast for the autocast variants, as before). amp_fx converts that module, so at O2 the
-cross-entropy reads the low-precision logits directly (``amp_fx.ops.losses.fp32_cross_entropy``: float32
-math without a float32 copy of the logits); ``o2_fp16_loss_outside`` shows the cost of the copy.
+cross-entropy reads the low-precision logits directly
+(``amp_fx.ops.cross_entropy.fp32_cross_entropy``: float32 math without a float32 copy of the
+logits); ``o2_fp16_loss_outside`` shows the cost of the copy.
 
 each eager and under torch.compile (the forward and the loss compiled; the optimizer step runs
 eagerly, as a fused kernel in every variant). All variants of a mode are built and warmed up first

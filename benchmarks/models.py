@@ -133,7 +133,7 @@ class WithLoss(nn.Module):
     """``model`` and its loss as one module: ``WithLoss(model, loss_fn)(inputs, targets)`` is the loss.
 
     This is how amp_fx sees the whole forward: converted at O2, the loss reads the model's
-    low-precision logits (amp_fx.ops.losses.fp32_cross_entropy) instead of a float32 copy of them.
+    low-precision logits (amp_fx.ops.cross_entropy.fp32_cross_entropy) instead of a float32 copy of them.
     """
 
     def __init__(

@@ -636,7 +636,7 @@ PASSTHROUGH_OPS = frozenset(
 # Spellings users write that are not the aten op name; `canonical_op_name` maps them.
 OP_ALIASES: dict[str, str] = {
     "cross_entropy": "cross_entropy_loss",
-    "fp32_cross_entropy": "cross_entropy_loss",  # amp_fx.ops.losses: same op, read from low precision
+    "fp32_cross_entropy": "cross_entropy_loss",  # amp_fx.ops.cross_entropy: same op, read from low precision
     "grid_sample": "grid_sampler",
     "multi_dot": "linalg_multi_dot",
     "vecdot": "linalg_vecdot",
