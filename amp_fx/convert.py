@@ -156,7 +156,8 @@ def _is_converted(model: nn.Module) -> bool:
 
 def _rewrite_each_mode(gm: torch.fx.GraphModule, policy: Policy, examples: tuple[Any, ...] | None) -> None:
     """Rewrite ``gm.graph`` and, where the forward reads ``self.training``, the other mode's graph
-    (`amp_fx.passes.trace.TracedGraphModule`), each by the whole pipeline on the one module."""
+    (`amp_fx.passes.shared.traced_graph_module.TracedGraphModule`), each by the whole pipeline on
+    the one module."""
     if OTHER_MODE_GRAPH_KEY in gm.meta:
         training, other = gm.meta[OTHER_MODE_GRAPH_KEY]
         own = gm.graph

@@ -55,12 +55,10 @@ import dataclasses
 import functools
 import inspect
 import keyword
-import linecache
 import logging
 import math
 import os
 import re
-import sys
 import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -79,14 +77,19 @@ from amp_fx.core.node_info import (
 from amp_fx.core.op_facts import NON_TENSOR_MODULES
 from amp_fx.core.policy import Rule
 from amp_fx.passes.shared.model_copy import copy_model
-from amp_fx.passes.shared.torch_source import TORCH_DIR
+from amp_fx.passes.shared.torch_source import culprit_frame, frames_after_current, location
+from amp_fx.passes.shared.traced_graph_module import TracedGraphModule, rebuild_traced_graph_module
 
 logger = logging.getLogger(__name__)
+
+# The tracer's own file: its frames never hold the line that stopped the tracer.
+_THIS_FILE = os.path.abspath(__file__)
+# Pickles of a TracedGraphModule written before it moved to passes/shared/ name this function here.
+_rebuild_traced_graph_module = rebuild_traced_graph_module
 
 __all__ = [
     "OPAQUE_TORCH_MODULES",
     "TraceError",
-    "TracedGraphModule",
     "is_primitive_module",
     "trace",
 ]
@@ -97,12 +100,6 @@ OPAQUE_TORCH_MODULES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention, nn.R
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 _TORCH_NN_PREFIXES = ("torch.nn.", "torch.ao.nn.")
-# Files of the tracing machinery itself: never "the line that stopped the tracer".
-_FX_DIR = os.path.dirname(torch.fx.__file__) + os.sep
-_MACHINERY_FILES = {
-    os.path.join(TORCH_DIR, name)
-    for name in ("_tensor.py", "overrides.py", "__init__.py", "_jit_internal.py")
-} | {os.path.abspath(__file__)}
 
 
 class TraceError(TypeError):
@@ -113,175 +110,11 @@ class TraceError(TypeError):
     """
 
 
-class TracedGraphModule(torch.fx.GraphModule):
-    """A GraphModule that is called like the model it was traced from.
-
-    - ``inspect.signature(gm.forward)`` is the model's (``gm.meta[FORWARD_SIGNATURE_KEY]``), and
-      calls bind as they bind to the model's forward (keyword-only arguments after ``*args``
-      included), so libraries that read the signature (Hugging Face's Trainer) see the model's.
-    - Where the forward reads ``self.training`` in traced code, ``gm.meta[OTHER_MODE_GRAPH_KEY]``
-      holds ``(training, graph)`` for the other mode and each call runs the graph of
-      ``gm.training``. Both graphs live in this one module: parameters, buffers and submodules
-      are shared, ``state_dict`` and ``.to()`` are those of one model. ``gm.graph`` (what
-      ``gm.code`` shows and the report reads) is the graph of the mode the model was traced in.
-
-    Example::
-
-        >>> import torch.nn.functional as F
-        >>> class Noisy(nn.Module):
-        ...     def forward(self, x, *, p=1.0):
-        ...         return F.dropout(x, p, self.training)
-        >>> gm = trace(Noisy().eval())
-        >>> inspect.signature(gm.forward)
-        <Signature (x, *, p=1.0)>
-        >>> gm(torch.ones(2)), gm.train()(torch.ones(2))
-        (tensor([1., 1.]), tensor([0., 0.]))
-    """
-
-    def recompile(self) -> Any:
-        python_code = super().recompile()
-        cls = type(self)
-        meta = self.__dict__.get("meta", {})
-        graph_forward = cls.forward
-        by_mode = None
-        if OTHER_MODE_GRAPH_KEY in meta:
-            training, other = meta[OTHER_MODE_GRAPH_KEY]
-            by_mode = {training: _compiled_forward(other), not training: graph_forward}
-        signature = meta.get(FORWARD_SIGNATURE_KEY)
-        cls.forward = _drop_in_forward(graph_forward, by_mode, signature)
-        return python_code
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> TracedGraphModule:
-        copied = super().__deepcopy__(memo)
-        copied.recompile()  # its meta is set after GraphModule's own recompile
-        return copied
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # GraphModule pickles the code of `gm.graph` only and loads as a plain GraphModule: keep
-        # the signature, the other mode's code and the meta with it.
-        _, (body, import_block) = super().__reduce__()
-        meta = {k: v for k, v in self.meta.items() if k != OTHER_MODE_GRAPH_KEY}
-        body = {**body, "meta": meta}  # a Graph does not pickle
-        other = None
-        if OTHER_MODE_GRAPH_KEY in self.meta:
-            training, graph = self.meta[OTHER_MODE_GRAPH_KEY]
-            code = graph.python_code(root_module="self")
-            other = (training, code.src, _import_block(code.globals))
-        return (_rebuild_traced_graph_module, (body, import_block, meta, other))
-
-
-def _import_block(globals_: dict[str, Any]) -> str:
-    from torch.fx.graph_module import _format_import_block
-    from torch.package import sys_importer
-
-    return _format_import_block(globals_, sys_importer)
-
-
-def _rebuild_traced_graph_module(
-    body: dict[str, Any], import_block: str, meta: dict[str, Any], other: tuple[bool, str, str] | None
-) -> TracedGraphModule:
-    from torch.fx.graph_module import reduce_graph_module
-
-    gm = reduce_graph_module(body, import_block)
-    name = type(gm).__name__
-    gm.__class__ = type("GraphModuleImpl", (TracedGraphModule,), {})  # one class per instance, as fx's
-    type(gm).__name__ = name
-    gm.meta.update(meta)
-    if other is not None:
-        training, src, other_imports = other
-        other_gm = reduce_graph_module({**body, "_code": src}, other_imports)
-        gm.meta[OTHER_MODE_GRAPH_KEY] = (training, other_gm.graph)
-    gm.recompile()
-    return gm
-
-
-def _compiled_forward(graph: torch.fx.Graph) -> Callable[..., Any]:
-    from torch.fx.graph_module import _forward_from_src
-
-    code = graph.python_code(root_module="self")
-    return _forward_from_src(code.src, code.globals)
-
-
 def _forward_signature(model: nn.Module) -> inspect.Signature | None:
     try:
         return inspect.signature(model.forward)
     except (TypeError, ValueError):  # a forward without one (a C function): keep fx's
         return None
-
-
-def _drop_in_forward(
-    graph_forward: Callable[..., Any],
-    by_mode: dict[bool, Callable[..., Any]] | None,
-    signature: inspect.Signature | None,
-) -> Callable[..., Any]:
-    """The forward of a `TracedGraphModule`: the graph of the module's mode, called with the
-    arguments as the model's signature binds them."""
-    to_graph_arguments = _argument_mapping(signature, inspect.signature(graph_forward))
-
-    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if to_graph_arguments is not None:
-            args, kwargs = to_graph_arguments(args, kwargs)
-        run = graph_forward if by_mode is None else by_mode[self.training]
-        return run(self, *args, **kwargs)
-
-    if signature is not None:
-        self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        forward.__signature__ = signature.replace(  # type: ignore[attr-defined]
-            parameters=[self_parameter, *signature.parameters.values()]
-        )
-    return forward
-
-
-_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-
-
-def _argument_mapping(
-    signature: inspect.Signature | None, graph_signature: inspect.Signature
-) -> Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]] | None:
-    """None where a call passes to the graph's forward as it is; else a function that binds a call
-    to the model's signature and passes it on positionally. torch.fx's forward takes every named
-    argument positionally (keyword-only ones before ``*args``) and renames some (``x_1``)."""
-    if signature is None:
-        return None
-    parameters = list(signature.parameters.values())
-    named = [p for p in parameters if p.kind not in _VARIADIC]
-    graph_named = [p.name for p in list(graph_signature.parameters.values())[1:] if p.kind not in _VARIADIC]
-    kinds = {p.kind for p in parameters}
-    reordered = inspect.Parameter.VAR_POSITIONAL in kinds and inspect.Parameter.KEYWORD_ONLY in kinds
-    if [p.name for p in named] == graph_named and not reordered:
-        return _positional_limit(signature)
-    var_positional = next((p.name for p in parameters if p.kind is inspect.Parameter.VAR_POSITIONAL), None)
-    var_keyword = next((p.name for p in parameters if p.kind is inspect.Parameter.VAR_KEYWORD), None)
-
-    def to_graph_arguments(
-        args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        bound = signature.bind(*args, **kwargs)  # a call the model would refuse fails as it would
-        values = [bound.arguments.get(p.name, p.default) for p in named]
-        values += bound.arguments.get(var_positional, ()) if var_positional else ()
-        return tuple(values), dict(bound.arguments.get(var_keyword, {})) if var_keyword else {}
-
-    return to_graph_arguments
-
-
-def _positional_limit(
-    signature: inspect.Signature,
-) -> Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]] | None:
-    """Where torch.fx made keyword-only arguments positional: refuse a call that passes them
-    positionally, as the model does (a cheap check, where binding each call would not be)."""
-    kinds = [p.kind for p in signature.parameters.values()]
-    if inspect.Parameter.KEYWORD_ONLY not in kinds:
-        return None
-    limit = sum(
-        kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for kind in kinds
-    )
-
-    def check(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if len(args) > limit:
-            raise TypeError(f"forward() takes {limit} positional arguments but {len(args)} were given")
-        return args, kwargs
-
-    return check
 
 
 def is_primitive_module(module: nn.Module) -> bool:
@@ -339,7 +172,7 @@ class _PrimitiveLeafTracer(torch.fx.Tracer):
         except Exception as error:
             if self.failure is None:
                 # The innermost module sees the exception first; frames after this one ran inside it.
-                self.failure = (self.path_of_module(m), error, _frames_after_current(error))
+                self.failure = (self.path_of_module(m), error, frames_after_current(error))
             raise
 
 
@@ -385,58 +218,6 @@ def _mha_fast_path_disabled() -> Iterator[None]:
         yield
     finally:
         mha.set_fastpath_enabled(previous)
-
-
-def _frames_after_current(error: BaseException) -> list[types.FrameType]:
-    frames = []
-    tb = error.__traceback__
-    tb = tb.tb_next if tb is not None else None  # skip the frame that caught it
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    return frames
-
-
-def _is_machinery(filename: str) -> bool:
-    return filename.startswith(_FX_DIR) or filename in _MACHINERY_FILES or "/torch/utils/" in filename
-
-
-def _culprit_frame(frames: Sequence[types.FrameType]) -> types.FrameType | None:
-    """The line that stopped the tracer: the innermost frame outside torch (user code), or else
-    the innermost frame outside the tracing machinery (e.g. inside torch.nn's own modules)."""
-    outside_machinery = [f for f in frames if not _is_machinery(f.f_code.co_filename)]
-    outside_torch = [f for f in outside_machinery if not f.f_code.co_filename.startswith(TORCH_DIR)]
-    chosen = outside_torch or outside_machinery
-    # A library's own argument check (`raise RuntimeError(...)`) is not what the user must look
-    # at; the call that passed it a traced value is.
-    while len(chosen) > 1 and _location(chosen[-1])[1].startswith("raise "):
-        chosen = chosen[:-1]
-    return chosen[-1] if chosen else None
-
-
-def _short_path(filename: str) -> str:
-    """A readable path: from the installed package's root for installed code (``torch/nn/...``),
-    else relative to the working directory, else as it is."""
-    roots = sorted((p for p in sys.path if p and filename.startswith(p + os.sep)), key=len, reverse=True)
-    installed = [p for p in roots if os.path.basename(p) in ("site-packages", "dist-packages")]
-    if installed:
-        return os.path.relpath(filename, installed[0])
-    try:
-        relative = os.path.relpath(filename)
-        if not relative.startswith(".."):
-            return relative
-    except ValueError:  # another drive on Windows
-        pass
-    return os.path.relpath(filename, roots[0]) if roots else filename
-
-
-def _location(frame: types.FrameType | None) -> tuple[str, str]:
-    """(``path:line``, stripped source line) of a frame."""
-    if frame is None:
-        return "<unknown location>", ""
-    filename, lineno = frame.f_code.co_filename, frame.f_lineno
-    source = linecache.getline(filename, lineno).strip()
-    return f"{_short_path(filename)}:{lineno}", source
 
 
 def _validate_leaf_modules(
@@ -633,8 +414,8 @@ def _trace_graph(
             # A failure outside every traced-through submodule, or in a module that is already a
             # leaf (making it opaque would not help), is the top-level forward's own.
             if failure is None or failure[0] in ("", *tracer.opaque_names):
-                frames = _frames_after_current(error) if failure is None else failure[2]
-                where, source = _location(_culprit_frame(frames))
+                frames = frames_after_current(error) if failure is None else failure[2]
+                where, source = location(culprit_frame(frames, _THIS_FILE))
                 raise TraceError(
                     f"amp_fx cannot trace {type(model).__name__}.forward: at {where} `{source}`: "
                     f"{type(error).__name__}: {error}. The top-level forward must be traceable by "
@@ -642,7 +423,7 @@ def _trace_graph(
                     "on a tensor."
                 ) from error
             name, error, frames = failure
-            where, source = _location(_culprit_frame(frames))
+            where, source = location(culprit_frame(frames, _THIS_FILE))
             leaves.untraceable[name] = (f"untraceable: {where}: {source}", f"{type(error).__name__}: {error}")
             logger.info(
                 "submodule %r (%s) cannot be traced (%s at %s: %s); keeping it as an opaque node",

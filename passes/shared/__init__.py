@@ -16,5 +16,6 @@ by one pass only stays in that pass.
 - `affine_masks`: which attention masks are True everywhere or causal, proved by evaluating their
   nodes as affine functions of the element's indices (for `simplify_attention`);
 - `model_copy`: the deep copy of a model the front ends convert;
+- `traced_graph_module`: the GraphModule the torch.fx front end returns, called like the model;
 - `torch_source`: where torch's own files are (a frame there is not the user's).
 """
