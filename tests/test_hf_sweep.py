@@ -27,6 +27,7 @@ ROWS = [
     ("PhiForCausalLM", "causal"),
     ("Qwen3ForCausalLM", "causal"),
     ("MixtralForCausalLM", "causal"),  # mixture of experts
+    ("DeepseekV3ForCausalLM", "causal"),  # multi-head latent attention, experts
     ("PegasusForConditionalGeneration", "seq2seq"),
     ("LlavaForConditionalGeneration", "vlm"),  # image tokens merged into the text
 ]
