@@ -1,5 +1,6 @@
-"""The policy's decisions for the graph: the rule of one node (`decide_node`, read by `classify`)
-and the storage dtype of every parameter (`planned_parameter_dtypes`, planned by
+"""The policy's decisions for the graph: the rule of one node (`decide_node`, read by `classify`),
+of a module as the op it computes (`decide_module`, also where no graph exists yet) and the
+storage dtype of every parameter (`planned_parameter_dtypes`, planned by
 `cast_parameters` and read by `propagate_dtypes` and `insert_casts` before it runs).
 
     >>> [name for name, _ in module_tensors(nn.BatchNorm1d(2), "bn")][:3]
@@ -22,7 +23,7 @@ from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.ops.batch_norm import FusedBatchNormAct
 from amp_fx.passes.shared.calls import calling_module, is_inplace_call
 
-__all__ = ["decide_node", "module_tensors", "planned_parameter_dtypes"]
+__all__ = ["decide_node", "decide_module", "module_tensors", "planned_parameter_dtypes"]
 
 
 def decide_node(node: torch.fx.Node, gm: torch.fx.GraphModule, policy: Policy) -> Decision | None:
@@ -157,6 +158,17 @@ def planned_parameter_dtypes(gm: torch.fx.GraphModule, policy: Policy) -> dict[s
     return {name: by_tensor[key] for key, aliases in names.items() for name in aliases}
 
 
+def decide_module(module: nn.Module, name: str | None, policy: Policy) -> Decision:
+    """The policy's decision for `module`, named `name`, as the op it computes (`module_op`): for
+    the modules inside an opaque one, and for storing parameters before any graph exists.
+
+    >>> from amp_fx.core.policy import preset
+    >>> decide_module(nn.LayerNorm(4), "ln", preset("O2", torch.float16, "cpu")).param_dtype
+    torch.float32
+    """
+    return policy.decide(module_op(module), module_name=name, module_type=type(module))
+
+
 def _opaque_parameter_dtypes(
     module: nn.Module, path: str, policy: Policy
 ) -> Iterator[tuple[str, torch.Tensor, torch.dtype | None]]:
@@ -164,7 +176,7 @@ def _opaque_parameter_dtypes(
     policy decides for that module's op: autocast runs a LayerNorm in the island on FP32 weights at O2,
     as outside. Float32 wins over the island's own (low) decision in `planned_parameter_dtypes`."""
     for sub_path, sub in module.named_modules(prefix=path):
-        decision = policy.decide(module_op(sub), module_name=sub_path, module_type=type(sub))
+        decision = decide_module(sub, sub_path, policy)
         for attribute, tensor in [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]:
             yield f"{sub_path}.{attribute}", tensor, decision.param_dtype
 
