@@ -43,7 +43,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import time
@@ -55,22 +54,32 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from amp_fx.core.containers import Spec, flatten
+from amp_fx.capture.checkpointing import checkpointed_layers, checkpointing_off
+from amp_fx.capture.fit import fits, fits_containers, structure, traced_choice
+from amp_fx.capture.state import (
+    EXPORTING,
+    JOURNALS,
+    STATE_ATTR,
+    CaptureState,
+    Journal,
+    attached_state,
+    capture_states,
+    record,
+)
+from amp_fx.core.containers import flatten
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
-from amp_fx.core.module_ops import module_op
-from amp_fx.core.node_info import PARAMETERS_STORED_KEY
+from amp_fx.core.node_info import PARAMETERS_STORED_KEY, TRAINING_MODE_KEY
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.casts import cast_if_floating
 from amp_fx.passes.checkpoint_regions import checkpoint_regions
 from amp_fx.passes.export import (
     ExportError,
-    accepts,
     call_graph,
-    call_signature,
     container_call,
     export_graph,
     graph_inputs,
 )
+from amp_fx.passes.shared.decisions import decide_module
 from amp_fx.passes.shared.model_copy import copy_model
 from amp_fx.pipeline import rewrite_graph
 from amp_fx.saving import master_state_dict
@@ -79,60 +88,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CapturedModel", "CaptureState", "capture_states", "captured_model", "running_original_in_fp32"]
 
-_STATE = "_amp_fx_capture"
-
-
-@dataclasses.dataclass
-class CaptureState:
-    """What the torch.export front end keeps on each captured module (read by `amp_fx.capture_summary`)."""
-
-    policy: Policy
-    graphs: list[torch.fx.GraphModule] = dataclasses.field(default_factory=list)
-    seconds: list[float] = dataclasses.field(default_factory=list)
-    # Argument structure (see `_structure`) -> why calls of that structure run in an island.
-    islands: dict[tuple[Any, ...], str] = dataclasses.field(default_factory=dict)
-    # Whether the module's forward ran eagerly yet (an island descends past children never called).
-    called: bool = False
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> CaptureState:
-        # Graphs hold the model's tensors; a copy of the model captures its own.
-        return CaptureState(self.policy, islands=dict(self.islands), called=self.called)
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Pickled without graphs, as deep-copied: they are captured again at the next call.
-        return {"policy": self.policy, "islands": dict(self.islands), "called": self.called}
-
-    def __setstate__(self, values: dict[str, Any]) -> None:
-        self.__init__(**values)  # type: ignore[misc]
-
-
-class _Journal:
-    """What one eager call changed in the capture state, undone if the call fails.
-
-    Capture is transactional: a call that raises (a typo'd keyword, float token ids) and a call
-    on fake tensors (someone else's torch.export of the model) leave every module's graphs,
-    islands and class as they were. Nested calls hand their changes to the enclosing call's
-    journal; the outermost one logs the islands made, as one notice.
-    """
-
-    def __init__(self) -> None:
-        self.undo: list[Callable[[], None]] = []
-        self.islands: list[tuple[nn.Module, str]] = []
-
-    def rollback(self) -> None:
-        for action in reversed(self.undo):
-            action()
-
-    def merge_into(self, outer: _Journal) -> None:
-        outer.undo += self.undo
-        outer.islands += self.islands
-
-
-# Open journals of the eager calls in progress, innermost last; and whether one of our own
-# torch.export captures is running (then captured descendants run their own code, so the graph
-# being captured records it and no graph is captured on the capture's fake tensors).
-_JOURNALS: list[_Journal] = []
-_EXPORTING: list[bool] = []
 # `running_original_in_fp32` blocks open, and whether such a call is already running its code.
 _FP32_BLOCKS: list[bool] = []
 _IN_FP32_CALL: list[bool] = []
@@ -173,27 +128,22 @@ def _run_original_in_fp32(module: nn.Module, args: tuple[Any, ...], kwargs: dict
         _IN_FP32_CALL.pop()
 
 
-def _record(undo: Callable[[], None]) -> None:
-    if _JOURNALS:
-        _JOURNALS[-1].undo.append(undo)
-
-
 class CapturedModel(nn.Module):
     """Base placed before the model's class in a converted model's class (see the module docstring)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state = _state(self)
-        if _EXPORTING or _IN_FP32_CALL:
+        if EXPORTING or _IN_FP32_CALL:
             return _original_forward(self)(*args, **kwargs)
         if _FP32_BLOCKS:
             return _run_original_in_fp32(self, args, kwargs)
         if torch.compiler.is_compiling():
-            graph = _traced_choice(state, self.training, args, kwargs)
+            graph = traced_choice(state, self.training, args, kwargs)
             if graph is None:
                 graph = _compiled_graph_for(self, args, kwargs)
             return _run(self, state, graph, args, kwargs)
-        journal = _Journal()
-        _JOURNALS.append(journal)
+        journal = Journal()
+        JOURNALS.append(journal)
         try:
             state.called = True
             graph, leaves = _select_or_capture(self, args, kwargs)
@@ -201,14 +151,14 @@ class CapturedModel(nn.Module):
             if graph is None:
                 _descend_past_uncalled(self, state.policy)
         except BaseException:
-            _JOURNALS.pop()
+            JOURNALS.pop()
             journal.rollback()
             raise
-        _JOURNALS.pop()
+        JOURNALS.pop()
         if journal.undo and _on_fake_tensors(args, kwargs):
             journal.rollback()  # graphs captured on fake tensors would compute fake values later
-        elif _JOURNALS:
-            journal.merge_into(_JOURNALS[-1])
+        elif JOURNALS:
+            journal.merge_into(JOURNALS[-1])
         elif journal.islands:
             _log_islands(self, journal.islands)
         return output
@@ -247,7 +197,7 @@ def _run(
 
 
 def _state(module: nn.Module) -> CaptureState:
-    state = module.__dict__.get(_STATE)
+    state = attached_state(module)
     if state is None:
         raise RuntimeError(
             f"this {type(module).__name__} was built from amp_fx's converted class, not by "
@@ -302,7 +252,7 @@ def _set_gradient_checkpointing_and_recapture(self: nn.Module, *args: Any, **kwa
 
 def _drop_graphs(model: nn.Module, islands: bool = False) -> None:
     for module in model.modules():
-        state = module.__dict__.get(_STATE)
+        state = attached_state(module)
         if state is not None:
             state.graphs.clear()
             if islands:
@@ -335,13 +285,13 @@ def _captured_class(cls: type) -> type:
 def _make_captured(module: nn.Module, policy: Policy) -> None:
     original = type(module)
     module.__class__ = _captured_class(original)
-    module.__dict__[_STATE] = CaptureState(policy)
+    module.__dict__[STATE_ATTR] = CaptureState(policy)
 
     def undo() -> None:
         module.__class__ = original
-        del module.__dict__[_STATE]
+        del module.__dict__[STATE_ATTR]
 
-    _record(undo)
+    record(undo)
 
 
 def _original_forward(module: nn.Module) -> Any:
@@ -358,7 +308,7 @@ def _store_parameters(model: nn.Module, policy: Policy) -> None:
         own = [*module.parameters(recurse=False)]
         if not own:
             continue
-        decision = policy.decide(module_op(module), name, type(module))
+        decision = decide_module(module, name, policy)
         if decision.rule is Rule.OPAQUE or decision.param_dtype is None:
             continue
         for tensor in [*own, *module.buffers(recurse=False)]:
@@ -387,76 +337,10 @@ def captured_model(model: nn.Module, policy: Policy) -> nn.Module:
     return converted
 
 
-def _fits(
-    graph: torch.fx.GraphModule,
-    training: bool,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    traced: bool = False,
-) -> bool:
-    """Whether ``graph`` computes this call: its `CallSignature` decides (plain Python, microseconds,
-    and traceable by torch.compile); `accepts`, which reads the graph and checks sizes with sympy,
-    only where there is none (container arguments), and never in ``traced`` code."""
-    if graph.meta["amp_fx_training"] != training or container_call(graph) is not None:
-        return False
-    signature = call_signature(graph)
-    if signature is not None:
-        return signature.matches(args, kwargs)
-    return not traced and accepts(graph, args, kwargs)
-
-
-def _traced_choice(
-    state: CaptureState, training: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> torch.fx.GraphModule | None:
-    # Under torch.compile, the graph for this call chosen in code Dynamo traces and guards on: a
-    # graph break here would make the model's whole output, float32 logits included, tensors the
-    # compiled code must materialise. None: the call needs `accepts` or a capture, which run
-    # eagerly (`_compiled_graph_for`): a graph break, which Dynamo's code for that call keeps (so
-    # the model is called once before it is compiled; docs/DESIGN.md).
-    for graph in state.graphs:
-        if _fits(graph, training, args, kwargs, traced=True):
-            return graph
-    if any(container_call(graph) for graph in state.graphs):
-        flat = flatten((args, kwargs))
-        for graph in state.graphs:
-            if _fits_containers(graph, training, flat, traced=True):
-                return graph
-    return None
-
-
 @torch.compiler.disable
 def _compiled_graph_for(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     # Choosing (and capturing) a graph runs eagerly; torch.compile then traces the graph chosen.
     return _select_or_capture(module, args, kwargs)[0]
-
-
-def _structure(module: nn.Module, flat: tuple[list[torch.Tensor], Spec]) -> tuple[Any, ...]:
-    """What a graph is captured for, sizes aside: the mode, the nesting with every non-tensor
-    value and type (`amp_fx.core.containers`), and each tensor's dtype, rank and device type."""
-    leaves, spec = flat
-    described = tuple(
-        (leaf.dtype, leaf.dim(), leaf.device.type) if isinstance(leaf, torch.Tensor) else int
-        for leaf in leaves
-    )
-    return (module.training, spec, described)
-
-
-def _fits_containers(
-    graph: torch.fx.GraphModule,
-    training: bool,
-    flat: tuple[list[torch.Tensor], Spec],
-    *,
-    traced: bool = False,
-) -> bool:
-    """`_fits` for a graph captured with containers: the same nesting, and its tensors fit."""
-    call = container_call(graph)
-    if call is None or graph.meta["amp_fx_training"] != training or call.arguments != flat[1]:
-        return False
-    leaves, signature = tuple(flat[0]), call_signature(graph)
-    if signature is not None:
-        return signature.matches(leaves, {})
-    return not traced and accepts(graph, leaves, {})
 
 
 def _select_or_capture(
@@ -467,16 +351,16 @@ def _select_or_capture(
     state = _state(module)
     mode = module.training
     for graph in state.graphs:
-        if _fits(graph, mode, args, kwargs):
+        if fits(graph, mode, args, kwargs):
             return graph, None
     flat = flatten((args, kwargs))
     for graph in state.graphs:
-        if _fits_containers(graph, mode, flat):
+        if fits_containers(graph, mode, flat):
             return graph, flat[0]
-    key = _structure(module, flat)
+    key = structure(module, flat)
     if key in state.islands:
         return None, None
-    dynamic = any(graph.meta["amp_fx_training"] == mode for graph in state.graphs)
+    dynamic = any(graph.meta[TRAINING_MODE_KEY] == mode for graph in state.graphs)
     # A module whose calls needed containers once (a cache it returns) needs them again.
     containers = flat[1].objects > 0 or any(container_call(graph) for graph in state.graphs)
     return _capture(module, state, args, kwargs, key, dynamic, containers), flat[0]
@@ -505,23 +389,23 @@ def _capture(
             "submodules, or convert a model torch.fx can trace (front_end='fx')"
         )
     module.__class__ = _original_class(cls)
-    _EXPORTING.append(True)
-    checkpoints = _checkpointed_layers(module)
+    EXPORTING.append(True)
+    checkpoints = checkpointed_layers(module)
     try:
-        with _checkpointing_off(module):
+        with checkpointing_off(module):
             graph = _export_with_containers(module, args, kwargs, region, dynamic, containers)
     except ExportError as error:
         failure = error
     else:
         failure = None
     finally:
-        _EXPORTING.pop()
+        EXPORTING.pop()
         module.__class__ = cls
     if failure is not None:
         _become_island(module, state, key, failure)
         return None
     graph.meta[PARAMETERS_STORED_KEY] = True
-    graph.meta["amp_fx_training"] = module.training
+    graph.meta[TRAINING_MODE_KEY] = module.training
     rewrite_graph(graph, policy, tuple(graph_inputs(graph, args, kwargs)))
     graph = checkpoint_regions(graph, checkpoints)
     state.graphs.append(graph)
@@ -531,7 +415,7 @@ def _capture(
         state.graphs.remove(graph)
         state.seconds.pop()
 
-    _record(undo)
+    record(undo)
     sizes = "dynamic" if dynamic else "static"
     logger.info("captured %s (%s sizes) in %.2f s", type(module).__name__, sizes, state.seconds[-1])
     return graph
@@ -555,61 +439,20 @@ def _export_with_containers(
     return export_graph(module, args, kwargs, autocast=region, dynamic=dynamic, containers=True)
 
 
-def _checkpointed_layers(module: nn.Module) -> dict[str, Callable[..., Any]]:
-    """Qualified name -> checkpoint function of the layers that checkpoint themselves in training
-    (Hugging Face's ``gradient_checkpointing`` flag and ``_gradient_checkpointing_func``): the
-    innermost flagged modules, as a flagged model (GPT2Model) leaves the checkpointing to its layers."""
-    if not module.training:
-        return {}
-    flagged = {
-        name: sub._gradient_checkpointing_func
-        for name, sub in module.named_modules()
-        if getattr(sub, "gradient_checkpointing", False) is True
-        and callable(getattr(sub, "_gradient_checkpointing_func", None))
-    }
-    # The module itself is left out: its class's own wrapper checkpoints the call that runs this
-    # graph (transformers wraps the forward of every subclass of a checkpointing layer, ours too).
-    return {
-        name: function
-        for name, function in flagged.items()
-        if name and not any(other.startswith(f"{name}.") for other in flagged)
-    }
-
-
-def _run_plainly(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return function(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _checkpointing_off(module: nn.Module) -> Iterator[None]:
-    # torch.export records the layers' ops, not the checkpoint machinery (`checkpoint_regions`
-    # puts it back on the rewritten graph); the flags stay on, so the code checkpointing changes
-    # (Hugging Face turns the cache off) is what is captured.
-    flagged = [sub for sub in module.modules() if callable(sub.__dict__.get("_gradient_checkpointing_func"))]
-    functions = [sub.__dict__["_gradient_checkpointing_func"] for sub in flagged]
-    for sub in flagged:
-        sub._gradient_checkpointing_func = _run_plainly
-    try:
-        yield
-    finally:
-        for sub, function in zip(flagged, functions, strict=True):
-            sub._gradient_checkpointing_func = function
-
-
 def _become_island(
     module: nn.Module, state: CaptureState, key: tuple[Any, ...], failure: ExportError
 ) -> None:
     state.islands[key] = f"{failure}; fix: {failure.advice}"
-    _record(lambda: state.islands.pop(key))
-    if _JOURNALS:
-        _JOURNALS[-1].islands.append((module, state.islands[key]))
+    record(lambda: state.islands.pop(key))
+    if JOURNALS:
+        JOURNALS[-1].islands.append((module, state.islands[key]))
     _capture_children(module, state.policy)
 
 
 def _capture_children(module: nn.Module, policy: Policy) -> None:
     """The children an island's code calls are captured on their own (those holding parameters)."""
     for child in _called_children(module):
-        if _STATE not in child.__dict__ and any(True for _ in child.parameters()):
+        if attached_state(child) is None and any(True for _ in child.parameters()):
             _make_captured(child, policy)
 
 
@@ -617,7 +460,7 @@ def _descend_past_uncalled(module: nn.Module, policy: Policy) -> None:
     # After an island's run: a captured child its code never called (it called the child's own
     # children, or ``child.inner.forward``) hands the capture down a level, at any depth.
     for child in _called_children(module):
-        state = child.__dict__.get(_STATE)
+        state = attached_state(child)
         if state is not None and not state.called:
             _capture_children(child, policy)
             _descend_past_uncalled(child, policy)
@@ -664,11 +507,3 @@ def _run_island(module: nn.Module, policy: Policy, args: tuple[Any, ...], kwargs
         return output
     # As the fx front end casts outputs of unknown dtype: floating ones, float64 left as it is.
     return pytree.tree_map_only(torch.Tensor, lambda t: cast_if_floating(t, target), output)
-
-
-def capture_states(model: nn.Module) -> list[tuple[str, CaptureState]]:
-    """(qualified name, its `CaptureState`) for ``model`` and each descendant the torch.export front
-    end captures, in ``named_modules`` order; empty for a model of the torch.fx front end."""
-    return [
-        (name, module.__dict__[_STATE]) for name, module in model.named_modules() if _STATE in module.__dict__
-    ]
