@@ -1,4 +1,4 @@
-"""Pass 1, second front end: capture one call of a model with ``torch.export`` (non-strict).
+"""Convert's torch.export front end: capture one call of a model with ``torch.export`` (non-strict).
 
 `trace` (torch.fx symbolic tracing) needs no inputs but stops at the first Python line that
 looks at a tensor's value or iterates a proxy, and Hugging Face transformers 5's
@@ -11,12 +11,12 @@ ops torch.autocast's lists name, so the convert passes run on it unchanged.
 
 `export_graph` captures the call's sizes, or with ``dynamic=True`` every dimension of every tensor
 argument ``Dim.AUTO`` (export keeps a dimension dynamic unless the code pins it), so a smaller last
-batch or another sequence length runs the same graph; `accepts` says whether a call fits a
-captured graph (same argument structure, constants and dtypes; sizes within the captured ranges).
-`call_signature` says the same for calls whose arguments are tensors and constants, in plain
-Python that torch.compile traces and guards on: `accepts` reads the graph, which Dynamo cannot
-trace, and a graph break inside a model's forward makes every output of the model (a causal LM's
-float32 logits) a tensor the compiled code must materialise.
+batch or another sequence length runs the same graph. `amp_fx.passes.shared.call_signature` says
+whether a call fits a captured graph (same argument structure, constants and dtypes; sizes within
+the captured ranges): `accepts` reads the graph, and `call_signature` decides the same for calls
+whose arguments are tensors and constants in plain Python that torch.compile traces and guards on
+(Dynamo cannot trace `accepts`, and a graph break inside a model's forward makes every output of
+the model, a causal LM's float32 logits, a tensor the compiled code must materialise).
 It captures inside ``torch.autocast`` when asked, so Python code that reads a dtype
 (``finfo(dtype).min`` for a mask, ``x.to(input_dtype)`` in an RMSNorm) sees the dtypes the
 converted model runs with; the ops recorded are those before autocast, with no autocast region
@@ -28,6 +28,7 @@ Example::
     >>> gm = export_graph(model, (torch.randn(2, 4),), {}, dynamic=True)
     >>> [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     ['aten.linear.default', 'aten.relu.default']
+    >>> from amp_fx.passes.shared.call_signature import accepts
     >>> accepts(gm, (torch.randn(5, 4),), {}), accepts(gm, (torch.randn(5, 3),), {})
     (True, False)
 """
@@ -52,6 +53,13 @@ from torch import nn
 
 from amp_fx.core.containers import Spec, flatten, leaves_in_objects, outer_objects, unflatten, write_back
 from amp_fx.core.node_info import KEEP_INPUT_DTYPE_KEY, KEEP_OUTPUT_DTYPE_KEY
+from amp_fx.passes.shared.call_signature import (
+    KEYWORDS_ATTR,
+    RANGES_ATTR,
+    SIGNATURE_ATTR,
+    in_capture_order,
+    signature_of,
+)
 from amp_fx.passes.shared.torch_source import TORCH_DIR as _TORCH_DIR
 
 logger = logging.getLogger(__name__)
@@ -60,19 +68,13 @@ __all__ = [
     "ExportError",
     "ADVICE",
     "export_graph",
-    "accepts",
     "graph_inputs",
-    "CallSignature",
-    "call_signature",
     "ContainerCall",
     "container_call",
     "call_graph",
 ]
 
-# Where export keeps what `accepts` checks a call against.
-_RANGES_ATTR = "_amp_fx_range_constraints"
-_KWARGS_ATTR = "_amp_fx_keyword_names"
-_SIGNATURE_ATTR = "_amp_fx_call_signature"
+# Where a graph captured with containers keeps how it is called.
 _CONTAINERS_ATTR = "_amp_fx_container_call"
 # Nodes of an exported graph that check what the capture saw: the dtype asserts would refuse the
 # casts the passes insert, and `accepts` checks the inputs before the graph runs.
@@ -316,7 +318,7 @@ def export_graph(
     if errors:
         logger.info("%s: dynamic sizes refused (%s); captured static sizes", type(model).__name__, errors[0])
     gm = _clean(program, type(model).__name__, kwargs)
-    setattr(gm, _SIGNATURE_ATTR, _signature(gm, args, kwargs))
+    setattr(gm, SIGNATURE_ATTR, signature_of(gm, args, kwargs))
     if calls:
         call = calls[-1]
         setattr(gm, _CONTAINERS_ATTR, call)
@@ -344,8 +346,8 @@ def _clean(program: Any, name: str, keywords: dict[str, Any]) -> torch.fx.GraphM
     gm = torch.fx.GraphModule(exported, graph, class_name=name)
     gm._in_spec = exported._in_spec
     gm._out_spec = exported._out_spec
-    setattr(gm, _RANGES_ATTR, dict(program.range_constraints))
-    setattr(gm, _KWARGS_ATTR, tuple(keywords))
+    setattr(gm, RANGES_ATTR, dict(program.range_constraints))
+    setattr(gm, KEYWORDS_ATTR, tuple(keywords))
     gm.recompile()
     return gm
 
@@ -397,170 +399,4 @@ def graph_inputs(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[s
     """The call's arguments in the order of ``gm``'s placeholders (pytree-flattened)."""
     if container_call(gm) is not None:
         return flatten((args, kwargs))[0]
-    return pytree.tree_flatten((args, _in_capture_order(gm, kwargs)))[0]
-
-
-def _in_capture_order(gm: torch.fx.GraphModule, kwargs: dict[str, Any]) -> dict[str, Any]:
-    return {key: kwargs[key] for key in getattr(gm, _KWARGS_ATTR)}
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    """A tensor argument: dtype, device type, and each size as an int or a size symbol's name."""
-
-    dtype: torch.dtype
-    device_type: str
-    sizes: tuple[int | str, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Constant:
-    """A non-tensor argument, captured as this value."""
-
-    value: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class SymbolicInt:
-    """An int argument captured as a size symbol (a count a container holds): any int in its range."""
-
-    name: str
-
-
-@dataclasses.dataclass(frozen=True)
-class CallSignature:
-    """The calls a graph of `export_graph` computes, for arguments that are tensors and constants.
-
-    `matches` is `accepts` in plain Python: under torch.compile, Dynamo traces it and guards on
-    the sizes, dtypes and values it compares.
-    """
-
-    positional: int
-    keywords: tuple[str, ...]
-    arguments: tuple[TensorSpec | Constant | SymbolicInt, ...]  # positional, then keywords in capture order
-    ranges: tuple[tuple[str, int | None, int | None], ...]  # size symbol, lowest, highest (None: no bound)
-
-    def matches(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        if len(args) != self.positional or len(kwargs) != len(self.keywords):
-            return False
-        values = list(args)
-        for key in self.keywords:
-            if key not in kwargs:
-                return False
-            values.append(kwargs[key])
-        sizes: dict[str, Any] = {}
-        for value, spec in zip(values, self.arguments, strict=True):
-            if isinstance(spec, SymbolicInt):
-                if type(value) is not int or sizes.setdefault(spec.name, value) != value:
-                    return False
-                continue
-            if isinstance(spec, Constant):
-                if (
-                    isinstance(value, torch.Tensor)
-                    or type(value) is not type(spec.value)
-                    or value != spec.value
-                ):
-                    return False
-                continue
-            if not isinstance(value, torch.Tensor) or value.dtype != spec.dtype:
-                return False
-            if value.device.type != spec.device_type or value.dim() != len(spec.sizes):
-                return False
-            for size, want in zip(value.shape, spec.sizes, strict=True):
-                if isinstance(want, str):
-                    if sizes.setdefault(want, size) != size:
-                        return False
-                elif size != want:
-                    return False
-        for name, lowest, highest in self.ranges:
-            if (lowest is not None and sizes[name] < lowest) or (
-                highest is not None and sizes[name] > highest
-            ):
-                return False
-        return True
-
-
-def _size_spec(size: Any, ranges: dict[Any, Any]) -> int | str | None:
-    if isinstance(size, int):
-        return size
-    expr = size.node.expr if isinstance(size, torch.SymInt) else None
-    if expr is not None and expr.is_Integer:  # a dimension export specialised after all
-        return int(expr)
-    return str(expr) if expr is not None and expr.is_Symbol and expr in ranges else None
-
-
-def _bound(value: Any) -> int | None:
-    # A sympy Integer, or torch's int_oo / -int_oo (no bound).
-    return int(value) if value.is_Integer else None
-
-
-def _signature(
-    gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> CallSignature | None:
-    """The `CallSignature` of ``gm`` captured from this call, or None when an argument is a container
-    (then only `accepts` decides)."""
-    ranges = getattr(gm, _RANGES_ATTR)
-    placeholders = iter(gm.graph.find_nodes(op="placeholder"))
-    specs: list[TensorSpec | Constant | SymbolicInt] = []
-    for value in (*args, *_in_capture_order(gm, kwargs).values()):
-        if value is None:
-            # A placeholder where pytree counts None as a leaf (torch 2.14), none where it is an
-            # empty node (torch 2.11); either way the value is a constant.
-            for _ in pytree.tree_leaves(value):
-                next(placeholders)
-            specs.append(Constant(None))
-            continue
-        if not isinstance(value, (torch.Tensor, bool, int, float, str)):
-            return None
-        expected = next(placeholders).meta.get("val")
-        if not isinstance(value, torch.Tensor):
-            size = _size_spec(expected, ranges) if isinstance(expected, torch.SymInt) else None
-            specs.append(SymbolicInt(size) if isinstance(size, str) else Constant(value))
-            continue
-        sizes = tuple(_size_spec(size, ranges) for size in expected.shape)
-        if any(size is None for size in sizes):
-            return None  # a size that is an expression of symbols: `accepts` checks it
-        specs.append(TensorSpec(expected.dtype, expected.device.type, sizes))
-    used = {
-        size for spec in specs if isinstance(spec, TensorSpec) for size in spec.sizes if isinstance(size, str)
-    } | {spec.name for spec in specs if isinstance(spec, SymbolicInt)}
-    bounds = []
-    for symbol, values in ranges.items():
-        if str(symbol) in used:
-            bounds.append((str(symbol), _bound(values.lower), _bound(values.upper)))
-    return CallSignature(len(args), tuple(getattr(gm, _KWARGS_ATTR)), tuple(specs), tuple(sorted(bounds)))
-
-
-def call_signature(gm: torch.fx.GraphModule) -> CallSignature | None:
-    """The `CallSignature` of a graph of `export_graph`; None when a call argument was a container.
-
-    >>> gm = export_graph(nn.Linear(4, 2), (torch.randn(3, 4),), {})
-    >>> sig = call_signature(gm)
-    >>> sig.matches((torch.randn(3, 4),), {}), sig.matches((torch.randn(5, 4),), {})
-    (True, False)
-    """
-    return getattr(gm, _SIGNATURE_ATTR, None)
-
-
-def accepts(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """True when ``gm`` (from `export_graph`) computes this call: same argument structure and
-    constants, each tensor of the captured dtype and rank, each size within its captured range."""
-    if set(kwargs) != set(getattr(gm, _KWARGS_ATTR)):
-        return False
-    flat, spec = pytree.tree_flatten_with_path((args, _in_capture_order(gm, kwargs)))
-    if spec != gm._in_spec:
-        return False
-    placeholders = gm.graph.find_nodes(op="placeholder")
-    for node, (_, value) in zip(placeholders, flat, strict=True):
-        expected = node.meta.get("val")
-        if isinstance(expected, torch.Tensor) and (
-            not isinstance(value, torch.Tensor)
-            or value.dtype != expected.dtype
-            or value.device.type != expected.device.type
-        ):
-            return False
-    try:
-        torch._export.utils._check_input_constraints_for_graph(placeholders, flat, getattr(gm, _RANGES_ATTR))
-    except RuntimeError:
-        return False
-    return True
+    return pytree.tree_flatten((args, in_capture_order(gm, kwargs)))[0]

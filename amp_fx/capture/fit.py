@@ -16,7 +16,8 @@ from torch import nn
 from amp_fx.capture.state import CaptureState
 from amp_fx.core.containers import Spec, flatten
 from amp_fx.core.node_info import TRAINING_MODE_KEY
-from amp_fx.passes.export import accepts, call_signature, container_call
+from amp_fx.passes.export import container_call
+from amp_fx.passes.shared.call_signature import accepts, call_signature
 
 __all__ = ["fits", "fits_containers", "structure", "traced_choice"]
 

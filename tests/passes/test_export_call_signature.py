@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from amp_fx.passes.export import accepts, call_signature, export_graph
+from amp_fx.passes.export import export_graph
+from amp_fx.passes.shared.call_signature import accepts, call_signature
 
 
 class Tagger(nn.Module):
