@@ -386,8 +386,6 @@ def _summary(
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    # Through the package: importing the amp_fx.convert / amp_fx.report submodules directly would
-    # leave those modules, not the functions, under the package's names.
     import amp_fx
 
     model = load_model(args.model).eval()

@@ -2,7 +2,7 @@
 known statically (a model input without ``example_inputs``, the output of untraced code).
 
 It appears in generated code as ``amp_fx_ops_casts_cast_if_floating(x, torch.float16)``; the
-passes create it (`amp_fx.passes.shared.make_cast`), the graph runs it.
+passes create it (`amp_fx.passes.shared.casts.make_cast`), the graph runs it.
 """
 
 from __future__ import annotations
