@@ -156,7 +156,7 @@ BOOL_OPS = frozenset(
     {
         "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "logical_xor",
         "isnan", "isinf", "isfinite", "isneginf", "isposinf", "isclose", "any", "all", "signbit",
-        "isreal", "is_nonzero", "equal",
+        "isreal", "is_nonzero", "equal", "isin",
     }
 )  # fmt: skip
 # Ops that return int64 indices or counts.

@@ -92,6 +92,19 @@ def test_static_transfer_rules():
     assert dtypes["cat"][0] == (F32, F32)
 
 
+class Membership(nn.Module):
+    def forward(self, x, values):
+        return torch.isin(x, values)
+
+
+def test_static_isin_is_bool():
+    """The worked example of docs/DESIGN.md ("Op facts"): one entry in BOOL_OPS."""
+    dtypes = _propagated(Membership(), preset("O1", BF16, "cpu"))
+    assert dtypes["isin"][1] == torch.bool
+    x, values = torch.randn(4), torch.randn(2)
+    assert torch.isin(x, values).dtype == dtypes["isin"][1]  # the reference: what torch returns
+
+
 class Opaque(nn.Module):
     def __init__(self) -> None:
         super().__init__()
