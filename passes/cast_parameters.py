@@ -26,9 +26,9 @@ import logging
 import torch
 import torch.fx
 
-from amp_fx.core.node_info import node_info
+from amp_fx.core.node_info import PARAMETER_PLAN_KEY, node_info
 from amp_fx.core.policy import Policy
-from amp_fx.passes.shared.decisions import module_tensors, planned_parameter_dtypes
+from amp_fx.passes.shared.decisions import module_tensors, parameter_plan
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,8 @@ def cast_parameters(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphM
         >>> cast_parameters(gm, policy).get_parameter("0.weight").dtype
         torch.float16
     """
-    plan = planned_parameter_dtypes(gm, policy)
+    plan = parameter_plan(gm, policy)
+    del gm.meta[PARAMETER_PLAN_KEY]  # used up: the parameters are stored in their dtypes now
     if not plan:
         return gm
     done: dict[int, torch.Tensor] = {}  # id(original buffer) -> its cast, so tied buffers stay tied

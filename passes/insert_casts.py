@@ -53,7 +53,7 @@ from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.passes.shared.calls import call_argument
 from amp_fx.passes.shared.casts import CastCache, insert_input_casts, is_output_structure
-from amp_fx.passes.shared.decisions import planned_parameter_dtypes
+from amp_fx.passes.shared.decisions import parameter_plan
 from amp_fx.passes.shared.in_place_updates import write_back_updates
 
 logger = logging.getLogger(__name__)
@@ -292,7 +292,7 @@ def insert_casts(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModu
         >>> [n.name for n in insert_casts(gm, policy).graph.nodes if node_info(n).is_cast]
         ['input_1_to_bfloat16', 'weight_to_bfloat16', 'bias_to_bfloat16']
     """
-    plan = planned_parameter_dtypes(gm, policy)
+    plan = parameter_plan(gm, policy)
     cache: CastCache = {}
     attributes: dict[str, torch.fx.Node] = {}
     created = functional = islands = 0

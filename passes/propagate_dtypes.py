@@ -49,7 +49,7 @@ from amp_fx.core.node_info import KEEP_INPUT_DTYPE_KEY, KEEP_OUTPUT_DTYPE_KEY, M
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.passes.shared.casts import is_output_structure
-from amp_fx.passes.shared.decisions import planned_parameter_dtypes
+from amp_fx.passes.shared.decisions import parameter_plan
 from amp_fx.passes.shared.dtype_rules import (
     NOT_TENSOR,
     UNKNOWN,
@@ -106,7 +106,7 @@ class _Propagation:
     ) -> None:
         self.gm = gm
         self.policy = policy
-        self.plan = planned_parameter_dtypes(gm, policy)
+        self.plan = parameter_plan(gm, policy)
         self.exact = example_inputs is not None
         self.example_inputs = list(example_inputs) if example_inputs is not None else []
         # node -> the value its users see: a dtype/marker/tuple (static) or a fake tensor (exact).

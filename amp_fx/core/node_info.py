@@ -33,6 +33,9 @@ KEEP_OUTPUT_DTYPE_KEY = "amp_fx_keep_output_dtype"
 KEEP_INPUT_DTYPE_KEY = "amp_fx_keep_input_dtype"
 # gm.meta of a torch.export front end graph: the ``module.training`` it was captured in.
 TRAINING_MODE_KEY = "amp_fx_training"
+# gm.meta: (policy, qualified name -> storage dtype) of the parameters `cast_parameters` will cast,
+# planned once by the first pass that needs it (`amp_fx.passes.shared.decisions.parameter_plan`).
+PARAMETER_PLAN_KEY = "amp_fx_parameter_plan"
 # gm.meta keys of a `TracedGraphModule`: the traced model's ``inspect.signature(model.forward)``, and
 # (training, graph) for the mode whose graph is not ``gm.graph`` where the two modes' graphs differ.
 FORWARD_SIGNATURE_KEY = "amp_fx_forward_signature"

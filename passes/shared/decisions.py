@@ -16,14 +16,14 @@ import torch.fx
 from torch import nn
 
 from amp_fx.core.module_ops import module_op
-from amp_fx.core.node_info import PARAMETERS_STORED_KEY, node_info
+from amp_fx.core.node_info import PARAMETER_PLAN_KEY, PARAMETERS_STORED_KEY, node_info
 from amp_fx.core.op_lists import OPAQUE_OP
 from amp_fx.core.policy import Decision, Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.ops.batch_norm import FusedBatchNormAct
 from amp_fx.passes.shared.calls import calling_module, is_inplace_call
 
-__all__ = ["decide_node", "decide_module", "module_tensors", "planned_parameter_dtypes"]
+__all__ = ["decide_node", "decide_module", "module_tensors", "parameter_plan", "planned_parameter_dtypes"]
 
 
 def decide_node(node: torch.fx.Node, gm: torch.fx.GraphModule, policy: Policy) -> Decision | None:
@@ -92,6 +92,24 @@ def _effective_users(node: torch.fx.Node) -> Iterator[torch.fx.Node]:
             yield from _effective_users(user)
         else:
             yield user
+
+
+def parameter_plan(gm: torch.fx.GraphModule, policy: Policy) -> dict[str, torch.dtype]:
+    """`planned_parameter_dtypes`, planned once: the first pass that asks records it in ``gm.meta``
+    and the later ones (and `cast_parameters`, which then drops it) read the record.
+
+    >>> from amp_fx.core.policy import preset
+    >>> from amp_fx.passes.trace import trace
+    >>> gm, policy = trace(nn.Linear(2, 2)), preset("O2", torch.bfloat16, "cpu")
+    >>> parameter_plan(gm, policy) is parameter_plan(gm, policy)
+    True
+    """
+    recorded = gm.meta.get(PARAMETER_PLAN_KEY)
+    if recorded is not None and recorded[0] is policy:
+        return recorded[1]
+    plan = planned_parameter_dtypes(gm, policy)
+    gm.meta[PARAMETER_PLAN_KEY] = (policy, plan)
+    return plan
 
 
 def planned_parameter_dtypes(gm: torch.fx.GraphModule, policy: Policy) -> dict[str, torch.dtype]:
