@@ -394,8 +394,17 @@ class LossScaler(LossScaleSettings):
     # ----------------------------------------------------------------------------------------
     # Getters (GradScaler's; the settings' own are LossScaleSettings')
 
-    def _get_scale_async(self) -> Tensor | None:
+    def scale_tensor(self) -> Tensor | None:
+        """The current scale as a tensor on the device, for logging without a host read (None
+        before the first `scale`, or when disabled); `get_scale` reads it to the host.
+
+        >>> LossScaler(enabled=False).scale_tensor() is None
+        True
+        """
         return self._scale
+
+    # GradScaler's name for the same, which code written for GradScaler calls.
+    _get_scale_async = scale_tensor
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled). Reads the device: a host sync."""

@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
         scaler.update()
         # Kept as device tensors: reading them every step would sync with the GPU.
         losses.append(loss.detach())
-        current_scale = scaler._get_scale_async() if scaling else None
+        current_scale = scaler.scale_tensor() if scaling else None
         scales.append(current_scale.clone() if current_scale is not None else torch.ones((), device=device))
         if step % args.log_every == 0 or step == args.steps - 1:
             print(f"step {step:4d}  loss {loss.item():.4f}  scale {scales[-1].item():g}")

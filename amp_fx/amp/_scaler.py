@@ -106,7 +106,7 @@ class ApexLossScaler:
             return loss * scale, scale
         scaled = self._scaler.scale(loss)
         # The scaler's own tensor changes in place at update(); the grads keep the scale they got.
-        return scaled, self._scaler._get_scale_async().clone()
+        return scaled, self._scaler.scale_tensor().clone()
 
     def update(self, found_inf: Tensor) -> None:
         """Back off or grow the dynamic scale from this loss's overflow flag (device ops only)."""
@@ -115,7 +115,7 @@ class ApexLossScaler:
             if scale is None:
                 scale = torch.full((), self._static_scale, dtype=torch.float32, device=found_inf.device)
         else:
-            scale = self._scaler._get_scale_async()
+            scale = self._scaler.scale_tensor()
             if scale is None:  # nothing was scaled yet
                 return
             self._scaler.update_from_found_infs(

@@ -379,7 +379,7 @@ class AmpPrecision(Precision):
         values = {}
         if self.loss_scaler.is_enabled():
             # A copy: the scaler updates its scale in place before the next loss.
-            values["amp_fx/loss_scale"] = self.loss_scaler._get_scale_async().clone()
+            values["amp_fx/loss_scale"] = self.loss_scaler.scale_tensor().clone()
             if self.skipped_steps is not None:
                 values["amp_fx/skipped_steps"] = self.skipped_steps.float()
         if self._grad_norm is not None:
