@@ -38,13 +38,13 @@ front end), and why, as a table and as data.
 
 The report reads only ``node.meta["amp_fx"]`` (`amp_fx.core.node_info.NodeInfo`, written by the passes),
 the converted module's parameters, and ``gm.meta`` (the policy and the traced code before casts).
+Its layout as text is `amp_fx.report_text`'s.
 """
 
 from __future__ import annotations
 
 import difflib
 import os
-import textwrap
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,24 +53,11 @@ import torch
 import torch.fx
 
 from amp_fx.captured_model import CapturedModel, capture_states
-from amp_fx.core.dtypes import short_dtype_name
 from amp_fx.core.node_info import META_KEY, ORIGINAL_CODE_KEY, POLICY_KEY, NodeInfo
 from amp_fx.dot import write_dot
+from amp_fx.report_text import REPORT_WIDTH, format_summary, format_table
 
 __all__ = ["REPORT_WIDTH", "NodeRow", "Report", "report"]
-
-# No line of str(report) is wider than this: it reads in a terminal or a log without wrapping.
-REPORT_WIDTH = 100
-# The reason column keeps at least this width (about three words); past that the widest of the
-# node, op and in columns wraps to make room.
-_MIN_REASON_WIDTH = 24
-# Those columns wrap no narrower than this.
-_MIN_WRAPPED_COLUMN_WIDTH = 8
-_COLUMN_GAP = "  "
-
-
-# The table's "rule" column for amp_fx's own casts, which are PASSTHROUGH nodes to the passes.
-_CAST = "cast"
 
 
 @dataclass(frozen=True)
@@ -266,126 +253,16 @@ class Report:
         return paths
 
     def table(self) -> str:
-        """The per-node table: node, op, rule, input dtypes, output dtype, reason.
-
-        A cell too long for its column (mostly the reason) continues on the next lines, aligned
-        under its column; a node's first line is the one whose "out" cell is filled.
-        """
-        header = ("node", "op", "rule", "in", "out", "reason")
-        cells = [
-            (
-                r.name,
-                r.op or "-",
-                _CAST if r.is_cast else (r.rule or "-"),
-                ", ".join(short_dtype_name(d) for d in r.in_dtypes) or "-",
-                short_dtype_name(r.out_dtype),
-                r.why,
-            )
-            for r in self.rows
-            if r.kind != "output"
-        ]
-        shown = [r for r in self.rows if r.kind != "output"]
-        widths = _column_widths([header, *cells])
-        lines = []
-        for index, row in enumerate([header, *cells]):
-            # Each graph's rows under its label, where the report has several graphs.
-            label = shown[index - 1].graph if index else ""
-            if label and (index == 1 or shown[index - 2].graph != label):
-                lines.append(f"[{label}]")
-            wrapped = [_wrap(cell, width) for cell, width in zip(row, widths, strict=True)]
-            for k in range(max(len(parts) for parts in wrapped)):
-                parts = [column[k] if k < len(column) else "" for column in wrapped]
-                padded = _COLUMN_GAP.join(p.ljust(w) for p, w in zip(parts[:-1], widths, strict=False))
-                lines.append(f"{padded}{_COLUMN_GAP}{parts[-1]}".rstrip())
-        return "\n".join(lines)
+        """The per-node table: node, op, rule, input dtypes, output dtype, reason
+        (`amp_fx.report_text.format_table`)."""
+        return format_table(self.rows)
 
     def summary(self) -> str:
         """Counts, the ops kept in FP32 and why, and the opaque nodes (lines wrapped at REPORT_WIDTH)."""
-        lines = [f"{len(self.ops)} ops, {self.casts_inserted} casts inserted"]
-        # Broken only between ops: "passthrough 48 (add×5," starts a rule, ")" ends it.
-        per_rule = []
-        for rule, ops in sorted(self.ops_by_rule.items()):
-            entries = [f"{op}×{n}" for op, n in sorted(ops.items())]
-            entries[0] = f"{rule} {sum(ops.values())} ({entries[0]}"
-            entries[-1] += ")"
-            per_rule += entries
-        lines += _fill_items("ops per rule: ", per_rule or ["none"])
-        params = [
-            f"{short_dtype_name(d)} {n} tensors ({numel:,} elements)"
-            for d, (n, numel) in sorted(self.params_by_dtype.items(), key=lambda item: str(item[0]))
-        ]
-        lines += _fill_items("parameters and buffers: ", params or ["none"])
-        if self.fp32_ops:
-            lines.append("stayed FP32:")
-            for r in self.fp32_ops:
-                lines += _wrap(f"{_where(r)}{r.name} ({r.op}): {r.reason}", REPORT_WIDTH, "  ", "    ")
-        if self.opaque:
-            lines.append("opaque:")
-            for r in self.opaque:
-                text = f"{_where(r)}{r.name} ({r.target}): {r.opaque_reason or r.reason}"
-                lines += _wrap(text, REPORT_WIDTH, "  ", "    ")
-        if self.islands:
-            lines.append("autocast islands (modules torch.export could not capture):")
-            for name, reason in self.islands.items():
-                lines += _wrap(f"{name or '<model>'}: {reason}", REPORT_WIDTH, "  ", "    ")
-        return "\n".join(lines)
+        return format_summary(self)
 
     def __str__(self) -> str:
         return f"{self._header}\n{self.table()}\n\n{self.summary()}"
-
-
-def _column_widths(rows: list[tuple[str, ...]]) -> list[int]:
-    """Widths of the table's columns, fitting REPORT_WIDTH: the widest of node, op and in narrows
-    (its cells then wrap) while the reason column would get less than _MIN_REASON_WIDTH."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    fixed = widths[:-1]
-    shrinkable = (0, 1, 3)  # node, op, in; rule and out are short words that never wrap
-    gaps = len(_COLUMN_GAP) * len(fixed)
-    while sum(fixed) + gaps + _MIN_REASON_WIDTH > REPORT_WIDTH:
-        widest = max(shrinkable, key=lambda i: fixed[i])
-        if fixed[widest] <= _MIN_WRAPPED_COLUMN_WIDTH:
-            break
-        fixed[widest] -= 1
-    return [*fixed, max(REPORT_WIDTH - sum(fixed) - gaps, _MIN_REASON_WIDTH)]
-
-
-def _wrap(text: str, width: int, first_indent: str = "", indent: str = "") -> list[str]:
-    """`text` in lines of at most `width` columns, broken at spaces; a word longer than a line
-    starts a line of its own and is cut into pieces of the full width."""
-    lines = textwrap.wrap(
-        text,
-        width,
-        initial_indent=first_indent,
-        subsequent_indent=indent,
-        break_long_words=False,
-        break_on_hyphens=False,
-    )
-    fitted = []
-    for line in lines:
-        while len(line) > width:
-            fitted.append(line[:width])
-            line = indent + line[width:]
-        fitted.append(line)
-    return fitted or [first_indent.rstrip()]
-
-
-def _fill_items(prefix: str, items: list[str]) -> list[str]:
-    """``prefix`` then the items separated by ", ", breaking lines only between items; continuation
-    lines are indented by two spaces. An item too long for a line of its own is wrapped inside."""
-    indent = "  "
-    pieces = []
-    for i, item in enumerate(items):
-        pieces += _wrap(item if i == len(items) - 1 else f"{item},", REPORT_WIDTH - len(indent))
-    lines: list[str] = []
-    line, fresh = prefix, True
-    for piece in pieces:
-        if len(line) + (0 if fresh else 1) + len(piece) > REPORT_WIDTH:
-            lines.append(line.rstrip())
-            line, fresh = indent, True
-        line = f"{line}{piece}" if fresh else f"{line} {piece}"
-        fresh = False
-    lines.append(line)
-    return lines
 
 
 def _unified_diff(before: str, after: str, label: str, context: int) -> str:
@@ -399,10 +276,6 @@ def _unified_diff(before: str, after: str, label: str, context: int) -> str:
             n=context,
         )
     )
-
-
-def _where(row: NodeRow) -> str:
-    return f"[{row.graph}] " if row.graph else ""
 
 
 def _dtype_str(dtype: torch.dtype | None) -> str | None:

@@ -38,7 +38,7 @@ from amp_fx.captured_model import CapturedModel, capture_states, captured_model 
 from amp_fx.core.node_info import META_KEY, OTHER_MODE_GRAPH_KEY, POLICY_KEY
 from amp_fx.core.policy import Rule
 from amp_fx.ops.autocast_island import AutocastIsland
-from amp_fx.reporting import REPORT_WIDTH
+from amp_fx.report_text import REPORT_WIDTH
 
 logger = logging.getLogger(__name__)
 
