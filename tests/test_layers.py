@@ -212,3 +212,95 @@ def test_importing_a_pass_loads_no_user_api(name: str, loaded_by_each_pass):
     assert "amp_fx.convert" not in loaded and not above, (
         f"importing amp_fx.passes.{name} loads the user API: {above}"
     )
+
+
+# Where each installed package's modules are found, the whole of amp_fx included.
+SOURCE_ROOTS = {"amp_fx": REPOSITORY / "amp_fx", **PACKAGE_DIRECTORIES}
+
+
+def _source_modules() -> dict[str, Path]:
+    """Dotted name -> file of every module and package of the installed amp_fx."""
+    modules = {}
+    for package, directory in SOURCE_ROOTS.items():
+        for path in directory.rglob("*.py"):
+            parts = path.relative_to(directory).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join((package, *parts))] = path
+    return modules
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_crossings(path: Path, module: str, modules: dict[str, Path]) -> list[tuple[int, str]]:
+    """(line, name) of the imports in `path` that take a private name from another folder."""
+    folder = path.parent
+    found = []
+    for line, name in _imported_names(path, module):
+        parts = name.split(".")
+        if parts[0] != "amp_fx":
+            continue
+        for index in range(1, len(parts)):
+            owner = ".".join(parts[:index])
+            if owner not in modules:
+                break  # parts[index - 1] was a name defined in a module, not a module
+            if not _is_private(parts[index]):
+                continue
+            owner_file = modules[owner]
+            home = owner_file.parent  # a package's folder, or the folder of the file defining it
+            private_package = modules.get(".".join(parts[: index + 1]))
+            inside = private_package is not None and private_package.name == "__init__.py"
+            if folder != home and not (inside and folder.is_relative_to(private_package.parent)):
+                found.append((line, name))
+            break
+    return found
+
+
+def test_no_private_name_crosses_a_package_folder():
+    """No module imports a private name (a leading underscore, not a dunder) from a module of
+    another folder: amp_fx/, amp_fx/core/, amp_fx/ops/, amp_fx/amp/, passes/, passes/shared/,
+    kernels/, kernels/<family>/ ... are each a folder of their own, and a subpackage is not its
+    parent's folder (amp_fx/integrations/ may not import amp_fx/_x.py nor amp_fx.cli._y).
+
+    A private name is one underscored component of the imported path: a module (``_state`` of
+    ``amp_fx.amp._state``) or a name defined in one (``_fused`` of ``amp_fx.ops.batch_norm._fused``).
+    Its home is the folder that holds the module it is defined in (for a module, its package);
+    only modules of that folder, and of a private package's own folder, may import it. What two
+    folders share is public in its home. Only ``import`` statements are read (those inside
+    functions too), not attribute access such as ``amp_fx.kernels._x``.
+    """
+    modules = _source_modules()
+    crossings = [
+        _where(path, line, name)
+        for module, path in sorted(modules.items())
+        for line, name in _private_crossings(path, module, modules)
+    ]
+    assert not crossings, "private names imported from another folder:\n" + "\n".join(crossings)
+
+
+def test_private_crossings_are_found(tmp_path: Path):
+    (tmp_path / "amp_fx" / "core").mkdir(parents=True)
+    (tmp_path / "amp_fx" / "_hidden").mkdir()
+    user = tmp_path / "amp_fx" / "convert.py"
+    user.write_text(
+        "from amp_fx.core.policy import _check, preset\nimport amp_fx.core._private\n"
+        "from amp_fx._hidden.inner import thing\nfrom amp_fx.core import __version__\n"
+    )
+    inner = tmp_path / "amp_fx" / "_hidden" / "inner.py"
+    inner.write_text("from amp_fx._hidden import _other\n")
+    modules = {
+        "amp_fx": tmp_path / "amp_fx" / "__init__.py",
+        "amp_fx.convert": user,
+        "amp_fx.core": tmp_path / "amp_fx" / "core" / "__init__.py",
+        "amp_fx.core.policy": tmp_path / "amp_fx" / "core" / "policy.py",
+        "amp_fx.core._private": tmp_path / "amp_fx" / "core" / "_private.py",
+        "amp_fx._hidden": tmp_path / "amp_fx" / "_hidden" / "__init__.py",
+        "amp_fx._hidden.inner": inner,
+    }
+    assert _private_crossings(user, "amp_fx.convert", modules) == [
+        (1, "amp_fx.core.policy._check"),
+        (2, "amp_fx.core._private"),
+    ]
+    assert _private_crossings(inner, "amp_fx._hidden.inner", modules) == []
