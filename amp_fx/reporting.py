@@ -7,7 +7,7 @@ front end), and why, as a table and as data.
     >>> rep = amp_fx.report(gm)
     >>> rep.casts_inserted, dict(rep.rule_counts)
     (2, {'lower': 1, 'fp32': 2})
-    >>> print(rep)  # doctest: +SKIP
+    >>> print(rep)
     amp_fx report: O2, torch.float16, cpu
     node                op          rule   in    out   reason
     input_1             -           -      -     fp32  input
@@ -28,13 +28,15 @@ front end), and why, as a table and as data.
       _1 (layer_norm): O2: norms run in FP32 with FP32 params (as under autocast)
       _2 (softmax): O2 FP32 island: softmax is unstable in low precision (exp overflows fp16; the
         normalizing sum loses bits)
-    >>> print(rep.diff())  # doctest: +SKIP
+    >>> print(rep.diff())
     --- traced
     +++ converted
     ...
     -    _0 = getattr(self, "0")(input_1);  input_1 = None
-    +    input_1_to_float16 = amp_fx_ops_casts_cast_if_floating(input_1, torch.float16);  ...
+    -    _1 = getattr(self, "1")(_0);  _0 = None
+    +    input_1_to_float16 = amp_fx_ops_casts_cast_if_floating(input_1, torch.float16);  input_1 = None
     +    _0 = getattr(self, "0")(input_1_to_float16);  input_1_to_float16 = None
+    ...
 
 The report reads only ``node.meta["amp_fx"]`` (`amp_fx.core.node_info.NodeInfo`, written by the passes),
 the converted module's parameters, and ``gm.meta`` (the policy and the traced code before casts).
