@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_fx
 from amp_fx.ops.autocast_island import AutocastIsland
+from amp_fx.report_text import REPORT_WIDTH
 from amp_fx.summary import OUTSIDE, capture_summary, captured_graphs
 
 BF16 = torch.bfloat16
@@ -147,7 +148,7 @@ def test_the_shares_come_first_in_the_text() -> None:
     assert f"{summary.flop_share:.0%} of its {summary.call.flops:,} matrix-product FLOPs" in lines[0]
     assert f"outside, in <model>: {summary.outside_graphs[''].ops:,} ops" in str(summary)
     assert "island <model>: " in str(summary) and "torch.export front end: 2 graph(s)" in str(summary)
-    assert max(len(line) for line in lines) <= amp_fx.reporting.REPORT_WIDTH
+    assert max(len(line) for line in lines) <= REPORT_WIDTH
 
 
 def test_a_call_that_captures_is_counted_as_the_calls_after_it() -> None:
