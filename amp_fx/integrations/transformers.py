@@ -271,11 +271,6 @@ class AmpTrainerMixin:
         if params is not None:
             set_masters(fused, params.originals)
             self._amp_params = None  # the original model's tensors are not needed any more
-        # torch's Optimizer.__setstate__ adds "differentiable" to the defaults at every load (accelerate's
-        # prepare loads the optimizer's own state dict once); a fused optimizer then refuses to load a
-        # checkpoint whose groups lack it. Groups that hold it save it: resuming loads.
-        for group in fused.param_groups:
-            group.setdefault("differentiable", False)
         return self.optimizer
 
     def create_scheduler(

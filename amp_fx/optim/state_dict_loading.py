@@ -49,13 +49,19 @@ def check_step_count(where: str, step: Any, key: str = STEP_KEY) -> float:
     return value
 
 
+# Keys torch's Optimizer.__setstate__ adds to ``defaults`` at every load (``differentiable``): a
+# state dict saved before the first load lacks them, and is no less this optimizer's.
+_ADDED_BY_TORCH_ON_LOAD = frozenset({"differentiable"})
+
+
 class StateDictLoading:
     """``load_state_dict`` for the fused optimizers (a base class of `FusedOptimizer`)."""
 
     def _check_loaded_group(self, index: int, saved: dict[str, Any], current: dict[str, Any]) -> float:
         """Check one loaded param group; returns its step count (read once: a host sync)."""
         name = type(self).__name__
-        missing = sorted(k for k in (*self.defaults, STEP_KEY, "params") if k not in saved)
+        wanted = (k for k in (*self.defaults, STEP_KEY, "params") if k not in _ADDED_BY_TORCH_ON_LOAD)
+        missing = sorted(k for k in wanted if k not in saved)
         if missing:
             raise ValueError(
                 f"param group {index} of the loaded state dict lacks {missing}; it was not saved by a {name} "

@@ -39,6 +39,18 @@ def _train(case, optimizer, scaler, steps) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_state_dict_loads_again_after_a_load(problem, name) -> None:
+    """torch's Optimizer adds ``differentiable`` to the defaults at each load (accelerate loads an
+    optimizer's own state dict when it prepares it): a state dict from before still loads."""
+    case = problem(torch.float16, seed=57)
+    optimizer = OPTIMIZERS[name](case.params)
+    saved = optimizer.state_dict()
+    optimizer.load_state_dict(optimizer.state_dict())
+    optimizer.load_state_dict(saved)
+    assert "differentiable" not in saved["param_groups"][0]
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_resume_is_bit_identical_to_an_uninterrupted_run(problem, optimizer_snapshot, name) -> None:
     snapshot, assert_same = optimizer_snapshot
     straight = problem(DTYPES, seed=51)
