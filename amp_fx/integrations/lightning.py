@@ -11,7 +11,7 @@ What it does, in the order Lightning calls it:
   training state and load into the FP32 model.
 - ``connect`` (Trainer): the optimizers ``configure_optimizers`` returned are replaced by their
   fused equivalents, with FP32 masters made from the weights before conversion where the opt
-  level keeps masters (O2, as ``amp.initialize``; `amp_fx.integrations._lightning_optimizers`),
+  level keeps masters (O2, as ``amp.initialize``; `amp_fx.integrations._fused_optimizers`),
   and the LR schedulers pointed at them. An optimizer with no fused equivalent is refused and
   the children are put back.
 - backward: the loss is scaled by an `amp_fx.LossScaler` (fp16 at O1/O2; bf16, O0 and O3 need
@@ -54,13 +54,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 import amp_fx
 from amp_fx.core.opt_levels import lookup_opt_level
+from amp_fx.integrations._fused_optimizers import fused_equivalent, retarget_schedulers, set_masters
 from amp_fx.integrations._lightning_convert import ConvertedChildren
-from amp_fx.integrations._lightning_optimizers import (
-    SUPPORTED,
-    check_optimizer,
-    fused_equivalent,
-    retarget_schedulers,
-)
+from amp_fx.integrations._lightning_optimizers import SUPPORTED, check_optimizer
 from amp_fx.optim.model_loads import masters_of
 from amp_fx.optim.scaled_optimizer import ScaledOptimizer
 
@@ -258,7 +254,9 @@ class AmpPrecision(Precision):
         originals = {key: found[0] for key, found in masters_of(model).items()}
         originals.update(converted.originals_by_param() if converted is not None else {})
         masters = lookup_opt_level(self.opt_level).keeps_fp32_masters  # as amp.initialize: not at O3
-        fused = [fused_equivalent(optimizer, originals, masters) for optimizer in optimizers]
+        fused = [fused_equivalent(optimizer, masters) for optimizer in optimizers]
+        for optimizer in fused:
+            set_masters(optimizer, originals)
         retarget_schedulers(
             [config.scheduler for config in lr_schedulers],
             {id(old): new for old, new in zip(optimizers, fused, strict=True)},

@@ -22,7 +22,7 @@ contradicts them is refused). What it changes in the Trainer, each through the h
   names (``adamw_torch_fused``, ``adamw_torch`` or ``sgd``), with its no-decay groups and
   hyperparameters, or takes the one passed in ``optimizers=``; AmpTrainer replaces it by its fused
   equivalent, `amp_fx.optim.FusedAdam` / `FusedSGD`, whose FP32 masters are the weights as they
-  were before conversion (`amp_fx.integrations._hf_optim`). LR schedulers follow it.
+  were before conversion (`amp_fx.integrations._fused_optimizers`). LR schedulers follow it.
 - clipping (``_clip_grad_norm``, ``_get_grad_norm``): `amp_fx.clip_grad_norm_` on the unscaled
   gradients, folded into the kernel; the logged ``grad_norm`` is the true norm.
 - logging (``log``): ``loss_scale`` and ``skipped_steps`` beside the loss. No value is read from
@@ -59,6 +59,12 @@ from torch import Tensor, nn
 from transformers import Trainer, TrainerCallback
 
 import amp_fx
+from amp_fx.integrations._fused_optimizers import (
+    SUPPORTED_CLASSES,
+    fused_equivalent,
+    retarget_schedulers,
+    set_masters,
+)
 from amp_fx.integrations._hf_arguments import resolve
 from amp_fx.integrations._hf_model import (
     ConvertedParams,
@@ -67,15 +73,7 @@ from amp_fx.integrations._hf_model import (
     restore_dtypes,
     storage_dtypes,
 )
-from amp_fx.integrations._hf_optim import (
-    SUPPORTED_CLASSES,
-    check_optim_name,
-    check_optimizer,
-    check_optimizer_class,
-    fused_equivalent,
-    retarget_scheduler,
-    set_masters,
-)
+from amp_fx.integrations._hf_optim import check_optim_name, check_optimizer, check_optimizer_class
 from amp_fx.integrations._hf_scaler import AcceleratorScaler
 from amp_fx.optim.scaled_optimizer import ScaledOptimizer
 
@@ -266,7 +264,7 @@ class AmpTrainerMixin:
         fused = fused_equivalent(current, self._amp_setup.master_weights, param_map)
         if fused is not current:
             if self.lr_scheduler is not None:
-                retarget_scheduler(self.lr_scheduler, current, fused)
+                retarget_schedulers([self.lr_scheduler], {id(current): fused})
             self.optimizer = fused
         if params is not None:
             set_masters(fused, params.originals)

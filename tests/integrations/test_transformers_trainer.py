@@ -335,7 +335,7 @@ def test_a_torch_optimizer_passed_in_gets_masters_and_keeps_its_scheduler(tmp_pa
     ids=["AdamW", "Adam", "Adam-decoupled", "SGD-nesterov"],
 )
 def test_fused_equivalents_step_as_the_torch_optimizers(make: Any) -> None:
-    from amp_fx.integrations._hf_optim import fused_equivalent
+    from amp_fx.integrations._fused_optimizers import fused_equivalent
 
     torch.manual_seed(0)
     start, grads = torch.randn(3, 5), [torch.randn(3, 5) for _ in range(3)]
