@@ -145,11 +145,8 @@ class CapturedModel(nn.Module):
         journal = Journal()
         JOURNALS.append(journal)
         try:
-            state.called = True
             graph, leaves = _select_or_capture(self, args, kwargs)
             output = _run(self, state, graph, args, kwargs, leaves)
-            if graph is None:
-                _descend_past_uncalled(self, state.policy)
         except BaseException:
             JOURNALS.pop()
             journal.rollback()
@@ -334,7 +331,19 @@ def captured_model(model: nn.Module, policy: Policy) -> nn.Module:
     if policy.cast_parameters:
         _store_parameters(converted, policy)
     _make_captured(converted, policy)
+    _make_descendants_captured(converted, policy)
     return converted
+
+
+def _make_descendants_captured(module: nn.Module, policy: Policy) -> None:
+    # Each part holding parameters is converted too, so a call of it on its own (TRL's fused head
+    # calls ``model.model(...)``; a user calls a layer) runs a rewritten graph of its own instead of
+    # the original code on converted weights. Inside its parent's capture it runs its own code
+    # (`EXPORTING`), so the parent's graph holds its ops.
+    for child in _called_children(module):
+        if attached_state(child) is None and any(True for _ in child.parameters()):
+            _make_captured(child, policy)
+        _make_descendants_captured(child, policy)
 
 
 @torch.compiler.disable
@@ -446,24 +455,8 @@ def _become_island(
     record(lambda: state.islands.pop(key))
     if JOURNALS:
         JOURNALS[-1].islands.append((module, state.islands[key]))
-    _capture_children(module, state.policy)
-
-
-def _capture_children(module: nn.Module, policy: Policy) -> None:
-    """The children an island's code calls are captured on their own (those holding parameters)."""
-    for child in _called_children(module):
-        if attached_state(child) is None and any(True for _ in child.parameters()):
-            _make_captured(child, policy)
-
-
-def _descend_past_uncalled(module: nn.Module, policy: Policy) -> None:
-    # After an island's run: a captured child its code never called (it called the child's own
-    # children, or ``child.inner.forward``) hands the capture down a level, at any depth.
-    for child in _called_children(module):
-        state = attached_state(child)
-        if state is not None and not state.called:
-            _capture_children(child, policy)
-            _descend_past_uncalled(child, policy)
+    # Its parts were converted with it; one added to the model since is converted now.
+    _make_descendants_captured(module, state.policy)
 
 
 def _called_children(module: nn.Module) -> list[nn.Module]:

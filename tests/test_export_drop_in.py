@@ -22,7 +22,7 @@ from torch import nn
 import amp_fx
 from amp_fx.captured_model import CapturedModel, capture_states
 from amp_fx.optim import FusedAdam
-from amp_fx.testing import with_autocast
+from amp_fx.testing import tolerances, with_autocast
 from tests.bit_equality import bits_equal
 
 transformers = pytest.importorskip("transformers")
@@ -323,9 +323,8 @@ def test_lora_model_trains_only_its_adapters() -> None:
     converted = amp_fx.convert(model, "O2", dtype=BF16)
     ids = _ids()
     loss = converted(input_ids=ids, labels=ids).loss
-    assert [(name, len(state.graphs), state.islands) for name, state in capture_states(converted)] == [
-        ("", 1, {})
-    ]
+    states = capture_states(converted)  # every part is a captured module; only the root ran
+    assert [(name, len(s.graphs), s.islands) for name, s in states if s.graphs or s.islands] == [("", 1, {})]
     read = {id(p) for _, state in capture_states(converted) for g in state.graphs for p in g.parameters()}
     assert all(id(p) in read for p in converted.parameters())
     trainable = {id(p) for p in converted.parameters() if p.requires_grad}
@@ -431,3 +430,24 @@ def test_a_no_grad_region_runs_as_autocast_runs_it(opt_level: str) -> None:
         assert bits_equal(out, with_autocast(model, "cpu", BF16)(x))
     out.float().sum().backward()
     assert converted.proj.weight.grad is not None and converted.score.weight.grad is None
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_part_called_on_its_own_runs_converted(opt_level: str) -> None:
+    """TRL's fused head calls ``model.transformer(...)`` / ``model.model(...)`` on the converted
+    model, and people call one layer to probe it: that part runs a rewritten graph of its own, not
+    the original code on the stored weights (FP32 at O1, no autocast; a dtype error at O2)."""
+    model = _gpt2().eval()
+    converted = amp_fx.convert(model, opt_level, dtype=BF16)
+    ids = _ids()
+    hidden = converted.transformer(input_ids=ids).last_hidden_state
+    reference = with_autocast(model.transformer, "cpu", BF16)(input_ids=ids).last_hidden_state
+    assert type(hidden) is torch.Tensor
+    if opt_level == "O1":
+        assert bits_equal(hidden, reference)
+    else:
+        rtol, atol = tolerances(BF16)
+        torch.testing.assert_close(hidden.float(), reference.float(), rtol=rtol, atol=atol)
+    assert dict(capture_states(converted))["transformer"].graphs  # its own graph
+    converted(input_ids=ids)  # the whole model still captures whole, its parts inside
+    assert len(dict(capture_states(converted))[""].graphs) == 1

@@ -42,18 +42,17 @@ class CaptureState:
     seconds: list[float] = dataclasses.field(default_factory=list)
     # Argument structure (see `_structure`) -> why calls of that structure run in an island.
     islands: dict[tuple[Any, ...], str] = dataclasses.field(default_factory=dict)
-    # Whether the module's forward ran eagerly yet (an island descends past children never called).
-    called: bool = False
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CaptureState:
         # Graphs hold the model's tensors; a copy of the model captures its own.
-        return CaptureState(self.policy, islands=dict(self.islands), called=self.called)
+        return CaptureState(self.policy, islands=dict(self.islands))
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled without graphs, as deep-copied: they are captured again at the next call.
-        return {"policy": self.policy, "islands": dict(self.islands), "called": self.called}
+        return {"policy": self.policy, "islands": dict(self.islands)}
 
     def __setstate__(self, values: dict[str, Any]) -> None:
+        values.pop("called", None)  # kept by pickles of an earlier version
         self.__init__(**values)  # type: ignore[misc]
 
 
