@@ -412,7 +412,7 @@ class AmpPrecision(Precision):
 
     def unscale_gradients(self, optimizer: Any) -> None:
         """Fabric's ``clip_gradients`` would next clip the still-scaled grads with torch: refused."""
-        raise NotImplementedError(
+        raise RuntimeError(
             "fabric.clip_gradients clips with torch.nn.utils, which would see amp_fx's still-scaled "
             "gradients; call clip_gradients(optimizer, max_norm) on your AmpPrecision instead"
         )
