@@ -44,6 +44,7 @@ import operator
 import os
 import sys
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -86,8 +87,8 @@ _GUARDS_MODULE = "_guards_fn"
 class ExportError(RuntimeError):
     """``torch.export`` could not capture a call; the message names the line that stopped it.
 
-    ``kind`` is what stopped it (a key of `ADVICE`: ``"container"``, ``"data-dependent"`` or
-    ``"other"``) and ``advice`` what would let the call capture.
+    ``kind`` is what stopped it (a key of `ADVICE`: ``"container"``, ``"data-dependent"``,
+    ``"custom-backward"`` or ``"other"``) and ``advice`` what would let the call capture.
     """
 
     def __init__(self, message: str, kind: str) -> None:
@@ -100,6 +101,7 @@ class ExportError(RuntimeError):
 _MARKERS = {
     "container": ("not a known type", "unsupported input type", "register a pytree", "pytree container"),
     "data-dependent": ("data-dependent", "data dependent", "guard_on_data_dependent", ".item()"),
+    "custom-backward": ("customautogradfunction",),
 }
 ADVICE = {
     "container": (
@@ -109,6 +111,10 @@ ADVICE = {
     "data-dependent": (
         "control flow or a size depends on a tensor's values: make that line independent of "
         "them (torch.where, torch.cond, or sizes known from the inputs' shapes)"
+    ),
+    "custom-backward": (
+        "the code calls a torch.autograd.Function, whose own backward a graph would lose (it would "
+        "differentiate the forward's ops instead): the island runs it eagerly, backward included"
     ),
     "other": "the module's own code runs correctly in the island; the error is what torch.export refused",
 }
@@ -198,7 +204,37 @@ def _export(
     model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic: bool, containers: bool
 ) -> Any:
     shapes = _dynamic_shapes(model, args, kwargs, ints=containers) if dynamic else None
-    return torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+    with _custom_backwards_refused():
+        return torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+
+
+class CustomAutogradFunction(RuntimeError):
+    """The captured code called a ``torch.autograd.Function`` where gradients flow: torch.export
+    records its forward's ops, and the graph would differentiate those instead of its backward."""
+
+
+@contextlib.contextmanager
+def _custom_backwards_refused() -> Iterator[None]:
+    function = torch.autograd.Function
+    apply = function.__dict__["apply"]  # a classmethod, or a C classmethod descriptor (torch 2.14)
+
+    def refusing(cls: type, *args: Any, **kwargs: Any) -> Any:
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        # torch's own Functions are torch.export's business (a custom op's registered backward
+        # runs from the op's node in the graph); a model's or a library's would be lost.
+        own = cls.__module__ == "torch" or cls.__module__.startswith("torch.")
+        if not own and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            raise CustomAutogradFunction(
+                f"{cls.__qualname__} is a torch.autograd.Function with a backward "
+                "of its own, which a captured graph would not run"
+            )
+        return apply.__get__(None, cls)(*args, **kwargs)
+
+    function.apply = classmethod(refusing)
+    try:
+        yield
+    finally:
+        function.apply = apply
 
 
 @dataclasses.dataclass(frozen=True)

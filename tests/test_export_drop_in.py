@@ -451,3 +451,47 @@ def test_a_part_called_on_its_own_runs_converted(opt_level: str) -> None:
     assert dict(capture_states(converted))["transformer"].graphs  # its own graph
     converted(input_ids=ids)  # the whole model still captures whole, its parts inside
     assert len(dict(capture_states(converted))[""].graphs) == 1
+
+
+class _ClippedGradient(torch.autograd.Function):
+    """A backward of its own (RecurrentGemma's SqrtBoundDerivative, PhiMoE's sparse mixer, a
+    straight-through estimator): not the derivative of the forward's ops."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.clamp(-0.1, 0.1)
+
+
+class _WithCustomBackward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ClippedGradient.apply(self.fc(x))
+
+
+def test_a_custom_autograd_function_keeps_its_backward() -> None:
+    """torch.export records a Function's forward ops, and a graph would differentiate those: the
+    module calling it runs in an island (its backward kept, the line named), its layers captured."""
+    torch.manual_seed(0)
+    model = _WithCustomBackward()
+    x = torch.randn(3, 4)
+    converted = amp_fx.convert(copy.deepcopy(model), "O1", dtype=BF16, front_end="export")
+    converted(x).float().sum().backward()
+    with torch.autocast("cpu", BF16):
+        expected = model(x)
+    expected.float().sum().backward()
+    assert bits_equal(converted.fc.weight.grad, model.fc.weight.grad)
+    states = dict(capture_states(converted))
+    (reason,) = states[""].islands.values()
+    assert "_ClippedGradient" in reason and "test_export_drop_in.py" in reason
+    assert len(states["fc"].graphs) == 1
+    with torch.no_grad():  # no gradient to lose: captured whole
+        inference = amp_fx.convert(copy.deepcopy(model), "O1", dtype=BF16, front_end="export")
+        inference(x)
+    assert not dict(capture_states(inference))[""].islands
