@@ -44,7 +44,6 @@ import operator
 import os
 import sys
 import traceback
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -54,6 +53,8 @@ from torch import nn
 
 from amp_fx.core.containers import Spec, flatten, leaves_in_objects, outer_objects, unflatten, write_back
 from amp_fx.core.node_info import KEEP_INPUT_DTYPE_KEY, KEEP_OUTPUT_DTYPE_KEY
+from amp_fx.passes.shared import autograd_functions
+from amp_fx.passes.shared.autograd_functions import intercepted_applies
 from amp_fx.passes.shared.call_signature import (
     KEYWORDS_ATTR,
     RANGES_ATTR,
@@ -142,12 +143,16 @@ def _dynamic_shapes(
     return {name: pytree.tree_map(spec, value, is_leaf=lambda x: x is None) for name, value in bound.items()}
 
 
+# Frames of the capture's own code, which a stopping line is never in.
+_OWN_FILES = (__file__, autograd_functions.__file__)
+
+
 def _stopping_line(error: BaseException) -> str:
     """``file:line: source`` of the innermost frame outside torch that the error passed through."""
     frames = [
         frame
         for frame in traceback.extract_tb(error.__traceback__)
-        if not frame.filename.startswith((_TORCH_DIR, "<")) and frame.filename != __file__
+        if not frame.filename.startswith((_TORCH_DIR, "<")) and frame.filename not in _OWN_FILES
     ]
     if not frames:
         return "inside torch"
@@ -204,7 +209,7 @@ def _export(
     model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic: bool, containers: bool
 ) -> Any:
     shapes = _dynamic_shapes(model, args, kwargs, ints=containers) if dynamic else None
-    with _custom_backwards_refused():
+    with intercepted_applies(_refuse_custom_backward):
         return torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
 
 
@@ -213,28 +218,14 @@ class CustomAutogradFunction(RuntimeError):
     records its forward's ops, and the graph would differentiate those instead of its backward."""
 
 
-@contextlib.contextmanager
-def _custom_backwards_refused() -> Iterator[None]:
-    function = torch.autograd.Function
-    apply = function.__dict__["apply"]  # a classmethod, or a C classmethod descriptor (torch 2.14)
-
-    def refusing(cls: type, *args: Any, **kwargs: Any) -> Any:
-        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        # torch's own Functions are torch.export's business (a custom op's registered backward
-        # runs from the op's node in the graph); a model's or a library's would be lost.
-        own = cls.__module__ == "torch" or cls.__module__.startswith("torch.")
-        if not own and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            raise CustomAutogradFunction(
-                f"{cls.__qualname__} is a torch.autograd.Function with a backward "
-                "of its own, which a captured graph would not run"
-            )
-        return apply.__get__(None, cls)(*args, **kwargs)
-
-    function.apply = classmethod(refusing)
-    try:
-        yield
-    finally:
-        function.apply = apply
+def _refuse_custom_backward(cls: type, apply: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise CustomAutogradFunction(
+            f"{cls.__qualname__} is a torch.autograd.Function with a backward of its own, which a "
+            "captured graph would not run"
+        )
+    return apply(*args, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)

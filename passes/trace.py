@@ -76,6 +76,7 @@ from amp_fx.core.node_info import (
 )
 from amp_fx.core.op_facts import NON_TENSOR_MODULES
 from amp_fx.core.policy import Rule
+from amp_fx.passes.shared.autograd_functions import apply_autograd_function, intercepted_applies
 from amp_fx.passes.shared.model_copy import copy_model
 from amp_fx.passes.shared.torch_source import culprit_frame, frames_after_current, location
 from amp_fx.passes.shared.traced_graph_module import TracedGraphModule, rebuild_traced_graph_module
@@ -203,6 +204,25 @@ def _transformer_encoder_forward(
     return output
 
 
+def _recorded_in(tracer: torch.fx.Tracer) -> Callable[..., Any]:
+    """A ``torch.autograd.Function`` called on traced values becomes one opaque node calling it,
+    so its own backward runs (`amp_fx.passes.shared.autograd_functions`)."""
+
+    def record(cls: type, apply: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        values = [*args, *kwargs.values()]
+        if not any(isinstance(v, torch.fx.Proxy) for v in torch.utils._pytree.tree_leaves(values)):
+            return apply(*args, **kwargs)
+        # The class is an attribute of the traced root (fx takes no class as an argument).
+        name = "_amp_fx_autograd_function_" + re.sub(r"\W", "_", f"{cls.__module__}.{cls.__qualname__}")
+        setattr(tracer.root, name, cls)
+        function = tracer.create_proxy("get_attr", name, (), {})
+        proxy = tracer.create_proxy("call_function", apply_autograd_function, (function, *args), kwargs)
+        proxy.node.meta[FX_WRAPPED_KEY] = True
+        return proxy
+
+    return record
+
+
 @contextlib.contextmanager
 def _mha_fast_path_disabled() -> Iterator[None]:
     """Trace torch.nn's transformer layers along their non-fast path: the fast-path checks
@@ -315,6 +335,11 @@ def _mark_opaque(
                 info.rule, info.opaque_reason, info.op = Rule.OPAQUE, reason, type(module).__name__
                 if detail is not None:
                     info.notes.append(detail)
+        elif node.op == "call_function" and node.target is apply_autograd_function:
+            info = node_info(node)
+            function = getattr(gm, node.args[0].target)
+            info.rule, info.op = Rule.OPAQUE, function.__qualname__
+            info.opaque_reason = f"torch.autograd.Function {function.__qualname__}: its own backward runs"
         elif _is_opaque_function(node):
             info = node_info(node)
             name = _function_name(node.target)
@@ -407,7 +432,7 @@ def _trace_graph(
     while True:
         tracer = _PrimitiveLeafTracer(leaves.opaque_types, leaves.leaf_names | set(leaves.untraceable))
         try:
-            with _mha_fast_path_disabled():
+            with _mha_fast_path_disabled(), intercepted_applies(_recorded_in(tracer)):
                 return tracer, tracer.trace(root, concrete_args)
         except Exception as error:
             failure = tracer.failure
