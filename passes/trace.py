@@ -76,7 +76,7 @@ from amp_fx.core.node_info import (
 )
 from amp_fx.core.op_facts import NON_TENSOR_MODULES
 from amp_fx.core.policy import Rule
-from amp_fx.passes.shared.autograd_functions import apply_autograd_function, intercepted_applies
+from amp_fx.passes.shared.autograd_functions import apply_autograd_function, intercepted_applies, recorded_in
 from amp_fx.passes.shared.model_copy import copy_model
 from amp_fx.passes.shared.torch_source import culprit_frame, frames_after_current, location
 from amp_fx.passes.shared.traced_graph_module import TracedGraphModule, rebuild_traced_graph_module
@@ -202,25 +202,6 @@ def _transformer_encoder_forward(
     if encoder.norm is not None:
         output = encoder.norm(output)
     return output
-
-
-def _recorded_in(tracer: torch.fx.Tracer) -> Callable[..., Any]:
-    """A ``torch.autograd.Function`` called on traced values becomes one opaque node calling it,
-    so its own backward runs (`amp_fx.passes.shared.autograd_functions`)."""
-
-    def record(cls: type, apply: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        values = [*args, *kwargs.values()]
-        if not any(isinstance(v, torch.fx.Proxy) for v in torch.utils._pytree.tree_leaves(values)):
-            return apply(*args, **kwargs)
-        # The class is an attribute of the traced root (fx takes no class as an argument).
-        name = "_amp_fx_autograd_function_" + re.sub(r"\W", "_", f"{cls.__module__}.{cls.__qualname__}")
-        setattr(tracer.root, name, cls)
-        function = tracer.create_proxy("get_attr", name, (), {})
-        proxy = tracer.create_proxy("call_function", apply_autograd_function, (function, *args), kwargs)
-        proxy.node.meta[FX_WRAPPED_KEY] = True
-        return proxy
-
-    return record
 
 
 @contextlib.contextmanager
@@ -432,7 +413,7 @@ def _trace_graph(
     while True:
         tracer = _PrimitiveLeafTracer(leaves.opaque_types, leaves.leaf_names | set(leaves.untraceable))
         try:
-            with _mha_fast_path_disabled(), intercepted_applies(_recorded_in(tracer)):
+            with _mha_fast_path_disabled(), intercepted_applies(recorded_in(tracer)):
                 return tracer, tracer.trace(root, concrete_args)
         except Exception as error:
             failure = tracer.failure

@@ -21,12 +21,17 @@ tensor([2.])
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.fx
+import torch.utils._pytree as pytree
 
-__all__ = ["apply_autograd_function", "intercepted_applies", "is_torch_function"]
+from amp_fx.core.node_info import FX_WRAPPED_KEY
+
+__all__ = ["apply_autograd_function", "intercepted_applies", "is_torch_function", "recorded_in"]
 
 # (the Function class, its original apply bound to it, args, kwargs) -> what the call returns.
 Handler = Callable[[type, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
@@ -60,3 +65,22 @@ def intercepted_applies(handler: Handler) -> Iterator[None]:
         yield
     finally:
         function.apply = apply
+
+
+def recorded_in(tracer: torch.fx.Tracer) -> Callable[..., Any]:
+    """The handler torch.fx tracing uses: a Function called on traced values becomes one node
+    calling it (`apply_autograd_function`; `trace` makes it opaque), so its own backward runs."""
+
+    def record(cls: type, apply: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        values = [*args, *kwargs.values()]
+        if not any(isinstance(v, torch.fx.Proxy) for v in pytree.tree_leaves(values)):
+            return apply(*args, **kwargs)
+        # The class is an attribute of the traced root (fx takes no class as an argument).
+        name = "_amp_fx_autograd_function_" + re.sub(r"\W", "_", f"{cls.__module__}.{cls.__qualname__}")
+        setattr(tracer.root, name, cls)
+        function = tracer.create_proxy("get_attr", name, (), {})
+        proxy = tracer.create_proxy("call_function", apply_autograd_function, (function, *args), kwargs)
+        proxy.node.meta[FX_WRAPPED_KEY] = True
+        return proxy
+
+    return record
