@@ -24,6 +24,7 @@ from amp_fx.captured_model import CapturedModel, capture_states
 from amp_fx.optim import FusedAdam
 from amp_fx.testing import tolerances, with_autocast
 from tests.bit_equality import bits_equal
+from tests.models.small import WithCustomBackward
 
 transformers = pytest.importorskip("transformers")
 
@@ -453,33 +454,11 @@ def test_a_part_called_on_its_own_runs_converted(opt_level: str) -> None:
     assert len(dict(capture_states(converted))[""].graphs) == 1
 
 
-class _ClippedGradient(torch.autograd.Function):
-    """A backward of its own (RecurrentGemma's SqrtBoundDerivative, PhiMoE's sparse mixer, a
-    straight-through estimator): not the derivative of the forward's ops."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.clamp(-0.1, 0.1)
-
-
-class _WithCustomBackward(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _ClippedGradient.apply(self.fc(x))
-
-
 def test_a_custom_autograd_function_keeps_its_backward() -> None:
     """torch.export records a Function's forward ops, and a graph would differentiate those: the
     module calling it runs in an island (its backward kept, the line named), its layers captured."""
     torch.manual_seed(0)
-    model = _WithCustomBackward()
+    model = WithCustomBackward()
     x = torch.randn(3, 4)
     converted = amp_fx.convert(copy.deepcopy(model), "O1", dtype=BF16, front_end="export")
     converted(x).float().sum().backward()
@@ -489,7 +468,7 @@ def test_a_custom_autograd_function_keeps_its_backward() -> None:
     assert bits_equal(converted.fc.weight.grad, model.fc.weight.grad)
     states = dict(capture_states(converted))
     (reason,) = states[""].islands.values()
-    assert "_ClippedGradient" in reason and "test_export_drop_in.py" in reason
+    assert "ClippedGradient" in reason and "small.py" in reason
     assert len(states["fc"].graphs) == 1
     with torch.no_grad():  # no gradient to lose: captured whole
         inference = amp_fx.convert(copy.deepcopy(model), "O1", dtype=BF16, front_end="export")

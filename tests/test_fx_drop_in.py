@@ -17,6 +17,7 @@ from amp_fx.captured_model import CapturedModel, capture_states
 from amp_fx.core.node_info import OTHER_MODE_GRAPH_KEY
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.testing import tolerances
+from tests.models.small import WithCustomBackward
 
 BF16 = torch.bfloat16
 
@@ -377,31 +378,12 @@ def test_weights_tied_into_a_captured_child_stay_tied():
     assert type(out) is torch.Tensor and out.shape == (2, 20)
 
 
-class _ClippedGradient(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.clamp(-0.1, 0.1)
-
-
-class _WithCustomBackward(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _ClippedGradient.apply(self.fc(x))
-
-
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_a_custom_autograd_function_keeps_its_backward(opt_level: str) -> None:
     """torch.fx would trace through the Function's forward and differentiate its ops: the call is
     one opaque node instead, and the Function's own backward runs."""
     torch.manual_seed(0)
-    model = _WithCustomBackward()
+    model = WithCustomBackward()
     x = torch.randn(3, 4)
     converted = amp_fx.convert(copy.deepcopy(model), opt_level, dtype=torch.bfloat16, front_end="fx")
     converted(x).float().sum().backward()
@@ -415,4 +397,4 @@ def test_a_custom_autograd_function_keeps_its_backward(opt_level: str) -> None:
         grad = converted.fc.weight.grad.float()
         torch.testing.assert_close(grad, model.fc.weight.grad, rtol=rtol, atol=atol)
     reasons = [row.opaque_reason for row in amp_fx.report(converted).opaque]
-    assert any("_ClippedGradient" in reason for reason in reasons), reasons
+    assert any("ClippedGradient" in reason for reason in reasons), reasons

@@ -112,3 +112,27 @@ class DtypeReading(nn.Module):
         scores = h @ self.k(x).transpose(-1, -2)
         scores = scores.masked_fill(~keep[:, None, :], torch.finfo(scores.dtype).min)
         return self.out(scores.softmax(-1) @ h)
+
+
+class ClippedGradient(torch.autograd.Function):
+    """A backward of its own (RecurrentGemma's SqrtBoundDerivative, PhiMoE's sparse mixer, a
+    straight-through estimator): not the derivative of the forward's ops."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.clamp(-0.1, 0.1)
+
+
+class WithCustomBackward(nn.Module):
+    """A layer whose output goes through `ClippedGradient`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ClippedGradient.apply(self.fc(x))
