@@ -6,7 +6,7 @@
 passes, never their positions.
 
     >>> [step.name for step in PASSES][:4]
-    ['simplify_attention', 'normalize_ops', 'classify', 'propagate_dtypes']
+    ['drop_empty_concats', 'simplify_attention', 'normalize_ops', 'classify']
     >>> from amp_fx.core.policy import preset
     >>> from amp_fx.passes.trace import trace
     >>> gm = rewrite_graph(trace(torch.nn.Linear(4, 2)), preset("O1", torch.bfloat16, "cpu"))
@@ -28,6 +28,7 @@ from amp_fx.core.policy import Policy
 from amp_fx.passes.cast_outputs import cast_outputs
 from amp_fx.passes.cast_parameters import cast_parameters
 from amp_fx.passes.classify import classify
+from amp_fx.passes.drop_empty_concats import drop_empty_concats
 from amp_fx.passes.fuse_batch_norm import fuse_batch_norm
 from amp_fx.passes.fuse_linear_loss import fuse_linear_loss
 from amp_fx.passes.fuse_losses import fuse_losses
@@ -66,6 +67,7 @@ class Pass:
 
 # The passes after capture, in the order they run. Each pass's module docstring is its specification.
 PASSES: tuple[Pass, ...] = (
+    Pass(drop_empty_concats, reads_policy=False),
     Pass(simplify_attention, reads_policy=False),
     Pass(normalize_ops, reads_policy=False),
     Pass(classify),
