@@ -1,15 +1,17 @@
 """Models the training benchmark runs: a plainly written GPT-2-small, torchvision's ResNet-50 and
-two Hugging Face transformers causal LMs built from configs (random weights, no download).
+three Hugging Face transformers causal LMs built from configs (random weights, no download).
 
 The GPT is nanoGPT's architecture written out by hand (pre-LayerNorm blocks, causal
 `F.scaled_dot_product_attention`, GELU MLP, tied input and output embeddings), so every variant
 of the benchmark (torch.autocast, `.half()`, amp_fx O1-O3) trains the same plain `nn.Module`.
-``hf_gpt2`` is transformers' ``GPT2LMHeadModel(GPT2Config())`` (124M) and ``hf_llama`` a
+``hf_gpt2`` is transformers' ``GPT2LMHeadModel(GPT2Config())`` (124M), ``hf_llama`` a
 ``LlamaForCausalLM`` of 0.67B parameters (hidden 2048, 12 layers, 16 heads / 4 KV heads, vocab
-32000); they compute their own loss from ``labels=`` and amp_fx converts them with its torch.export
-front end (`amp_fx.captured_model`). Each builder returns a `Workload`: the model, a batch on the
-device and a loss function (None: the model's own), at the full benchmark size or, with
-``small=True``, at a size that trains in milliseconds on a CPU::
+32000) and ``hf_llama_liger`` the Llama of Liger-Kernel's comparison (hidden 1536, intermediate
+4096, 16 layers, 12 heads / 4 KV heads, vocab 32000; 8 x 2048 tokens); they compute their own
+loss from ``labels=`` and amp_fx converts them with its torch.export front end
+(`amp_fx.captured_model`). Each builder returns a `Workload`: the model, a batch on the device and
+a loss function (None: the model's own), at the full benchmark size or, with ``small=True``, at a
+size that trains in milliseconds on a CPU::
 
     >>> work = build_workload("gpt", torch.device("cpu"), small=True)
     >>> loss = with_loss(work.model, work.loss_fn)(work.inputs, work.targets)
@@ -188,6 +190,7 @@ TOKEN_SHAPES: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
     "gpt": ((16, 1024), (2, 32)),
     "hf_gpt2": ((16, 1024), (2, 32)),
     "hf_llama": ((8, 2048), (2, 32)),
+    "hf_llama_liger": ((8, 2048), (2, 32)),
 }
 
 
@@ -250,9 +253,30 @@ def build_resnet50(
     )
 
 
+# LlamaConfig sizes of the Llama workloads. hf_llama: Llama's MLP width 4 * 2/3 * hidden rounded up
+# to a multiple of 256 (as TinyLlama's 5632); 12 layers land at 0.67B parameters, head dim 128.
+# hf_llama_liger: the model of Liger-Kernel's published Llama comparison (issue 25), 0.50B, head dim
+# 128. "small": both at their CPU size.
+LLAMA_SIZES: dict[str, dict[str, int]] = {
+    "hf_llama": {
+        "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 12,
+        "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000,
+    },
+    "hf_llama_liger": {
+        "hidden_size": 1536, "intermediate_size": 4096, "num_hidden_layers": 16,
+        "num_attention_heads": 12, "num_key_value_heads": 4, "vocab_size": 32000,
+    },
+    "small": {
+        "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+    },
+}  # fmt: skip
+
+
 def hf_config(name: str, small: bool, seq_len: int) -> Any:
-    """The transformers config of ``hf_gpt2`` or ``hf_llama``, with position embeddings for at least
-    ``seq_len`` tokens; ``use_cache`` is the config's default, as people train."""
+    """The transformers config of ``hf_gpt2``, ``hf_llama`` or ``hf_llama_liger``, with position
+    embeddings for at least ``seq_len`` tokens; ``use_cache`` is the config's default, as people
+    train."""
     import transformers
 
     if name == "hf_gpt2":
@@ -262,18 +286,15 @@ def hf_config(name: str, small: bool, seq_len: int) -> Any:
                 bos_token_id=0, eos_token_id=0,  # GPT-2's 50256 is outside the tiny vocabulary
             )  # fmt: skip
         return transformers.GPT2Config(n_positions=max(1024, seq_len))
-    if small:
-        sizes: dict[str, int] = {"hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2}
-        sizes |= {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
-    else:
-        # Llama's MLP width 4 * 2/3 * hidden rounded up to a multiple of 256 (as TinyLlama's
-        # 5632); 12 layers land at 0.67B parameters, head dim 128.
-        sizes = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 12}
-        sizes |= {"num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000}
+    sizes = LLAMA_SIZES["small" if small else name]
     return transformers.LlamaConfig(**sizes, max_position_embeddings=max(2048, seq_len))
 
 
-HF_MODEL_CLASSES = {"hf_gpt2": "GPT2LMHeadModel", "hf_llama": "LlamaForCausalLM"}
+HF_MODEL_CLASSES = {
+    "hf_gpt2": "GPT2LMHeadModel",
+    "hf_llama": "LlamaForCausalLM",
+    "hf_llama_liger": "LlamaForCausalLM",
+}
 
 
 def hf_model(name: str, config: Any) -> nn.Module:
@@ -290,7 +311,7 @@ def build_hf(
     batch_size: int | None = None,
     seq_len: int | None = None,
 ) -> Workload:
-    """A transformers causal LM (``hf_gpt2``: 16 x 1024 tokens; ``hf_llama``: 8 x 2048) whose own
+    """A transformers causal LM (``hf_gpt2``: 16 x 1024 tokens; the Llamas: 8 x 2048) whose own
     loss trains it: ``model(input_ids=tokens, labels=tokens).loss``."""
     batch, seq = token_shape(name, small, batch_size, seq_len)
     config = hf_config(name, small, seq)
@@ -318,6 +339,7 @@ BUILDERS: dict[str, Callable[..., Workload]] = {
     "resnet50": build_resnet50,
     "hf_gpt2": lambda *args, **kwargs: build_hf("hf_gpt2", *args, **kwargs),
     "hf_llama": lambda *args, **kwargs: build_hf("hf_llama", *args, **kwargs),
+    "hf_llama_liger": lambda *args, **kwargs: build_hf("hf_llama_liger", *args, **kwargs),
 }
 
 
