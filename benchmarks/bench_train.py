@@ -1,15 +1,17 @@
 """End-to-end training-step benchmark: torch's mixed precision against amp_fx O1/O2/O3.
 
 Models (``--models``, benchmarks/models.py): ``gpt`` (GPT-2 small written out by hand),
-``resnet50``, and two Hugging Face transformers causal LMs from configs, random weights:
-``hf_gpt2`` (``GPT2LMHeadModel(GPT2Config())``, 124M, 16 x 1024 tokens) and ``hf_llama`` (Llama
-architecture, 0.67B, 8 x 2048 tokens; ``--batch-size``/``--seq-len`` change the shape). The
+``resnet50``, and three Hugging Face transformers causal LMs from configs, random weights:
+``hf_gpt2`` (``GPT2LMHeadModel(GPT2Config())``, 124M, 16 x 1024 tokens), ``hf_llama`` (Llama
+architecture, 0.67B, 8 x 2048 tokens) and ``hf_llama_liger`` (the Llama of Liger-Kernel's
+comparison, 0.50B, 8 x 2048 tokens); ``--batch-size``/``--seq-len`` change the shape. The
 transformers models train on their own loss (``model(input_ids=..., labels=...).loss``); amp_fx
 converts them with its torch.export front end (`amp_fx.captured_model`), which captures a graph at
 the first call and another at the first call of a new shape. For those, after the eager timing, the
 first call of a freshly converted model and its first call at 3/4 of the sequence length are timed
 beside the same calls once captured, and printed under the table. Without ``--variants`` they run
-autocast_fp16 and o2_fp16 only (the comparison of issue 12).
+autocast_fp16 and o2_fp16 only (the comparison of issue 12); hf_llama_liger runs issue 25's in
+bf16: autocast_bf16 (the baseline of its ratios), pure_bf16, o2_bf16 and the two Liger variants.
 
 One training step is forward, loss, (scaled) backward, optimizer step and scaler update. Every
 variant trains the same freshly seeded model on the same batch:
@@ -18,6 +20,17 @@ variant trains the same freshly seeded model on the same batch:
     autocast_fp16    torch.autocast(float16) + torch.amp.GradScaler, torch fused optimizer
     autocast_bf16    torch.autocast(bfloat16), torch fused optimizer
     half             model.half() (no master weights, no loss scaling), torch fused optimizer on fp16
+    pure_bf16        model.to(bfloat16) (no master weights), torch fused optimizer on bf16
+    liger_autocast_bf16, liger_pure_bf16
+                     autocast_bf16 / pure_bf16 on a model built after Liger-Kernel's patch of its
+                     family (``apply_liger_kernel_to_llama()``: RMSNorm, SwiGLU MLP, rotary and the
+                     fused linear + cross-entropy; Liger has no GPT-2 patch, and the table says so).
+                     Liger patches transformers for the whole process, so these run in a process
+                     of their own (``--isolate``). Liger is a benchmark-only dependency: on the GPU
+                     machine, which has no registry, install its wheel, downloaded beforehand into
+                     .wheels/ (``python -m pip download liger-kernel --no-deps -d .wheels``), with
+                     ``python3 -m pip install --no-deps .wheels/liger_kernel-*.whl``. Its kernels
+                     need CUDA: on a CPU these rows are skipped, with the reason.
     o{1,2,3}_{fp16,bf16}
                      amp_fx.convert(model, level, dtype=...) + amp_fx.optim.FusedAdam / FusedSGD
                      (FP32 masters at O2) + amp_fx.LossScaler (dynamic for fp16 at O1/O2; off for
@@ -69,7 +82,24 @@ Llama step is ~5x a GPT-2 one, and each model compiles twice)::
 
     python benchmarks/bench_train.py --models hf_gpt2,hf_llama --steps 10 --rounds 4 --time-budget 420
 
-Where a variant's time goes: ``--variants o2_fp16,autocast_fp16 --modes eager --profile 25``.
+Where a variant's time goes: ``--variants o2_fp16,autocast_fp16 --modes eager --profile 25``
+(torch.profiler's top ops), or ``--breakdown``: 3 more steps of every variant profiled and their
+GPU time summed by kind of kernel (casts/copies, elementwise, GEMM, attention, norms, reductions,
+optimizer, Triton kernels by family, other; benchmarks/kernel_breakdown.py), a table under the
+main one.
+
+Fresh processes (``--isolate``): ``variant`` runs every variant, in every mode, in a process of
+its own (benchmarks/isolated_runs.py) and collects the results into one table: a compiled
+variant's peak memory measured alone, not lowered by what variants built before it left behind.
+``auto`` (the default) does so only to keep the Liger variants apart from the others.
+
+Issue 25's runs, each well within 10 minutes on an H200 (the Liger wheel in .wheels/)::
+
+    python3 benchmarks/bench_train.py --models hf_llama_liger --modes eager --steps 10 --rounds 3 --breakdown
+    python3 benchmarks/bench_train.py --models hf_gpt2 --modes eager --variants autocast_fp16,half,o2_fp16 \
+        --steps 10 --rounds 3 --breakdown
+    python3 benchmarks/bench_train.py --models gpt --modes compile --variants autocast_fp16,o2_fp16,half \
+        --isolate variant --steps 10 --rounds 3
 
 CPU check that every variant runs (tiny models, Dynamo capture without Inductor; 1-2 minutes
 on one core; the transformers models ~1 minute more)::
@@ -82,6 +112,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -95,6 +126,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from isolated_runs import Group, run_groups, write_results  # noqa: E402
+from kernel_breakdown import format_breakdown, profile_breakdown  # noqa: E402
+from liger import patch_transformers  # noqa: E402
+from liger import unavailable_reason as liger_unavailable_reason  # noqa: E402
 from models import (  # noqa: E402
     BUILDERS,
     HF_MODEL_CLASSES,
@@ -102,6 +137,7 @@ from models import (  # noqa: E402
     WithLoss,
     Workload,
     build_workload,
+    hf_model_type,
     parameter_count,
     token_shape,
     with_loss,
@@ -138,6 +174,9 @@ class Variant:
     # A transformers model called as its config says (use_cache: a key/value cache is filled);
     # False sets config.use_cache=False, the comparison row of issue 22.
     kv_cache: bool = True
+    # Liger-Kernel's patch for the model's family applied before it is built (benchmarks/liger.py);
+    # it holds for the whole process, so these variants run in a process of their own.
+    liger: bool = False
 
     @property
     def uses_loss_scaling(self) -> bool:
@@ -155,6 +194,7 @@ VARIANTS: dict[str, Variant] = {
         Variant("autocast_fp16", "torch", torch.float16, autocast=True),
         Variant("autocast_bf16", "torch", torch.bfloat16, autocast=True),
         Variant("half", "torch", torch.float16),
+        Variant("pure_bf16", "torch", torch.bfloat16),
         *(
             Variant(f"o{level}_{short}", "amp_fx", dtype, opt_level=f"O{level}")
             for level in (1, 2, 3)
@@ -169,6 +209,8 @@ VARIANTS: dict[str, Variant] = {
         ),
         Variant("o2_fp16_no_kv_cache", "amp_fx", torch.float16, opt_level="O2", kv_cache=False),
         Variant("autocast_fp16_no_kv_cache", "torch", torch.float16, autocast=True, kv_cache=False),
+        Variant("liger_autocast_bf16", "torch", torch.bfloat16, autocast=True, liger=True),
+        Variant("liger_pure_bf16", "torch", torch.bfloat16, liger=True),
     ]
 }
 BASELINE = "autocast_fp16"
@@ -178,6 +220,9 @@ RUN_ORDER = [
     "half",
     "o2_bf16",
     "autocast_bf16",
+    "pure_bf16",
+    "liger_autocast_bf16",
+    "liger_pure_bf16",
     "o2_fp16_cuda_graph",
     "o2_fp16_loss_outside",
     "o2_fp16_unfused_bn",
@@ -195,7 +240,14 @@ assert sorted(RUN_ORDER) == sorted(VARIANTS)
 # What a model runs without --variants: every variant, except for the transformers models: issue
 # 12's comparison (their loss is inside the model, so o2_fp16_loss_outside has no meaning), which
 # keeps both within one GPU run of <= 9 minutes.
-DEFAULT_VARIANTS: dict[str, list[str]] = {"hf_gpt2": [BASELINE, "o2_fp16"], "hf_llama": [BASELINE, "o2_fp16"]}
+# hf_llama_liger runs the comparison of issue 25 in bf16, its Liger rows in a process of their own.
+DEFAULT_VARIANTS: dict[str, list[str]] = {
+    "hf_gpt2": [BASELINE, "o2_fp16"],
+    "hf_llama": [BASELINE, "o2_fp16"],
+    "hf_llama_liger": ["autocast_bf16", "pure_bf16", "o2_bf16", "liger_autocast_bf16", "liger_pure_bf16"],
+}
+# The variant a model's ratios are taken to, where it is not BASELINE (``--baseline`` overrides).
+MODEL_BASELINES: dict[str, str] = {"hf_llama_liger": "autocast_bf16"}
 # Eager steps CudaGraphStep runs before it captures; the benchmark's warm-up covers them and the capture.
 GRAPH_WARMUP_STEPS = 2
 
@@ -208,6 +260,8 @@ class Result:
     error: str | None = None
     step_ms: list[float] = field(default_factory=list)  # every timed step, all rounds
     round_ms: list[float] = field(default_factory=list)  # median of each round
+    # --breakdown: milliseconds per step by kind of kernel (benchmarks/kernel_breakdown.py).
+    breakdown: dict[str, float] | None = None
 
     @property
     def round_spread(self) -> float:
@@ -409,9 +463,15 @@ def short_error(exc: BaseException) -> str:
 
 
 def make_workload(
-    model_name: str, args: argparse.Namespace, device: torch.device, kv_cache: bool = True
+    model_name: str,
+    args: argparse.Namespace,
+    device: torch.device,
+    kv_cache: bool = True,
+    liger: bool = False,
 ) -> Workload:
     """A fresh, seeded workload of the command line's size (--small, --batch-size, --seq-len)."""
+    if liger:
+        patch_transformers(hf_model_type(model_name))
     workload = build_workload(
         model_name, device, small=args.small, batch_size=args.batch_size, seq_len=args.seq_len
     )
@@ -441,7 +501,12 @@ def prepare_variant(
     allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     step = None
     try:
-        work = make_workload(model_name, args, device, variant.kv_cache)
+        if variant.liger:
+            reason = liger_unavailable_reason(hf_model_type(model_name), device.type)
+            if reason is not None:
+                result.error = f"skipped: {reason}"
+                return result, None
+        work = make_workload(model_name, args, device, variant.kv_cache, variant.liger)
         step = build_step(variant, work, mode, args.compile_backend)
         # The step holds what it needs; amp_fx's unconverted original goes now, and the peak counts
         # from here: weights, optimizer state and activations of training, not conversion copies.
@@ -599,18 +664,19 @@ def format_table(
     modes: list[str],
     results: dict[tuple[str, str], Result],
     title: str,
+    baseline_name: str = BASELINE,
     check_targets: bool = True,
 ) -> str:
     header = ["variant"]
     for mode in modes:
-        header += [f"{mode} ms/step", f"{mode} vs {BASELINE}", f"{mode} peak GiB"]
+        header += [f"{mode} ms/step", f"{mode} vs {baseline_name}", f"{mode} peak GiB"]
     lines = [f"#### {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     errors = []
     for variant in variants:
         cells = [variant.name]
         for mode in modes:
             result = results.get((variant.name, mode))
-            baseline = results.get((BASELINE, mode))
+            baseline = results.get((baseline_name, mode))
             if result is None:
                 cells += ["-", "-", "-"]
                 continue
@@ -651,6 +717,8 @@ def target_checks(model_name: str, modes: list[str], results: dict[tuple[str, st
     """One line per target: o2_fp16's time ratio and peak memory against autocast_fp16's."""
     checks = []
     for mode in modes:
+        if (model_name, mode) not in TIME_TARGETS:
+            continue  # a comparison without targets (hf_llama_liger: issue 25's)
         o2, baseline = results.get(("o2_fp16", mode)), results.get((BASELINE, mode))
         if o2 is None or baseline is None or o2.median_ms is None or baseline.median_ms is None:
             continue
@@ -755,7 +823,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="after timing, profile 3 steps of each variant and print its top ROWS ops by self device "
         "time (use with --variants: where a variant's time goes)",
     )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="after timing, profile 3 steps of each variant and sum the GPU time by kind of kernel "
+        "(casts, GEMM, attention, norms, ..., Triton kernels by family): a table under the main one",
+    )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help=f"the variant ratios are taken to (default {BASELINE}; autocast_bf16 for hf_llama_liger)",
+    )
+    parser.add_argument(
+        "--isolate",
+        choices=["auto", "variant", "none"],
+        default="auto",
+        help="run variants in fresh processes of this script: 'variant' each alone (compiled peak "
+        "memory, unhidden by other variants); 'auto' (default) the Liger variants apart from the "
+        "others, where both are asked for; 'none' all in this process",
+    )
+    parser.add_argument("--json", default=None, help=argparse.SUPPRESS)  # a child's results, for its parent
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
 
     args.modes = [m for m in args.modes.split(",") if m]
     for mode in args.modes:
@@ -773,6 +862,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             if name not in VARIANTS:
                 parser.error(f"unknown variant {name!r}: choose from {', '.join(VARIANTS)}")
         args.variants = [VARIANTS[n] for n in names]
+    if args.baseline is not None and args.baseline not in VARIANTS:
+        parser.error(f"unknown --baseline {args.baseline!r}: choose from {', '.join(VARIANTS)}")
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.steps is None:
         args.steps = 2 if args.small else 20
@@ -812,11 +903,12 @@ def model_variants(model_name: str, args: argparse.Namespace) -> list[Variant]:
     return [VARIANTS[name] for name in DEFAULT_VARIANTS.get(model_name, VARIANTS)]
 
 
-def benchmark_model(model_name: str, args: argparse.Namespace, deadline: float | None) -> str:
-    ordered = model_variants(model_name, args)
-    # Most telling first, so that a run cut short by --time-budget still has the baseline and O2.
-    variants = sorted(ordered, key=lambda v: RUN_ORDER.index(v.name))
-    capture_cost = None
+def measure_in_process(
+    model_name: str, variants: list[Variant], args: argparse.Namespace, deadline: float | None
+) -> tuple[dict[tuple[str, str], Result], list[str]]:
+    """Build, time (and with --breakdown profile) ``variants`` of one model in this process: the
+    results by (variant, mode), and notes for under the table (the capture cost)."""
+    notes: list[str] = []
     results: dict[tuple[str, str], Result] = {}
     for mode in args.modes:
         built: dict[str, Callable[[], torch.Tensor]] = {}
@@ -851,38 +943,113 @@ def benchmark_model(model_name: str, args: argparse.Namespace, deadline: float |
                 f"(rounds {', '.join(f'{ms:.2f}' for ms in result.round_ms)})",
                 flush=True,
             )
-            if args.profile:
-                try:
+            try:  # the timing stands; the profiles are extra
+                if args.profile:
                     print(profile_steps(built[name], args.device, args.profile), flush=True)
-                except Exception:  # the timing stands; the profile is extra
-                    logger.exception("%s failed while profiled", name)
+                if args.breakdown:
+                    result.breakdown = profile_breakdown(built[name], args.device)
+            except Exception:
+                logger.exception("%s failed while profiled", name)
         built.clear()  # frees the models, optimizer states and compiled graphs of this mode
         release_memory(args.device)
         converting = [v for v in variants if v.framework == "amp_fx" and not v.cuda_graph]
         in_time = deadline is None or time.perf_counter() < deadline
         if mode == "eager" and converting and in_time:
+            capture_cost = None
             try:
                 capture_cost = measure_capture_cost(model_name, converting[0], args, args.device)
             except Exception:  # the step times stand; the capture cost is extra
                 logger.exception("%s: measuring the capture cost failed", model_name)
             if capture_cost is not None:
                 print(f"  {model_name} {capture_cost}", flush=True)
+                notes.append(str(capture_cost))
             release_memory(args.device)
+    return results, notes
+
+
+def process_groups(variants: list[Variant], modes: list[str], isolate: str) -> list[Group] | None:
+    """What each process runs (``--isolate``), None: everything in this one.
+
+    ``auto`` separates the Liger variants from the others, only where both are asked for;
+    ``variant`` gives every variant in every mode a process.
+    """
+    if isolate == "variant":
+        return [Group([v.name], [mode]) for mode in modes for v in variants]
+    liger_names = [v.name for v in variants if v.liger]
+    if isolate == "none" or not liger_names or len(liger_names) == len(variants):
+        return None
+    return [Group([v.name for v in variants if not v.liger], modes), Group(liger_names, modes)]
+
+
+def measure_in_processes(
+    model_name: str, groups: list[Group], args: argparse.Namespace, deadline: float | None
+) -> tuple[dict[tuple[str, str], Result], list[str]]:
+    """`measure_in_process` of each group in a fresh process of this script (isolated_runs.py)."""
+    rows, notes = run_groups(os.path.abspath(__file__), args.argv, model_name, groups, deadline)
+    result_fields = {f.name for f in dataclasses.fields(Result)}
+    results: dict[tuple[str, str], Result] = {}
+    for row in rows:
+        results[(row["variant"], row["mode"])] = Result(
+            **{k: v for k, v in row.items() if k in result_fields}
+        )
+    return results, notes
+
+
+def check_liger_alone(model_name: str, variants: list[Variant], isolate: str) -> None:
+    """Liger's patch holds for the whole process: refuse to run its variants beside others in one."""
+    if isolate == "none" and any(v.liger for v in variants) and not all(v.liger for v in variants):
+        raise SystemExit(
+            f"{model_name}: the Liger variants patch transformers for the whole process, so they cannot "
+            "run beside the others in one: leave --isolate at auto (each group its own process)"
+        )
+
+
+def benchmark_model(model_name: str, args: argparse.Namespace, deadline: float | None) -> str:
+    ordered = model_variants(model_name, args)
+    # Most telling first, so that a run cut short by --time-budget still has the baseline and O2.
+    variants = sorted(ordered, key=lambda v: RUN_ORDER.index(v.name))
+    groups = process_groups(variants, args.modes, args.isolate)
+    if groups is None:
+        results, notes = measure_in_process(model_name, variants, args, deadline)
+    else:
+        results, notes = measure_in_processes(model_name, groups, args, deadline)
+    if args.json:  # a child of measure_in_processes: its parent prints the table
+        rows = [
+            {"variant": name, "mode": mode, **dataclasses.asdict(r)} for (name, mode), r in results.items()
+        ]
+        write_results(args.json, rows, notes)
+        return ""
     description = workload_description(model_name, args.small, args.batch_size, args.seq_len)
     title = f"Training step: {description} - {environment_line(args.device, args.compile_backend)}"
+    baseline = args.baseline or MODEL_BASELINES.get(model_name, BASELINE)
     # The targets are about the full-size models on a GPU; a --small run only checks the code.
-    table = format_table(model_name, ordered, args.modes, results, title, check_targets=not args.small)
-    text = table + "\n" + timing_note(results, args) + "\n"
-    return text if capture_cost is None else text + "\n" + str(capture_cost) + "\n"
+    table = format_table(
+        model_name, ordered, args.modes, results, title, baseline, check_targets=not args.small
+    )
+    text = table + "\n" + timing_note(results, args, processes=len(groups or [variants])) + "\n"
+    for note in notes:
+        text += "\n" + note + "\n"
+    profiled = [(f"{v.name} {mode}", results.get((v.name, mode))) for mode in args.modes for v in ordered]
+    profiled = [(column, r) for column, r in profiled if r is not None and r.breakdown]
+    if profiled:
+        unit = "GPU ms/step" if args.device.type == "cuda" else "CPU ms/step (self time of ops)"
+        breakdowns = {column: r.breakdown for column, r in profiled}
+        text += "\n" + format_breakdown(breakdowns, unit, {column: r.median_ms for column, r in profiled})
+    return text
 
 
-def timing_note(results: dict[tuple[str, str], Result], args: argparse.Namespace) -> str:
+def timing_note(results: dict[tuple[str, str], Result], args: argparse.Namespace, processes: int = 1) -> str:
     """How the times were taken, and the largest effect of the order within a round."""
     rounds = max((len(r.round_ms) for r in results.values()), default=0)
     note = (
         f"Each time: median of {rounds} round(s) x {args.steps} steps after warm-up, all variants "
         "of a mode built first, then timed in turn, the order reversed every other round."
     )
+    if processes > 1:
+        note += (
+            f" The variants ran in {processes} processes, one after the other: ratios across "
+            "processes also carry the GPU's drift between them (clocks, temperature)."
+        )
     spreads = [(r.round_spread, name, mode) for (name, mode), r in results.items() if r.round_ms]
     if rounds > 1 and spreads:
         spread, name, mode = max(spreads)
@@ -893,6 +1060,8 @@ def timing_note(results: dict[tuple[str, str], Result], args: argparse.Namespace
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
+    for model_name in args.models:
+        check_liger_alone(model_name, model_variants(model_name, args), args.isolate)
     if args.small and args.device.type == "cpu":
         # A CPU run only checks that every variant works; on a shared machine one thread per
         # process avoids OpenMP spinning against other processes.
@@ -912,6 +1081,8 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
             tables.append(benchmark_model(model_name, args, deadline))
+    if args.json:
+        return  # a child of measure_in_processes: the results are in the file
     text = "\n".join(tables)
     print()
     publish(text, args.markdown)

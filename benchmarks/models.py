@@ -297,6 +297,17 @@ HF_MODEL_CLASSES = {
 }
 
 
+def hf_model_type(name: str) -> str | None:
+    """transformers' ``model_type`` of a Hugging Face workload (``"llama"``), None for the others.
+
+    >>> hf_model_type("hf_llama_liger"), hf_model_type("gpt")
+    ('llama', None)
+    """
+    if name not in HF_MODEL_CLASSES:
+        return None
+    return hf_config(name, small=True, seq_len=32).model_type
+
+
 def hf_model(name: str, config: Any) -> nn.Module:
     """A freshly initialized transformers model (random weights) of ``config``, on the current device."""
     import transformers
