@@ -262,6 +262,10 @@ class Result:
     round_ms: list[float] = field(default_factory=list)  # median of each round
     # --breakdown: milliseconds per step by kind of kernel (benchmarks/kernel_breakdown.py).
     breakdown: dict[str, float] | None = None
+    # Memory allocated before the variant was built, and its peak above that in the timed steps
+    # (steady state, no compile); meaningful where the variant ran alone (--isolate variant).
+    allocated_before: int = 0
+    timed_peak_gib: float | None = None
 
     @property
     def round_spread(self) -> float:
@@ -499,6 +503,7 @@ def prepare_variant(
     # freed while this variant is measured, it would lower this variant's apparent peak.
     gc.collect()
     allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    result.allocated_before = allocated_before
     step = None
     try:
         if variant.liger:
@@ -558,6 +563,8 @@ def time_interleaved(
                 continue
             # Other variants' garbage is collected here, not during this variant's timed steps.
             gc.collect()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             try:
                 # Two untimed steps after switching variants: caches and clocks settle for this one.
                 times = time_steps(steps[name], device, warmup=2, steps=args.steps)
@@ -566,6 +573,9 @@ def time_interleaved(
                 result.error = short_error(exc)
                 continue
             result.step_ms += times
+            if device.type == "cuda":
+                peak = (torch.cuda.max_memory_allocated(device) - result.allocated_before) / 2**30
+                result.timed_peak_gib = max(peak, result.timed_peak_gib or 0.0)
             result.round_ms.append(statistics.median(times))
     for result in results.values():
         if result.error is None and result.step_ms:
@@ -1029,6 +1039,8 @@ def benchmark_model(model_name: str, args: argparse.Namespace, deadline: float |
     text = table + "\n" + timing_note(results, args, processes=len(groups or [variants])) + "\n"
     for note in notes:
         text += "\n" + note + "\n"
+    if groups is not None and all(len(group.variants) == 1 for group in groups):
+        text += "\n" + steady_peaks_note(results) + "\n"
     profiled = [(f"{v.name} {mode}", results.get((v.name, mode))) for mode in args.modes for v in ordered]
     profiled = [(column, r) for column, r in profiled if r is not None and r.breakdown]
     if profiled:
@@ -1036,6 +1048,20 @@ def benchmark_model(model_name: str, args: argparse.Namespace, deadline: float |
         breakdowns = {column: r.breakdown for column, r in profiled}
         text += "\n" + format_breakdown(breakdowns, unit, {column: r.median_ms for column, r in profiled})
     return text
+
+
+def steady_peaks_note(results: dict[tuple[str, str], Result]) -> str:
+    """Each variant's peak memory in its timed steps, measured alone: the table's peak also
+    covers the warm-up steps, which compile (torch.compile) or capture (amp_fx)."""
+    peaks = [
+        f"{name} {mode} {r.timed_peak_gib:.2f}" for (name, mode), r in results.items() if r.timed_peak_gib
+    ]
+    if not peaks:
+        return "Peak memory in the timed steps: not measured (no CUDA device)."
+    return (
+        "Every variant ran alone in its process. Peak GiB in the timed steps (steady state; the "
+        f"table's peak also covers the warm-up, with its compile): {', '.join(peaks)}."
+    )
 
 
 def timing_note(results: dict[tuple[str, str], Result], args: argparse.Namespace, processes: int = 1) -> str:
