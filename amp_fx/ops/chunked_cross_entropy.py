@@ -1,0 +1,251 @@
+"""A language model's head and its FP32 cross-entropy, chunk by chunk: `chunked_linear_cross_entropy`.
+
+``F.cross_entropy(F.linear(h, W, b).float().view(-1, V), t)`` holds the whole [rows, V] logits:
+for Llama at 8 x 2048 tokens and V = 32000 that is 1 GB in bf16, 2 GB more for the float32 copy,
+and as much again for their gradients, all alive at the step's memory peak. Here the rows are
+taken ``chunk_rows`` at a time: each chunk's logits are one cuBLAS matmul in the input's dtype,
+the cross-entropy kernel (``amp_fx.kernels.cross_entropy.cross_entropy_forward_with_grad``: float32
+math) turns them into the loss and, in their own buffer, the unscaled gradient ``softmax - onehot``,
+and two more matmuls fold that gradient into the gradients of the hidden states and of the head's
+weight (and bias), accumulated in float32. So the forward computes the gradients, as Liger-Kernel's
+fused linear cross-entropy does, never holding more than one chunk of logits; the backward only
+scales them by the upstream gradient (and 1 / valid rows for a mean) and rounds them once to
+their parameters' dtypes.
+
+The gradients are kept in float32 between forward and backward (rows x d for the hidden states,
+V x d for the weight): far smaller than the logits, and unscaled, so fp16's range never sees the
+loss scale before the one rounding at the end. Without gradients (``torch.no_grad()``, or no
+input requiring one) the forward computes the loss only, still chunk by chunk.
+
+The custom op ``amp_fx::chunked_linear_cross_entropy`` has a fake implementation and autograd, so
+it works eagerly and under ``torch.compile(fullgraph=True)``. On CUDA the kernel is Triton's and
+the matmuls accumulate in float32 straight into float32 outputs; elsewhere the kernel is the
+pure-torch reference and the matmuls run on float32 copies (the same products, exact in float32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from amp_fx.ops.cross_entropy import _matmul_fp32
+
+__all__ = ["chunked_linear_cross_entropy", "chunked_linear_cross_entropy_sum", "default_chunk_rows"]
+
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_REDUCTIONS = ("mean", "sum")
+
+# The logits of one chunk take at most this many bytes (rounded down to a power of two of rows):
+# for GPT-2 (V = 50257, fp16) 2048 rows, for Llama (V = 32000, bf16) 4096 rows. Large enough that
+# each chunk's matmuls run at cuBLAS's full rate, small next to the [rows, V] logits it replaces.
+CHUNK_BYTES = 256 * 2**20
+
+
+def default_chunk_rows(num_classes: int, dtype: torch.dtype) -> int:
+    """Rows per chunk: a power of two whose logits fit in `CHUNK_BYTES` (at least 1).
+
+    >>> default_chunk_rows(50257, torch.float16), default_chunk_rows(32000, torch.bfloat16)
+    (2048, 4096)
+    """
+    rows = max(1, CHUNK_BYTES // (max(1, num_classes) * dtype.itemsize))
+    return 1 << (rows.bit_length() - 1)
+
+
+def _accumulate_fp32(total: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
+    """``total + a @ b`` in float32 (``a @ b`` accumulated in float32, never rounded low)."""
+    if total is not None and a.is_cuda and a.dtype != torch.float32:
+        return torch.addmm(total, a, b, out_dtype=torch.float32)
+    product = _matmul_fp32(a, b)
+    return product if total is None else total.add_(product)
+
+
+@torch.library.custom_op("amp_fx::chunked_linear_cross_entropy", mutates_args=())
+def chunked_linear_cross_entropy_sum(
+    input: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+    ignore_index: int,
+    chunk_rows: int,
+    input_grad: bool,
+    weight_grad: bool,
+    bias_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Sum over rows of the FP32 cross-entropy of ``F.linear(input, weight, bias)`` (input (N, d),
+    weight (V, d), target (N,) int64), computed ``chunk_rows`` rows at a time: ``(loss_sum,
+    valid_rows, grad_input, grad_weight, grad_bias)``. The loss sum and the number of rows whose
+    target is not ``ignore_index`` are float32 scalars; the gradients of the loss sum are float32
+    (N, d), (V, d) and (V,), each computed only where its flag asks (else an empty tensor)."""
+    from amp_fx.kernels import implementation_for
+
+    num_rows, num_classes = input.shape[0], weight.shape[0]
+    kernels = implementation_for([input])
+    loss_sum = input.new_zeros((), dtype=torch.float32)
+    grad_input = (
+        input.new_empty(input.shape, dtype=torch.float32)
+        if input_grad
+        else input.new_empty(0, dtype=torch.float32)
+    )
+    grad_weight = grad_bias = None
+    for start in range(0, num_rows, chunk_rows):
+        rows = input[start : start + chunk_rows]
+        rows_target = target[start : start + chunk_rows]
+        # One chunk of logits in the input's dtype; the kernel reads them and leaves softmax -
+        # onehot (float32 math, rounded once) in their place.
+        logits = F.linear(rows, weight, bias).contiguous()
+        loss_sum += kernels.cross_entropy_forward_with_grad(logits, rows_target, ignore_index).sum()
+        if input_grad:
+            grad_input[start : start + rows.shape[0]] = _matmul_fp32(logits, weight)
+        if weight_grad:
+            grad_weight = _accumulate_fp32(grad_weight, logits.t(), rows)
+        if bias_grad:
+            column_sums = logits.float().sum(dim=0)
+            grad_bias = column_sums if grad_bias is None else grad_bias.add_(column_sums)
+    valid_rows = (target != ignore_index).sum().to(torch.float32)
+
+    def zeros_or_empty(grad: Tensor | None, wanted: bool, shape: torch.Size) -> Tensor:
+        if grad is not None:
+            return grad
+        return input.new_zeros(shape if wanted else (0,), dtype=torch.float32)
+
+    grad_weight = zeros_or_empty(grad_weight, weight_grad, weight.shape)
+    grad_bias = zeros_or_empty(grad_bias, bias_grad, (num_classes,))
+    return loss_sum, valid_rows, grad_input, grad_weight, grad_bias
+
+
+@chunked_linear_cross_entropy_sum.register_fake
+def _chunked_fake(
+    input: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+    ignore_index: int,
+    chunk_rows: int,
+    input_grad: bool,
+    weight_grad: bool,
+    bias_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def grad(wanted: bool, shape: torch.Size | tuple[int, ...]) -> Tensor:
+        return input.new_empty(shape if wanted else (0,), dtype=torch.float32)
+
+    scalar = input.new_empty((), dtype=torch.float32)
+    return (
+        scalar,
+        input.new_empty((), dtype=torch.float32),
+        grad(input_grad, input.shape),
+        grad(weight_grad, weight.shape),
+        grad(bias_grad, (weight.shape[0],)),
+    )
+
+
+def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
+    input, weight, bias = inputs[:3]
+    _, valid_rows, grad_input, grad_weight, grad_bias = output
+    ctx.save_for_backward(grad_input, grad_weight, grad_bias)
+    ctx.dtypes = (input.dtype, weight.dtype, None if bias is None else bias.dtype)
+    ctx.mark_non_differentiable(valid_rows, grad_input, grad_weight, grad_bias)
+
+
+@once_differentiable  # the saved gradients are constants of the backward
+def _backward(ctx, grad_loss_sum: Tensor, *unused: Tensor | None) -> tuple:
+    saved = ctx.saved_tensors
+    needs = ctx.needs_input_grad[:3]
+    # One multiply by the upstream gradient in float32, then the one rounding to each dtype.
+    grads = tuple(
+        (grad * grad_loss_sum).to(dtype) if need and dtype is not None else None
+        for grad, dtype, need in zip(saved, ctx.dtypes, needs, strict=True)
+    )
+    return (*grads, None, None, None, None, None, None)
+
+
+chunked_linear_cross_entropy_sum.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _runs_fused(input: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, reduction: str) -> bool:
+    """Whether the chunked op computes this call (dtypes, ranks, devices, Python values only, so
+    torch.compile decides it while tracing)."""
+    return (
+        isinstance(input, Tensor)
+        and isinstance(weight, Tensor)
+        and isinstance(target, Tensor)
+        and input.dim() >= 1
+        and weight.dim() == 2
+        and weight.shape[0] > 0
+        and input.shape[-1] == weight.shape[1]
+        and input.dtype in _FUSED_DTYPES
+        and weight.dtype == input.dtype
+        and weight.device == input.device
+        and target.dtype == torch.int64
+        and target.numel() * weight.shape[1] == input.numel()
+        and target.device == input.device
+        and (bias is None or (bias.dtype == input.dtype and bias.shape == (weight.shape[0],)))
+        and reduction in _REDUCTIONS
+    )
+
+
+def chunked_linear_cross_entropy(
+    input: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    chunk_rows: int | None = None,
+) -> Tensor:
+    """``F.cross_entropy(F.linear(input, weight, bias).float().view(-1, V), target.view(-1),
+    ignore_index=ignore_index, reduction=reduction)`` in value (a float32 scalar), without ever
+    holding the [rows, V] logits: rows are taken ``chunk_rows`` at a time (default
+    `default_chunk_rows`) and the gradients are computed in the forward (module docstring).
+
+    Chunked when input (*, d), weight (V, d) and bias (V,) share one dtype (fp16, bf16 or fp32) and
+    device, target holds one int64 class index per row and reduction is "mean" or "sum"; any other
+    call returns exactly the torch expression above. As in torch, a mean over rows that are all
+    ignored is NaN and its gradients are zeros; unlike torch, a target outside [0, V) that is not
+    ignore_index makes the loss NaN instead of raising (no host synchronization).
+
+    Example:
+        >>> h = torch.randn(2, 5, 16, dtype=torch.bfloat16, requires_grad=True)
+        >>> head = torch.randn(50, 16, dtype=torch.bfloat16, requires_grad=True)
+        >>> target = torch.randint(0, 50, (10,))
+        >>> loss = chunked_linear_cross_entropy(h, head, None, target, chunk_rows=4)
+        >>> loss.backward(); loss.dtype, head.grad.dtype
+        (torch.float32, torch.bfloat16)
+        >>> expected = F.cross_entropy(F.linear(h, head).float().view(-1, 50), target)
+        >>> torch.allclose(loss, expected)
+        True
+    """
+    if chunk_rows is not None and (
+        isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1
+    ):
+        raise ValueError(f"chunk_rows must be a positive int or None for the default, got {chunk_rows!r}")
+    if not _runs_fused(input, weight, bias, target, reduction):
+        logits = F.linear(input, weight, bias).float()
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            target.reshape(-1),
+            ignore_index=ignore_index,
+            reduction=reduction,
+        )
+    rows = input.reshape(-1, input.shape[-1])
+    if chunk_rows is None:
+        chunk_rows = default_chunk_rows(weight.shape[0], input.dtype)
+    grad_on = torch.is_grad_enabled()
+    loss_sum, valid_rows, *_ = chunked_linear_cross_entropy_sum(
+        rows,
+        weight,
+        bias,
+        target.reshape(-1),
+        ignore_index,
+        chunk_rows,
+        grad_on and input.requires_grad,
+        grad_on and weight.requires_grad,
+        grad_on and bias is not None and bias.requires_grad,
+    )
+    if reduction == "sum":
+        return loss_sum
+    # torch's mean: 0 / 0 = NaN when every row is ignored, with zero gradients; dividing by at
+    # least 1 and choosing NaN after keeps the backward's gradients zeros, not 0 * inf.
+    mean = loss_sum / valid_rows.clamp(min=1)
+    return torch.where(valid_rows > 0, mean, torch.full_like(mean, float("nan")))
