@@ -30,6 +30,7 @@ from amp_fx.passes.cast_parameters import cast_parameters
 from amp_fx.passes.classify import classify
 from amp_fx.passes.drop_empty_concats import drop_empty_concats
 from amp_fx.passes.fuse_batch_norm import fuse_batch_norm
+from amp_fx.passes.fuse_chunked_linear_loss import fuse_chunked_linear_loss
 from amp_fx.passes.fuse_linear_loss import fuse_linear_loss
 from amp_fx.passes.fuse_losses import fuse_losses
 from amp_fx.passes.insert_casts import insert_casts
@@ -78,6 +79,7 @@ PASSES: tuple[Pass, ...] = (
     Pass(cast_outputs),
     Pass(fuse_losses),
     Pass(fuse_linear_loss),
+    Pass(fuse_chunked_linear_loss),
     Pass(fuse_batch_norm),
     Pass(replace_max_pool),
 )

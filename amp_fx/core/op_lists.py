@@ -637,6 +637,7 @@ PASSTHROUGH_OPS = frozenset(
 OP_ALIASES: dict[str, str] = {
     "cross_entropy": "cross_entropy_loss",
     "fp32_cross_entropy": "cross_entropy_loss",  # amp_fx.ops.cross_entropy: same op, read from low precision
+    "chunked_linear_cross_entropy": "cross_entropy_loss",  # amp_fx.ops.chunked_cross_entropy: head + loss
     "grid_sample": "grid_sampler",
     "multi_dot": "linalg_multi_dot",
     "vecdot": "linalg_vecdot",

@@ -101,6 +101,11 @@ class Policy:
     ``fused_max_pool`` (default True at O2 on CUDA): large 2-D max-pools run through
     `amp_fx.ops.max_pool.max_pool2d` (1-byte argmax offsets, a one-pass gather backward). Both kernels
     are for GPUs: on other devices they would run their pure-torch references, slower than torch.
+    ``fused_chunked_linear_loss`` (default True at O2, any device): in a graph captured in training
+    mode, a language model's head and its cross-entropy (Hugging Face's ``ForCausalLMLoss`` included)
+    run chunk by chunk (`amp_fx.ops.chunked_cross_entropy.chunked_linear_cross_entropy`), never
+    holding the [rows, V] logits; logits the model returns become None, unless ``keep_logits=True``,
+    which leaves such heads unfused.
 
     >>> policy = preset("O1", device_type="cpu", dtype=torch.bfloat16)
     >>> policy.decide("conv2d")
@@ -118,6 +123,9 @@ class Policy:
     fused_linear_loss: bool | None = _fusion_flag(cuda_only=True, needs="fused_losses")
     fused_batch_norm: bool | None = _fusion_flag(cuda_only=True)
     fused_max_pool: bool | None = _fusion_flag(cuda_only=True)
+    fused_chunked_linear_loss: bool | None = _fusion_flag(cuda_only=False)
+    # Training graphs keep the logits they return instead of fusing their head with the loss.
+    keep_logits: bool = False
     op_rules: dict[str, OpRule] = field(default_factory=dict)
     global_rule: Rule = Rule.PASSTHROUGH
     op_overrides: dict[str, Rule] = field(default_factory=dict)
@@ -136,6 +144,7 @@ class Policy:
         self.cast_model_outputs = check_output_dtype(self.cast_model_outputs)
         for flag in _FUSION_FLAGS:
             setattr(self, flag.name, self._fusion_default(flag, getattr(self, flag.name)))
+        self.keep_logits = check_flag("keep_logits", self.keep_logits)
         self.global_rule = check_rule(self.global_rule)
         self.op_rules = {
             check_op(op): OpRule(check_rule(entry.rule), str(entry.reason))
@@ -355,7 +364,8 @@ class Policy:
         lines = [
             f"Policy {self.opt_level} dtype={dtype_name(self.dtype)} device_type={self.device_type} "
             f"keep_batchnorm_fp32={self.keep_batchnorm_fp32} cast_model_outputs={outputs} "
-            + " ".join(f"{flag}={getattr(self, flag)}" for flag in self.fusion_flags()),
+            + " ".join(f"{flag}={getattr(self, flag)}" for flag in self.fusion_flags())
+            + f" keep_logits={self.keep_logits}",
             f"  cast_parameters={self.cast_parameters} cast_inputs_dtype="
             f"{None if self.cast_inputs_dtype is None else dtype_name(self.cast_inputs_dtype)} "
             f"autocast_opaque={self.autocast_opaque}",
@@ -408,6 +418,7 @@ def preset(
     device_type: str | None = None,
     keep_batchnorm_fp32: bool | str | None = None,
     cast_model_outputs: torch.dtype | None = None,
+    keep_logits: bool = False,
     **fusion_flags: bool | None,
 ) -> Policy:
     """The policy for an Apex opt level; see `Policy` for the table.
@@ -418,8 +429,9 @@ def preset(
     "True"/"False"); `cast_model_outputs` defaults to float32 for O2/O3 (losses computed in fp32, as
     in Apex) and None (outputs as computed) for O0/O1. The fused-kernel switches
     (`Policy.fusion_flags`: ``fused_losses``, ``fused_linear_loss``, ``fused_batch_norm``,
-    ``fused_max_pool``) are True or False, or None for the default: ``fused_losses`` on for O2,
-    the others for O2 on CUDA only.
+    ``fused_max_pool``, ``fused_chunked_linear_loss``) are True or False, or None for the default:
+    ``fused_losses`` and ``fused_chunked_linear_loss`` on for O2, the others for O2 on CUDA only.
+    `keep_logits` (default False) keeps the logits a training graph returns (see `Policy`).
 
     >>> p = preset("O2", dtype=torch.bfloat16)
     >>> p.cast_parameters, p.keep_batchnorm_fp32, p.cast_model_outputs, p.fused_losses
@@ -447,6 +459,7 @@ def preset(
         device_type=device,
         keep_batchnorm_fp32=keep_bn,
         cast_model_outputs=outputs,
+        keep_logits=keep_logits,
         # None asks the policy for the opt level's (and device's) default.
         **{flag: fusion_flags.get(flag) for flag in Policy.fusion_flags()},
         op_rules=op_rules,

@@ -66,6 +66,7 @@ def policy_to_dict(policy: Policy) -> dict[str, Any]:
         if policy.cast_model_outputs is None
         else dtype_name(policy.cast_model_outputs),
         **{flag: getattr(policy, flag) for flag in policy.fusion_flags()},
+        "keep_logits": policy.keep_logits,
         "global": policy.global_rule.value,
         "op_rules": {
             op: {"rule": e.rule.value, "reason": e.reason} for op, e in sorted(policy.op_rules.items())
@@ -95,6 +96,7 @@ def policy_fields_from_dict(data: dict[str, Any], fusion_flags: tuple[str, ...])
         keep_batchnorm_fp32=data.get("keep_batchnorm_fp32", False),
         cast_model_outputs=check_output_dtype(data.get("cast_model_outputs")),
         **{flag: data.get(flag, False) for flag in fusion_flags},
+        keep_logits=data.get("keep_logits", False),
         op_rules={
             op: OpRule(check_rule(entry["rule"]), entry.get("reason", ""))
             for op, entry in data.get("op_rules", {}).items()

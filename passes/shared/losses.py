@@ -1,4 +1,5 @@
-"""Which cross-entropy calls the fused loss kernel computes, for `fuse_losses` and `fuse_linear_loss`.
+"""Which cross-entropy calls the fused loss kernel computes, for `fuse_losses`, `fuse_linear_loss` and
+`fuse_chunked_linear_loss`, and the arguments of a cross-entropy call in either front end's spelling.
 
 >>> arguments = dict(zip(CROSS_ENTROPY_PARAMETERS, (torch.fx.Graph().placeholder("x"), None)))
 >>> is_fusable_loss(CROSS_ENTROPY_DEFAULTS | arguments)
@@ -11,8 +12,16 @@ from typing import Any
 
 import torch
 import torch.fx
+import torch.nn.functional as F
 
-__all__ = ["CROSS_ENTROPY_DEFAULTS", "CROSS_ENTROPY_PARAMETERS", "is_fusable_loss"]
+from amp_fx.ops.cross_entropy import fp32_cross_entropy
+
+__all__ = [
+    "CROSS_ENTROPY_DEFAULTS",
+    "CROSS_ENTROPY_PARAMETERS",
+    "cross_entropy_call_arguments",
+    "is_fusable_loss",
+]
 
 
 # F.cross_entropy's parameters after (input, target), with their defaults, and all of them in order.
@@ -43,3 +52,39 @@ def is_fusable_loss(arguments: dict[str, Any]) -> bool:
         and arguments["reduction"] in ("mean", "sum", "none")
         and isinstance(arguments["ignore_index"], int)
     )
+
+
+# ATen's cross_entropy_loss(self, target, weight, reduction, ignore_index, label_smoothing): the
+# reduction as an enum (torch's _Reduction), the legacy size_average/reduce already folded into it.
+_ATEN_CROSS_ENTROPY = torch.ops.aten.cross_entropy_loss.default
+_ATEN_PARAMETERS = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+_ATEN_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+def cross_entropy_call_arguments(node: torch.fx.Node) -> dict[str, Any] | None:
+    """Every parameter of ``F.cross_entropy`` by name (defaults filled in) for a call of ATen's
+    ``cross_entropy_loss`` (torch.export graphs), ``F.cross_entropy`` or amp_fx's
+    ``fp32_cross_entropy`` (torch.fx graphs); None for any other node or arguments it cannot read.
+
+    >>> graph = torch.fx.Graph()
+    >>> x, t = graph.placeholder("x"), graph.placeholder("t")
+    >>> call = graph.call_function(torch.ops.aten.cross_entropy_loss.default, (x, t, None, 2))
+    >>> cross_entropy_call_arguments(call)["reduction"]
+    'sum'
+    """
+    if node.op != "call_function":
+        return None
+    if node.target is _ATEN_CROSS_ENTROPY:
+        if len(node.args) > len(_ATEN_PARAMETERS) or not set(node.kwargs) <= set(_ATEN_PARAMETERS):
+            return None
+        arguments = dict(zip(_ATEN_PARAMETERS, node.args, strict=False)) | dict(node.kwargs)
+        reduction = _ATEN_REDUCTIONS.get(arguments.pop("reduction", 1))
+        if reduction is None:
+            return None
+        return CROSS_ENTROPY_DEFAULTS | arguments | {"reduction": reduction}
+    if node.target not in (F.cross_entropy, fp32_cross_entropy):
+        return None
+    kwargs = {k: v for k, v in node.kwargs.items() if k != "grad_into_input"}
+    if len(node.args) > len(CROSS_ENTROPY_PARAMETERS) or not set(kwargs) <= set(CROSS_ENTROPY_PARAMETERS):
+        return None
+    return CROSS_ENTROPY_DEFAULTS | dict(zip(CROSS_ENTROPY_PARAMETERS, node.args, strict=False)) | kwargs

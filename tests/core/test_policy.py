@@ -203,7 +203,13 @@ def test_fusion_defaults_wait_for_the_device_type(level: str) -> None:
 
 
 def test_fusion_flags_are_read_from_the_fields_and_unknown_ones_refused() -> None:
-    flags = ("fused_losses", "fused_linear_loss", "fused_batch_norm", "fused_max_pool")
+    flags = (
+        "fused_losses",
+        "fused_linear_loss",
+        "fused_batch_norm",
+        "fused_max_pool",
+        "fused_chunked_linear_loss",
+    )
     assert Policy.fusion_flags() == flags
     data = preset("O2", device_type="cuda").to_dict()
     assert {flag: data[flag] for flag in Policy.fusion_flags()} == dict.fromkeys(Policy.fusion_flags(), True)

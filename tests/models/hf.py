@@ -158,3 +158,22 @@ MODELS: dict[str, Callable[[], tuple[torch.nn.Module, Inputs]]] = {
     "gemma3": gemma3,
     "clip": clip,
 }
+
+
+def causal_lm_without_dropout(name: str, tied: bool) -> torch.nn.Module:
+    """A one-layer GPT-2 ("gpt2") or Llama ("llama") causal LM with no dropout (two runs draw no
+    random numbers, so they compare), its head tied to the embedding or not."""
+    import transformers
+
+    torch.manual_seed(0)
+    if name == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=32,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=tied,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)

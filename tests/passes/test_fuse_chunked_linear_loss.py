@@ -1,0 +1,183 @@
+"""fuse_chunked_linear_loss: in graphs captured in training mode, a language model's head and its
+cross-entropy (Hugging Face's ``ForCausalLMLoss``: ``logits.float()``, labels padded with -100 and
+shifted, ``view(-1, V)``, a mean or a sum divided by ``num_items_in_batch``) become one
+`chunked_linear_cross_entropy` call, and the logits the model returns become None.
+
+Reference: the unfused graph's nodes (which must be gone, or left exactly as they were for near
+misses), and for the values `tests/test_chunked_lm_loss.py` (O2 against torch.autocast).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import amp_fx
+from amp_fx.captured_model import capture_states
+from amp_fx.core.node_info import TRAINING_MODE_KEY, node_info
+from amp_fx.core.policy import preset
+from amp_fx.ops.chunked_cross_entropy import chunked_linear_cross_entropy
+from amp_fx.pipeline import rewrite_graph
+from amp_fx.testing import tolerances, with_autocast
+from tests.bit_equality import bits_equal
+from tests.models.hf import VOCAB, causal_lm_without_dropout
+
+transformers = pytest.importorskip("transformers")
+
+BF16 = torch.bfloat16
+
+
+def _chunked_calls(model: nn.Module) -> list[torch.fx.Node]:
+    return [
+        node
+        for _, state in capture_states(model)
+        for graph in state.graphs
+        for node in graph.graph.nodes
+        if node.target is chunked_linear_cross_entropy
+    ]
+
+
+def _aten_losses(model: nn.Module) -> list[torch.fx.Node]:
+    return [
+        node
+        for _, state in capture_states(model)
+        for graph in state.graphs
+        for node in graph.graph.nodes
+        if node.target is torch.ops.aten.cross_entropy_loss.default
+    ]
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize(("name", "tied"), [("gpt2", True), ("llama", False)])
+def test_hugging_face_head_and_loss_become_one_call(name, tied):
+    model = causal_lm_without_dropout(name, tied)
+    converted = amp_fx.convert(model, "O2", dtype=BF16)
+    ids = _ids()
+    output = converted(input_ids=ids, labels=ids)
+    assert output.logits is None and type(output.loss) is torch.Tensor and output.loss.dtype == torch.float32
+    (call,) = _chunked_calls(converted)
+    assert not _aten_losses(converted)
+    assert call.kwargs == {"ignore_index": -100, "reduction": "mean"}
+    assert node_info(call).in_dtypes == (BF16, BF16, torch.int64)
+    assert any("chunked_linear_cross_entropy" in note for note in node_info(call).notes)
+    assert (converted.lm_head.weight is converted.get_input_embeddings().weight) is tied
+
+    if name != "llama":
+        return
+    # Trainer's call: a sum divided by the tokens of the whole batch, a graph of its own.
+    items = torch.tensor(11)
+    summed = converted(input_ids=ids, labels=ids, num_items_in_batch=items)
+    calls = _chunked_calls(converted)
+    assert len(calls) == 2 and calls[1].kwargs["reduction"] == "sum"
+    assert [user.target for user in calls[1].users] == [torch.ops.aten.div.Tensor]
+    expected = output.loss * (ids[:, 1:] != -100).sum() / items
+    torch.testing.assert_close(
+        summed.loss, expected, **dict(zip(("rtol", "atol"), tolerances(torch.float32), strict=True))
+    )
+
+
+def test_eval_and_o1_keep_the_logits():
+    model = causal_lm_without_dropout("llama", tied=False)
+    ids = _ids()
+    evaluated = amp_fx.convert(copy.deepcopy(model).eval(), "O2", dtype=BF16)
+    assert evaluated(input_ids=ids, labels=ids).logits.dtype == torch.float32
+    o1 = amp_fx.convert(model, "O1", dtype=BF16)  # training, with labels: autocast bit for bit
+    output, expected = (
+        o1(input_ids=ids, labels=ids),
+        with_autocast(model, "cpu", BF16)(input_ids=ids, labels=ids),
+    )
+    assert bits_equal(output.logits, expected.logits) and bits_equal(output.loss, expected.loss)
+    assert not _chunked_calls(evaluated) and not _chunked_calls(o1)
+
+
+class HeadAndLoss(nn.Module):
+    """Hugging Face's causal-LM loss written out; ``variant`` makes one near miss."""
+
+    def __init__(self, variant: str = "", **loss_kwargs) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.head = nn.Linear(16, VOCAB, bias=False)
+        self.variant = variant
+        self.loss_kwargs = loss_kwargs
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(torch.tanh(self.embed(ids)))
+        shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+        if self.variant == "class_dimension":  # (batch, classes, time): no rows of V classes
+            loss = F.cross_entropy(logits.float().transpose(1, 2), shifted, **self.loss_kwargs)
+        else:
+            loss = F.cross_entropy(logits.float().view(-1, VOCAB), shifted.view(-1), **self.loss_kwargs)
+        if self.variant == "logits_read":
+            return {"loss": loss, "logits": logits, "predicted": logits.argmax(-1)}
+        return {"loss": loss, "logits": logits}
+
+
+def _run(model: nn.Module, policy=None) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    converted = amp_fx.convert(model, "O2", dtype=BF16, policy=policy, front_end="export")
+    ids = _ids()
+    return converted, converted(ids, ids)
+
+
+def test_written_out_loss_and_another_ignore_index_fuse():
+    """The op computes any ignore_index exactly: -1 (nanoGPT's) fuses as -100 does."""
+    for kwargs in ({}, {"ignore_index": -1}):
+        converted, output = _run(HeadAndLoss(**kwargs))
+        assert output["logits"] is None and type(output["loss"]) is torch.Tensor
+        (call,) = _chunked_calls(converted)
+        assert call.kwargs["ignore_index"] == kwargs.get("ignore_index", -100)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: HeadAndLoss(label_smoothing=0.1),
+        lambda: HeadAndLoss(weight=torch.ones(VOCAB)),
+        lambda: HeadAndLoss(reduction="none"),
+        lambda: HeadAndLoss("logits_read"),
+        lambda: HeadAndLoss("class_dimension"),
+    ],
+    ids=["label_smoothing", "class_weights", "reduction_none", "logits_read_by_argmax", "class_dimension"],
+)
+def test_near_misses_are_left_alone(make):
+    converted, output = _run(make())
+    assert not _chunked_calls(converted)
+    assert output["logits"].dtype == torch.float32
+
+
+def test_keep_logits_and_the_flag():
+    converted, output = _run(HeadAndLoss(), preset("O2", BF16, keep_logits=True))
+    assert not _chunked_calls(converted) and output["logits"].dtype == torch.float32
+    converted, output = _run(HeadAndLoss(), preset("O2", BF16, fused_chunked_linear_loss=False))
+    assert not _chunked_calls(converted) and output["logits"].dtype == torch.float32
+    assert preset("O2", device_type="cpu").fused_chunked_linear_loss
+    assert preset("O2", device_type="cuda").fused_chunked_linear_loss
+    assert not preset("O1").fused_chunked_linear_loss and not preset("O3").fused_chunked_linear_loss
+    policy = preset("O2", BF16, "cpu", keep_logits=True)
+    assert amp_fx.Policy.from_dict(policy.to_dict()).keep_logits is True and "keep_logits=True" in str(policy)
+    with pytest.raises(TypeError, match="keep_logits must be True or False"):
+        preset("O2", keep_logits="yes")
+
+
+def test_torch_fx_graph_of_known_training_mode():
+    """The same description matches a torch.fx graph (call_module head, method calls): fused once its
+    mode is known to be training; a graph of unknown mode serves eval too and is left alone."""
+    model = HeadAndLoss()
+    policy = preset("O2", BF16, "cpu")
+    unknown = amp_fx.convert(model, "O2", policy=policy, front_end="fx")
+    assert not any(n.target is chunked_linear_cross_entropy for n in unknown.graph.nodes)
+    gm = torch.fx.symbolic_trace(copy.deepcopy(model))
+    gm.meta[TRAINING_MODE_KEY] = True
+    rewrite_graph(gm, policy)
+    (call,) = [n for n in gm.graph.nodes if n.target is chunked_linear_cross_entropy]
+    assert call.args[1].op == "get_attr" and call.args[1].target == "head.weight"
+    ids = _ids()
+    output = gm(ids, ids)
+    assert output["logits"] is None
+    torch.testing.assert_close(output["loss"], unknown(ids, ids)["loss"], rtol=1e-5, atol=1e-5)
