@@ -19,9 +19,8 @@ The linear layer's input is reshaped to ``(-1, d)`` instead, and `linear_cross_e
 layer's weight and bias and the loss's arguments. It runs only where ``policy.fused_linear_loss``
 (default True at O2 on CUDA: 0.3-0.5 ms less per compiled GPT-2 step on an H200, BENCHMARKS.md).
 Left alone: a 2-D head read by the loss with no view (its rank is not known from the graph),
-``torch.matmul`` heads and hooked modules. Not attempted: a chunked head that never holds the
-whole [rows, V] logits (it would save their memory, not time: the weight's gradient would be
-accumulated chunk by chunk through HBM).
+``torch.matmul`` heads and hooked modules. A chunked head that never holds the whole [rows, V]
+logits is `fuse_chunked_linear_loss`'s, in graphs captured in training mode.
 
 Example (O2, fp16, ``fused_linear_loss=True``)::
 
