@@ -27,13 +27,14 @@ def _ids() -> torch.Tensor:
     return ids
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize(("name", "tied"), [("gpt2", True), ("llama", False)])
-def test_o2_training_step_matches_autocast(name, tied):
-    model = causal_lm_without_dropout(name, tied)
-    ids = _ids()
+def test_o2_training_step_matches_autocast(name, tied, device):
+    model = causal_lm_without_dropout(name, tied).to(device)
+    ids = _ids().to(device)
     labels = ids.clone()
     labels[0, :3] = -100  # a padded prompt, as a collator writes it
-    reference = with_autocast(model, "cpu", BF16)
+    reference = with_autocast(model, device, BF16)
     expected = reference(input_ids=ids, labels=labels)
     expected.loss.backward()
     converted = amp_fx.convert(model, "O2", dtype=BF16)

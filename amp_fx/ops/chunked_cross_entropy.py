@@ -54,9 +54,10 @@ def default_chunk_rows(num_classes: int, dtype: torch.dtype) -> int:
 
 
 def _accumulate_fp32(total: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
-    """``total + a @ b`` in float32 (``a @ b`` accumulated in float32, never rounded low)."""
-    if total is not None and a.is_cuda and a.dtype != torch.float32:
-        return torch.addmm(total, a, b, out_dtype=torch.float32)
+    """``total + a @ b`` in float32 (``a @ b`` accumulated in float32, never rounded low).
+
+    The product gets a buffer of its own: ``addmm``'s float32-output overload does not take a
+    float32 ``total`` with fp16/bf16 factors on every torch version."""
     product = _matmul_fp32(a, b)
     return product if total is None else total.add_(product)
 
