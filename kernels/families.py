@@ -10,7 +10,7 @@ kernels in ``KERNELS``; ``reference.py`` and ``triton.py`` beside it implement t
 
 Example:
     >>> [family.__name__ for family in FAMILIES][:2]
-    ['amp_fx.kernels.adam', 'amp_fx.kernels.batch_norm']
+    ['amp_fx.kernels.activations', 'amp_fx.kernels.adam']
     >>> "adam_step_" in KERNEL_NAMES and "batch_norm_act_backward" in KERNEL_NAMES
     True
 """
