@@ -1,5 +1,6 @@
 """Runtime ops that converted graphs call, beneath the passes: the fp32 cross-entropy losses
-(`cross_entropy`), fused BatchNorm + ReLU (`batch_norm`), max pooling (`max_pool`), autocast
+(`cross_entropy`), fused BatchNorm + ReLU (`batch_norm`), max pooling (`max_pool`), fp32
+activations alone or gating a projection (`activations`), autocast
 islands for opaque parts (`autocast_island`), the guarded cast (`casts`), and their dispatch
 helpers. They import only `amp_fx.core` and `amp_fx.kernels`; each fused op's module is named for
 its kernel family in `amp_fx.kernels`.
