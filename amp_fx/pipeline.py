@@ -29,6 +29,7 @@ from amp_fx.passes.cast_outputs import cast_outputs
 from amp_fx.passes.cast_parameters import cast_parameters
 from amp_fx.passes.classify import classify
 from amp_fx.passes.drop_empty_concats import drop_empty_concats
+from amp_fx.passes.fuse_activations import fuse_activations
 from amp_fx.passes.fuse_batch_norm import fuse_batch_norm
 from amp_fx.passes.fuse_chunked_linear_loss import fuse_chunked_linear_loss
 from amp_fx.passes.fuse_linear_loss import fuse_linear_loss
@@ -77,6 +78,7 @@ PASSES: tuple[Pass, ...] = (
     Pass(cast_parameters),
     Pass(simplify_casts),
     Pass(cast_outputs),
+    Pass(fuse_activations),
     Pass(fuse_losses),
     Pass(fuse_linear_loss),
     Pass(fuse_chunked_linear_loss),

@@ -630,6 +630,9 @@ PASSTHROUGH_OPS = frozenset(
         # resampling that no list names
         "upsample",
         "affine_grid",
+        # amp_fx's fused activations (amp_fx.ops.activations): fp32 inside, the inputs' dtype out
+        "fp32_activation",
+        "fp32_gated_activation",
     }
 )
 

@@ -13,6 +13,8 @@ by one pass only stays in that pass.
 - `in_place_updates`: which inputs a node updates in place, through views, and the write-back of
   an update that lands on a cast;
 - `losses`: which cross-entropy calls the fused loss computes;
+- `op_patterns`: expression patterns over canonical op names, matched whole in the graphs of
+  both front ends (for `fuse_activations`);
 - `affine_masks`: which attention masks are True everywhere or causal, proved by evaluating their
   nodes as affine functions of the element's indices (for `simplify_attention`);
 - `model_copy`: the deep copy of a model the front ends convert;

@@ -196,6 +196,7 @@ def test_fusion_defaults_wait_for_the_device_type(level: str) -> None:
     for device in DEVICES:
         assert undecided.for_device(device) == preset(level, device_type=device)
     assert undecided.fused_losses == (level == "O2")  # the same on every device
+    assert undecided.fused_activations == (level == "O2")
     cuda_only = ("fused_linear_loss", "fused_batch_norm", "fused_max_pool")
     assert all(getattr(undecided, flag) is None for flag in cuda_only)
     assert Policy.from_dict(json.loads(json.dumps(undecided.to_dict()))) == undecided
@@ -209,6 +210,7 @@ def test_fusion_flags_are_read_from_the_fields_and_unknown_ones_refused() -> Non
         "fused_batch_norm",
         "fused_max_pool",
         "fused_chunked_linear_loss",
+        "fused_activations",
     )
     assert Policy.fusion_flags() == flags
     data = preset("O2", device_type="cuda").to_dict()
