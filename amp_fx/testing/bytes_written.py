@@ -31,6 +31,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from amp_fx.core.opt_levels import OPT_LEVELS, lookup_opt_level
+
 __all__ = ["PHASES", "RECIPES", "BytesWritten", "StepBytes", "training_step_bytes"]
 
 # The ways to train in low precision `training_step_bytes` compares (module docstring).
@@ -141,12 +143,13 @@ def _recipe_step(
     """(forward returning the loss, optimizer, loss scaler or None) of ``recipe`` on a copy of ``model``."""
     device_type = next(model.parameters()).device.type
     fp16 = dtype == torch.float16
-    if recipe == "O2":
+    if recipe in OPT_LEVELS:
         import amp_fx
         from amp_fx.optim import FusedAdam
 
-        trained = amp_fx.convert(copy.deepcopy(model), "O2", dtype=dtype, device_type=device_type)
-        optimizer: torch.optim.Optimizer = FusedAdam(trained.parameters(), lr=lr, master_weights=True)
+        trained = amp_fx.convert(copy.deepcopy(model), recipe, dtype=dtype, device_type=device_type)
+        masters = lookup_opt_level(recipe).keeps_fp32_masters
+        optimizer: torch.optim.Optimizer = FusedAdam(trained.parameters(), lr=lr, master_weights=masters)
         return lambda: _loss_of(trained(**inputs)), optimizer, amp_fx.LossScaler(enabled=fp16)
     if recipe == "autocast":
         trained = copy.deepcopy(model)
