@@ -1,0 +1,121 @@
+"""bench_train's variants: how each row of its table trains, the order they run in, and what
+each model runs without ``--variants``.
+
+Example:
+    >>> VARIANTS["o2_fp16"].uses_loss_scaling, VARIANTS["o2_bf16"].uses_loss_scaling
+    (True, False)
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How one row of the table trains: who converts the model and in which precision."""
+
+    name: str
+    # "torch": plain PyTorch (fp32, autocast or .half()); "amp_fx": amp_fx.convert + fused optimizer.
+    framework: str
+    # dtype of the model's parameters (torch variants) or amp_fx's low dtype.
+    dtype: torch.dtype = torch.float32
+    autocast: bool = False
+    opt_level: str | None = None
+    # The whole step captured once with amp_fx.training_step.CudaGraphStep and replayed (eager only).
+    cuda_graph: bool = False
+    # amp_fx converts the model alone; the loss runs on its float32 outputs.
+    loss_outside: bool = False
+    # amp_fx's BatchNorm + [add] + ReLU fusion (the O2 default); False runs them as torch ops.
+    fused_batch_norm: bool = True
+    # amp_fx's max-pool kernels (the O2 default); False runs torch's.
+    fused_max_pool: bool = True
+    # amp_fx's linear head + cross-entropy fusion (the O2 default); False runs them as two calls.
+    fused_linear_loss: bool = True
+    # A transformers model called as its config says (use_cache: a key/value cache is filled);
+    # False sets config.use_cache=False, the comparison row of issue 22.
+    kv_cache: bool = True
+    # Liger-Kernel's patch for the model's family applied before it is built (benchmarks/liger.py);
+    # it holds for the whole process, so these variants run in a process of their own.
+    liger: bool = False
+
+    @property
+    def uses_loss_scaling(self) -> bool:
+        # fp16 needs a dynamic loss scale wherever an fp32 copy of the weights exists (autocast, O1,
+        # O2); `.half()` and O3 train without one, as Apex's O3 does.
+        if self.dtype != torch.float16:
+            return False
+        return self.autocast or self.opt_level in ("O1", "O2")
+
+
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in [
+        Variant("fp32", "torch"),
+        Variant("autocast_fp16", "torch", torch.float16, autocast=True),
+        Variant("autocast_bf16", "torch", torch.bfloat16, autocast=True),
+        Variant("half", "torch", torch.float16),
+        Variant("pure_bf16", "torch", torch.bfloat16),
+        *(
+            Variant(f"o{level}_{short}", "amp_fx", dtype, opt_level=f"O{level}")
+            for level in (1, 2, 3)
+            for short, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16))
+        ),
+        Variant("o2_fp16_cuda_graph", "amp_fx", torch.float16, opt_level="O2", cuda_graph=True),
+        Variant("o2_fp16_loss_outside", "amp_fx", torch.float16, opt_level="O2", loss_outside=True),
+        Variant("o2_fp16_unfused_bn", "amp_fx", torch.float16, opt_level="O2", fused_batch_norm=False),
+        Variant("o2_fp16_unfused_pool", "amp_fx", torch.float16, opt_level="O2", fused_max_pool=False),
+        Variant(
+            "o2_fp16_unfused_linear_loss", "amp_fx", torch.float16, opt_level="O2", fused_linear_loss=False
+        ),
+        Variant("o2_fp16_no_kv_cache", "amp_fx", torch.float16, opt_level="O2", kv_cache=False),
+        Variant("autocast_fp16_no_kv_cache", "torch", torch.float16, autocast=True, kv_cache=False),
+        Variant("liger_autocast_bf16", "torch", torch.bfloat16, autocast=True, liger=True),
+        Variant("liger_pure_bf16", "torch", torch.bfloat16, liger=True),
+    ]
+}
+BASELINE = "autocast_fp16"
+RUN_ORDER = [
+    BASELINE,
+    "o2_fp16",
+    "half",
+    "o2_bf16",
+    "autocast_bf16",
+    "pure_bf16",
+    "liger_autocast_bf16",
+    "liger_pure_bf16",
+    "o2_fp16_cuda_graph",
+    "o2_fp16_loss_outside",
+    "o2_fp16_unfused_bn",
+    "o2_fp16_unfused_pool",
+    "o2_fp16_unfused_linear_loss",
+    "o2_fp16_no_kv_cache",
+    "autocast_fp16_no_kv_cache",
+    "o1_fp16",
+    "o3_fp16",
+    "o1_bf16",
+    "o3_bf16",
+    "fp32",
+]
+assert sorted(RUN_ORDER) == sorted(VARIANTS)
+# What a model runs without --variants: every variant, except for the transformers models: issue
+# 12's comparison (their loss is inside the model, so o2_fp16_loss_outside has no meaning), which
+# keeps both within one GPU run of <= 9 minutes.
+# hf_llama_liger runs the comparison of issue 25 in bf16, its Liger rows in a process of their own.
+DEFAULT_VARIANTS: dict[str, list[str]] = {
+    "hf_gpt2": [BASELINE, "o2_fp16"],
+    "hf_llama": [BASELINE, "o2_fp16"],
+    "hf_llama_liger": ["autocast_bf16", "pure_bf16", "o2_bf16", "liger_autocast_bf16", "liger_pure_bf16"],
+}
+# The variant a model's ratios are taken to, where it is not BASELINE (``--baseline`` overrides).
+MODEL_BASELINES: dict[str, str] = {"hf_llama_liger": "autocast_bf16"}
+
+
+def model_variants(model_name: str, args: argparse.Namespace) -> list[Variant]:
+    """The variants ``model_name`` runs: ``--variants``, else its default (`DEFAULT_VARIANTS`)."""
+    if args.variants is not None:
+        return list(args.variants)
+    return [VARIANTS[name] for name in DEFAULT_VARIANTS.get(model_name, VARIANTS)]
