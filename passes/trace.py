@@ -44,6 +44,7 @@ Example::
         _1 = getattr(self, "1")(_0);  _0 = None
         _2 = getattr(self, "2")(_1);  _1 = None
         return _2
+    >>> from amp_fx.core.node_info import node_info
     >>> [node_info(n).opaque_reason for n in gm.graph.nodes if n.target == "1"]
     ['untraceable: ...:3: return x if x.sum() > 0 else -x ...']
 """
@@ -69,16 +70,18 @@ from torch import nn
 
 from amp_fx.core.node_info import (
     FORWARD_SIGNATURE_KEY,
-    FX_WRAPPED_KEY,
     OTHER_MODE_GRAPH_KEY,
     UNTRACEABLE_MODULES_KEY,
-    node_info,
 )
-from amp_fx.core.op_facts import NON_TENSOR_MODULES
-from amp_fx.core.policy import Rule
-from amp_fx.passes.shared.autograd_functions import apply_autograd_function, intercepted_applies, recorded_in
+from amp_fx.passes.shared.autograd_functions import intercepted_applies, recorded_in
 from amp_fx.passes.shared.model_copy import copy_model
 from amp_fx.passes.shared.torch_source import culprit_frame, frames_after_current, location
+from amp_fx.passes.shared.trace_leaves import (
+    OPAQUE_TORCH_MODULES,
+    is_primitive_module,
+    mark_opaque,
+    validate_leaf_modules,
+)
 from amp_fx.passes.shared.traced_graph_module import TracedGraphModule, rebuild_traced_graph_module
 
 logger = logging.getLogger(__name__)
@@ -95,13 +98,6 @@ __all__ = [
     "trace",
 ]
 
-# torch.nn modules that are leaves but whose forward is not one op the policy can reason about:
-# fused attention/recurrent kernels with data-dependent fast paths. They run as opaque nodes.
-OPAQUE_TORCH_MODULES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention, nn.RNNBase, nn.RNNCellBase)
-
-_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
-_TORCH_NN_PREFIXES = ("torch.nn.", "torch.ao.nn.")
-
 
 class TraceError(TypeError):
     """The top-level forward of a model cannot be traced by torch.fx.
@@ -116,22 +112,6 @@ def _forward_signature(model: nn.Module) -> inspect.Signature | None:
         return inspect.signature(model.forward)
     except (TypeError, ValueError):  # a forward without one (a C function): keep fx's
         return None
-
-
-def is_primitive_module(module: nn.Module) -> bool:
-    """True for a ``torch.nn`` module that computes one op and stays a leaf of the trace.
-
-    A torch.nn (or torch.ao.nn) module with no child modules is primitive (Linear, Conv2d,
-    BatchNorm2d, ReLU, Dropout, Embedding, MaxPool2d, Flatten, losses, ...); containers and
-    composites with children (Sequential, TransformerEncoderLayer, ...) are traced through.
-
-        >>> is_primitive_module(nn.Linear(2, 2)), is_primitive_module(nn.Sequential(nn.ReLU()))
-        (True, False)
-    """
-    if isinstance(module, _CONTAINERS):
-        return False
-    module_path = type(module).__module__ + "."
-    return module_path.startswith(_TORCH_NN_PREFIXES) and not module._modules
 
 
 class _PrimitiveLeafTracer(torch.fx.Tracer):
@@ -221,34 +201,6 @@ def _mha_fast_path_disabled() -> Iterator[None]:
         mha.set_fastpath_enabled(previous)
 
 
-def _validate_leaf_modules(
-    model: nn.Module, leaf_modules: Sequence[type | str]
-) -> tuple[tuple[type, ...], set[str]]:
-    if isinstance(leaf_modules, (str, type)):
-        leaf_modules = (leaf_modules,)
-    types_, names = [], set()
-    module_names = None
-    for entry in leaf_modules:
-        if isinstance(entry, type) and issubclass(entry, nn.Module):
-            types_.append(entry)
-        elif isinstance(entry, str):
-            if module_names is None:
-                module_names = {name for name, _ in model.named_modules()}
-            if entry == "" or entry not in module_names:
-                candidates = sorted(n for n in module_names if n)[:10]
-                raise ValueError(
-                    f"leaf_modules names {entry!r}, which is not a submodule of {type(model).__name__}; "
-                    f"use a qualified name from model.named_modules(), e.g. {candidates}"
-                )
-            names.add(entry)
-        else:
-            raise TypeError(
-                f"leaf_modules entries must be nn.Module subclasses or qualified module names (str), "
-                f"got {entry!r} of type {type(entry).__name__}"
-            )
-    return tuple(types_), names
-
-
 def _concrete_args_hint(root: nn.Module, source: str) -> str:
     """Suggest ``concrete_args``: the forward arguments the failing line names, else those
     with defaults (which torch.fx would otherwise trace as inputs)."""
@@ -275,57 +227,6 @@ def _concrete_args_hint(root: nn.Module, source: str) -> str:
         "pass concrete_args={'<argument>': <value>} to amp_fx.convert to specialise the argument it "
         f"depends on (forward takes: {', '.join(parameters) or 'nothing'})"
     )
-
-
-def _is_opaque_function(node: torch.fx.Node) -> bool:
-    """A call_function recorded as a whole by torch.fx.wrap, unless it is torch's own or a plain
-    Python helper on sizes (math.sqrt, len)."""
-    if node.op != "call_function" or not node.meta.get(FX_WRAPPED_KEY):
-        return False
-    module = getattr(node.target, "__module__", None) or ""
-    return module not in NON_TENSOR_MODULES and not (module == "torch" or module.startswith("torch."))
-
-
-def _function_name(fn: Any) -> str:
-    return getattr(fn, "__name__", None) or repr(fn)
-
-
-def _mark_opaque(
-    gm: torch.fx.GraphModule,
-    graph: torch.fx.Graph,
-    opaque_types: tuple[type, ...],
-    leaf_names: set[str],
-    untraceable: dict[str, tuple[str, str]],
-) -> None:
-    modules = dict(gm.named_modules())
-    for node in graph.nodes:
-        if node.op == "call_module":
-            module = modules[node.target]
-            reason, detail = None, None
-            if node.target in untraceable:
-                reason, detail = untraceable[node.target]
-            elif node.target in leaf_names or isinstance(module, opaque_types):
-                reason = f"leaf_modules: {type(module).__qualname__}"
-            elif isinstance(module, OPAQUE_TORCH_MODULES):
-                reason = (
-                    f"torch.nn.{type(module).__name__} has no traceable forward "
-                    "(fused kernel with data-dependent fast paths)"
-                )
-            if reason is not None:
-                info = node_info(node)
-                info.rule, info.opaque_reason, info.op = Rule.OPAQUE, reason, type(module).__name__
-                if detail is not None:
-                    info.notes.append(detail)
-        elif node.op == "call_function" and node.target is apply_autograd_function:
-            info = node_info(node)
-            function = getattr(gm, node.args[0].target)
-            info.rule, info.op = Rule.OPAQUE, function.__qualname__
-            info.opaque_reason = f"torch.autograd.Function {function.__qualname__}: its own backward runs"
-        elif _is_opaque_function(node):
-            info = node_info(node)
-            name = _function_name(node.target)
-            info.rule, info.op = Rule.OPAQUE, name
-            info.opaque_reason = f"fx.wrap: {getattr(node.target, '__module__', '?')}.{name}"
 
 
 def trace(
@@ -361,7 +262,7 @@ def trace(
             "concrete_args must be a dict of forward argument name -> value, "
             f"got {type(concrete_args).__name__}"
         )
-    opaque_types, leaf_names = _validate_leaf_modules(model, leaf_modules)
+    opaque_types, leaf_names = validate_leaf_modules(model, leaf_modules)
 
     root = copy_model(model)
     untraceable: dict[str, tuple[str, str]] = {}  # qualified name -> (opaque_reason, the error)
@@ -388,7 +289,7 @@ def trace(
         )
     _keep_unused_state(gm, tracer.root)
     for each in graphs:
-        _mark_opaque(gm, each, opaque_types, leaf_names, untraceable)
+        mark_opaque(gm, each, opaque_types, leaf_names, untraceable)
     gm.recompile()
     return gm
 

@@ -19,5 +19,7 @@ by one pass only stays in that pass.
   nodes as affine functions of the element's indices (for `simplify_attention`);
 - `model_copy`: the deep copy of a model the front ends convert;
 - `traced_graph_module`: the GraphModule the torch.fx front end returns, called like the model;
+- `trace_leaves`: what the torch.fx front end keeps whole (primitive leaves, opaque nodes and
+  their reasons), apart from `trace` for its size;
 - `torch_source`: where torch's own files are (a frame there is not the user's).
 """
