@@ -51,7 +51,8 @@ from torch import Tensor
 from amp_fx.distributed import agree_on_overflow_
 from amp_fx.kernels import implementation_for
 from amp_fx.kernels.reference import reciprocal_scale_
-from amp_fx.loss_scaler_settings import LossScaleSettings, check_number, checked_state_dict_values
+from amp_fx.loss_scaler_settings import check_number
+from amp_fx.loss_scaler_state_dict import LossScaleStateDict
 from amp_fx.optim.scaled_optimizer import ScaledOptimizer
 from amp_fx.optim.torch_optimizer_scaling import (
     any_overflow_on_host,
@@ -76,7 +77,7 @@ def _fresh_optimizer_state() -> dict[str, Any]:
     return {"stage": _Stage.READY, "found_inf_per_device": {}, "optimizer": None}
 
 
-class LossScaler(LossScaleSettings):
+class LossScaler(LossScaleStateDict):
     """Dynamic loss scaler: torch.amp.GradScaler's protocol with hysteresis and a min/max scale.
 
     The scale starts at ``init_scale``, is multiplied by ``growth_factor`` after
@@ -392,7 +393,8 @@ class LossScaler(LossScaleSettings):
         )
 
     # ----------------------------------------------------------------------------------------
-    # Getters (GradScaler's; the settings' own are LossScaleSettings')
+    # Getters (GradScaler's; get_scale and the settings' own are LossScaleStateDict's and
+    # LossScaleSettings')
 
     def scale_tensor(self) -> Tensor | None:
         """The current scale as a tensor on the device, for logging without a host read (None
@@ -406,24 +408,6 @@ class LossScaler(LossScaleSettings):
     # GradScaler's name for the same, which code written for GradScaler calls.
     _get_scale_async = scale_tensor
 
-    def get_scale(self) -> float:
-        """The current scale as a Python float (1.0 when disabled). Reads the device: a host sync."""
-        if not self._enabled:
-            return 1.0
-        return self._init_scale if self._scale is None else float(self._scale.item())
-
-    def _get_growth_tracker(self) -> int:
-        if not self._enabled:
-            return 0
-        return self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
-
-    def _get_hysteresis_tracker(self) -> int:
-        if not self._enabled:
-            return 0
-        if self._hysteresis_tracker is None:
-            return self._init_hysteresis_tracker
-        return int(self._hysteresis_tracker.item())
-
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Tensor]:
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
@@ -432,61 +416,7 @@ class LossScaler(LossScaleSettings):
         return self._enabled
 
     # ----------------------------------------------------------------------------------------
-    # Checkpoints
-
-    def state_dict(self) -> dict[str, Any]:
-        """The scaler's state as plain Python numbers (empty when disabled); a superset of GradScaler's.
-
-        Keys: ``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
-        ``_growth_tracker`` (GradScaler's five) and ``hysteresis``, ``_hysteresis_tracker``,
-        ``min_scale``, ``max_scale``. Reads the device (a host sync): call it after ``update()``.
-
-        Example:
-            >>> LossScaler(init_scale=1024.0).state_dict()["scale"]
-            1024.0
-        """
-        if not self._enabled:
-            return {}
-        return {
-            "scale": self.get_scale(),
-            "growth_factor": self._growth_factor,
-            "backoff_factor": self._backoff_factor,
-            "growth_interval": self._growth_interval,
-            "_growth_tracker": self._get_growth_tracker(),
-            "hysteresis": self._hysteresis,
-            "_hysteresis_tracker": self._get_hysteresis_tracker(),
-            "min_scale": self._min_scale,
-            "max_scale": self._max_scale,
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state from ``state_dict()`` (or from torch.amp.GradScaler's); no-op when disabled.
-
-        Every value is checked before anything changes. Keys GradScaler does not write
-        (hysteresis, bounds) keep their current values when absent.
-        """
-        if not self._enabled:
-            return
-        if not isinstance(state_dict, dict):
-            raise TypeError(
-                f"state_dict must be a dict from LossScaler.state_dict(), got {type(state_dict).__name__}"
-            )
-        if not state_dict:
-            raise ValueError(
-                "the loaded scaler state dict is empty: it was saved from a disabled scaler (enabled=False); "
-                "create this scaler with enabled=False too, or load a state dict from an enabled one"
-            )
-        values, growth_tracker, hysteresis_tracker = checked_state_dict_values(
-            state_dict, self._hysteresis, self._min_scale, self._max_scale
-        )
-        self._set_settings(**values)
-        self._init_growth_tracker = int(growth_tracker)
-        self._init_hysteresis_tracker = int(hysteresis_tracker)
-        if self._scale is not None:
-            self._scale.fill_(self._init_scale)
-            self._growth_tracker.fill_(self._init_growth_tracker)
-            self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
-            reciprocal_scale_(self._inv_scale, self._scale)
+    # Pickling (state_dict and load_state_dict are LossScaleStateDict's)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
