@@ -17,9 +17,8 @@ Example (a layer ``layers.0`` checkpointed)::
     linear_1 = linear(relu, w1)
     out = add(linear_1, x)
 
-Each region is a maximal run of consecutive nodes (in the graph's order, which is topological) that
-belong to one checkpointed module; nodes the passes added (casts) belong where their users do. A
-run of consecutive nodes is convex, so cutting it out keeps the graph acyclic.
+Each region is a maximal run of consecutive nodes that belong to one checkpointed module
+(`amp_fx.passes.shared.module_regions`).
 """
 
 from __future__ import annotations
@@ -28,34 +27,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.fx
-from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from amp_fx.ops.checkpoint import CheckpointedRegion
+from amp_fx.passes.shared.module_regions import cut_module_regions
 
 __all__ = ["checkpoint_regions"]
 
 _PREFIX = "checkpointed_"
-
-
-def _module_paths(node: torch.fx.Node) -> list[str]:
-    stack = node.meta.get("nn_module_stack") or {}
-    return [path for path, _ in stack.values()]
-
-
-def _region_keys(gm: torch.fx.GraphModule, checkpointed: set[str]) -> dict[torch.fx.Node, str | None]:
-    """The checkpointed module each computing node belongs to (None: outside every one)."""
-    keys: dict[torch.fx.Node, str | None] = {}
-    for node in reversed(gm.graph.nodes):  # users first: a node the passes added joins its users
-        if node.op not in ("call_function", "call_method", "call_module"):
-            keys[node] = None
-            continue
-        paths = _module_paths(node)
-        if paths:
-            keys[node] = next((path for path in paths if path in checkpointed), None)
-        else:
-            users = {keys.get(user) for user in node.users}
-            keys[node] = users.pop() if len(users) == 1 else None
-    return keys
 
 
 def checkpoint_regions(
@@ -75,23 +53,7 @@ def checkpoint_regions(
     """
     if not checkpoints:
         return gm
-    keys = _region_keys(gm, set(checkpoints))
-    runs: list[tuple[str, dict[torch.fx.Node, int | None]]] = []
-    previous: str | None = None
-    for node in gm.graph.nodes:
-        key = keys[node]
-        if key is not None and node.op != "output":
-            if key != previous:
-                runs.append((key, {}))
-            runs[-1][1][node] = None
-        previous = key
-    if not runs:
-        return gm
-    before = {name for name, _ in gm.named_children()}
-    gm = fuse_by_partitions(gm, [nodes for _, nodes in runs], prefix=_PREFIX)
-    fused = [name for name, _ in gm.named_children() if name not in before and name.startswith(_PREFIX)]
-    for name in fused:
-        index = int(name[len(_PREFIX) :])
-        setattr(gm, name, CheckpointedRegion(getattr(gm, name), checkpoints[runs[index][0]]))
+    for name, path in cut_module_regions(gm, set(checkpoints), _PREFIX):
+        setattr(gm, name, CheckpointedRegion(getattr(gm, name), checkpoints[path]))
     gm.recompile()
     return gm
