@@ -54,9 +54,11 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from amp_fx.capture.checkpointing import checkpointed_layers, checkpointing_off
 from amp_fx.capture.fit import fits, fits_containers, structure, traced_choice
+from amp_fx.capture.sharding import is_sharded, sharded_capture, sharded_modules
 from amp_fx.capture.state import (
     EXPORTING,
     JOURNALS,
@@ -80,6 +82,7 @@ from amp_fx.passes.export import (
     export_graph,
     graph_inputs,
 )
+from amp_fx.passes.shard_regions import shard_regions
 from amp_fx.passes.shared.decisions import decide_module
 from amp_fx.passes.shared.model_copy import copy_model
 from amp_fx.pipeline import rewrite_graph
@@ -214,6 +217,18 @@ _CLASSES: dict[type, type] = {}
 
 def _original_class(cls: type) -> type:
     return cls.__bases__[1]
+
+
+def _captured_base(cls: type) -> type:
+    """The converted class of a module, under the class FSDP2's fully_shard puts around it."""
+    if cls.__bases__[0] is CapturedModel:
+        return cls
+    if issubclass(cls, FSDPModule) and cls.__bases__[1].__bases__[0] is CapturedModel:
+        return cls.__bases__[1]
+    raise TypeError(
+        f"{cls.__name__} is a converted model whose class another library replaced; the torch.export "
+        "front end cannot capture it: convert a model torch.fx can trace (front_end='fx')"
+    )
 
 
 def _rebuild_captured(rebuild: Callable[..., Any], arguments: tuple[Any, ...]) -> nn.Module:
@@ -392,25 +407,29 @@ def _capture(
     region = (policy.device_type, policy.dtype) if policy.level.lowers_precision else None
     # The module's own class runs during the capture (CapturedModel.forward would recurse).
     cls = type(module)
-    if cls.__bases__[0] is not CapturedModel:
-        raise TypeError(
-            f"{cls.__name__} is a converted model whose class another library replaced (FSDP2's "
-            "fully_shard does); the torch.export front end cannot capture it: shard the model's "
-            "submodules, or convert a model torch.fx can trace (front_end='fx')"
-        )
-    module.__class__ = _original_class(cls)
-    EXPORTING.append(True)
+    original = _original_class(_captured_base(cls))
     checkpoints = checkpointed_layers(module)
+    sharded = is_sharded(module)
+    if sharded and checkpoints:
+        raise TypeError(
+            f"{cls.__name__} is sharded by FSDP2 and checkpoints layers {sorted(checkpoints)[:3]}; amp_fx "
+            "does not combine the two yet: call gradient_checkpointing_disable() on the model"
+        )
     try:
-        with checkpointing_off(module):
-            graph = _export_with_containers(module, args, kwargs, region, dynamic, containers)
+        # Entered before the class changes: it finds FSDP2's modules by their classes.
+        with sharded_capture(module):
+            module.__class__ = original
+            EXPORTING.append(True)
+            try:
+                with checkpointing_off(module):
+                    graph = _export_with_containers(module, args, kwargs, region, dynamic, containers)
+            finally:
+                EXPORTING.pop()
+                module.__class__ = cls
     except ExportError as error:
         failure = error
     else:
         failure = None
-    finally:
-        EXPORTING.pop()
-        module.__class__ = cls
     island = failure is not None
     if island:
         _become_island(module, state, key, failure)
@@ -425,6 +444,8 @@ def _capture(
     graph.meta[TRAINING_MODE_KEY] = module.training
     rewrite_graph(graph, policy, tuple(graph_inputs(graph, args, kwargs)))
     graph = checkpoint_regions(graph, checkpoints)
+    if sharded:
+        graph = shard_regions(graph, module, sharded_modules(module))
     state.graphs.append(graph)
     state.seconds.append(time.perf_counter() - start)
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -55,27 +56,33 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
+from amp_fx.capture.sharding import GATHER_DTYPE_ATTR, is_sharded
+from amp_fx.capture.state import capture_states
 from amp_fx.captured_model import CapturedModel
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES, default_device_type
 from amp_fx.core.node_info import POLICY_KEY, node_info
+from amp_fx.fsdp_groups import shard_groups
 from amp_fx.loss_scaler import LossScaler
 from amp_fx.optim.fused_optimizer import is_fused_optimizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["fully_shard_converted", "mixed_precision_policies", "save_checkpoint", "load_checkpoint"]
+__all__ = [
+    "fully_shard_converted",
+    "mixed_precision_policies",
+    "gathered_parameter_bytes",
+    "save_checkpoint",
+    "load_checkpoint",
+]
 
 
-def _check_converted(gm: Any) -> torch.fx.GraphModule:
-    if isinstance(gm, FSDPModule):
+def _check_converted(gm: Any) -> torch.fx.GraphModule | CapturedModel:
+    if isinstance(gm, FSDPModule) or (isinstance(gm, nn.Module) and is_sharded(gm)):
         raise TypeError("fully_shard_converted got a model that is already sharded; pass the converted model")
     if isinstance(gm, CapturedModel):
-        raise TypeError(
-            f"fully_shard_converted takes models of amp_fx.convert's torch.fx front end; {type(gm).__name__} "
-            "came from the torch.export front end (captured call by call), which FSDP2 sharding does not "
-            "support yet: convert with front_end='fx' where torch.fx can trace the model"
-        )
+        return gm
     if not (isinstance(gm, torch.fx.GraphModule) and POLICY_KEY in gm.meta):
         raise TypeError(
             f"fully_shard_converted needs a GraphModule from amp_fx.convert, got {type(gm).__name__}; "
@@ -98,10 +105,14 @@ def _read_dtype(node: torch.fx.Node, stored: torch.dtype) -> torch.dtype:
     return stored
 
 
-def mixed_precision_policies(gm: torch.fx.GraphModule) -> dict[str, MixedPrecisionPolicy]:
+def mixed_precision_policies(
+    gm: torch.fx.GraphModule | nn.Module, block_types: Iterable[type] | None = None
+) -> dict[str, MixedPrecisionPolicy]:
     """The FSDP2 groups of a converted model: module name ("" for the root) -> its MixedPrecisionPolicy.
 
-    Read-only: it inspects the graph and the parameters' dtypes (module docstring: the rules).
+    Read-only: it inspects the graph and the parameters' dtypes (module docstring: the rules). For
+    a model of the torch.export front end the groups are its blocks (``block_types``, found by
+    default) and the parts stored in another dtype (`amp_fx.fsdp_groups.shard_groups`).
 
     Example:
         >>> import torch, amp_fx
@@ -111,6 +122,8 @@ def mixed_precision_policies(gm: torch.fx.GraphModule) -> dict[str, MixedPrecisi
         {'0': torch.bfloat16, '1': None, '': None}
     """
     gm = _check_converted(gm)
+    if isinstance(gm, CapturedModel):
+        return {name: _policy(dtype) for name, dtype in shard_groups(gm, block_types).items()}
     params_by_name = dict(gm.named_parameters(remove_duplicate=False))
     read_directly: dict[str, torch.dtype] = {}
     called: list[str] = []
@@ -159,7 +172,11 @@ def _default_mesh(gm: nn.Module) -> DeviceMesh:
 
 
 def fully_shard_converted(
-    gm: torch.fx.GraphModule, *, mesh: DeviceMesh | None = None, reshard_after_forward: bool = True
+    gm: torch.fx.GraphModule | nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool = True,
+    block_types: Iterable[type] | None = None,
 ) -> FSDPModule:
     """Shard a converted model with FSDP2, in place; its parameters become FP32 ``DTensor`` shards.
 
@@ -167,9 +184,16 @@ def fully_shard_converted(
     optimizer. ``mesh`` defaults to a 1-D mesh over the world on the parameters' device type.
     Returns ``gm`` (now also an ``FSDPModule``).
 
+    A model of the torch.export front end (every Hugging Face model) is sharded per transformer
+    block, found from ``_no_split_modules`` or repeated ``nn.ModuleList`` items unless
+    ``block_types`` names the classes; each block's parameters are gathered for its own forward
+    and freed after it (docs/DESIGN.md, "FSDP2 for the torch.export front end").
+
     Raises:
-        TypeError: ``gm`` is not a GraphModule from ``amp_fx.convert`` or is sharded already.
-        ValueError: one FSDP2 group would need two gather dtypes (see `mixed_precision_policies`).
+        TypeError: ``gm`` is not a model from ``amp_fx.convert`` or is sharded already, or it
+            checkpoints layers (torch.export front end).
+        ValueError: one FSDP2 group would need two gather dtypes (see `mixed_precision_policies`),
+            or a model of the torch.export front end has no blocks or ties parameters of two groups.
         RuntimeError: torch.distributed is not initialised and no ``mesh`` was given.
 
     Example (inside a ``torchrun`` job)::
@@ -177,7 +201,9 @@ def fully_shard_converted(
         >>> gm = fully_shard_converted(amp_fx.convert(model.cuda(), "O2"))  # doctest: +SKIP
         >>> optimizer = amp_fx.optim.FusedAdam(gm.parameters())  # doctest: +SKIP
     """
-    policies = mixed_precision_policies(gm)  # checks everything before anything changes
+    policies = mixed_precision_policies(gm, block_types)  # checks everything before anything changes
+    if isinstance(gm, CapturedModel):
+        _refuse_checkpointing(gm)
     mesh = mesh if mesh is not None else _default_mesh(gm)
     with torch.no_grad():
         for param in gm.parameters():
@@ -187,6 +213,11 @@ def fully_shard_converted(
         module = gm.get_submodule(name) if name else gm
         # The root's group is gathered first and kept for the whole forward when it holds parameters.
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    if isinstance(gm, CapturedModel):
+        for name, policy in policies.items():
+            (gm.get_submodule(name) if name else gm).__dict__[GATHER_DTYPE_ATTR] = policy.param_dtype
+        for _, state in capture_states(gm):
+            state.graphs.clear()  # they read the parameters FSDP2 has just replaced by shards
     logger.info(
         "sharded %d FSDP2 groups over %d ranks: %s",
         len(policies),
@@ -194,6 +225,33 @@ def fully_shard_converted(
         {name or "<root>": policy.param_dtype or torch.float32 for name, policy in policies.items()},
     )
     return gm  # type: ignore[return-value]
+
+
+def _refuse_checkpointing(model: nn.Module) -> None:
+    flagged = [n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if flagged:
+        raise TypeError(
+            f"{type(model).__name__} checkpoints layers ({flagged[0] or 'the model'}); amp_fx does not "
+            "combine activation checkpointing with FSDP2 sharding yet: call gradient_checkpointing_disable() "
+            "first"
+        )
+
+
+def gathered_parameter_bytes(model: nn.Module) -> int:
+    """Bytes of the gathered (unsharded) parameters ``model``'s modules hold now: what FSDP2 has
+    all-gathered and not yet freed (each storage once; a freed one holds no bytes). Read from a
+    block's forward pre-hook, it is the parameter memory of the forward at that point.
+
+    >>> gathered_parameter_bytes(torch.nn.Linear(4, 2))  # unsharded: every parameter
+    40
+    """
+    storages = {}
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None and not isinstance(param, DTensor):
+                storage = param.untyped_storage()
+                storages[storage.data_ptr(), storage.device] = storage.nbytes()
+    return sum(storages.values())
 
 
 # ------------------------------------------------------------------------------------------------

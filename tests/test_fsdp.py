@@ -268,9 +268,3 @@ def test_policies_gather_low_weights_and_keep_norms_fp32() -> None:
 def test_fully_shard_converted_refuses_a_model_amp_fx_did_not_convert() -> None:
     with pytest.raises(TypeError, match="needs a GraphModule from amp_fx.convert"):
         fully_shard_converted(make_model())
-
-
-def test_fully_shard_converted_refuses_a_model_of_the_export_front_end() -> None:
-    converted = amp_fx.convert(make_model(), "O2", front_end="export")
-    with pytest.raises(TypeError, match="torch.export front end .* does not support yet"):
-        fully_shard_converted(converted)

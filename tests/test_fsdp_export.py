@@ -1,0 +1,244 @@
+"""FSDP2 over models of the torch.export front end (Hugging Face GPT-2, Llama, T5), gloo, two ranks.
+
+Each model is converted at O2 (bf16), sharded with `fully_shard_converted` (one group per block,
+found from ``_no_split_modules``; norms kept FP32 are groups of their own inside the blocks) and
+trained with FusedAdam and LossScaler on halves of a global batch, called as Hugging Face documents
+(``model(input_ids=ids, labels=ids)``). One spawn of two processes runs every scenario:
+
+- the gathered FP32 shards equal one process's masters after training on the whole batch;
+- the FP32 shards are the masters: per rank, half the optimizer state of one process;
+- parameters are gathered per block: at every group's forward pre-hook the gathered parameter
+  bytes are at most the root group's plus one block's, less than the whole model's;
+- an inf written into rank 0's local grad shard skips the step on both ranks;
+- a DCP checkpoint: resuming on two ranks is bit-identical to not stopping.
+
+GPT-2's training runs in a spawn of its own on every test run; Llama, T5, the overflow and the
+resume share a second spawn, marked slow (a minute and more on a busy CPU).
+
+The models run in eval mode (no dropout): the halves and the whole batch then see the same function.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+import amp_fx
+from amp_fx.capture.sharding import sharded_modules
+from amp_fx.distributed import local_tensor
+from amp_fx.fsdp import (
+    fully_shard_converted,
+    gathered_parameter_bytes,
+    load_checkpoint,
+    mixed_precision_policies,
+    save_checkpoint,
+)
+from amp_fx.optim import master_params
+from amp_fx.testing import assert_close_normwise, tolerances
+from tests.distributed_launch import file_store_process_group, run_ranks, save_rank_result
+from tests.test_fsdp import full_weights, make_scaler, state_bytes
+
+pytest.importorskip("transformers")
+
+WORLD_SIZE = 2
+SLOW_MODELS = ("llama", "t5")
+# GPT-2 on every run; Llama, T5 (encoder-decoder), overflow and resume in a second, slow spawn.
+MODELS = [
+    "gpt2",
+    *[pytest.param(name, marks=pytest.mark.slow) for name in SLOW_MODELS],
+]
+STEPS = 3
+BATCH, LENGTH = 4, 8
+TIMEOUT_S = 240
+
+
+def make_model(name: str) -> torch.nn.Module:
+    from tests.models.hf import MODELS as BUILDERS  # noqa: N811
+
+    torch.manual_seed(0)
+    model, _ = BUILDERS[name]()
+    return amp_fx.convert(model.eval(), "O2", dtype=torch.bfloat16)
+
+
+def batches(steps: int, seed: int = 1) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (BATCH, LENGTH), generator=generator) for _ in range(steps)]
+
+
+def train(model, optimizer, scaler, ids_list, rank: int | None) -> None:
+    for ids in ids_list:
+        if rank is not None:
+            ids = ids.chunk(WORLD_SIZE)[rank]
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        assert type(loss) is torch.Tensor
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def sharded(name: str):
+    model = fully_shard_converted(make_model(name))
+    return model, amp_fx.optim.FusedAdam(model.parameters(), lr=1e-2), make_scaler()
+
+
+def count_gathered_bytes(model) -> list[int]:
+    """Gathered parameter bytes at each group's forward pre-hook (after FSDP2's, which gathers)."""
+    seen: list[int] = []
+    for group in sharded_modules(model).values():
+        group.register_forward_pre_hook(lambda *_: seen.append(gathered_parameter_bytes(model)))
+    return seen
+
+
+def sharded_training_results(name: str, rank: int) -> dict:
+    model, optimizer, scaler = sharded(name)
+    seen = count_gathered_bytes(model)
+    train(model, optimizer, scaler, batches(STEPS), rank)
+    return {
+        "weights": full_weights(model),
+        "scale": scaler.get_scale(),
+        "state_bytes": state_bytes(optimizer),
+        "peak_gathered": max(seen),
+        "all_dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
+    }
+
+
+def overflow_and_resume(rank: int, out_dir: str, out: dict) -> None:
+    model, optimizer, scaler = sharded("gpt2")
+    ids = batches(1, seed=3)[0].chunk(WORLD_SIZE)[rank]
+    scaler.scale(model(input_ids=ids, labels=ids).loss).backward()
+    before = full_weights(model)
+    if rank == 0:
+        with torch.no_grad():
+            local_tensor(next(iter(model.parameters())).grad).view(-1)[0] = float("inf")
+    scaler.step(optimizer)
+    scaler.update()
+    out["injected_unchanged"] = all(
+        torch.equal(a, b) for a, b in zip(full_weights(model), before, strict=True)
+    )
+    out["injected_scale"] = scaler.get_scale()
+
+    train(model, optimizer, scaler, batches(2), rank)
+    checkpoint = Path(out_dir, "checkpoint")
+    save_checkpoint(checkpoint, model, optimizer, scaler)
+    train(model, optimizer, scaler, batches(2, seed=2), rank)
+    uninterrupted = [local_tensor(p).detach().clone() for p in model.parameters()]
+    model, optimizer, scaler = sharded("gpt2")
+    load_checkpoint(checkpoint, model, optimizer, scaler)
+    train(model, optimizer, scaler, batches(2, seed=2), rank)
+    resumed = [local_tensor(p).detach() for p in model.parameters()]
+    out["resumed_bit_identical"] = all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted, strict=True))
+
+
+def worker(rank: int, models: tuple[str, ...], overflow_resume: bool, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    with file_store_process_group("gloo", rank, WORLD_SIZE, out_dir):
+        out: dict[str, object] = {name: sharded_training_results(name, rank) for name in models}
+        if overflow_resume:
+            overflow_and_resume(rank, out_dir, out)
+        save_rank_result(out, out_dir, rank)
+
+
+@pytest.fixture(scope="module")
+def gpt2_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out_dir = tmp_path_factory.mktemp("fsdp_export_gpt2")
+    return run_ranks(worker, out_dir, world_size=WORLD_SIZE, timeout_s=TIMEOUT_S, args=(("gpt2",), False))
+
+
+@pytest.fixture(scope="module")
+def slow_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out_dir = tmp_path_factory.mktemp("fsdp_export_more")
+    return run_ranks(worker, out_dir, world_size=WORLD_SIZE, timeout_s=TIMEOUT_S, args=(SLOW_MODELS, True))
+
+
+@pytest.fixture
+def results(request: pytest.FixtureRequest, name: str) -> list[dict]:
+    return request.getfixturevalue("gpt2_results" if name == "gpt2" else "slow_results")
+
+
+@functools.cache
+def single_process(name: str):
+    model = make_model(name)
+    optimizer, scaler = amp_fx.optim.FusedAdam(model.parameters(), lr=1e-2), make_scaler()
+    train(model, optimizer, scaler, batches(STEPS), rank=None)
+    return model, optimizer, scaler
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_sharded_training_matches_one_process(results: list[dict], name: str) -> None:
+    _, optimizer, scaler = single_process(name)
+    rtol, atol = tolerances(torch.bfloat16)
+    for rank_result in (r[name] for r in results):
+        assert rank_result["all_dtensors"] and rank_result["scale"] == scaler.get_scale()
+        for i, (actual, expected) in enumerate(
+            zip(rank_result["weights"], master_params(optimizer), strict=True)
+        ):
+            assert actual.dtype == torch.float32
+            assert_close_normwise(actual, expected, rtol=rtol, atol=atol, name=f"{name} parameter {i}")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_fp32_shards_are_the_masters_half_the_state_per_rank(results: list[dict], name: str) -> None:
+    _, optimizer, _ = single_process(name)
+    per_rank = [r[name]["state_bytes"] for r in results]
+    assert sum(per_rank) == state_bytes(optimizer)  # nothing held twice: no second FP32 copy
+    for held in per_rank:
+        assert held / state_bytes(optimizer) == pytest.approx(1 / WORLD_SIZE, abs=0.03)
+
+
+def _gathered_sizes(name: str) -> tuple[int, int, int]:
+    """(root group, largest block with its nested groups, whole model) bytes in the gather dtypes."""
+    model = make_model(name)  # O2-stored: each parameter in the dtype FSDP2 gathers it in
+    groups = [g for g in mixed_precision_policies(model) if g]
+    blocks = [g for g in groups if not any(g.startswith(f"{other}.") for other in groups)]
+    sizes = {g: sum(p.nbytes for p in model.get_submodule(g).parameters()) for g in blocks}
+    whole = sum(p.nbytes for p in model.parameters())
+    return whole - sum(sizes.values()), max(sizes.values()), whole
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_forward_gathers_one_block_at_a_time(results: list[dict], name: str) -> None:
+    root, block, whole = _gathered_sizes(name)
+    for rank_result in (r[name] for r in results):
+        assert rank_result["peak_gathered"] <= root + block
+        assert rank_result["peak_gathered"] < whole
+
+
+@pytest.mark.slow
+def test_an_inf_in_one_ranks_shard_skips_the_step_on_all_ranks(slow_results: list[dict]) -> None:
+    assert [r["injected_unchanged"] for r in slow_results] == [True, True]
+    assert slow_results[0]["injected_scale"] == slow_results[1]["injected_scale"] == 2.0**9
+
+
+@pytest.mark.slow
+def test_resume_is_bit_identical(slow_results: list[dict]) -> None:
+    assert [r["resumed_bit_identical"] for r in slow_results] == [True, True]
+
+
+def test_blocks_are_found_and_fp32_norms_are_groups_of_their_own() -> None:
+    policies = mixed_precision_policies(make_model("gpt2"))
+    blocks = {f"transformer.h.{i}": torch.bfloat16 for i in range(2)}
+    norms = {f"transformer.h.{i}.{norm}": None for i in range(2) for norm in ("ln_1", "ln_2")}
+    # The root group: embeddings (tied to the head) and the final norm, FP32 at O2.
+    assert {name: p.param_dtype for name, p in policies.items()} == {**norms, **blocks, "": None}
+    assert all(p.reduce_dtype == torch.float32 and not p.cast_forward_inputs for p in policies.values())
+
+
+def test_a_model_without_blocks_is_refused_before_anything_changes() -> None:
+    model = amp_fx.convert(torch.nn.Sequential(torch.nn.Linear(4, 4)), "O2", front_end="export")
+    with pytest.raises(ValueError, match="found no transformer blocks .* block_types="):
+        fully_shard_converted(model)
+    assert model[0].weight.dtype == torch.float16 and not isinstance(model[0].weight, DTensor)
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+def test_gradient_checkpointing_is_refused_before_anything_changes() -> None:
+    model = make_model("gpt2")
+    model.gradient_checkpointing_enable()
+    with pytest.raises(TypeError, match="gradient_checkpointing_disable"):
+        fully_shard_converted(model)
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
