@@ -25,10 +25,14 @@ Example (blocks ``0`` and ``2`` sharded)::
 
 from __future__ import annotations
 
+import operator
+
+import torch
 import torch.fx
 from torch import nn
 
 from amp_fx.ops.module_call import ModuleCall
+from amp_fx.passes.shared.in_place_updates import updates_in_place
 from amp_fx.passes.shared.module_regions import cut_module_regions
 
 __all__ = ["shard_regions", "SharedParameterError"]
@@ -58,6 +62,7 @@ def _cut(
     for name, path in cut_module_regions(gm, inner, _PREFIX, with_reads=True):
         region = getattr(gm, name)
         _cut(region, modules, (*enclosing, path), parameters)
+        _copy_outputs_updated_in_place(gm, name, region)
         setattr(gm, name, ModuleCall(modules[path], region))
     for node in gm.graph.find_nodes(op="get_attr"):
         if node.target in parameters and _owner(node.target, list(modules)) not in enclosing:
@@ -66,6 +71,27 @@ def _cut(
                 f"{_owner(node.target, list(modules))} owns, outside that module's call: FSDP2 "
                 "gathers it only during that call; shard a module that encloses both"
             )
+
+
+def _copy_outputs_updated_in_place(gm: torch.fx.GraphModule, name: str, region: torch.fx.GraphModule) -> None:
+    """A region's output that the graph later updates in place is returned as a copy: FSDP2's
+    pre-backward hook on a view would be dropped by the update (eager FSDP2 warns of it)."""
+    (call,) = gm.graph.find_nodes(op="call_module", target=name)
+    (output,) = region.graph.find_nodes(op="output")
+    values = output.args[0]
+    if not isinstance(values, (tuple, list)):
+        if updates_in_place(call):
+            with region.graph.inserting_before(output):
+                output.args = (region.graph.call_function(torch.ops.aten.clone.default, (values,)),)
+        return
+    values = list(values)
+    for user in call.users:
+        if user.target is operator.getitem and updates_in_place(user):
+            with region.graph.inserting_before(output):
+                values[user.args[1]] = region.graph.call_function(
+                    torch.ops.aten.clone.default, (values[user.args[1]],)
+                )
+    output.args = (tuple(values),)
 
 
 def _read_live(gm: torch.fx.GraphModule, root: nn.Module, names: set[str]) -> None:

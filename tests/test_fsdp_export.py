@@ -25,6 +25,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import amp_fx
@@ -132,6 +135,17 @@ def overflow_and_resume(rank: int, out_dir: str, out: dict) -> None:
     train(model, optimizer, scaler, batches(2, seed=2), rank)
     resumed = [local_tensor(p).detach() for p in model.parameters()]
     out["resumed_bit_identical"] = all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted, strict=True))
+    out["uninterrupted"] = full_weights(model)
+
+    # Rank 0 alone resumes the two-rank checkpoint: DCP re-cuts the shards (every rank makes the group).
+    alone = dist.new_group([0])
+    if rank == 0:
+        model = fully_shard_converted(make_model("gpt2"), mesh=DeviceMesh.from_group(alone, "cpu"))
+        optimizer, scaler = amp_fx.optim.FusedAdam(model.parameters(), lr=1e-2), make_scaler(alone)
+        load_checkpoint(checkpoint, model, optimizer, scaler, process_group=alone)
+        train(model, optimizer, scaler, batches(2, seed=2), rank=None)
+        out["resumed_on_one_rank"] = [local_tensor(p).detach().clone() for p in model.parameters()]
+    dist.barrier()
 
 
 def worker(rank: int, models: tuple[str, ...], overflow_resume: bool, out_dir: str) -> None:
@@ -219,6 +233,14 @@ def test_resume_is_bit_identical(slow_results: list[dict]) -> None:
     assert [r["resumed_bit_identical"] for r in slow_results] == [True, True]
 
 
+@pytest.mark.slow
+def test_resume_on_one_rank_matches_two(slow_results: list[dict]) -> None:
+    rtol, atol = tolerances(torch.bfloat16)
+    pairs = zip(slow_results[0]["resumed_on_one_rank"], slow_results[0]["uninterrupted"], strict=True)
+    for i, (actual, expected) in enumerate(pairs):
+        assert_close_normwise(actual, expected, rtol=rtol, atol=atol, name=f"parameter {i}")
+
+
 def test_blocks_are_found_and_fp32_norms_are_groups_of_their_own() -> None:
     policies = mixed_precision_policies(make_model("gpt2"))
     blocks = {f"transformer.h.{i}": torch.bfloat16 for i in range(2)}
@@ -242,3 +264,35 @@ def test_gradient_checkpointing_is_refused_before_anything_changes() -> None:
     with pytest.raises(TypeError, match="gradient_checkpointing_disable"):
         fully_shard_converted(model)
     assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+class _Blocks(nn.Module):
+    """Two blocks; the graph adds to the first block's output in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.blocks[0](x)
+        y.add_(1)
+        return self.blocks[1](y)
+
+
+def test_regions_run_through_their_modules_hooks_and_in_place_updates_see_copies() -> None:
+    from amp_fx.passes.export import export_graph
+    from amp_fx.passes.shard_regions import shard_regions
+
+    torch.manual_seed(0)
+    model, x = _Blocks(), torch.randn(3, 4)
+    gm = shard_regions(
+        export_graph(model, (x,), {}), model, {f"blocks.{i}": block for i, block in enumerate(model.blocks)}
+    )
+    calls = []
+    for name, block in model.blocks.named_children():
+        block.register_forward_pre_hook(lambda module, args, name=name: calls.append(name))
+    torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
+    assert calls == ["0", "1", "0", "1"]  # the graph's calls, then the eager model's
+    (first_region,) = [m.region for n, m in gm.named_children() if n == "block_0"]
+    (output,) = first_region.graph.find_nodes(op="output")
+    assert output.args[0].target is torch.ops.aten.clone.default  # updated in place after the call

@@ -18,12 +18,16 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
 __all__ = ["ModuleCall"]
+
+# FSDP2's warning that a module returned a view, whose pre-backward hook an in-place update drops.
+_VIEW_OUTPUT_WARNING = "FSDP2-wrapped module .* returned a view tensor"
 
 
 class ModuleCall(nn.Module):
@@ -41,7 +45,10 @@ class ModuleCall(nn.Module):
         # An instance attribute, not setattr: a GraphModule assigned would become a submodule.
         module.__dict__["forward"] = self.region
         try:
-            return module(*args)
+            with warnings.catch_warnings():
+                # Its outputs may be views; none is updated in place (`shard_regions` copies those).
+                warnings.filterwarnings("ignore", message=_VIEW_OUTPUT_WARNING, category=UserWarning)
+                return module(*args)
         finally:
             if own is None:
                 del module.__dict__["forward"]
