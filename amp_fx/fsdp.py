@@ -18,6 +18,11 @@ level's decisions become ``MixedPrecisionPolicy`` objects (docs/DESIGN.md, "FSDP
 - ``reduce_dtype`` is always float32 (gradients are reduce-scattered in FP32 onto the FP32
   shards), and ``cast_forward_inputs=False``: activations are cast by the graph, as without FSDP.
 
+A model of the torch.export front end (Hugging Face models) is sharded per transformer block
+instead (`amp_fx.fsdp_groups`; docs/DESIGN.md, "FSDP2 for the torch.export front end"): its
+captured graph is cut at the blocks, each block's ops run through the block's own call, so FSDP2
+gathers one block at a time; a part stored in another dtype (O2's FP32 norms) is a nested group.
+
 The shards stay FP32: convert's low-precision storage is undone (``param.data = data.float()``,
 exact) before sharding, so the masters start from convert's rounded weights, as `FusedAdam`'s
 masters do in the unsharded O2 recipe.
