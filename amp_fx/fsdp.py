@@ -255,7 +255,8 @@ def gathered_parameter_bytes(model: nn.Module) -> int:
         for param in module._parameters.values():
             if param is not None and not isinstance(param, DTensor):
                 storage = param.untyped_storage()
-                storages[storage.data_ptr(), storage.device] = storage.nbytes()
+                # By the storage object's address: a capture's fake tensors have no data pointer.
+                storages[storage._cdata] = storage.nbytes()
     return sum(storages.values())
 
 

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 import amp_fx
 from amp_fx.capture.sharding import sharded_modules
+from amp_fx.capture.state import capture_states
 from amp_fx.distributed import local_tensor
 from amp_fx.fsdp import (
     fully_shard_converted,
@@ -40,6 +41,7 @@ from amp_fx.fsdp import (
     mixed_precision_policies,
     save_checkpoint,
 )
+from amp_fx.ops.module_call import ModuleCall
 from amp_fx.optim import master_params
 from amp_fx.testing import assert_close_normwise, tolerances
 from tests.distributed_launch import file_store_process_group, run_ranks, save_rank_result
@@ -97,6 +99,13 @@ def count_gathered_bytes(model) -> list[int]:
     return seen
 
 
+def region_calls(model: nn.Module) -> list[str]:
+    """Names of the modules the regions of ``model``'s graph call, nested regions included."""
+    names = {id(module): name for name, module in model.named_modules()}
+    (graph,) = capture_states(model)[0][1].graphs
+    return [names[id(m.__dict__["target"])] for m in graph.modules() if isinstance(m, ModuleCall)]
+
+
 def sharded_training_results(name: str, rank: int) -> dict:
     model, optimizer, scaler = sharded(name)
     seen = count_gathered_bytes(model)
@@ -107,6 +116,9 @@ def sharded_training_results(name: str, rank: int) -> dict:
         "state_bytes": state_bytes(optimizer),
         "peak_gathered": max(seen),
         "all_dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
+        "islands": [name for name, state in capture_states(model) if state.islands],
+        "region_calls": region_calls(model),
+        "groups": sorted(sharded_modules(model)),
     }
 
 
@@ -193,6 +205,13 @@ def test_sharded_training_matches_one_process(results: list[dict], name: str) ->
         ):
             assert actual.dtype == torch.float32
             assert_close_normwise(actual, expected, rtol=rtol, atol=atol, name=f"{name} parameter {i}")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_captured_graph_calls_each_group_once(results: list[dict], name: str) -> None:
+    for rank_result in (r[name] for r in results):
+        assert rank_result["islands"] == []  # the whole call ran rewritten graphs
+        assert sorted(rank_result["region_calls"]) == rank_result["groups"]
 
 
 @pytest.mark.parametrize("name", MODELS)
