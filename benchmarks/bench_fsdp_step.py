@@ -8,18 +8,30 @@ medians: the sharded step should cost what the unsharded one does (the goal: wit
 For context it also times the O2 step without FSDP (bf16 params + FP32 masters), which moves
 more bytes per element.
 
+With ``--model hf_gpt2`` or ``--model hf_llama`` it times whole training steps of a Hugging Face
+model (benchmarks/models.py, random weights) converted at O2 (bf16) and sharded by
+`amp_fx.fsdp.fully_shard_converted` (one FSDP2 group per block), called as Hugging Face documents
+(``model(input_ids=ids, labels=ids).loss``), against one process training the unsharded converted
+model on the whole global batch (FusedAdam with FP32 masters): time per step, optimizer state per
+rank and the peak of the gathered parameter bytes in the forward (read at every group's pre-hook).
+
 Run it under torchrun (NCCL on GPUs, gloo on CPUs):
 
     torchrun --standalone --nproc_per_node=1 benchmarks/bench_fsdp_step.py
     torchrun --standalone --nproc_per_node=1 benchmarks/bench_fsdp_step.py --hidden 64 --layers 2 --device cpu
+    torchrun --standalone --nproc_per_node=1 benchmarks/bench_fsdp_step.py --model hf_gpt2
+    torchrun --standalone --nproc_per_node=2 benchmarks/bench_fsdp_step.py --model hf_gpt2 --small \
+        --device cpu
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -30,6 +42,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import amp_fx
+from amp_fx.capture.sharding import sharded_modules
+from amp_fx.distributed import local_tensor
+from amp_fx.fsdp import fully_shard_converted, gathered_parameter_bytes
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import build_hf  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -41,6 +59,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--optimizer", default="FusedAdam", choices=["FusedAdam", "FusedSGD"])
     parser.add_argument("--reps", type=int, default=None, help="timed steps per row; default 50 CUDA, 5 CPU")
     parser.add_argument("--device", default=None, choices=["cuda", "cpu"], help="default: cuda if available")
+    parser.add_argument(
+        "--model", default="mlp", choices=["mlp", "hf_gpt2", "hf_llama"], help="hf_*: whole training steps"
+    )
+    parser.add_argument("--small", action="store_true", help="hf_*: the tiny config (CPU)")
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="hf_*: global batch; default the model's"
+    )
+    parser.add_argument("--seq-len", type=int, default=None, help="hf_*: tokens per row; default the model's")
     return parser.parse_args()
 
 
@@ -115,9 +141,75 @@ def timed_ms(fn: Callable[[], object], device: torch.device) -> float:
     return (time.perf_counter() - begin) * 1e3
 
 
+def hf_training(args: argparse.Namespace, device: torch.device, shard: bool):
+    """(step function, optimizer, model) of a converted Hugging Face model; ``shard``: FSDP2 over the
+    world, each rank on its slice of the global batch, else this process on the whole batch."""
+    work = build_hf(args.model, device, small=args.small, batch_size=args.batch_size, seq_len=args.seq_len)
+    model = amp_fx.convert(work.model, "O2", dtype=torch.bfloat16)
+    ids = work.inputs
+    if shard:
+        model = fully_shard_converted(model)
+        ids = ids.chunk(dist.get_world_size())[dist.get_rank()]
+    optimizer = amp_fx.optim.FusedAdam(model.parameters(), lr=1e-4, weight_decay=0.01)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+
+    return step, optimizer, model
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """This rank's optimizer state (masters, moments) and FP32 parameters (their own masters)."""
+    state = [
+        t for s in optimizer.state.values() for k, t in s.items() if torch.is_tensor(t) and k != "step_offset"
+    ]
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.dtype == torch.float32]
+    return sum(local_tensor(t).nbytes for t in state + params)
+
+
+def hf_main(args: argparse.Namespace, device: torch.device) -> None:
+    args.reps = args.reps or (20 if device.type == "cuda" else 3)
+    rows: dict[str, tuple[float, int, int, float]] = {}
+    for shard in (True, False):
+        if not shard and dist.get_rank() != 0:
+            break  # one process on the whole batch: rank 0 alone, the others wait
+        step, optimizer, model = hf_training(args, device, shard)
+        peaks: list[int] = []
+        for group in sharded_modules(model).values():
+            group.register_forward_pre_hook(
+                lambda *_, m=model, seen=peaks: seen.append(gathered_parameter_bytes(m))
+            )
+        for _ in range(3):  # captures, moments
+            step()
+        peaks.clear()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        samples = [timed_ms(step, device) for _ in range(args.reps)]
+        peak_gathered = max(peaks) if peaks else gathered_parameter_bytes(model)
+        memory = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
+        name = f"FSDP2 over {dist.get_world_size()} rank(s)" if shard else "one process, unsharded O2"
+        rows[name] = (statistics.median(samples), state_bytes(optimizer), peak_gathered, memory)
+        del step, optimizer, model
+        gc.collect()  # the captured graphs and the model refer to each other
+    if dist.get_rank() == 0:
+        size = " (small)" if args.small else ""
+        print(f"{args.model}{size}, O2 bf16, FusedAdam, {device}, median of {args.reps}")
+        header = f"{'ms/step':>9s} {'optimizer MiB':>14s} {'peak gathered MiB':>18s} {'max alloc MiB':>14s}"
+        print(f"{'':32s} {header}")
+        for name, (ms, state, gathered, memory) in rows.items():
+            print(f"{name:32s} {ms:9.2f} {state / 2**20:14.3f} {gathered / 2**20:18.3f} {memory:14.1f}")
+    dist.barrier()
+
+
 def main() -> None:
     args = parse_args()
     device = setup(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.model != "mlp":
+        hf_main(args, device)
+        dist.destroy_process_group()
+        return
     on_cuda = device.type == "cuda"
     args.hidden = args.hidden or (2048 if on_cuda else 64)
     args.layers = args.layers or (8 if on_cuda else 2)
