@@ -46,6 +46,7 @@ import contextlib
 import functools
 import gc
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -54,7 +55,6 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from amp_fx.capture.checkpointing import checkpointed_layers, checkpointing_off
 from amp_fx.capture.fit import fits, fits_containers, structure, traced_choice
@@ -223,7 +223,8 @@ def _captured_base(cls: type) -> type:
     """The converted class of a module, under the class FSDP2's fully_shard puts around it."""
     if cls.__bases__[0] is CapturedModel:
         return cls
-    if issubclass(cls, FSDPModule) and cls.__bases__[1].__bases__[0] is CapturedModel:
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded
+    if fsdp and issubclass(cls, fsdp.FSDPModule) and cls.__bases__[1].__bases__[0] is CapturedModel:
         return cls.__bases__[1]
     raise TypeError(
         f"{cls.__name__} is a converted model whose class another library replaced; the torch.export "

@@ -36,11 +36,27 @@ def agree_on_overflow_(found_infs: Mapping[torch.device, torch.Tensor], group: A
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
 
 
-def _is_dtensor(tensor: Tensor) -> bool:
+def is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a ``DTensor`` (FSDP2's parameters), without importing torch.distributed.tensor.
+
+    >>> is_dtensor(torch.ones(2))
+    False
+    """
     # A DTensor exists only once torch.distributed.tensor is imported; importing it here would add
     # about half a second to every `import amp_fx.optim`.
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(tensor, module.DTensor)
+
+
+def is_fsdp_module(module: Any) -> bool:
+    """Whether FSDP2's ``fully_shard`` has sharded ``module`` (its class is then an ``FSDPModule``
+    subclass), without importing torch.distributed.fsdp (seconds) where no one has.
+
+    >>> is_fsdp_module(torch.nn.Linear(2, 2))
+    False
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
 def local_tensor(tensor: Tensor) -> Tensor:
@@ -50,7 +66,7 @@ def local_tensor(tensor: Tensor) -> Tensor:
         >>> local_tensor(torch.ones(2))
         tensor([1., 1.])
     """
-    return tensor.to_local() if _is_dtensor(tensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def shard_groups(tensors: Iterable[Tensor]) -> list[Any]:
@@ -67,7 +83,7 @@ def shard_groups(tensors: Iterable[Tensor]) -> list[Any]:
     layouts = set()
     plain = 0
     for tensor in tensors:
-        if _is_dtensor(tensor):
+        if is_dtensor(tensor):
             sharded_dims = tuple(i for i, p in enumerate(tensor.placements) if p.is_shard())
             layouts.add((tensor.device_mesh, sharded_dims))
         else:

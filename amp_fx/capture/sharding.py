@@ -24,8 +24,8 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+
+from amp_fx.distributed import is_dtensor, is_fsdp_module
 
 __all__ = ["GATHER_DTYPE_ATTR", "is_sharded", "sharded_modules", "sharded_capture"]
 
@@ -36,7 +36,7 @@ GATHER_DTYPE_ATTR = "_amp_fx_gather_dtype"
 
 def is_sharded(module: nn.Module) -> bool:
     """Whether FSDP2 shards ``module`` or a part of it: its graphs must read parameters at each call."""
-    return any(isinstance(sub, FSDPModule) for sub in module.modules())
+    return any(is_fsdp_module(sub) for sub in module.modules())
 
 
 def sharded_modules(module: nn.Module) -> dict[str, nn.Module]:
@@ -51,7 +51,7 @@ def _gather_dtypes(module: nn.Module) -> dict[str, tuple[nn.Module, str, torch.d
     sharded: dict[str, tuple[nn.Module, str, torch.dtype]] = {}
     for name, owner in module.named_modules():
         for attribute, param in owner._parameters.items():
-            if not isinstance(param, DTensor):
+            if not is_dtensor(param):
                 continue
             qualified = f"{name}.{attribute}" if name else attribute
             group = max((g for g in groups if qualified.startswith(f"{g}.")), key=len, default=None)
@@ -77,7 +77,7 @@ def _storageless(param: nn.Parameter, dtype: torch.dtype) -> nn.Parameter:
 def _fsdp_hooks_off(module: nn.Module) -> Iterator[None]:
     saved = []
     for sub in module.modules():
-        if not isinstance(sub, FSDPModule):
+        if not is_fsdp_module(sub):
             continue
         state = sub._get_fsdp_state()
         for hooks in (sub._forward_pre_hooks, sub._forward_hooks):
