@@ -245,7 +245,8 @@ def _refuse_checkpointing(model: nn.Module) -> None:
 def gathered_parameter_bytes(model: nn.Module) -> int:
     """Bytes of the gathered (unsharded) parameters ``model``'s modules hold now: what FSDP2 has
     all-gathered and not yet freed (each storage once; a freed one holds no bytes). Read from a
-    block's forward pre-hook, it is the parameter memory of the forward at that point.
+    block's forward pre-hook, it is the parameter memory of the forward at that point (not during
+    a call that captures a graph: hooks then run on torch.export's fake parameters).
 
     >>> gathered_parameter_bytes(torch.nn.Linear(4, 2))  # unsharded: every parameter
     40
