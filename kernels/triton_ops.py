@@ -17,7 +17,7 @@ Example:
      'batch_norm_act_backward', 'batch_norm_act_forward', 'check_finite_and_norm_',
      'cross_entropy_backward', 'cross_entropy_forward', 'cross_entropy_forward_with_grad',
      'gated_activation_backward', 'gated_activation_forward', 'max_pool2d_backward',
-     'max_pool2d_forward', 'sgd_step_', 'update_loss_scale_']
+     'max_pool2d_forward', 'rotary_backward', 'rotary_forward', 'sgd_step_', 'update_loss_scale_']
 """
 
 from amp_fx.kernels.families import KERNEL_NAMES, kernels_of

@@ -1,0 +1,70 @@
+"""Rotary position embeddings in plain torch: the family's contract (``amp_fx.kernels.rotary``,
+which has the math) computed with torch ops in fp32, on any device; the definition the Triton
+kernels are tested against."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from amp_fx.kernels.rotary.arguments import check_rotary_arguments
+
+__all__ = ["rotary_backward", "rotary_forward"]
+
+
+def _pairs(t: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
+    """(a, b) features of each rotated pair of ``t`` (..., R)."""
+    if interleaved:
+        return t[..., 0::2], t[..., 1::2]
+    half = t.shape[-1] // 2
+    return t[..., :half], t[..., half:]
+
+
+def _rotate(
+    x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, out_dtype: torch.dtype, transposed: bool
+) -> Tensor:
+    check_rotary_arguments(x, cos, sin, interleaved, out_dtype)
+    width = cos.shape[-1]
+    values = x.float()
+    a, b = _pairs(values[..., :width], interleaved)
+    c1, c2 = _pairs(cos.float(), interleaved)
+    s1, s2 = _pairs(sin.float(), interleaved)
+    if transposed:
+        new_a, new_b = a * c1 + b * s2, b * c2 - a * s1
+    else:
+        new_a, new_b = a * c1 - b * s1, b * c2 + a * s2
+    rotated = torch.stack((new_a, new_b), -1).flatten(-2) if interleaved else torch.cat((new_a, new_b), -1)
+    out = torch.empty_like(x, dtype=out_dtype)
+    out[..., :width] = rotated
+    out[..., width:] = values[..., width:]
+    return out
+
+
+def rotary_forward(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, out_dtype: torch.dtype) -> Tensor:
+    """``x * cos + rotate_half(x) * sin`` on x's first ``cos.shape[-1]`` features (the rest passed
+    through), in fp32, rounded once to ``out_dtype``: the contract of ``amp_fx.kernels.rotary``.
+
+    Example:
+        >>> x = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]], dtype=torch.bfloat16)
+        >>> cos, sin = torch.tensor([0.0, 0.0, 0.0, 0.0]), torch.tensor([1.0, 1.0, 1.0, 1.0])
+        >>> rotary_forward(x, cos, sin, False, torch.bfloat16)  # a quarter turn: (a, b) -> (-b, a)
+        tensor([[-3., -4.,  1.,  2.,  5.]], dtype=torch.bfloat16)
+        >>> rotary_forward(x, cos, sin, True, torch.float32)
+        tensor([[-2.,  1., -4.,  3.,  5.]])
+    """
+    return _rotate(x, cos, sin, interleaved, out_dtype, transposed=False)
+
+
+def rotary_backward(
+    grad_out: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, out_dtype: torch.dtype
+) -> Tensor:
+    """The gradient of `rotary_forward` w.r.t. x, given the gradient of its output: the transposed
+    rotation, in fp32, rounded once to ``out_dtype`` (x's dtype).
+
+    Example:
+        >>> g = torch.tensor([[-3.0, -4.0, 1.0, 2.0, 5.0]])
+        >>> cos, sin = torch.zeros(4), torch.ones(4)
+        >>> rotary_backward(g, cos, sin, False, torch.float32)  # the quarter turn undone
+        tensor([[1., 2., 3., 4., 5.]])
+    """
+    return _rotate(grad_out, cos, sin, interleaved, out_dtype, transposed=True)
