@@ -34,6 +34,7 @@ from amp_fx.passes.fuse_batch_norm import fuse_batch_norm
 from amp_fx.passes.fuse_chunked_linear_loss import fuse_chunked_linear_loss
 from amp_fx.passes.fuse_linear_loss import fuse_linear_loss
 from amp_fx.passes.fuse_losses import fuse_losses
+from amp_fx.passes.fuse_rotary import fuse_rotary
 from amp_fx.passes.insert_casts import insert_casts
 from amp_fx.passes.normalize_ops import normalize_ops
 from amp_fx.passes.propagate_dtypes import propagate_dtypes
@@ -79,6 +80,7 @@ PASSES: tuple[Pass, ...] = (
     Pass(simplify_casts),
     Pass(cast_outputs),
     Pass(fuse_activations),
+    Pass(fuse_rotary),
     Pass(fuse_losses),
     Pass(fuse_linear_loss),
     Pass(fuse_chunked_linear_loss),

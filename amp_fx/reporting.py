@@ -299,6 +299,7 @@ def _policy_summary(policy: Any) -> dict[str, Any] | None:
         "fused_max_pool": policy.fused_max_pool,
         "fused_chunked_linear_loss": policy.fused_chunked_linear_loss,
         "fused_activations": policy.fused_activations,
+        "fused_rotary": policy.fused_rotary,
         "keep_logits": policy.keep_logits,
     }
 

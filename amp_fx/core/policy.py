@@ -110,6 +110,9 @@ class Policy:
     written out in torch ops (``gelu_new``), from low-precision inputs to their output and the casts
     around them, run as one call (`amp_fx.ops.activations`: fp32 math, one rounding, the activation
     recomputed in the backward); on CPU the call runs its pure-torch reference.
+    ``fused_rotary`` (default True at O2 only): rotary position embeddings (``q * cos + rotate_half(q)
+    * sin``, interleaved or partial) run as one call reading q in its dtype, fp32 math
+    (`amp_fx.ops.rotary.rotary_embedding`; on CPU its torch reference).
 
     >>> policy = preset("O1", device_type="cpu", dtype=torch.bfloat16)
     >>> policy.decide("conv2d")
@@ -129,6 +132,7 @@ class Policy:
     fused_max_pool: bool | None = _fusion_flag(cuda_only=True)
     fused_chunked_linear_loss: bool | None = _fusion_flag(cuda_only=False)
     fused_activations: bool | None = _fusion_flag(cuda_only=False)
+    fused_rotary: bool | None = _fusion_flag(cuda_only=False)
     # Training graphs keep the logits they return instead of fusing their head with the loss.
     keep_logits: bool = False
     op_rules: dict[str, OpRule] = field(default_factory=dict)
@@ -434,9 +438,9 @@ def preset(
     "True"/"False"); `cast_model_outputs` defaults to float32 for O2/O3 (losses computed in fp32, as
     in Apex) and None (outputs as computed) for O0/O1. The fused-kernel switches
     (`Policy.fusion_flags`: ``fused_losses``, ``fused_linear_loss``, ``fused_batch_norm``,
-    ``fused_max_pool``, ``fused_chunked_linear_loss``, ``fused_activations``) are True or False, or
-    None for the default: ``fused_losses``, ``fused_chunked_linear_loss`` and ``fused_activations``
-    on for O2, the others for O2 on CUDA only.
+    ``fused_max_pool``, ``fused_chunked_linear_loss``, ``fused_activations``, ``fused_rotary``) are
+    True or False, or None for the default: ``fused_losses``, ``fused_chunked_linear_loss``,
+    ``fused_activations`` and ``fused_rotary`` on for O2, the others for O2 on CUDA only.
     `keep_logits` (default False) keeps the logits a training graph returns (see `Policy`).
 
     >>> p = preset("O2", dtype=torch.bfloat16)
