@@ -64,10 +64,11 @@ def wrong_step(x):
 class Rope(nn.Module):
     """q and k projections rotated as Llama writes it; ``rotary_dim`` rotates the first features only."""
 
-    def __init__(self, rotate=rotate_half, rotary_dim=None, leak=False, mix=False) -> None:
+    def __init__(self, rotate=rotate_half, rotary_dim=None, leak=False, mix=False, one_angle=False) -> None:
         super().__init__()
         self.q, self.k = nn.Linear(16, HEADS * DIM), nn.Linear(16, DIM)
         self.rotate, self.rotary_dim, self.leak, self.mix = rotate, rotary_dim, leak, mix
+        self.one_angle = one_angle  # cos and sin of width 1, broadcast over the features
 
     def rotate_all(self, x, cos, sin, other):
         turned = self.rotate(other if self.mix else x)
@@ -85,6 +86,8 @@ class Rope(nn.Module):
         q = self.q(h).view(b, s, HEADS, DIM).transpose(1, 2)
         k = self.k(h).view(b, s, 1, DIM).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        if self.one_angle:
+            cos, sin = cos[..., :1], sin[..., :1]
         q, turned = self.embed(q, cos, sin, k)
         k, _ = self.embed(k, cos, sin, q)
         out = torch.nn.functional.scaled_dot_product_attention(q, k, k)
@@ -106,18 +109,21 @@ def fused_calls(model) -> list[torch.fx.Node]:
     return [n for g in graphs for n in g.nodes if n.op == "call_function" and n.target is rotary_embedding]
 
 
-def check_against_unfused(model, args, expected_calls) -> None:
+def check_against_unfused(model, args, expected_calls, front_end="fx") -> None:
+    """Convert at O2 with and without the fusion (captured by ``front_end``); the fused model has
+    ``expected_calls`` rotary calls and agrees with the chain in outputs and input gradients."""
     torch.manual_seed(0)
-    fused = amp_fx.convert(model, "O2", dtype=BF16)
-    unfused = amp_fx.convert(model, policy=amp_fx.preset("O2", BF16, fused_rotary=False))
-    assert len(fused_calls(fused)) == expected_calls
-    assert not fused_calls(unfused)
+    fused = amp_fx.convert(model, "O2", dtype=BF16, front_end=front_end)
+    policy = amp_fx.preset("O2", BF16, fused_rotary=False)
+    unfused = amp_fx.convert(model, policy=policy, front_end=front_end)
     leaves = [a.clone().requires_grad_(True) for a in args]
     out = fused(*leaves)
     out.float().pow(2).sum().backward()
     reference_leaves = [a.clone().requires_grad_(True) for a in args]
     expected = unfused(*reference_leaves)
     expected.float().pow(2).sum().backward()
+    assert len(fused_calls(fused)) == expected_calls
+    assert not fused_calls(unfused)
     assert type(out) is torch.Tensor
     assert_close_normwise(out.float(), expected.float(), **OUTPUT_TOL)
     for ours, theirs in zip(leaves, reference_leaves, strict=True):
@@ -151,6 +157,31 @@ def test_fx_partial_rotary_fuses_whole(rotate) -> None:
 )
 def test_fx_near_misses_are_left_alone(model) -> None:
     check_against_unfused(model, inputs(), expected_calls=0)
+
+
+@pytest.mark.parametrize(
+    ("model", "calls"),
+    [
+        (Rope(rotate_half), 2),
+        (Rope(rotate_chunks), 2),
+        (Rope(rotate_every_two, rotary_dim=4), 2),
+        (Rope(wrong_sign), 0),
+        (Rope(wrong_slice), 0),
+        (Rope(leak=True), 1),
+        (Rope(one_angle=True), 0),
+    ],
+    ids=["rotate_half", "chunks", "interleaved-partial", "sign", "slice", "intermediate-read", "tables"],
+)
+def test_export_front_end_spellings_and_near_misses(model, calls) -> None:
+    # torch.export's ATen graph: aten.slice/split with static bounds and shapes known, so cos and
+    # sin that do not fit the kernel (width 1) leave the chain alone at convert time.
+    width = 4 if model.rotary_dim else DIM
+    check_against_unfused(model, inputs(rotary_width=width), expected_calls=calls, front_end="export")
+
+
+def test_fx_tables_that_do_not_fit_run_the_chain() -> None:
+    # Without shapes the fx graph is fused; the call sees width-1 tables and computes the chain.
+    check_against_unfused(Rope(one_angle=True), inputs(), expected_calls=2)
 
 
 def test_fx_chain_read_elsewhere_is_left_alone() -> None:
