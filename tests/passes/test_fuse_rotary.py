@@ -221,7 +221,7 @@ def _hf(name: str) -> nn.Module:
     return transformers.GPTJForCausalLM(config)
 
 
-@pytest.mark.parametrize("name", ["llama", pytest.param("phi", marks=pytest.mark.slow), "gptj"])
+@pytest.mark.parametrize("name", ["llama", "phi", "gptj"])
 def test_hugging_face_models_fuse_at_o2_and_match_autocast(name) -> None:
     torch.manual_seed(0)
     model = _hf(name)
