@@ -8,8 +8,11 @@ ids (``--cos-batch`` gives them the batch dimension), unsqueezed at the head dim
     eager_chain    q * cos + rotate_half(q) * sin, then .to(bf16): what an unfused O2 graph runs
                    (the products and the sum in fp32) and what torch.autocast runs
     compiled_chain the same chain under torch.compile (Inductor's fused kernel), with --compile
-    fused          amp_fx.ops.rotary.rotary_embedding(q, cos, sin, dtype=bf16): one kernel each
-                   way, what fuse_rotary puts in the graph
+    fused          amp_fx.ops.rotary.rotary_embedding(q, cos, sin, dtype=bf16), and the same for k:
+                   one kernel per tensor each way
+    fused_pair     amp_fx.ops.rotary.rotary_embedding_pair(q, k, cos, sin, ...): q and k in one
+                   launch each way, what fuse_rotary puts in the graph where both chains share
+                   cos and sin
 
 Per row: median ms (``triton.testing.do_bench``), effective GB/s counting the fused kernels'
 minimum traffic (forward reads q and k and writes their results, backward reads the gradients and
@@ -28,7 +31,7 @@ import torch
 from reporting import environment, publish
 from triton.testing import do_bench
 
-from amp_fx.ops.rotary import rotary_embedding
+from amp_fx.ops.rotary import rotary_embedding, rotary_embedding_pair
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -77,20 +80,24 @@ def main(argv: list[str] | None = None) -> None:
     grad_q = torch.randn(q_base.transpose(1, 2).shape, device="cuda", generator=generator).to(dtype)
     grad_k = torch.randn(k_base.transpose(1, 2).shape, device="cuda", generator=generator).to(dtype)
 
-    def step(embed):
+    def step(embed, pair=False):
         def run():
             q_base.grad = k_base.grad = None
-            q_out = embed(q_base.transpose(1, 2), cos, sin)
-            k_out = embed(k_base.transpose(1, 2), cos, sin)
+            q, k = q_base.transpose(1, 2), k_base.transpose(1, 2)
+            if pair:
+                q_out, k_out = rotary_embedding_pair(q, k, cos, sin, dtypes=(dtype, dtype))
+            else:
+                q_out, k_out = embed(q, cos, sin), embed(k, cos, sin)
             torch.autograd.backward([q_out, k_out], [grad_q, grad_k])
             return q_out, k_out
 
         return run
 
-    variants = {"eager_chain": eager_chain}
+    variants = {"eager_chain": step(eager_chain)}
     if args.compile:
-        variants["compiled_chain"] = torch.compile(eager_chain)
-    variants["fused"] = fused
+        variants["compiled_chain"] = step(torch.compile(eager_chain))
+    variants["fused"] = step(fused)
+    variants["fused_pair"] = step(None, pair=True)
 
     qk_bytes = (q_base.numel() + k_base.numel()) * q_base.element_size()
     table_bytes = 2 * 2 * cos.numel() * cos.element_size()  # cos and sin, read once each way
@@ -112,8 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     times: dict[str, float] = {}
-    for name, embed in variants.items():
-        run = step(embed)
+    for name, run in variants.items():
         outputs = run()
         out_diff = max(
             (a.float() - b.float()).abs().max().item() for a, b in zip(outputs, reference, strict=True)

@@ -27,17 +27,25 @@ from torch import Tensor
 from amp_fx.kernels.arguments import PARAM_DTYPES
 from amp_fx.kernels.rotary.arguments import rotary_width_problem
 
-__all__ = ["rotary_embedding", "rotary_embedding_op", "rotary_embedding_backward", "rotary_chain"]
+__all__ = [
+    "rotary_chain",
+    "rotary_embedding",
+    "rotary_embedding_backward",
+    "rotary_embedding_op",
+    "rotary_embedding_pair",
+    "rotary_embedding_pair_backward",
+    "rotary_embedding_pair_op",
+]
 
 # The Triton kernels index at most this many dimensions; larger tensors run the reference.
 _TRITON_MAX_DIMS = 4
 
 
-def _implementation(x: Tensor):
+def _implementation(*xs: Tensor):
     # Imported on first use: convert imports this module, and Triton need not load until it runs.
     from amp_fx.kernels import implementation_for, reference
 
-    return implementation_for([x]) if x.dim() <= _TRITON_MAX_DIMS else reference
+    return implementation_for(xs) if all(x.dim() <= _TRITON_MAX_DIMS for x in xs) else reference
 
 
 @torch.library.custom_op("amp_fx::rotary_embedding", mutates_args=())
@@ -46,7 +54,7 @@ def rotary_embedding_op(
 ) -> Tensor:
     """x's first ``cos.shape[-1]`` features rotated by (cos, sin) in fp32, the rest passed through,
     in ``out_dtype`` (the contract of ``amp_fx.kernels.rotary``)."""
-    return _implementation(x).rotary_forward(x, cos, sin, interleaved, out_dtype)
+    return _implementation(x).rotary_forward([x], cos, sin, interleaved, [out_dtype])[0]
 
 
 @rotary_embedding_op.register_fake
@@ -61,7 +69,7 @@ def rotary_embedding_backward(
     grad_out: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, out_dtype: torch.dtype
 ) -> Tensor:
     """The gradient of `rotary_embedding_op` w.r.t. x: the transposed rotation, in ``out_dtype``."""
-    return _implementation(grad_out).rotary_backward(grad_out, cos, sin, interleaved, out_dtype)
+    return _implementation(grad_out).rotary_backward([grad_out], cos, sin, interleaved, [out_dtype])[0]
 
 
 @rotary_embedding_backward.register_fake
@@ -69,6 +77,65 @@ def _rotary_embedding_backward_fake(
     grad_out: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, out_dtype: torch.dtype
 ) -> Tensor:
     return torch.empty_like(grad_out, dtype=out_dtype)
+
+
+@torch.library.custom_op("amp_fx::rotary_embedding_pair", mutates_args=())
+def rotary_embedding_pair_op(
+    q: Tensor,
+    k: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    interleaved: bool,
+    q_dtype: torch.dtype,
+    k_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """`rotary_embedding_op` of a query and a key sharing cos and sin: one launch when they differ
+    only in their head counts."""
+    q_out, k_out = _implementation(q, k).rotary_forward([q, k], cos, sin, interleaved, [q_dtype, k_dtype])
+    return q_out, k_out
+
+
+@rotary_embedding_pair_op.register_fake
+def _rotary_embedding_pair_fake(
+    q: Tensor,
+    k: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    interleaved: bool,
+    q_dtype: torch.dtype,
+    k_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(q, dtype=q_dtype), torch.empty_like(k, dtype=k_dtype)
+
+
+@torch.library.custom_op("amp_fx::rotary_embedding_pair_backward", mutates_args=())
+def rotary_embedding_pair_backward(
+    grad_q: Tensor,
+    grad_k: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    interleaved: bool,
+    q_dtype: torch.dtype,
+    k_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """The gradients of `rotary_embedding_pair_op` w.r.t. q and k, in one launch."""
+    dq, dk = _implementation(grad_q, grad_k).rotary_backward(
+        [grad_q, grad_k], cos, sin, interleaved, [q_dtype, k_dtype]
+    )
+    return dq, dk
+
+
+@rotary_embedding_pair_backward.register_fake
+def _rotary_embedding_pair_backward_fake(
+    grad_q: Tensor,
+    grad_k: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    interleaved: bool,
+    q_dtype: torch.dtype,
+    k_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(grad_q, dtype=q_dtype), torch.empty_like(grad_k, dtype=k_dtype)
 
 
 def _rotate_pairs(x: Tensor, interleaved: bool) -> Tensor:
@@ -79,32 +146,83 @@ def _rotate_pairs(x: Tensor, interleaved: bool) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), -1)
 
 
+def _table_grads(ctx, grads: list[Tensor | None], xs: list[Tensor]) -> tuple[Tensor | None, Tensor | None]:
+    """d(x*cos + rot(x)*sin)/dcos = x, /dsin = rot(x), summed over what cos and sin broadcast over
+    and over the tensors rotated (plain torch math: position tables rarely need a gradient)."""
+    cos, sin = ctx.saved_tensors[:2]
+    width = cos.shape[-1]
+    grad_cos = grad_sin = None
+    for grad, x in zip(grads, xs, strict=True):
+        if grad is None:
+            continue
+        g, rotated = grad[..., :width].float(), x[..., :width].float()
+        if ctx.needs_input_grad[ctx.cos_index]:
+            term = (g * rotated).sum_to_size(cos.shape)
+            grad_cos = term if grad_cos is None else grad_cos + term
+        if ctx.needs_input_grad[ctx.cos_index + 1]:
+            term = (g * _rotate_pairs(rotated, ctx.interleaved)).sum_to_size(sin.shape)
+            grad_sin = term if grad_sin is None else grad_sin + term
+    return (
+        None if grad_cos is None else grad_cos.to(cos.dtype),
+        None if grad_sin is None else grad_sin.to(sin.dtype),
+    )
+
+
+def _save(ctx, xs: tuple[Tensor, ...], cos: Tensor, sin: Tensor, interleaved: bool) -> None:
+    ctx.cos_index = len(xs)
+    table_grads = ctx.needs_input_grad[ctx.cos_index] or ctx.needs_input_grad[ctx.cos_index + 1]
+    ctx.save_for_backward(cos, sin, *(xs if table_grads else ()))
+    ctx.table_grads = table_grads
+    ctx.interleaved = interleaved
+    ctx.x_dtypes = tuple(x.dtype for x in xs)
+
+
 def _setup_context(ctx, inputs: tuple, output: Tensor) -> None:
     x, cos, sin, interleaved, _ = inputs
-    table_grads = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-    ctx.save_for_backward(cos, sin, x if table_grads else None)
-    ctx.interleaved = interleaved
-    ctx.x_dtype = x.dtype
+    _save(ctx, (x,), cos, sin, interleaved)
 
 
-def _backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, None, None]:
-    cos, sin, x = ctx.saved_tensors
-    grad_x = grad_cos = grad_sin = None
+def _backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+    cos, sin = ctx.saved_tensors[:2]
+    grad_x = None
     if ctx.needs_input_grad[0]:
-        grad_x = rotary_embedding_backward(grad_out, cos, sin, ctx.interleaved, ctx.x_dtype)
-    if x is not None:
-        # d(x*cos + rot(x)*sin)/dcos = x, /dsin = rot(x), summed over what cos and sin broadcast over.
-        width = cos.shape[-1]
-        grad = grad_out[..., :width].float()
-        rotated = x[..., :width].float()
-        if ctx.needs_input_grad[1]:
-            grad_cos = (grad * rotated).sum_to_size(cos.shape).to(cos.dtype)
-        if ctx.needs_input_grad[2]:
-            grad_sin = (grad * _rotate_pairs(rotated, ctx.interleaved)).sum_to_size(sin.shape).to(sin.dtype)
-    return grad_x, grad_cos, grad_sin, None, None
+        grad_x = rotary_embedding_backward(grad_out, cos, sin, ctx.interleaved, ctx.x_dtypes[0])
+    tables = _table_grads(ctx, [grad_out], list(ctx.saved_tensors[2:])) if ctx.table_grads else (None, None)
+    return grad_x, *tables, None, None
 
 
 rotary_embedding_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _pair_setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
+    q, k, cos, sin, interleaved, _, _ = inputs
+    _save(ctx, (q, k), cos, sin, interleaved)
+
+
+def _pair_backward(ctx, grad_q: Tensor | None, grad_k: Tensor | None) -> tuple[Tensor | None, ...]:
+    cos, sin = ctx.saved_tensors[:2]
+    q_dtype, k_dtype = ctx.x_dtypes
+    dq = dk = None
+    if grad_q is not None and grad_k is not None:
+        dq, dk = rotary_embedding_pair_backward(grad_q, grad_k, cos, sin, ctx.interleaved, q_dtype, k_dtype)
+    elif grad_q is not None:
+        dq = rotary_embedding_backward(grad_q, cos, sin, ctx.interleaved, q_dtype)
+    elif grad_k is not None:
+        dk = rotary_embedding_backward(grad_k, cos, sin, ctx.interleaved, k_dtype)
+    tables = (
+        _table_grads(ctx, [grad_q, grad_k], list(ctx.saved_tensors[2:])) if ctx.table_grads else (None, None)
+    )
+    return (
+        dq if ctx.needs_input_grad[0] else None,
+        dk if ctx.needs_input_grad[1] else None,
+        *tables,
+        None,
+        None,
+        None,
+    )
+
+
+rotary_embedding_pair_op.register_autograd(_pair_backward, setup_context=_pair_setup_context)
 
 
 def rotary_chain(
@@ -202,9 +320,51 @@ def rotary_embedding(
         return rotary_chain(
             x, cos, sin, rotary_dim=rotary_dim, interleaved=interleaved, chunked=chunked, dtype=dtype
         )
-    out_dtype = (
+    return rotary_embedding_op(x, cos, sin, interleaved, _out_dtype(x, cos, sin, dtype))
+
+
+def _out_dtype(x: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """``dtype``, or where None the dtype the chain computes in (x's, cos' and sin' promoted)."""
+    return (
         dtype
         if dtype is not None
         else torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
     )
-    return rotary_embedding_op(x, cos, sin, interleaved, out_dtype)
+
+
+def rotary_embedding_pair(
+    q: Tensor,
+    k: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    *,
+    rotary_dim: int | None = None,
+    interleaved: bool = False,
+    chunked: bool = False,
+    dtypes: tuple[torch.dtype | None, torch.dtype | None] = (None, None),
+) -> tuple[Tensor, Tensor]:
+    """`rotary_embedding` of a query and a key that share cos and sin, ``dtypes`` one each: on
+    CUDA one kernel launch each way for both when they differ only in their head counts. Either
+    falls back to `rotary_chain` as `rotary_embedding` does.
+
+    Example:
+        >>> q = torch.randn(2, 4, 3, 8, dtype=torch.bfloat16)
+        >>> k = torch.randn(2, 2, 3, 8, dtype=torch.bfloat16)
+        >>> cos, sin = torch.randn(2, 1, 3, 8), torch.randn(2, 1, 3, 8)
+        >>> q_out, k_out = rotary_embedding_pair(q, k, cos, sin, dtypes=(torch.bfloat16, None))
+        >>> q_out.dtype, k_out.dtype
+        (torch.bfloat16, torch.float32)
+        >>> torch.equal(k_out, rotary_chain(k, cos, sin))
+        True
+    """
+    q_dtype, k_dtype = dtypes
+    options = {"rotary_dim": rotary_dim, "interleaved": interleaved, "chunked": chunked}
+    if not (
+        _fits_kernels(q, cos, sin, rotary_dim, q_dtype) and _fits_kernels(k, cos, sin, rotary_dim, k_dtype)
+    ):
+        return rotary_embedding(q, cos, sin, dtype=q_dtype, **options), rotary_embedding(
+            k, cos, sin, dtype=k_dtype, **options
+        )
+    return rotary_embedding_pair_op(
+        q, k, cos, sin, interleaved, _out_dtype(q, cos, sin, q_dtype), _out_dtype(k, cos, sin, k_dtype)
+    )

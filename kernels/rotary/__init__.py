@@ -25,16 +25,17 @@ graph's chain can be replaced whatever values its cos and sin hold; the backward
 upstream gradient, is that map's transpose, the gradient w.r.t. x. Each result is rounded once to
 the output dtype.
 
-The kernels (``KERNELS``):
+The kernels (``KERNELS``) take one or two tensors that share cos and sin (a query and a key):
 
-- ``rotary_forward(x, cos, sin, interleaved, out_dtype) -> out``: x, cos, sin in fp16, bf16 or
-  fp32 (each its own), any strides; out in ``out_dtype`` (fp16, bf16 or fp32), x's shape, strides
-  as ``torch.empty_like(x)`` gives them.
-- ``rotary_backward(grad_out, cos, sin, interleaved, out_dtype) -> grad_x``: the same with the
-  transposed rotation; ``out_dtype`` is x's dtype.
+- ``rotary_forward(xs, cos, sin, interleaved, out_dtypes) -> outs``: each x in ``xs``, cos and sin
+  in fp16, bf16 or fp32 (each its own), any strides; each out in its ``out_dtypes`` entry (fp16,
+  bf16 or fp32), its x's shape, strides as ``torch.empty_like(x)`` gives them. A list.
+- ``rotary_backward(grad_outs, cos, sin, interleaved, out_dtypes) -> grad_xs``: the same with the
+  transposed rotation; ``out_dtypes`` are the xs' dtypes.
 
-The Triton kernels take tensors of at most 4 dimensions. Neither implementation reads a tensor
-value on the host.
+The Triton kernels take tensors of at most 4 dimensions, and rotate two tensors in one launch
+when they differ only in the dimension cos and sin are shared over (a query's and a key's heads).
+Neither implementation reads a tensor value on the host.
 """
 
 KERNELS = ("rotary_forward", "rotary_backward")

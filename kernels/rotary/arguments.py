@@ -3,12 +3,14 @@ only: they never read a value, so they never synchronize with the device)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
 from amp_fx.kernels.arguments import check_dtype
 
-__all__ = ["check_rotary_arguments", "rotary_width_problem"]
+__all__ = ["check_rotary_arguments", "check_rotary_tensors", "rotary_width_problem"]
 
 
 def rotary_width_problem(x_shape: torch.Size, cos_shape: torch.Size, sin_shape: torch.Size) -> str | None:
@@ -70,3 +72,22 @@ def check_rotary_arguments(
     problem = rotary_width_problem(x.shape, cos.shape, sin.shape)
     if problem is not None:
         raise ValueError(problem)
+
+
+def check_rotary_tensors(
+    xs: Sequence[Tensor], cos: Tensor, sin: Tensor, interleaved: bool, out_dtypes: Sequence[torch.dtype]
+) -> None:
+    """Validate the arguments of ``rotary_forward`` / ``rotary_backward``: one or two tensors (a
+    query and a key) sharing cos and sin, one output dtype each; raise TypeError/ValueError.
+
+    Example:
+        >>> check_rotary_tensors([torch.ones(2, 8)], torch.ones(8), torch.ones(8), False, [torch.float32])
+    """
+    if not isinstance(xs, (list, tuple)) or not 1 <= len(xs) <= 2:
+        raise TypeError(
+            f"xs must be a list of one or two tensors (a query and a key), got {type(xs).__name__}"
+        )
+    if not isinstance(out_dtypes, (list, tuple)) or len(out_dtypes) != len(xs):
+        raise ValueError(f"out_dtypes must give one dtype per tensor of xs ({len(xs)}), got {out_dtypes!r}")
+    for x, out_dtype in zip(xs, out_dtypes, strict=True):
+        check_rotary_arguments(x, cos, sin, interleaved, out_dtype)

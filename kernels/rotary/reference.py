@@ -4,10 +4,12 @@ kernels are tested against."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
-from amp_fx.kernels.rotary.arguments import check_rotary_arguments
+from amp_fx.kernels.rotary.arguments import check_rotary_tensors
 
 __all__ = ["rotary_backward", "rotary_forward"]
 
@@ -23,7 +25,6 @@ def _pairs(t: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
 def _rotate(
     x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, out_dtype: torch.dtype, transposed: bool
 ) -> Tensor:
-    check_rotary_arguments(x, cos, sin, interleaved, out_dtype)
     width = cos.shape[-1]
     values = x.float()
     a, b = _pairs(values[..., :width], interleaved)
@@ -40,31 +41,45 @@ def _rotate(
     return out
 
 
-def rotary_forward(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, out_dtype: torch.dtype) -> Tensor:
-    """``x * cos + rotate_half(x) * sin`` on x's first ``cos.shape[-1]`` features (the rest passed
-    through), in fp32, rounded once to ``out_dtype``: the contract of ``amp_fx.kernels.rotary``.
+def rotary_forward(
+    xs: Sequence[Tensor], cos: Tensor, sin: Tensor, interleaved: bool, out_dtypes: Sequence[torch.dtype]
+) -> list[Tensor]:
+    """Each x of ``xs``: ``x * cos + rotate_half(x) * sin`` on its first ``cos.shape[-1]`` features
+    (the rest passed through), in fp32, rounded once to its ``out_dtypes`` entry: the contract of
+    ``amp_fx.kernels.rotary``.
 
     Example:
         >>> x = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]], dtype=torch.bfloat16)
         >>> cos, sin = torch.tensor([0.0, 0.0, 0.0, 0.0]), torch.tensor([1.0, 1.0, 1.0, 1.0])
-        >>> rotary_forward(x, cos, sin, False, torch.bfloat16)  # a quarter turn: (a, b) -> (-b, a)
-        tensor([[-3., -4.,  1.,  2.,  5.]], dtype=torch.bfloat16)
-        >>> rotary_forward(x, cos, sin, True, torch.float32)
+        >>> rotary_forward([x], cos, sin, False, [torch.bfloat16])  # a quarter turn: (a, b) -> (-b, a)
+        [tensor([[-3., -4.,  1.,  2.,  5.]], dtype=torch.bfloat16)]
+        >>> rotary_forward([x, x], cos, sin, True, [torch.bfloat16, torch.float32])[1]
         tensor([[-2.,  1., -4.,  3.,  5.]])
     """
-    return _rotate(x, cos, sin, interleaved, out_dtype, transposed=False)
+    check_rotary_tensors(xs, cos, sin, interleaved, out_dtypes)
+    return [
+        _rotate(x, cos, sin, interleaved, d, transposed=False) for x, d in zip(xs, out_dtypes, strict=True)
+    ]
 
 
 def rotary_backward(
-    grad_out: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, out_dtype: torch.dtype
-) -> Tensor:
-    """The gradient of `rotary_forward` w.r.t. x, given the gradient of its output: the transposed
-    rotation, in fp32, rounded once to ``out_dtype`` (x's dtype).
+    grad_outs: Sequence[Tensor],
+    cos: Tensor,
+    sin: Tensor,
+    interleaved: bool,
+    out_dtypes: Sequence[torch.dtype],
+) -> list[Tensor]:
+    """The gradients of `rotary_forward` w.r.t. its xs, given the gradients of its outputs: the
+    transposed rotation, in fp32, rounded once to each ``out_dtypes`` entry (the xs' dtypes).
 
     Example:
         >>> g = torch.tensor([[-3.0, -4.0, 1.0, 2.0, 5.0]])
         >>> cos, sin = torch.zeros(4), torch.ones(4)
-        >>> rotary_backward(g, cos, sin, False, torch.float32)  # the quarter turn undone
-        tensor([[1., 2., 3., 4., 5.]])
+        >>> rotary_backward([g], cos, sin, False, [torch.float32])  # the quarter turn undone
+        [tensor([[1., 2., 3., 4., 5.]])]
     """
-    return _rotate(grad_out, cos, sin, interleaved, out_dtype, transposed=True)
+    check_rotary_tensors(grad_outs, cos, sin, interleaved, out_dtypes)
+    return [
+        _rotate(g, cos, sin, interleaved, d, transposed=True)
+        for g, d in zip(grad_outs, out_dtypes, strict=True)
+    ]

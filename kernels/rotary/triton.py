@@ -9,16 +9,21 @@ the backward repeats it. Here one kernel reads q once and writes the result once
 the dtypes the graph asks for, and cos and sin (one row per position, shared by every head) are
 read once per position from cache.
 
-How: the tensor is seen as 4-D (A0, A1, A2, D) with its own strides, cos and sin as views
+How: each tensor is seen as 4-D (A0, A1, A2, D) with its own strides, cos and sin as views
 broadcast to (A0, A1, A2, R) (stride 0 where they broadcast). The wrapper puts the leading
 dimension along which cos and sin do not change (the heads) at A1, so one program takes one
 (i0, i2) position and loops over its heads BLOCK_H at a time: a [BLOCK_H, R/2] tile of pairs (a, b)
 and the cos/sin values at both features of each pair, then the D - R pass-through features.
 Loads and stores follow each tensor's strides, so the transposed q of a [batch, heads, seq, dim]
-view is read in place.
+view is read in place. A query and a key that differ only in their head counts are rotated by the
+same program, one after the other: one launch, and each position's table row read from memory
+once for both.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -27,7 +32,7 @@ from torch import Tensor
 
 from amp_fx.kernels.devices import on_device
 from amp_fx.kernels.pointer_table import triton_dtype
-from amp_fx.kernels.rotary.arguments import check_rotary_arguments
+from amp_fx.kernels.rotary.arguments import check_rotary_tensors
 from amp_fx.kernels.rounding import round_to_dtype
 
 __all__ = ["rotary_backward", "rotary_forward"]
@@ -40,46 +45,30 @@ _MAX_DIMS = 4
 
 
 @triton.jit
-def _rotary_kernel(
-    x_ptr,  # input (A0, A1, A2, D), any strides: element (i0, i1, i2, f) at x_ptr + i0*xs0 + ... + f*xs3
-    xs0,
+def _rotate_heads(
+    x_row,  # the position's first element of x: x_row + h * xs1 + f * xs3 is head h, feature f
     xs1,
-    xs2,
     xs3,
-    out_ptr,  # OUT_DTYPE* (A0, A1, A2, D) out, with its own strides
-    os0,
+    out_row,  # the same position of the output, with its own strides
     os1,
-    os2,
     os3,
-    cos_ptr,  # (A0, A1, A2, R) broadcast view: stride 0 along the dimensions cos is shared over
-    cs0,
+    cos_row,  # the position's table rows (stride 0 along the heads when shared, as they are)
     cs1,
-    cs2,
     cs3,
-    sin_ptr,  # as cos, with its own strides
-    ss0,
+    sin_row,
     ss1,
-    ss2,
     ss3,
-    size1,  # A1: the dimension each program loops over (the heads)
-    size2,  # A2
+    num_heads,
     width,  # D: features of x
     rotary_width,  # R: features rotated (even, <= D)
-    INTERLEAVED: tl.constexpr,  # pairs (2j, 2j + 1) instead of (j, j + R/2)
-    TRANSPOSED: tl.constexpr,  # the backward: rotation by -sin
+    INTERLEAVED: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_PAIRS: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
 ):
-    position = tl.program_id(0).to(tl.int64)
-    i0 = position // size2
-    i2 = position % size2
-    x_row = x_ptr + i0 * xs0 + i2 * xs2
-    out_row = out_ptr + i0 * os0 + i2 * os2
-    cos_row = cos_ptr + i0 * cs0 + i2 * cs2
-    sin_row = sin_ptr + i0 * ss0 + i2 * ss2
-
+    """Rotate every head of one position, BLOCK_H heads at a time."""
     half = rotary_width // 2
     pairs = tl.arange(0, BLOCK_PAIRS)[None, :]
     if INTERLEAVED:
@@ -89,9 +78,9 @@ def _rotary_kernel(
         feature_a = pairs
         feature_b = pairs + half
     heads = tl.arange(0, BLOCK_H)[:, None]
-    for head_start in range(0, size1, BLOCK_H):
+    for head_start in range(0, num_heads, BLOCK_H):
         head = (head_start + heads).to(tl.int64)
-        mask = (head < size1) & (pairs < half)
+        mask = (head < num_heads) & (pairs < half)
         a = tl.load(x_row + head * xs1 + feature_a * xs3, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(x_row + head * xs1 + feature_b * xs3, mask=mask, other=0.0).to(tl.float32)
         c1 = tl.load(cos_row + head * cs1 + feature_a * cs3, mask=mask, other=0.0).to(tl.float32)
@@ -109,77 +98,205 @@ def _rotary_kernel(
         # Features past R pass through (partial rotary, GPT-NeoX and Phi), converted to OUT_DTYPE.
         for pass_start in range(rotary_width, width, BLOCK_PASS):
             feature = pass_start + tl.arange(0, BLOCK_PASS)[None, :]
-            pass_mask = (head < size1) & (feature < width)
+            pass_mask = (head < num_heads) & (feature < width)
             value = tl.load(x_row + head * xs1 + feature * xs3, mask=pass_mask, other=0.0).to(tl.float32)
             tl.store(out_row + head * os1 + feature * os3, round_to_dtype(value, OUT_DTYPE), mask=pass_mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    x_ptr,  # first tensor (A0, A1, A2, D), any strides: (i0, i1, i2, f) at x_ptr + i0*xs0 + ... + f*xs3
+    xs0,
+    xs1,
+    xs2,
+    xs3,
+    out_ptr,  # its output, OUT_DTYPE, with its own strides
+    os0,
+    os1,
+    os2,
+    os3,
+    num_heads,  # its A1: the dimension each program loops over (the heads)
+    y_ptr,  # second tensor (A0, B1, A2, D) (a key beside the query), or x again when HAS_SECOND is False
+    ys0,
+    ys1,
+    ys2,
+    ys3,
+    y_out_ptr,  # its output, Y_OUT_DTYPE
+    yos0,
+    yos1,
+    yos2,
+    yos3,
+    y_num_heads,  # B1
+    cos_ptr,  # (A0, A1, A2, R) broadcast view: stride 0 along the dimensions cos is shared over
+    cs0,
+    cs1,
+    cs2,
+    cs3,
+    sin_ptr,  # as cos, with its own strides
+    ss0,
+    ss1,
+    ss2,
+    ss3,
+    size2,  # A2
+    width,  # D
+    rotary_width,  # R
+    HAS_SECOND: tl.constexpr,
+    INTERLEAVED: tl.constexpr,  # pairs (2j, 2j + 1) instead of (j, j + R/2)
+    TRANSPOSED: tl.constexpr,  # the backward: rotation by -sin
+    OUT_DTYPE: tl.constexpr,
+    Y_OUT_DTYPE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_PAIRS: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+):
+    position = tl.program_id(0).to(tl.int64)
+    i0 = position // size2
+    i2 = position % size2
+    cos_row = cos_ptr + i0 * cs0 + i2 * cs2
+    sin_row = sin_ptr + i0 * ss0 + i2 * ss2
+    _rotate_heads(
+        x_ptr + i0 * xs0 + i2 * xs2, xs1, xs3, out_ptr + i0 * os0 + i2 * os2, os1, os3,
+        cos_row, cs1, cs3, sin_row, ss1, ss3, num_heads, width, rotary_width,
+        INTERLEAVED, TRANSPOSED, OUT_DTYPE, BLOCK_H, BLOCK_PAIRS, BLOCK_PASS,
+    )  # fmt: skip
+    if HAS_SECOND:
+        # The same position's table rows, still in cache.
+        _rotate_heads(
+            y_ptr + i0 * ys0 + i2 * ys2, ys1, ys3, y_out_ptr + i0 * yos0 + i2 * yos2, yos1, yos3,
+            cos_row, cs1, cs3, sin_row, ss1, ss3, y_num_heads, width, rotary_width,
+            INTERLEAVED, TRANSPOSED, Y_OUT_DTYPE, BLOCK_H, BLOCK_PAIRS, BLOCK_PASS,
+        )  # fmt: skip
 
 
 def _four_dims(t: Tensor) -> Tensor:
     return t.reshape((1,) * (_MAX_DIMS - t.dim()) + tuple(t.shape)) if t.dim() < _MAX_DIMS else t
 
 
-def _rotate(
-    x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, out_dtype: torch.dtype, transposed: bool
-) -> Tensor:
-    check_rotary_arguments(x, cos, sin, interleaved, out_dtype)
-    if x.dim() > _MAX_DIMS:
-        raise ValueError(
-            f"the Triton rotary kernels take at most {_MAX_DIMS} dimensions, x has {x.dim()}; "
-            "use amp_fx.kernels.reference.rotary_forward/rotary_backward"
-        )
-    out = torch.empty_like(x, dtype=out_dtype)
-    if out.numel() == 0:
-        return out
-    rotary_width = cos.shape[-1]
-    rotated_shape = (*x.shape[:-1], rotary_width)
+@dataclass(frozen=True)
+class _Operand:
+    """One tensor and its output as the kernel sees them: 4-D views, the loop dimension second."""
+
+    x: Tensor
+    out: Tensor
+    cos: Tensor
+    sin: Tensor
+
+
+def _operand(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor, loop: int | None) -> tuple[_Operand, int]:
+    """x, out and the tables as (A0, A1, A2, D) views with A1 the loop dimension: ``loop`` if given,
+    else the largest leading dimension cos and sin are shared over (the heads)."""
+    rotated_shape = (*x.shape[:-1], cos.shape[-1])
     views = [_four_dims(t) for t in (x, out, cos.expand(rotated_shape), sin.expand(rotated_shape))]
-    x4, _, cos4, sin4 = views
-    # The loop dimension: the largest leading one cos and sin are shared over (the heads).
-    shared = [d for d in range(_MAX_DIMS - 1) if cos4.stride(d) == 0 and sin4.stride(d) == 0]
-    loop = max(shared, key=lambda d: x4.shape[d]) if shared else 1
+    if loop is None:
+        shared = [d for d in range(_MAX_DIMS - 1) if views[2].stride(d) == 0 and views[3].stride(d) == 0]
+        loop = max(shared, key=lambda d: views[0].shape[d]) if shared else 1
     outer, inner = (d for d in range(_MAX_DIMS - 1) if d != loop)
     x4, out4, cos4, sin4 = (t.permute(outer, loop, inner, _MAX_DIMS - 1) for t in views)
-    size0, size1, size2, width = x4.shape
+    return _Operand(x4, out4, cos4, sin4), loop
+
+
+def _shares_launch(first: _Operand, second: _Operand) -> bool:
+    """Whether one program per position can rotate both: the same positions, and tables shared
+    over the loop dimension for both (then their views agree everywhere else)."""
+    same_positions = first.x.shape[0] == second.x.shape[0] and first.x.shape[2:] == second.x.shape[2:]
+    # Along a loop dimension of size 1 (a single key head) the tables' stride is never used.
+    shared = all(
+        operand.x.shape[1] == 1 or (operand.cos.stride(1) == 0 and operand.sin.stride(1) == 0)
+        for operand in (first, second)
+    )
+    return same_positions and shared
+
+
+def _table_strides(table: Tensor, shared: bool) -> tuple[int, ...]:
+    """The table's strides, 0 along the loop dimension where two tensors share it."""
+    strides = table.stride()
+    return (strides[0], 0, *strides[2:]) if shared else strides
+
+
+def _launch(first: _Operand, second: _Operand | None, interleaved: bool, transposed: bool) -> None:
+    size0, num_heads, size2, width = first.x.shape
+    rotary_width = first.cos.shape[-1]
+    heads = max(num_heads, second.x.shape[1] if second is not None else 0)
     block_pairs = triton.next_power_of_2(max(rotary_width // 2, 1))
-    block_h = max(1, min(triton.next_power_of_2(size1), _PAIRS_PER_TILE // block_pairs))
+    block_h = max(1, min(triton.next_power_of_2(heads), _PAIRS_PER_TILE // block_pairs))
     block_pass = max(16, min(triton.next_power_of_2(max(width - rotary_width, 1)), 2 * block_pairs))
-    with on_device(x.device):
+    other = second if second is not None else first
+    with on_device(first.x.device):
         _rotary_kernel[(size0 * size2,)](
-            x4, *x4.stride(),
-            out4, *out4.stride(),
-            cos4, *cos4.stride(),
-            sin4, *sin4.stride(),
-            size1, size2, width, rotary_width,
+            first.x, *first.x.stride(), first.out, *first.out.stride(), num_heads,
+            other.x, *other.x.stride(), other.out, *other.out.stride(), other.x.shape[1],
+            first.cos, *_table_strides(first.cos, second is not None),
+            first.sin, *_table_strides(first.sin, second is not None),
+            size2, width, rotary_width,
+            HAS_SECOND=second is not None,
             INTERLEAVED=interleaved,
             TRANSPOSED=transposed,
-            OUT_DTYPE=triton_dtype(out_dtype),
+            OUT_DTYPE=triton_dtype(first.out.dtype),
+            Y_OUT_DTYPE=triton_dtype(other.out.dtype),
             BLOCK_H=block_h,
             BLOCK_PAIRS=block_pairs,
             BLOCK_PASS=block_pass,
             num_warps=_NUM_WARPS,
         )  # fmt: skip
-    return out
 
 
-def rotary_forward(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, out_dtype: torch.dtype) -> Tensor:
-    """x's first ``cos.shape[-1]`` features rotated by (cos, sin), the rest passed through, in fp32,
-    rounded once to ``out_dtype``: the contract of ``amp_fx.kernels.rotary``. One launch.
+def _rotate(
+    xs: Sequence[Tensor],
+    cos: Tensor,
+    sin: Tensor,
+    interleaved: bool,
+    out_dtypes: Sequence[torch.dtype],
+    transposed: bool,
+) -> list[Tensor]:
+    check_rotary_tensors(xs, cos, sin, interleaved, out_dtypes)
+    for x in xs:
+        if x.dim() > _MAX_DIMS:
+            raise ValueError(
+                f"the Triton rotary kernels take at most {_MAX_DIMS} dimensions, got {x.dim()}; "
+                "use amp_fx.kernels.reference.rotary_forward/rotary_backward"
+            )
+    outs = [torch.empty_like(x, dtype=d) for x, d in zip(xs, out_dtypes, strict=True)]
+    operands: list[_Operand] = []
+    loop = None
+    for x, out in zip(xs, outs, strict=True):
+        if out.numel() > 0:
+            operand, loop = _operand(x, cos, sin, out, loop if x.dim() == xs[0].dim() else None)
+            operands.append(operand)
+    if len(operands) == 2 and _shares_launch(*operands):
+        _launch(operands[0], operands[1], interleaved, transposed)
+    else:
+        for operand in operands:
+            _launch(operand, None, interleaved, transposed)
+    return outs
+
+
+def rotary_forward(
+    xs: Sequence[Tensor], cos: Tensor, sin: Tensor, interleaved: bool, out_dtypes: Sequence[torch.dtype]
+) -> list[Tensor]:
+    """Each x's first ``cos.shape[-1]`` features rotated by (cos, sin), the rest passed through, in
+    fp32, rounded once to its ``out_dtypes`` entry: the contract of ``amp_fx.kernels.rotary``. One
+    launch for a query and a key that differ only in their head counts.
 
     Example:
         >>> q = torch.randn(8, 12, 2048, 128, dtype=torch.bfloat16, device="cuda")  # doctest: +SKIP
-        >>> cos = torch.randn(8, 1, 2048, 128, device="cuda"); sin = torch.randn_like(cos)  # doctest: +SKIP
-        >>> rotary_forward(q, cos, sin, False, torch.bfloat16).shape  # doctest: +SKIP
-        torch.Size([8, 12, 2048, 128])
+        >>> k = torch.randn(8, 4, 2048, 128, dtype=torch.bfloat16, device="cuda")  # doctest: +SKIP
+        >>> cos = torch.randn(1, 1, 2048, 128, device="cuda"); sin = torch.randn_like(cos)  # doctest: +SKIP
+        >>> q_out, k_out = rotary_forward([q, k], cos, sin, False, [torch.bfloat16] * 2)  # doctest: +SKIP
     """
-    return _rotate(x, cos, sin, interleaved, out_dtype, transposed=False)
+    return _rotate(xs, cos, sin, interleaved, out_dtypes, transposed=False)
 
 
 def rotary_backward(
-    grad_out: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, out_dtype: torch.dtype
-) -> Tensor:
-    """The gradient of `rotary_forward` w.r.t. x (the transposed rotation), in ``out_dtype``.
+    grad_outs: Sequence[Tensor],
+    cos: Tensor,
+    sin: Tensor,
+    interleaved: bool,
+    out_dtypes: Sequence[torch.dtype],
+) -> list[Tensor]:
+    """The gradients of `rotary_forward` w.r.t. its xs (the transposed rotation), each in its
+    ``out_dtypes`` entry; launched as the forward is.
 
     Example:
-        >>> grad_q = rotary_backward(grad_out, cos, sin, False, torch.bfloat16)  # doctest: +SKIP
+        >>> dq, dk = rotary_backward([g_q, g_k], cos, sin, False, [q.dtype, k.dtype])  # doctest: +SKIP
     """
-    return _rotate(grad_out, cos, sin, interleaved, out_dtype, transposed=True)
+    return _rotate(grad_outs, cos, sin, interleaved, out_dtypes, transposed=True)

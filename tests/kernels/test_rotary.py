@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from amp_fx.kernels import reference, triton_ops
+from amp_fx.kernels.rotary import triton as rotary_triton
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -40,22 +41,58 @@ def make_inputs(case, dtype, device, seed=0, cos_dtype=torch.float32):
     return q.to(device), cos.to(device), sin.to(device), interleaved
 
 
+def run_both(xs, cos, sin, interleaved, out_dtypes, grad_dtypes):
+    """Forward and backward with the Triton kernels and the reference; the reference on CPU copies."""
+    ours = triton_ops.rotary_forward(xs, cos, sin, interleaved, out_dtypes)
+    ours_grad = triton_ops.rotary_backward(ours, cos, sin, interleaved, grad_dtypes)
+    cpu = [x.cpu() for x in xs]
+    expected = reference.rotary_forward(cpu, cos.cpu(), sin.cpu(), interleaved, out_dtypes)
+    expected_grad = reference.rotary_backward(expected, cos.cpu(), sin.cpu(), interleaved, grad_dtypes)
+    return (ours, ours_grad), (expected, expected_grad)
+
+
+def assert_bit_equal(ours, expected) -> None:
+    for mine, theirs in zip(ours, expected, strict=True):
+        assert mine.dtype == theirs.dtype and mine.stride() == theirs.stride()
+        torch.testing.assert_close(mine.cpu(), theirs, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(("case", "dtype"), [(case, DTYPES[i % 3]) for i, case in enumerate(CASES)])
 def test_triton_matches_reference(device, case, dtype) -> None:
     q, cos, sin, interleaved = make_inputs(case, dtype, device)
     for out_dtype in (dtype, torch.float32):
-        ours = triton_ops.rotary_forward(q, cos, sin, interleaved, out_dtype)
-        expected = reference.rotary_forward(q.cpu(), cos.cpu(), sin.cpu(), interleaved, out_dtype)
-        assert ours.dtype == out_dtype and ours.stride() == expected.stride()
-        torch.testing.assert_close(ours.cpu(), expected, rtol=0, atol=0)
-        grad = triton_ops.rotary_backward(ours, cos, sin, interleaved, dtype)
-        expected_grad = reference.rotary_backward(expected, cos.cpu(), sin.cpu(), interleaved, dtype)
-        torch.testing.assert_close(grad.cpu(), expected_grad, rtol=0, atol=0)
+        (ours, ours_grad), (expected, expected_grad) = run_both(
+            [q], cos, sin, interleaved, [out_dtype], [dtype]
+        )
+        assert_bit_equal(ours, expected)
+        assert_bit_equal(ours_grad, expected_grad)
+
+
+@pytest.mark.parametrize(
+    ("k_shape", "cos_shape", "launches"),
+    [
+        ((2, 1, 5, 8), (2, 1, 5, 8), 1),  # grouped-query: 3 query heads, 1 key head
+        ((1, 2, 5, 8), (1, 1, 5, 8), 2),  # another batch size: the positions differ
+    ],
+)
+def test_query_and_key_together(device, monkeypatch, k_shape, cos_shape, launches) -> None:
+    calls = []
+    launch = rotary_triton._launch
+    monkeypatch.setattr(rotary_triton, "_launch", lambda *args: calls.append(1) or launch(*args))
+    q, cos, sin, _ = make_inputs(((2, 3, 5, 8), cos_shape, False, True), torch.bfloat16, device)
+    k = torch.randn(k_shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(device)
+    (ours, ours_grad), (expected, expected_grad) = run_both(
+        [q, k], cos, sin, False, [torch.bfloat16, torch.float32], [torch.bfloat16, torch.bfloat16]
+    )
+    assert_bit_equal(ours, expected)
+    assert_bit_equal(ours_grad, expected_grad)
+    assert len(calls) == 2 * launches  # forward and backward
 
 
 @given(
     dtype=st.sampled_from(DTYPES),
     heads=st.integers(1, 5),
+    kv_heads=st.integers(1, 3),
     seq=st.integers(1, 4),
     pairs=st.integers(1, 5),
     passed=st.integers(0, 3),
@@ -63,20 +100,16 @@ def test_triton_matches_reference(device, case, dtype) -> None:
     seed=st.integers(0, 2**16),
 )
 def test_triton_matches_reference_any_size(
-    device, dtype, heads, seq, pairs, passed, interleaved, seed
+    device, dtype, heads, kv_heads, seq, pairs, passed, interleaved, seed
 ) -> None:
-    case = ((2, heads, seq, 2 * pairs + passed), (1, 1, seq, 2 * pairs), interleaved, True)
-    q, cos, sin, interleaved = make_inputs(case, dtype, device, seed)
-    ours = triton_ops.rotary_forward(q, cos, sin, interleaved, dtype)
-    expected = reference.rotary_forward(q.cpu(), cos.cpu(), sin.cpu(), interleaved, dtype)
-    torch.testing.assert_close(ours.cpu(), expected, rtol=0, atol=0)
-    grad = triton_ops.rotary_backward(q, cos, sin, interleaved, dtype)
-    torch.testing.assert_close(
-        grad.cpu(),
-        reference.rotary_backward(q.cpu(), cos.cpu(), sin.cpu(), interleaved, dtype),
-        rtol=0,
-        atol=0,
+    width = 2 * pairs + passed
+    q, cos, sin, interleaved = make_inputs(
+        ((2, heads, seq, width), (1, 1, seq, 2 * pairs), interleaved, True), dtype, device, seed
     )
+    k = make_inputs(((2, kv_heads, seq, width), (1,), False, False), dtype, device, seed + 1)[0]
+    ours, expected = run_both([q, k], cos, sin, interleaved, [dtype, dtype], [dtype, dtype])
+    for mine, theirs in zip(ours, expected, strict=True):
+        assert_bit_equal(mine, theirs)
 
 
 @pytest.mark.parametrize(
@@ -88,6 +121,10 @@ def test_kernels_refuse_bad_arguments(cos_shape, message) -> None:
     cos = torch.randn(cos_shape)
     for implementation in (reference, triton_ops):
         with pytest.raises(ValueError, match=message):
-            implementation.rotary_forward(q, cos, cos, False, torch.float32)
+            implementation.rotary_forward([q], cos, cos, False, [torch.float32])
     with pytest.raises(ValueError, match="features but sin has"):
-        reference.rotary_forward(q, torch.randn(5, 8), torch.randn(5, 6), False, torch.float32)
+        reference.rotary_forward([q], torch.randn(5, 8), torch.randn(5, 6), False, [torch.float32])
+    with pytest.raises(ValueError, match="one dtype per tensor"):
+        reference.rotary_backward([q, q], torch.randn(5, 8), torch.randn(5, 8), False, [torch.float32])
+    with pytest.raises(TypeError, match="one or two tensors"):
+        triton_ops.rotary_forward(q, torch.randn(5, 8), torch.randn(5, 8), False, [torch.float32])

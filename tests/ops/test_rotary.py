@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from amp_fx.ops.rotary import rotary_chain, rotary_embedding
+from amp_fx.ops.rotary import rotary_chain, rotary_embedding, rotary_embedding_pair
 from amp_fx.testing import grad_tolerances, rounding_tolerances
 from tests.kernels.test_rotary import CASES, make_inputs
 
@@ -105,3 +105,36 @@ def test_exports_as_one_custom_op() -> None:
     targets = [str(n.target) for n in exported.graph.nodes if n.op == "call_function"]
     assert targets == ["amp_fx.rotary_embedding.default"]
     assert torch.equal(exported.module()(q, cos, sin), Rotate()(q, cos, sin))
+
+
+@pytest.mark.parametrize("needs_table_grads", [False, True])
+def test_pair_equals_two_calls(kernels, needs_table_grads) -> None:
+    q, cos, sin, _ = make_inputs(CASES[2], torch.bfloat16, "cpu")
+    k = make_inputs(((2, 1, 5, 10), (1,), False, True), torch.bfloat16, "cpu", seed=1)[0]
+    options = {"rotary_dim": 4, "interleaved": False}
+
+    def run(pair: bool):
+        leaves = [
+            t.clone().requires_grad_(t.dtype == torch.bfloat16 or needs_table_grads) for t in (q, k, cos, sin)
+        ]
+        lq, lk, lcos, lsin = leaves
+        if pair:
+            outs = rotary_embedding_pair(lq, lk, lcos, lsin, dtypes=(torch.bfloat16, None), **options)
+        else:
+            outs = (
+                rotary_embedding(lq, lcos, lsin, dtype=torch.bfloat16, **options),
+                rotary_embedding(lk, lcos, lsin, **options),
+            )
+        grads = [
+            torch.randn(o.shape, generator=torch.Generator().manual_seed(i)).to(o.dtype)
+            for i, o in enumerate(outs)
+        ]
+        torch.autograd.backward(outs, grads)
+        return outs, [t.grad for t in leaves]
+
+    (outs, grads), (expected, expected_grads) = run(pair=True), run(pair=False)
+    assert [o.dtype for o in outs] == [torch.bfloat16, torch.float32]
+    for ours, theirs in zip([*outs, *grads], [*expected, *expected_grads], strict=True):
+        assert (ours is None) == (theirs is None)
+        if ours is not None:
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
