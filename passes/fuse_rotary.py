@@ -23,6 +23,10 @@ known (the torch.export front end) cos and sin must also fit the kernel (the rot
 broadcast to q without enlarging it); where they are not (torch.fx without example inputs)
 `rotary_embedding` checks that at run time and computes the chain op by op when they do not.
 
+Two fused calls that share cos and sin (a layer's query and key) become one
+`amp_fx.ops.rotary.rotary_embedding_pair` call where the graph's order allows it: one kernel launch
+each way for both, each position's table row read once.
+
 It runs where ``policy.fused_rotary`` (default: O2, on every device: on CPU the call runs the
 kernels' torch reference). Each fused call records the nodes it replaced in its report notes.
 
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 from typing import Any
 
 import torch
@@ -53,7 +58,7 @@ from amp_fx.core.dtypes import LOW_PRECISION_DTYPES, dtype_name
 from amp_fx.core.node_info import FX_WRAPPED_KEY, META_KEY, NodeInfo, node_info
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.kernels.rotary.arguments import rotary_width_problem
-from amp_fx.ops.rotary import rotary_embedding
+from amp_fx.ops.rotary import rotary_embedding, rotary_embedding_pair
 from amp_fx.passes.shared.calls import call_argument
 from amp_fx.passes.shared.dtypes import dtype_is_assumed, is_exact_widening
 
@@ -358,7 +363,7 @@ def _match(add: torch.fx.Node) -> _Chain | None:
     return chain if _fits_statically(chain) else None
 
 
-def _replace(gm: torch.fx.GraphModule, chain: _Chain) -> None:
+def _replace(gm: torch.fx.GraphModule, chain: _Chain) -> torch.fx.Node:
     last = chain.nodes[-1]
     kwargs: dict[str, Any] = {"interleaved": chain.interleaved}
     if chain.chunked:
@@ -394,6 +399,7 @@ def _replace(gm: torch.fx.GraphModule, chain: _Chain) -> None:
     )
     last.replace_all_uses_with(fused)
     _erase_with_their_sizes(gm, chain.nodes)
+    return fused
 
 
 def _erase_with_their_sizes(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> None:
@@ -429,7 +435,7 @@ def fuse_rotary(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModul
     """
     if not policy.fused_rotary:
         return gm
-    fused = 0
+    calls: list[torch.fx.Node] = []
     erased: set[torch.fx.Node] = set()
     for node in list(gm.graph.nodes):
         if node in erased or _op(node) != "add":
@@ -437,9 +443,78 @@ def fuse_rotary(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModul
         chain = _match(node)
         if chain is not None:
             erased.update(chain.nodes)
-            _replace(gm, chain)
-            fused += 1
-    if fused:
+            calls.append(_replace(gm, chain))
+    paired = _pair_calls(gm, calls)
+    if calls:
         gm.recompile()
-    logger.debug("fuse_rotary %s: %d rotary embeddings fused", policy.opt_level, fused)
+    logger.debug(
+        "fuse_rotary %s: %d rotary embeddings fused, %d query/key pairs", policy.opt_level, len(calls), paired
+    )
     return gm
+
+
+def _pair_key(call: torch.fx.Node) -> tuple[Any, ...]:
+    """What two calls must share to run as one pair: cos, sin and every option but the dtype."""
+    options = tuple(sorted((k, v) for k, v in call.kwargs.items() if k != "dtype"))
+    return (call.args[1], call.args[2], options)
+
+
+def _pair_calls(gm: torch.fx.GraphModule, calls: list[torch.fx.Node]) -> int:
+    """Merge calls that share cos and sin (a layer's query and key) two by two into one
+    `rotary_embedding_pair` call at the later one's place, where nothing reads the earlier one's
+    result before it. Returns the number of pairs."""
+    waiting: dict[tuple[Any, ...], torch.fx.Node] = {}
+    paired = 0
+    for call in calls:
+        key = _pair_key(call)
+        first = waiting.pop(key, None)
+        if first is None:
+            waiting[key] = call
+            continue
+        # Positions as the graph stands (each merge inserts nodes). A call sits at its chain's last
+        # node (the query's at the cast before attention, after the key's): the pair goes at the
+        # earlier call if the later one's inputs exist there, else at the later one if nothing
+        # reads the earlier one's result before it.
+        position = {node: index for index, node in enumerate(gm.graph.nodes)}
+        early, late = sorted((first, call), key=position.__getitem__)
+        if all(position[value] < position[early] for value in late.all_input_nodes):
+            place = early
+        elif all(position[user] > position[late] for user in early.users):
+            place = late
+        else:
+            waiting[key] = call
+            continue
+        _merge(gm, first, call, place)
+        paired += 1
+    return paired
+
+
+def _merge(
+    gm: torch.fx.GraphModule, first: torch.fx.Node, second: torch.fx.Node, place: torch.fx.Node
+) -> None:
+    """One `rotary_embedding_pair` call for ``first`` and ``second``, inserted before ``place``."""
+    options = {k: v for k, v in first.kwargs.items() if k != "dtype"}
+    dtypes = (first.kwargs.get("dtype"), second.kwargs.get("dtype"))
+    with gm.graph.inserting_before(place):
+        pair = gm.graph.call_function(
+            rotary_embedding_pair,
+            (first.args[0], second.args[0], *first.args[1:]),
+            {**options, "dtypes": dtypes},
+        )
+        outputs = [gm.graph.call_function(operator.getitem, (pair, index)) for index in (0, 1)]
+    pair.meta.update({key: second.meta[key] for key in _KEPT_META if key in second.meta and key != "val"})
+    pair.meta[FX_WRAPPED_KEY] = True
+    if "val" in first.meta and "val" in second.meta:
+        pair.meta["val"] = (first.meta["val"], second.meta["val"])
+    pair.meta[META_KEY] = NodeInfo(
+        op="rotary_embedding",
+        rule=Rule.PASSTHROUGH,
+        reason="fused rotary embedding (fused_rotary)",
+        in_dtypes=tuple(node_info(n).out_dtype for n in pair.all_input_nodes),
+        notes=[f"{first.name} and {second.name} share cos and sin: rotated in one launch each way"],
+    )
+    for call, output in zip((first, second), outputs, strict=True):
+        output.meta.update({key: call.meta[key] for key in _KEPT_META if key in call.meta})
+        output.meta[META_KEY] = node_info(call)
+        call.replace_all_uses_with(output)
+        gm.graph.erase_node(call)

@@ -15,7 +15,7 @@ from torch import nn
 import amp_fx
 from amp_fx.captured_model import capture_states
 from amp_fx.core.node_info import node_info
-from amp_fx.ops.rotary import rotary_embedding
+from amp_fx.ops.rotary import rotary_embedding, rotary_embedding_pair
 from amp_fx.testing import grad_tolerances, tolerances, with_autocast
 from amp_fx.testing.equivalence import assert_close_normwise
 from tests.bit_equality import bits_equal
@@ -78,7 +78,7 @@ class Rope(nn.Module):
         if self.rotary_dim is None:
             return self.rotate_all(x, cos, sin, other)
         r = self.rotary_dim
-        rotated, turned = self.rotate_all(x[..., :r], cos, sin, other[..., :r])
+        rotated, turned = self.rotate_all(x[..., :r], cos, sin, other[..., :r] if self.mix else None)
         return torch.cat((rotated, x[..., r:]), dim=-1), turned
 
     def forward(self, h, cos, sin):
@@ -106,7 +106,10 @@ def fused_calls(model) -> list[torch.fx.Node]:
     graphs = [model.graph] if isinstance(model, torch.fx.GraphModule) else [
         graph.graph for _, state in capture_states(model) for graph in state.graphs
     ]  # fmt: skip
-    return [n for g in graphs for n in g.nodes if n.op == "call_function" and n.target is rotary_embedding]
+    calls = [n for g in graphs for n in g.nodes if n.op == "call_function"]
+    single = [n for n in calls if n.target is rotary_embedding]
+    pairs = [n for n in calls if n.target is rotary_embedding_pair]
+    return single + [output for pair in pairs for output in pair.users]
 
 
 def check_against_unfused(model, args, expected_calls, front_end="fx") -> None:
@@ -139,9 +142,11 @@ def test_fx_spellings_fuse(rotate) -> None:
 def test_fx_partial_rotary_fuses_whole(rotate) -> None:
     model = Rope(rotate, rotary_dim=4)
     check_against_unfused(model, inputs(rotary_width=4), expected_calls=2)
-    call = fused_calls(amp_fx.convert(model, "O2", dtype=BF16))[0]
-    assert call.kwargs["rotary_dim"] == 4 and call.args[0].name == "transpose"
-    assert "first 4 features rotated" in node_info(call).notes[0]
+    query, key = fused_calls(amp_fx.convert(model, "O2", dtype=BF16))
+    pair = query.args[0]  # q and k share cos and sin: one call for both
+    assert pair.target is rotary_embedding_pair and key.args[0] is pair
+    assert pair.kwargs["rotary_dim"] == 4 and [a.name for a in pair.args[:2]] == ["transpose", "transpose_1"]
+    assert "first 4 features rotated" in node_info(query).notes[0]
 
 
 @pytest.mark.parametrize(
@@ -221,8 +226,9 @@ def _hf(name: str) -> nn.Module:
     return transformers.GPTJForCausalLM(config)
 
 
-@pytest.mark.parametrize("name", ["llama", "phi", "gptj"])
-def test_hugging_face_models_fuse_at_o2_and_match_autocast(name) -> None:
+@pytest.mark.parametrize(("name", "pairs"), [("llama", 2), ("phi", 2), ("gptj", 0)])
+def test_hugging_face_models_fuse_at_o2_and_match_autocast(name, pairs) -> None:
+    # GPT-J computes its tables (repeat_interleave) once for q and once for k: no shared node to pair on.
     torch.manual_seed(0)
     model = _hf(name)
     ids = torch.randint(0, 64, (2, 8))
@@ -232,6 +238,7 @@ def test_hugging_face_models_fuse_at_o2_and_match_autocast(name) -> None:
     assert type(out.loss) is torch.Tensor
     calls = fused_calls(converted)
     assert len(calls) == 4  # q and k of each of the 2 layers
+    assert len({c.args[0] for c in calls if c.target is not rotary_embedding}) == pairs
     assert all("fused rotary embedding" in node_info(c).notes[0] for c in calls)
     assert_close_normwise(out.logits, reference.logits.float(), **OUTPUT_TOL)
     assert_close_normwise(out.loss, reference.loss.float(), **OUTPUT_TOL)
