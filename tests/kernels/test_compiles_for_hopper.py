@@ -13,8 +13,8 @@ and compiles each through ptxas for ``GPUTarget("cuda", 90, 32)``.
 
 The default run compiles a fixed subset (`_default_subset`): each kernel's first launch per 16-bit
 type (fp16, bf16, none) and per combination of its other constexprs (flags, block and window sizes)
-and launch options, so every kernel, every dtype and every constexpr branch is compiled: 69 of the
-81 distinct launches of the 15 kernels, about 38 s on 2 idle cores. ``-m slow`` compiles the other 12,
+and launch options, so every kernel, every dtype and every constexpr branch is compiled: 74 of the
+89 distinct launches of the 16 kernels, about 45 s on 2 idle cores. ``-m slow`` compiles the other 15,
 which repeat a compiled combination in another dtype or differ only in non-constexpr sizes. Ints
 are specialized by their recorded values (== 1, divisible by 16) as the JIT would for these shapes;
 other sizes give other variants of the same code.
@@ -300,6 +300,21 @@ def _loss_scale_calls() -> None:
         )
 
 
+def _rotary_calls() -> None:
+    # Llama's query and key (12 and 4 heads of 128, transposed views) in one launch, the key kept
+    # fp32 (a KV cache); GPT-J's interleaved partial rotary (64 of 256) on one tensor, heads third.
+    for dtype in (torch.float16, torch.bfloat16):
+        q = torch.zeros(1, 64, 12, 128, dtype=dtype).transpose(1, 2)
+        k = torch.zeros(1, 64, 4, 128, dtype=dtype).transpose(1, 2)
+        cos = torch.zeros(1, 1, 64, 128)
+        q_out, k_out = triton_ops.rotary_forward([q, k], cos, cos, False, [dtype, torch.float32])
+        triton_ops.rotary_backward([q_out, k_out], cos, cos, False, [dtype, dtype])
+        x = torch.zeros(1, 64, 16, 256, dtype=dtype)
+        cos = torch.zeros(1, 64, 1, 64)
+        (out,) = triton_ops.rotary_forward([x], cos, cos, True, [torch.float32])
+        triton_ops.rotary_backward([out], cos, cos, True, [dtype])
+
+
 WRAPPER_CALLS: list[Callable[[], None]] = [
     _check_finite_calls,
     _adam_calls,
@@ -308,6 +323,7 @@ WRAPPER_CALLS: list[Callable[[], None]] = [
     _batch_norm_calls,
     _max_pool_calls,
     _loss_scale_calls,
+    _rotary_calls,
 ]
 
 
@@ -416,7 +432,7 @@ def test_every_launched_kernel_is_recorded(launches: list[dict]) -> None:
     recorded = {_kernel_name(launch) for launch in launches}
     missing = _launched_kernels() - recorded
     assert not missing, f"kernels launched by amp_fx.kernels but not by WRAPPER_CALLS: {sorted(missing)}"
-    assert len(recorded) == 15, sorted(recorded)
+    assert len(recorded) == 16, sorted(recorded)
 
 
 def test_fp16_and_bf16_variants_are_recorded(launches: list[dict]) -> None:
