@@ -57,8 +57,7 @@ import torch.fx
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES, dtype_name
 from amp_fx.core.node_info import FX_WRAPPED_KEY, META_KEY, NodeInfo, node_info
 from amp_fx.core.policy import Policy, Rule
-from amp_fx.kernels.rotary.arguments import rotary_width_problem
-from amp_fx.ops.rotary import rotary_embedding, rotary_embedding_pair
+from amp_fx.ops.rotary import rotary_embedding, rotary_embedding_pair, tables_fit
 from amp_fx.passes.shared.calls import call_argument
 from amp_fx.passes.shared.dtypes import dtype_is_assumed, is_exact_widening
 
@@ -343,12 +342,9 @@ def _fits_statically(chain: _Chain) -> bool:
     x, cos, sin = (_value(n) for n in (chain.x, chain.cos, chain.sin))
     if x is None or cos is None or sin is None:
         return True
-    width = x.shape[-1] if chain.rotary_dim is None else chain.rotary_dim
-    if not isinstance(width, int) or cos.shape[-1] != min(width, x.shape[-1]):
-        return False
     try:
-        return rotary_width_problem(x.shape, cos.shape, sin.shape) is None
-    except Exception:  # symbolic sizes that cannot be compared here: the call checks at run time
+        return tables_fit(x.shape, cos.shape, sin.shape, chain.rotary_dim)
+    except (RuntimeError, TypeError):  # symbolic sizes not comparable here: the call checks at run time
         return True
 
 

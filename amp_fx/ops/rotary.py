@@ -21,13 +21,14 @@ so the call always has the chain's value.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 from torch import Tensor
 
-from amp_fx.kernels.arguments import PARAM_DTYPES
-from amp_fx.kernels.rotary.arguments import rotary_width_problem
-
 __all__ = [
+    "tables_fit",
     "rotary_chain",
     "rotary_embedding",
     "rotary_embedding_backward",
@@ -37,6 +38,8 @@ __all__ = [
     "rotary_embedding_pair_op",
 ]
 
+# The dtypes the kernels read and write (float64 calls compute the chain).
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The Triton kernels index at most this many dimensions; larger tensors run the reference.
 _TRITON_MAX_DIMS = 4
 
@@ -264,25 +267,47 @@ def rotary_chain(
     return out if dtype is None else out.to(dtype)
 
 
+def tables_fit(
+    x_shape: Sequence[Any], cos_shape: Sequence[Any], sin_shape: Sequence[Any], rotary_dim: int | None
+) -> bool:
+    """Whether cos and sin of these shapes fit the kernels for an x of ``x_shape``: the rotated
+    width (x's, or ``min(rotary_dim, x's)``), even, and broadcast to x's rotated features without
+    enlarging them. `amp_fx.passes.fuse_rotary` asks it where shapes are known.
+
+    Example:
+        >>> tables_fit((2, 4, 8, 16), (1, 1, 8, 16), (1, 1, 8, 16), None)
+        True
+        >>> tables_fit((2, 4, 8, 16), (8, 1), (8, 1), None)  # one angle for every feature
+        False
+    """
+    # Imported on first use, as the kernels are: importing them loads Triton.
+    from amp_fx.kernels.rotary.arguments import rotary_width_problem
+
+    if len(x_shape) == 0 or len(cos_shape) == 0:
+        return False
+    width = x_shape[-1]
+    if rotary_dim is not None:
+        if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or rotary_dim <= 0:
+            return False
+        width = min(rotary_dim, width)
+    shapes = (torch.Size(x_shape), torch.Size(cos_shape), torch.Size(sin_shape))
+    return cos_shape[-1] == width and rotary_width_problem(*shapes) is None
+
+
 def _fits_kernels(
     x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int | None, dtype: torch.dtype | None
 ) -> bool:
     """Whether the kernels compute this call: dtypes, shapes and devices only, so torch.compile
     decides it while tracing."""
-    if not all(isinstance(t, Tensor) for t in (x, cos, sin)) or x.dim() == 0 or cos.dim() == 0:
+    if not all(isinstance(t, Tensor) for t in (x, cos, sin)):
         return False
-    if any(t.dtype not in PARAM_DTYPES for t in (x, cos, sin)) or (
-        dtype is not None and dtype not in PARAM_DTYPES
+    if any(t.dtype not in _KERNEL_DTYPES for t in (x, cos, sin)) or (
+        dtype is not None and dtype not in _KERNEL_DTYPES
     ):
         return False
     if cos.device != x.device or sin.device != x.device:
         return False
-    width = x.shape[-1]
-    if rotary_dim is not None:
-        if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or rotary_dim <= 0:
-            return False
-        width = min(rotary_dim, width)
-    return cos.shape[-1] == width and rotary_width_problem(x.shape, cos.shape, sin.shape) is None
+    return tables_fit(x.shape, cos.shape, sin.shape, rotary_dim)
 
 
 def rotary_embedding(
