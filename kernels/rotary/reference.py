@@ -14,30 +14,38 @@ from amp_fx.kernels.rotary.arguments import check_rotary_tensors
 __all__ = ["rotary_backward", "rotary_forward"]
 
 
-def _pairs(t: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
-    """(a, b) features of each rotated pair of ``t`` (..., R)."""
+def _turn(x: Tensor, interleaved: bool) -> Tensor:
+    """``rotate_half(x)`` (or its interleaved twin): each pair (a, b) becomes (-b, a)."""
     if interleaved:
-        return t[..., 0::2], t[..., 1::2]
-    half = t.shape[-1] // 2
-    return t[..., :half], t[..., half:]
+        return torch.stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), -1)
+
+
+def _turn_back(x: Tensor, interleaved: bool) -> Tensor:
+    """The transpose of `_turn`: each pair (a, b) becomes (b, -a)."""
+    if interleaved:
+        return torch.stack((x[..., 1::2], -x[..., 0::2]), -1).flatten(-2)
+    half = x.shape[-1] // 2
+    return torch.cat((x[..., half:], -x[..., :half]), -1)
 
 
 def _rotate(
     x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, out_dtype: torch.dtype, transposed: bool
 ) -> Tensor:
+    # Written as the chain it replaces, with fp32 tables so every product and sum is fp32 (x's
+    # values are exact in fp32; negation is exact): a' = a*c1 - b*s1, b' = b*c2 + a*s2, each
+    # product and the sum rounded once, as the contract says, with no fp32 copy of x.
     width = cos.shape[-1]
-    values = x.float()
-    a, b = _pairs(values[..., :width], interleaved)
-    c1, c2 = _pairs(cos.float(), interleaved)
-    s1, s2 = _pairs(sin.float(), interleaved)
+    c, s = cos.float(), sin.float()
+    part = x[..., :width]
     if transposed:
-        new_a, new_b = a * c1 + b * s2, b * c2 - a * s1
+        rotated = part * c + _turn_back(part * s, interleaved)
     else:
-        new_a, new_b = a * c1 - b * s1, b * c2 + a * s2
-    rotated = torch.stack((new_a, new_b), -1).flatten(-2) if interleaved else torch.cat((new_a, new_b), -1)
+        rotated = part * c + _turn(part, interleaved) * s
     out = torch.empty_like(x, dtype=out_dtype)
     out[..., :width] = rotated
-    out[..., width:] = values[..., width:]
+    out[..., width:] = x[..., width:]
     return out
 
 
