@@ -10,8 +10,8 @@ replaces it, from the tensor rotated to the output, with one call:
     x * cos + rotate_half(x) * sin                         (products and the sum in any order)
         rotate_half(x) = cat((-x2, x1), -1), where x1, x2 are x's halves along its last dimension:
         x[..., :h] and x[..., h:] (indexing, ``slice``, ``narrow``), ``x.chunk(2, -1)`` or
-        ``x.split(h, -1)``, with h proved to be half of x's width (a static shape, or the graph's
-        own ``x.shape[-1] // 2``)
+        ``x.split(h, -1)`` (``split_with_sizes`` in ATen), with h proved to be half of x's width
+        (a static shape, or the graph's own ``x.shape[-1] // 2``)
         or interleaved, rotate_every_two(x) = stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)
     cat((rotary(q[..., :r]), q[..., r:]), -1)              partial rotary (GPT-NeoX, Phi, GPT-J)
 
@@ -30,7 +30,8 @@ each way for both, each position's table row read once.
 It runs where ``policy.fused_rotary`` (default: O2, on every device: on CPU the call runs the
 kernels' torch reference). Each fused call records the nodes it replaced in its report notes.
 
-Example (O2, bf16; Llama's attention, torch.export front end)::
+Example (O2, bf16; Llama's attention, torch.export front end; k's chain, the same on transpose_1
+with no cast after it (the KV cache keeps fp32, as under autocast), pairs with q's)::
 
     before                                          after
     mul_5 = aten.mul(transpose, unsqueeze_14)
@@ -39,9 +40,11 @@ Example (O2, bf16; Llama's attention, torch.export front end)::
     neg = aten.neg(slice_2)
     cat_1 = aten.cat([neg, slice_1], -1)
     mul_6 = aten.mul(cat_1, unsqueeze_15)
-    add_4 = aten.add(mul_5, mul_6)
-    add_4_to_bfloat16 = add_4.to(torch.bfloat16)    add_4_to_bfloat16 = rotary_embedding(transpose,
-                                                        unsqueeze_14, unsqueeze_15, dtype=torch.bfloat16)
+    add_4 = aten.add(mul_5, mul_6)                  pair = rotary_embedding_pair(transpose, transpose_1,
+    ... k's chain: add_5 ...                            unsqueeze_14, unsqueeze_15, interleaved=False,
+                                                        dtypes=(torch.bfloat16, None))
+                                                    getitem = pair[0]; getitem_1 = pair[1]
+    add_4_to_bfloat16 = add_4.to(torch.bfloat16)    (its users read getitem, add_5's read getitem_1)
 """
 
 from __future__ import annotations
@@ -189,7 +192,7 @@ def _halves(first: Any, second: Any) -> tuple[torch.fx.Node, bool, list[torch.fx
     if _op(split) == "chunk":
         fits = call_argument(split, 1, "chunks") == 2 and _is_last_dim(x, call_argument(split, 2, "dim", 0))
         return (x, True, [split, first, second]) if fits else None
-    if _op(split) == "split":
+    if _op(split) in ("split", "split_with_sizes"):
         size = call_argument(split, 1, "split_size_or_sections", call_argument(split, 1, "split_size"))
         sizes = size if isinstance(size, (list, tuple)) else (size, size)
         fits = (

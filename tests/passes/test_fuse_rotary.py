@@ -40,6 +40,12 @@ def rotate_split(x):
     return torch.cat([-second, first], -1)
 
 
+def rotate_split_sizes(x):
+    half = x.shape[-1] // 2
+    first, second = torch.split(x, [half, half], dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
 def rotate_every_two(x):
     return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
 
@@ -133,7 +139,9 @@ def check_against_unfused(model, args, expected_calls, front_end="fx") -> None:
         assert_close_normwise(ours.grad, theirs.grad, **GRAD_TOL)
 
 
-@pytest.mark.parametrize("rotate", [rotate_half, rotate_chunks, rotate_split, rotate_every_two])
+@pytest.mark.parametrize(
+    "rotate", [rotate_half, rotate_chunks, rotate_split, rotate_split_sizes, rotate_every_two]
+)
 def test_fx_spellings_fuse(rotate) -> None:
     check_against_unfused(Rope(rotate), inputs(), expected_calls=2)
 
@@ -169,13 +177,23 @@ def test_fx_near_misses_are_left_alone(model) -> None:
     [
         (Rope(rotate_half), 2),
         (Rope(rotate_chunks), 2),
+        (Rope(rotate_split_sizes), 2),
         (Rope(rotate_every_two, rotary_dim=4), 2),
         (Rope(wrong_sign), 0),
         (Rope(wrong_slice), 0),
         (Rope(leak=True), 1),
         (Rope(one_angle=True), 0),
     ],
-    ids=["rotate_half", "chunks", "interleaved-partial", "sign", "slice", "intermediate-read", "tables"],
+    ids=[
+        "rotate_half",
+        "chunks",
+        "split-sizes",
+        "interleaved-partial",
+        "sign",
+        "slice",
+        "intermediate-read",
+        "tables",
+    ],
 )
 def test_export_front_end_spellings_and_near_misses(model, calls) -> None:
     # torch.export's ATen graph: aten.slice/split with static bounds and shapes known, so cos and
