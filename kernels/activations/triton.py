@@ -47,10 +47,11 @@ class ActivationLaunch:
 # benchmarks/bench_activations.py measures it against the copy ceiling on a GPU.
 LAUNCH = ActivationLaunch(block_elements=4096, num_warps=8)
 
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-_GELU_CUBIC = 0.044715
+# Compiled Triton reads a module's globals only as constexpr (the interpreter reads any).
+_SQRT_2_OVER_PI = tl.constexpr(math.sqrt(2.0 / math.pi))
+_INV_SQRT_2 = tl.constexpr(1.0 / math.sqrt(2.0))
+_INV_SQRT_2PI = tl.constexpr(1.0 / math.sqrt(2.0 * math.pi))
+_GELU_CUBIC = tl.constexpr(0.044715)
 
 
 @triton.jit
