@@ -1,0 +1,210 @@
+"""The norm kernels: the reference against float64 and torch.autocast, Triton against the reference.
+
+On CPU the Triton kernels run under TRITON_INTERPRET=1; the same checks run on CUDA when marked
+`gpu`. Widths include odd ones (123, 1000) that leave most of the last power-of-two block masked.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from amp_fx.kernels import reference, triton_ops
+from amp_fx.testing import assert_close_normwise, grad_tolerances, rounding_tolerances, tolerances
+
+LOW_DTYPES = [torch.float16, torch.bfloat16]
+# (rows, D) of the shapes the tests use: 5 x 123 and 3 x 7 x 1000 flattened.
+SHAPES = [(5, 123), (21, 1000)]
+EPS = 1e-5
+
+
+def make_case(shape, dtype, seed, *, residual=False, subtract_mean=False, device="cpu"):
+    """x (and residual, fp32: the residual stream), weight and bias (fp32), upstream gradients."""
+    generator = torch.Generator().manual_seed(seed)
+    rows, width = shape
+
+    def randn(*size):
+        return torch.randn(*size, generator=generator).to(device)
+
+    x = (2 * randn(rows, width) + 0.5).to(dtype)
+    return {
+        "x": x,
+        "residual": randn(rows, width) if residual else None,
+        "weight": 1 + 0.3 * randn(width),
+        "bias": 0.2 * randn(width) if subtract_mean else None,
+        "grad_out": randn(rows, width).to(dtype),
+        "grad_sum": randn(rows, width) if residual else None,
+    }
+
+
+def float64_chain(case, subtract_mean, weight_offset=0.0):
+    """The chain the kernels replace, in float64 with autograd: (out, summed, grads by name)."""
+    leaves = {
+        name: case[name].detach().double().requires_grad_()
+        for name in ("x", "residual", "weight", "bias")
+        if case[name] is not None
+    }
+    s = leaves["x"] + leaves["residual"] if "residual" in leaves else leaves["x"]
+    if subtract_mean:
+        y = F.layer_norm(s, s.shape[-1:], leaves["weight"], leaves["bias"], EPS)
+    else:
+        y = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS) * (leaves["weight"] + weight_offset)
+    outputs, grads = [y], [case["grad_out"].double()]
+    if case["grad_sum"] is not None:
+        outputs.append(s)
+        grads.append(case["grad_sum"].double())
+    torch.autograd.backward(outputs, grads)
+    return y, s, {name: leaf.grad for name, leaf in leaves.items()}
+
+
+def run(implementation, case, *, subtract_mean, weight_offset=0.0, out_dtype=None, mid_dtype=None):
+    """Forward and backward through one implementation: (out, summed, grads by name)."""
+    x, residual = case["x"], case["residual"]
+    out, summed, mean, rstd = implementation.norm_forward(
+        x, case["weight"], case["bias"], EPS, residual=residual, subtract_mean=subtract_mean,
+        weight_offset=weight_offset, mid_dtype=mid_dtype, out_dtype=out_dtype,
+    )  # fmt: skip
+    grad_out = case["grad_out"].to(out.dtype)
+    grad_x, grad_residual, grad_weight, grad_bias = implementation.norm_backward(
+        grad_out, case["grad_sum"], summed if summed is not None else x, case["weight"], mean, rstd,
+        bias_dtype=None if case["bias"] is None else case["bias"].dtype, subtract_mean=subtract_mean,
+        weight_offset=weight_offset, mid_dtype=mid_dtype, grad_dtype=x.dtype,
+        residual_grad_dtype=None if residual is None else residual.dtype,
+    )  # fmt: skip
+    grads = {"x": grad_x, "residual": grad_residual, "weight": grad_weight, "bias": grad_bias}
+    return out, summed, {name: grad for name, grad in grads.items() if grad is not None}
+
+
+def assert_grads_close(grads, expected):
+    assert set(grads) == set(expected)
+    for name, grad in grads.items():
+        rtol, atol = rounding_tolerances(grad.dtype)
+        # Norm-wise: a gradient through a normalization is a difference of O(1) terms.
+        assert_close_normwise(grad, expected[name], rtol=4 * rtol, atol=atol, name=name)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("subtract_mean", [False, True], ids=["rms", "layer"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "add"])
+def test_reference_matches_float64(shape, dtype, subtract_mean, residual) -> None:
+    case = make_case(shape, dtype, seed=1, residual=residual, subtract_mean=subtract_mean)
+    out, summed, grads = run(reference, case, subtract_mean=subtract_mean)
+    expected, expected_sum, expected_grads = float64_chain(case, subtract_mean)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, expected.to(dtype), rtol=rounding_tolerances(dtype)[0], atol=1e-6)
+    if residual:
+        assert summed.dtype == torch.float32
+        torch.testing.assert_close(summed, expected_sum.float())
+    assert grads["weight"].dtype == torch.float32  # the master's dtype: no rounding on the way
+    assert_grads_close(grads, expected_grads)
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_gemma_offset_and_a_rounding_before_the_weight(dtype) -> None:
+    case = make_case((5, 123), dtype, seed=2)
+    out, _, grads = run(reference, case, subtract_mean=False, weight_offset=1.0, out_dtype=torch.float32)
+    expected, _, expected_grads = float64_chain(case, False, weight_offset=1.0)
+    rtol, atol = tolerances(torch.float32)
+    torch.testing.assert_close(out, expected.float(), rtol=rtol, atol=atol)
+    assert_grads_close(grads, expected_grads)
+    # Llama's ``weight * x.to(input_dtype)``: rounded to the input's dtype before the weight.
+    rounded, _, _ = run(reference, case, subtract_mean=False, mid_dtype=dtype, out_dtype=torch.float32)
+    x = case["x"].float()
+    normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)).to(dtype)
+    torch.testing.assert_close(rounded, case["weight"] * normed, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_reference_matches_autocast(dtype) -> None:
+    # torch.autocast("cpu") runs layer_norm on the low input with fp32 weights, in fp32 math, and
+    # writes the input's dtype (CUDA's writes fp32): the kernel computes it from the same reads.
+    case = make_case((21, 1000), dtype, seed=3, subtract_mean=True)
+    x = case["x"].detach().requires_grad_()
+    weight = case["weight"].detach().requires_grad_()
+    bias = case["bias"].detach().requires_grad_()
+    with torch.autocast("cpu", dtype=dtype):
+        expected = F.layer_norm(x, (1000,), weight, bias, EPS)
+    expected.backward(case["grad_out"].float())
+    out, _, grads = run(reference, case, subtract_mean=True, out_dtype=expected.dtype)
+    rtol, atol = rounding_tolerances(expected.dtype)
+    torch.testing.assert_close(out, expected, rtol=rtol, atol=atol)
+    assert grads["x"].dtype == dtype and grads["weight"].dtype == torch.float32
+    # CPU autocast's backward rounds through the low dtype (its weight gradient too): the suite's
+    # gradient tolerances for a low-precision recipe against another.
+    rtol, atol = grad_tolerances(dtype)
+    for name, expected_grad in (("x", x.grad), ("weight", weight.grad), ("bias", bias.grad)):
+        assert_close_normwise(grads[name], expected_grad, rtol=rtol, atol=atol, name=name)
+
+
+def assert_same_results(ours, expected):
+    (out, summed, grads), (ref_out, ref_summed, ref_grads) = ours, expected
+    rtol, atol = rounding_tolerances(out.dtype)
+    torch.testing.assert_close(out, ref_out, rtol=rtol, atol=atol)
+    if ref_summed is not None:
+        assert torch.equal(summed, ref_summed)  # one add, rounded once, on both sides
+    assert set(grads) == set(ref_grads)
+    for name, grad in grads.items():
+        assert grad.dtype == ref_grads[name].dtype
+        rtol, atol = rounding_tolerances(grad.dtype)
+        torch.testing.assert_close(grad, ref_grads[name], rtol=rtol, atol=atol * 10)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("subtract_mean", [False, True], ids=["rms", "layer"])
+def test_triton_matches_reference(device, shape, dtype, subtract_mean) -> None:
+    case = make_case(shape, dtype, seed=4, residual=True, subtract_mean=subtract_mean, device=device)
+    options = {"subtract_mean": subtract_mean, "out_dtype": torch.float32}
+    assert_same_results(run(triton_ops, case, **options), run(reference, case, **options))
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    width=st.integers(1, 70),
+    dtype=st.sampled_from(LOW_DTYPES + [torch.float32]),
+    subtract_mean=st.booleans(),
+    residual=st.booleans(),
+    weight_offset=st.sampled_from([0.0, 1.0]),
+    mid_dtype=st.sampled_from([None, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_triton_matches_reference_everywhere(
+    device, rows, width, dtype, subtract_mean, residual, weight_offset, mid_dtype, seed
+) -> None:
+    case = make_case(
+        (rows, width), dtype, seed, residual=residual, subtract_mean=subtract_mean, device=device
+    )
+    options = {"subtract_mean": subtract_mean, "weight_offset": weight_offset, "mid_dtype": mid_dtype}
+    assert_same_results(run(triton_ops, case, **options), run(reference, case, **options))
+
+
+def test_strided_rows_and_no_rows(device) -> None:
+    wide = make_case((4, 40), torch.bfloat16, seed=5, device=device)
+    narrow = {name: value for name, value in wide.items()}
+    narrow["x"] = wide["x"][:, 3:20]  # row stride 40, rows contiguous
+    narrow["grad_out"] = wide["grad_out"][:, 3:20].contiguous()
+    narrow["weight"] = wide["weight"][3:20].contiguous()
+    ours = run(triton_ops, narrow, subtract_mean=False)
+    assert_same_results(ours, run(reference, narrow, subtract_mean=False))
+    empty = make_case((0, 8), torch.float16, seed=6, device=device)
+    out, _, grads = run(triton_ops, empty, subtract_mean=True)
+    assert out.shape == (0, 8) and torch.equal(grads["weight"], torch.zeros(8, device=device))
+
+
+def test_bad_arguments_are_refused_before_any_work() -> None:
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"must be 2-D \(rows, D\)"):
+        reference.norm_forward(x.reshape(3, 2, 4), None, None, EPS)
+    with pytest.raises(ValueError, match=r"must be a \(8,\) vector"):
+        reference.norm_forward(x, torch.ones(4), None, EPS)
+    with pytest.raises(ValueError, match="rows are not contiguous"):
+        reference.norm_forward(torch.randn(8, 3).t(), None, None, EPS)
+    with pytest.raises(ValueError, match="sum_dtype is for a residual add"):
+        reference.norm_forward(x, None, None, EPS, sum_dtype=torch.float32)
+    with pytest.raises(ValueError, match="x's shape"):
+        reference.norm_forward(x, None, None, EPS, residual=torch.randn(3, 4))
