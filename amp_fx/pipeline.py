@@ -34,6 +34,7 @@ from amp_fx.passes.fuse_batch_norm import fuse_batch_norm
 from amp_fx.passes.fuse_chunked_linear_loss import fuse_chunked_linear_loss
 from amp_fx.passes.fuse_linear_loss import fuse_linear_loss
 from amp_fx.passes.fuse_losses import fuse_losses
+from amp_fx.passes.fuse_norms import fuse_norms
 from amp_fx.passes.fuse_rotary import fuse_rotary
 from amp_fx.passes.insert_casts import insert_casts
 from amp_fx.passes.normalize_ops import normalize_ops
@@ -79,6 +80,7 @@ PASSES: tuple[Pass, ...] = (
     Pass(cast_parameters),
     Pass(simplify_casts),
     Pass(cast_outputs),
+    Pass(fuse_norms),
     Pass(fuse_activations),
     Pass(fuse_rotary),
     Pass(fuse_losses),

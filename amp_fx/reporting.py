@@ -300,6 +300,7 @@ def _policy_summary(policy: Any) -> dict[str, Any] | None:
         "fused_chunked_linear_loss": policy.fused_chunked_linear_loss,
         "fused_activations": policy.fused_activations,
         "fused_rotary": policy.fused_rotary,
+        "fused_norms": policy.fused_norms,
         "keep_logits": policy.keep_logits,
     }
 

@@ -140,9 +140,10 @@ def test_counts_match_the_graph(level: str, dtype: torch.dtype) -> None:
     model = Block()
     gm = _convert(model, level, dtype)
     rep = amp_fx.report(gm)
-    # Converting only adds casts, fusions aside (O2 fuses BatchNorm + ReLU: fewer calls): the call
-    # nodes beyond the untouched (O0) graph's are the casts.
-    policy = amp_fx.preset(level, dtype, "cpu", fused_losses=False, fused_batch_norm=False)
+    # Converting only adds casts, fusions aside (O2 fuses BatchNorm + ReLU: fewer calls; its fused
+    # LayerNorm reads its parameters with get_attr nodes): the call nodes beyond the untouched (O0)
+    # graph's are the casts.
+    policy = amp_fx.preset(level, dtype, "cpu", fused_losses=False, fused_batch_norm=False, fused_norms=False)
     unfused = amp_fx.convert(model, level, policy=policy)
     assert amp_fx.report(unfused).casts_inserted == _calls(unfused) - _calls(_convert(model, "O0")) > 0
     assert rep.casts_inserted == sum(1 for n in gm.graph.nodes if node_info(n).is_cast)
@@ -253,7 +254,8 @@ def test_no_line_is_wider_than_the_limit(build, example) -> None:
     cells = _table_cells(rep.table())
     assert len(cells) == len(shown)
     for row, cell in zip(shown, cells, strict=True):
-        assert cell["node"] == [row.name] and _is_wrapped(cell["reason"], row.why), cell
+        # A long name may wrap too (a fused norm's op name and four input dtypes widen their columns).
+        assert "".join(cell["node"]) == row.name and _is_wrapped(cell["reason"], row.why), cell
     per_rule = " ".join(line.strip() for line in rep.summary().splitlines()[1:] if "×" in line)
     for rule, ops in rep.ops_by_rule.items():
         for op, n in ops.items():

@@ -420,6 +420,12 @@ PASSTHROUGH_OPS = frozenset(
     {
         # names normalize_ops gives to spellings with no aten op of their own
         "identity",
+        # amp_fx's fused norms (amp_fx.ops.norms, put in graphs by fuse_norms): they read any float
+        # dtype and compute in fp32 themselves, and write the dtype their out_dtype= names
+        "rms_norm_fp32",
+        "layer_norm_fp32",
+        "add_rms_norm_fp32",
+        "add_layer_norm_fp32",
         "getattr",
         "positive",
         "_assert",

@@ -113,6 +113,8 @@ class Policy:
     ``fused_rotary`` (default True at O2 only): rotary position embeddings (``q * cos + rotate_half(q)
     * sin``, interleaved or partial) run as one call reading q in its dtype, fp32 math
     (`amp_fx.ops.rotary.rotary_embedding`; on CPU its torch reference).
+    ``fused_norms`` (default True at O2, any device): RMSNorm / LayerNorm chains, with the residual add
+    before them, run as one call (`amp_fx.ops.norms`: fp32 math, low-precision reads and writes).
 
     >>> policy = preset("O1", device_type="cpu", dtype=torch.bfloat16)
     >>> policy.decide("conv2d")
@@ -133,6 +135,7 @@ class Policy:
     fused_chunked_linear_loss: bool | None = _fusion_flag(cuda_only=False)
     fused_activations: bool | None = _fusion_flag(cuda_only=False)
     fused_rotary: bool | None = _fusion_flag(cuda_only=False)
+    fused_norms: bool | None = _fusion_flag(cuda_only=False)
     # Training graphs keep the logits they return instead of fusing their head with the loss.
     keep_logits: bool = False
     op_rules: dict[str, OpRule] = field(default_factory=dict)
@@ -438,9 +441,10 @@ def preset(
     "True"/"False"); `cast_model_outputs` defaults to float32 for O2/O3 (losses computed in fp32, as
     in Apex) and None (outputs as computed) for O0/O1. The fused-kernel switches
     (`Policy.fusion_flags`: ``fused_losses``, ``fused_linear_loss``, ``fused_batch_norm``,
-    ``fused_max_pool``, ``fused_chunked_linear_loss``, ``fused_activations``, ``fused_rotary``) are
-    True or False, or None for the default: ``fused_losses``, ``fused_chunked_linear_loss``,
-    ``fused_activations`` and ``fused_rotary`` on for O2, the others for O2 on CUDA only.
+    ``fused_max_pool``, ``fused_chunked_linear_loss``, ``fused_activations``, ``fused_rotary``,
+    ``fused_norms``) are True or False, or None for the default: ``fused_losses``,
+    ``fused_chunked_linear_loss``, ``fused_activations``, ``fused_rotary`` and ``fused_norms`` on
+    for O2, the others for O2 on CUDA only.
     `keep_logits` (default False) keeps the logits a training graph returns (see `Policy`).
 
     >>> p = preset("O2", dtype=torch.bfloat16)

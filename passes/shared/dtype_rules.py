@@ -28,6 +28,8 @@ from amp_fx.core.op_facts import (
     CONVERSION_METHOD_DTYPES,
     FACTORY_FUNCTIONS,
     FIRST_ARGUMENT_DTYPE_OPS,
+    FUSED_ADD_NORM_OPS,
+    FUSED_NORM_OPS,
     INT64_ACCUMULATING_OPS,
     INT64_OPS,
     NON_TENSOR_ATTRIBUTES,
@@ -320,6 +322,9 @@ def _static_passthrough(
         if isinstance(container, _Repeated):
             return container.element if isinstance(index, int) else container
         return container  # tensor indexing keeps the dtype; NOT_TENSOR/UNKNOWN stay so
+    if op in FUSED_NORM_OPS | FUSED_ADD_NORM_OPS and isinstance(kwargs.get("out_dtype"), torch.dtype):
+        out = kwargs["out_dtype"]
+        return (_promote(args[:2]), out) if op in FUSED_ADD_NORM_OPS else out
     if isinstance(kwargs.get("dtype"), torch.dtype):
         return kwargs["dtype"]
     if node.op == "call_module":

@@ -212,6 +212,7 @@ def test_fusion_flags_are_read_from_the_fields_and_unknown_ones_refused() -> Non
         "fused_chunked_linear_loss",
         "fused_activations",
         "fused_rotary",
+        "fused_norms",
     )
     assert Policy.fusion_flags() == flags
     data = preset("O2", device_type="cuda").to_dict()

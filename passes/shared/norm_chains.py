@@ -1,0 +1,470 @@
+"""RMSNorm and LayerNorm as graphs spell them, found by what they compute: `match_norm_chain`.
+
+One description serves both front ends: nodes are matched by their canonical op
+(``node_info(node).op``, set by `normalize_ops`), so ``x.pow(2)``, ``torch.pow(x, 2)``, ``x ** 2``
+and ``aten.pow.Tensor_Scalar`` are all ``pow``. An RMSNorm is::
+
+    x -> [cast up to fp32] -> pow(2) | x * x | square -> mean(-1, keepdim=True) -> + eps
+      -> rsqrt | 1 / sqrt | pow(-0.5) -> x * that (or x / sqrt)
+      -> [cast to the input's dtype] -> [w * y | y * w | (w + c) * y] -> [cast]
+
+where the two reads of x are x itself or its cast up to fp32 (T5 multiplies the uncast x), and a
+LayerNorm is one call (``nn.LayerNorm``, ``F.layer_norm``, ``aten.layer_norm``,
+``aten.native_layer_norm``) on fp32 input with fp32 parameters. Before either, a residual add
+``a + b`` whose sum is the normalized value is fused in when it is a plain two-tensor add; after
+either, casts of the output to one low dtype (amp_fx's, before the next matmuls), also through
+reshapes, are taken in so the output is written low once.
+
+A chain matches exactly or not at all: every node it replaces must have no reader outside it
+(the values it hands on, the sum and the output, excepted), every dtype must be known, and the
+dtypes must say the chain computes in fp32 (so the fused kernel computes the same values).
+"""
+
+from __future__ import annotations
+
+import builtins
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
+from amp_fx.core.node_info import node_info
+from amp_fx.core.op_facts import METADATA_ATTRIBUTES, RESHAPE_OPS, SHAPE_METHODS
+from amp_fx.ops.casts import cast_if_floating
+from amp_fx.passes.shared.calls import call_argument, is_inplace_call
+from amp_fx.passes.shared.dtypes import ASSUMED_DTYPE_NOTE, UNKNOWN_INPUT_DTYPE_NOTE
+
+__all__ = ["NormChain", "cast_target", "match_norm_chain"]
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_CONVERSION_METHOD_DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
+# Arguments of aten's to.dtype / to.dtype_layout that leave a cast a plain dtype conversion.
+_PLAIN_CAST_KEYWORDS = {"non_blocking": False, "copy": False, "memory_format": None, "pin_memory": None}
+
+
+@dataclass
+class NormChain:
+    """What one fused call replaces and computes (the arguments of `amp_fx.ops.norms`' functions)."""
+
+    subtract_mean: bool  # LayerNorm
+    x: torch.fx.Node  # the value normalized (or the add's first operand)
+    eps: float
+    residual: torch.fx.Node | None = None  # the add's second operand
+    # Nodes, or the qualified names of an nn.LayerNorm's parameters (read with get_attr on rewrite).
+    weight: torch.fx.Node | str | None = None
+    bias: torch.fx.Node | str | None = None
+    normalized_shape: tuple[int, ...] | None = None  # LayerNorm
+    weight_offset: float = 0.0
+    mid_dtype: torch.dtype | None = None  # the cast between normalization and weight
+    out_dtype: torch.dtype | None = None  # what the fused call writes
+    sum_node: torch.fx.Node | None = None  # readers of this get the fused sum
+    output: torch.fx.Node | None = None  # readers of this get the fused output
+    # Casts of the output to out_dtype (each replaced by what it reads) and the reshapes between
+    # (kept, now reshaping a tensor of out_dtype).
+    output_casts: list[torch.fx.Node] = field(default_factory=list)
+    retyped: list[torch.fx.Node] = field(default_factory=list)
+    replaced: list[torch.fx.Node] = field(default_factory=list)  # erased once rewired
+
+
+def _value_users(node: torch.fx.Node) -> list[torch.fx.Node]:
+    return [u for u in node.users if node_info(u).op not in SHAPE_METHODS | METADATA_ATTRIBUTES]
+
+
+def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _dtype(node: torch.fx.Node) -> torch.dtype | None:
+    """The node's floating dtype (None when unknown, not fp16/bf16/fp32, or a model input's
+    assumption). A value computed from a model input whose dtype is assumed is taken as recorded:
+    it reaches a mean (which takes floating tensors only) and at O2 floating inputs are cast to
+    the low dtype at the entry, so its dtype is the recorded one."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    if {ASSUMED_DTYPE_NOTE, UNKNOWN_INPUT_DTYPE_NOTE} & set(node_info(node).notes):
+        return None
+    dtype = node_info(node).out_dtype
+    if dtype is None and node_info(node).op == "to":
+        dtype = cast_target(node)
+    return dtype if dtype in _FLOATS else None
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _dtype_argument(value: object) -> torch.dtype | None:
+    """A dtype given as a constant, or as ``other.dtype`` (a getattr node) of a known dtype."""
+    if isinstance(value, torch.dtype):
+        return value
+    if (
+        isinstance(value, torch.fx.Node)
+        and value.op == "call_function"
+        and value.target is builtins.getattr
+        and value.args[1:] == ("dtype",)
+    ):
+        return _dtype(value.args[0])
+    return None
+
+
+def cast_target(node: torch.fx.Node) -> torch.dtype | None:
+    """The dtype a plain dtype cast converts to (``x.to(dtype)``, ``x.float()``, ``x.type_as(y)``,
+    ``x.to(y.dtype)``, amp_fx's casts, aten's ``to``), or None for anything else (a device move,
+    a copy, a cast of unknown target).
+
+    >>> gm = torch.fx.symbolic_trace(lambda x: x.to(torch.float16).float())
+    >>> [cast_target(n) for n in gm.graph.nodes if n.op == "call_method"]
+    [torch.float16, torch.float32]
+    """
+    if node_info(node).op not in (None, "to") or not node.args:
+        return None
+    target, rest, kwargs = node.target, node.args[1:], dict(node.kwargs)
+    if node.op == "call_function" and target is cast_if_floating:
+        return rest[0] if rest and isinstance(rest[0], torch.dtype) else None
+    if node.op == "call_method":
+        if target in _CONVERSION_METHOD_DTYPES and not rest and not kwargs:
+            return _CONVERSION_METHOD_DTYPES[target]
+        if target == "type_as" and len(rest) == 1 and not kwargs:
+            return _dtype(rest[0])
+        if target == "to" and len(rest) + len(kwargs) == 1:
+            return _dtype_argument(rest[0] if rest else kwargs.get("dtype"))
+        return None
+    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target._opname == "to":
+        dtype = rest[0] if rest else kwargs.pop("dtype", None)
+        if not isinstance(dtype, torch.dtype) or len(rest) > 1:
+            return None
+        if kwargs.pop("layout", torch.strided) != torch.strided:
+            return None
+        device = kwargs.pop("device", None)
+        value = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+        if device is not None and getattr(value, "device", None) != device:
+            return None
+        plain = all(_PLAIN_CAST_KEYWORDS.get(k, "other") in (v, None) or v is None for k, v in kwargs.items())
+        return dtype if plain else None
+    return None
+
+
+def _strip_casts(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
+    """(the value, the casts up to fp32 or identity casts on the way to ``node``)."""
+    casts = []
+    while node_info(node).op == "to" and node.args and isinstance(node.args[0], torch.fx.Node):
+        target, source = cast_target(node), node.args[0]
+        if target is None or _dtype(source) is None:
+            break
+        if target != _dtype(source) and target != torch.float32:
+            break
+        casts.append(node)
+        node = source
+    return node, casts
+
+
+def _is_parameter(node: object) -> bool:
+    """A get_attr (a parameter), or a plain cast of one (``self.weight.float()``)."""
+    while isinstance(node, torch.fx.Node) and node.op != "get_attr":
+        if node_info(node).op != "to" or cast_target(node) is None:
+            return False
+        node = node.args[0]
+    return isinstance(node, torch.fx.Node)
+
+
+def _other(node: torch.fx.Node, one: object) -> object:
+    """The operand of a binary ``node`` that is not ``one`` (None when both or neither are)."""
+    if len(node.args) != 2 or node.kwargs:
+        return None
+    a, b = node.args
+    if (a is one) == (b is one):
+        return None
+    return b if a is one else a
+
+
+def _last_dim(node: torch.fx.Node, dim: object) -> bool:
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    if dim == -1:
+        return True
+    value = node.meta.get("val")
+    return _is_number(dim) and value is not None and hasattr(value, "dim") and dim == value.dim() - 1
+
+
+class _Chain:
+    """The nodes of one candidate chain, and the checks that they belong to it alone."""
+
+    def __init__(self) -> None:
+        self.nodes: list[torch.fx.Node] = []
+
+    def take(self, node: torch.fx.Node) -> torch.fx.Node:
+        self.nodes.append(node)
+        return node
+
+    def closed(self, handed_on: tuple[torch.fx.Node | None, ...]) -> bool:
+        """True when no node of the chain but those handed on has a reader outside it."""
+        inside = set(self.nodes)
+        return all(node in handed_on or set(node.users) <= inside for node in self.nodes)
+
+
+def _rms_root(mean: torch.fx.Node, chain: _Chain) -> tuple[torch.fx.Node, torch.fx.Node, float] | None:
+    """From the mean of squares to the normalization: (the squared value, the normalized
+    node, eps), or None."""
+    dim, keepdim = call_argument(mean, 1, "dim"), call_argument(mean, 2, "keepdim", False)
+    if call_argument(mean, 3, "dtype") is not None or keepdim is not True or not _last_dim(mean, dim):
+        return None
+    squares = mean.args[0]
+    if not isinstance(squares, torch.fx.Node) or _dtype(mean) != torch.float32:
+        return None
+    op = node_info(squares).op
+    exponent = call_argument(squares, 1, "exponent")
+    if op == "pow" and exponent == 2:
+        squared = squares.args[0]
+    elif op == "mul" and len(squares.args) == 2 and squares.args[0] is squares.args[1]:
+        squared = squares.args[0]
+    elif op == "square" and len(squares.args) == 1:
+        squared = squares.args[0]
+    else:
+        return None
+    chain.take(squares)
+    chain.take(mean)
+    add = _only_user(mean)
+    if add is None or node_info(add).op != "add":
+        return None
+    eps = _other(add, mean)
+    if not _is_number(eps):
+        return None
+    root = _only_user(chain.take(add))
+    if root is None:
+        return None
+    root_op = node_info(chain.take(root)).op
+    if root_op == "rsqrt" or (root_op == "pow" and call_argument(root, 1, "exponent") == -0.5):
+        inverse = root
+    elif root_op == "sqrt":
+        user = _only_user(root)
+        divides = user is not None and node_info(user).op == "div" and not user.kwargs
+        if divides and user.args[1:] == (root,) and isinstance(user.args[0], torch.fx.Node):
+            return squared, chain.take(user), float(eps)  # x / sqrt(var + eps)
+        if user is not None and node_info(user).op == "reciprocal":
+            inverse = chain.take(user)
+        elif divides and user.args[1:] == (root,) and _is_number(user.args[0]) and user.args[0] == 1:
+            inverse = chain.take(user)  # 1 / sqrt(var + eps)
+        else:
+            return None
+    else:
+        return None
+    normalize = _only_user(inverse)
+    if normalize is None or node_info(normalize).op != "mul" or _other(normalize, inverse) is None:
+        return None
+    return squared, chain.take(normalize), float(eps)
+
+
+def _normalized_value(normalize: torch.fx.Node, inverse_or_root: torch.fx.Node) -> object:
+    if node_info(normalize).op == "div":
+        return normalize.args[0]
+    return _other(normalize, inverse_or_root)
+
+
+def _match_rms(mean: torch.fx.Node) -> NormChain | None:
+    chain = _Chain()
+    found = _rms_root(mean, chain)
+    if found is None:
+        return None
+    squared, normalize, eps = found
+    scaled = _normalized_value(normalize, chain.nodes[-2])
+    if not isinstance(scaled, torch.fx.Node) or not isinstance(squared, torch.fx.Node):
+        return None
+    if _dtype(squared) != torch.float32 or _dtype(normalize) != torch.float32:
+        return None
+    value, casts = _strip_casts(squared)
+    scaled_value, scaled_casts = _strip_casts(scaled)
+    if value is not scaled_value:
+        return None
+    norm = NormChain(subtract_mean=False, x=value, eps=eps)
+    node = _rms_tail(normalize, norm, chain)
+    if node is None:
+        return None
+    return _finish(norm, node, chain, [*casts, *scaled_casts])
+
+
+def _rms_tail(node: torch.fx.Node, norm: NormChain, chain: _Chain) -> torch.fx.Node | None:
+    """The cast, weight and cast after the normalization; returns the chain's last node."""
+    product = torch.float32
+    user = _only_user(node)
+    if user is not None and node_info(user).op == "to" and cast_target(user) in _FLOATS:
+        norm.mid_dtype = None if cast_target(user) == torch.float32 else cast_target(user)
+        product = cast_target(user)
+        node = chain.take(user)
+        for argument in (*user.args[1:], *user.kwargs.values()):  # ``x.to(other.dtype)``
+            if isinstance(argument, torch.fx.Node) and _only_user(argument) is user:
+                chain.take(argument)
+        user = _only_user(node)
+    if user is not None and node_info(user).op == "mul":
+        weight = _other(user, node)
+        offset = None
+        if isinstance(weight, torch.fx.Node) and node_info(weight).op == "add" and _only_user(weight) is user:
+            for candidate in weight.args:
+                constant = _other(weight, candidate)
+                if _is_parameter(candidate) and _is_number(constant):
+                    offset = (candidate, float(constant))
+        if offset is not None:
+            chain.take(weight)
+            weight, norm.weight_offset = offset
+        if _is_parameter(weight) and _dtype(weight) is not None:
+            norm.weight = weight
+            product = torch.promote_types(_dtype(weight), product)
+            if _dtype(user) not in (None, product):
+                return None
+            node = chain.take(user)
+            user = _only_user(node)
+        elif offset is not None:
+            return None
+    if user is not None and node_info(user).op == "to" and cast_target(user) in _FLOATS:
+        node = chain.take(user)
+        product = cast_target(user)
+    norm.out_dtype = product
+    return node
+
+
+def _layer_norm_call(node: torch.fx.Node, gm: torch.fx.GraphModule) -> NormChain | None:
+    """The arguments of a LayerNorm call computed in fp32 with fp32 parameters, or None."""
+    from amp_fx.ops.module_hooks import has_forward_hooks
+
+    info = node_info(node)
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if type(module).forward is not torch.nn.LayerNorm.forward or has_forward_hooks(module):
+            return None
+        if len(node.args) != 1 or node.kwargs:
+            return None
+        shape = tuple(module.normalized_shape)
+        norm = NormChain(True, node.args[0], float(module.eps), normalized_shape=shape)
+        for name in ("weight", "bias"):
+            parameter = getattr(module, name)
+            if parameter is not None:
+                if parameter.dtype != torch.float32:
+                    return None
+                setattr(norm, name, f"{node.target}.{name}")
+        return norm
+    if node.op != "call_function":
+        return None
+    x, shape = call_argument(node, 0, "input"), call_argument(node, 1, "normalized_shape")
+    weight, bias = call_argument(node, 2, "weight"), call_argument(node, 3, "bias")
+    eps = call_argument(node, 4, "eps", 1e-5)
+    if not isinstance(shape, (list, tuple)) or not all(_is_number(s) for s in shape) or not _is_number(eps):
+        return None
+    if any(p is not None and _dtype(p) != torch.float32 for p in (weight, bias)):
+        return None
+    if info.in_dtypes and any(d not in (torch.float32, None) for d in info.in_dtypes):
+        return None
+    return NormChain(True, x, float(eps), weight=weight, bias=bias, normalized_shape=tuple(shape))
+
+
+def _match_layer_norm(node: torch.fx.Node, gm: torch.fx.GraphModule) -> NormChain | None:
+    norm = _layer_norm_call(node, gm)
+    if norm is None or not isinstance(norm.x, torch.fx.Node) or _dtype(norm.x) != torch.float32:
+        return None
+    chain = _Chain()
+    chain.take(node)
+    last = node
+    if node_info(node).op == "native_layer_norm":  # (out, mean, rstd): only out may be read
+        users = list(node.users)
+        if len(users) != 1 or users[0].target is not operator.getitem or users[0].args[1] != 0:
+            return None
+        last = chain.take(users[0])
+    if _dtype(last) != torch.float32:
+        return None
+    norm.out_dtype = torch.float32
+    user = _only_user(last)
+    if user is not None and node_info(user).op == "to" and cast_target(user) in _FLOATS:
+        last, norm.out_dtype = chain.take(user), cast_target(user)
+    norm.x, casts = _strip_casts(norm.x)
+    return _finish(norm, last, chain, casts)
+
+
+def _cast_readers(node: torch.fx.Node, retyped: list[torch.fx.Node]) -> list[torch.fx.Node] | None:
+    """The casts that read ``node`` (directly or through reshapes, collected in ``retyped``), when
+    every value reader is one; else None."""
+    casts = []
+    for user in _value_users(node):
+        op = node_info(user).op
+        if op == "to" and cast_target(user) is not None:
+            casts.append(user)
+        elif op in RESHAPE_OPS and user.args and user.args[0] is node and not is_inplace_call(user):
+            below = _cast_readers(user, retyped)
+            if below is None:
+                return None
+            retyped.append(user)
+            casts += below
+        else:
+            return None
+    return casts
+
+
+def _take_output_casts(norm: NormChain, last: torch.fx.Node, chain: _Chain) -> None:
+    """Write the output low when every reader casts it to one low dtype."""
+    retyped: list[torch.fx.Node] = []
+    casts = _cast_readers(last, retyped)
+    targets = {cast_target(cast) for cast in casts or ()}
+    if not casts or len(targets) != 1:
+        return
+    (low,) = targets
+    if low not in LOW_PRECISION_DTYPES or norm.out_dtype not in (torch.float32, low):
+        return
+    norm.out_dtype, norm.output_casts, norm.retyped = low, casts, retyped
+    for cast in casts:
+        chain.take(cast)
+
+
+def _residual_add(norm: NormChain, chain: _Chain) -> None:
+    """Fuse the add whose sum is the normalized value into the chain. A cast of the sum that
+    stays (something else reads it) then reads the fused sum."""
+    add = norm.x
+    if node_info(add).op != "add" or add.op != "call_function" or is_inplace_call(add):
+        return
+    if len(add.args) != 2 or add.kwargs or add.args[0] is add.args[1]:
+        return
+    a, b = add.args
+    if not all(isinstance(v, torch.fx.Node) and _dtype(v) is not None for v in (a, b)):
+        return
+    if _dtype(add) != torch.promote_types(_dtype(a), _dtype(b)):
+        return
+    norm.x, norm.residual, norm.sum_node = a, b, chain.take(add)
+
+
+def _finish(
+    norm: NormChain, last: torch.fx.Node, chain: _Chain, input_casts: list[torch.fx.Node]
+) -> NormChain | None:
+    # The casts up to fp32 of the input are replaced when nothing else reads them.
+    for cast in dict.fromkeys(input_casts):
+        if set(cast.users) <= set(chain.nodes) | set(input_casts):
+            chain.take(cast)
+    norm.output = last
+    _take_output_casts(norm, last, chain)
+    if _dtype(norm.x) is None:
+        return None
+    _residual_add(norm, chain)
+    if not chain.closed((norm.sum_node, last, *norm.retyped, *norm.output_casts)):
+        return None
+    norm.replaced = chain.nodes
+    return norm
+
+
+def match_norm_chain(node: torch.fx.Node, gm: torch.fx.GraphModule) -> NormChain | None:
+    """The norm chain that ``node`` starts (an RMSNorm's mean of squares, a LayerNorm call), or
+    None when the graph around it is not exactly one (module docstring).
+
+    >>> from amp_fx.core.node_info import NodeInfo
+    >>> from amp_fx.passes.trace import trace
+    >>> gm = trace(torch.nn.Sequential(torch.nn.LayerNorm(4)))  # x -> LayerNorm module
+    >>> x, norm = list(gm.graph.nodes)[:2]
+    >>> x.meta["amp_fx"] = NodeInfo(out_dtype=torch.float32)  # as the passes before record it
+    >>> norm.meta["amp_fx"] = NodeInfo(op="layer_norm", in_dtypes=(torch.float32,), out_dtype=torch.float32)
+    >>> chain = match_norm_chain(norm, gm)
+    >>> chain.normalized_shape, chain.weight, chain.out_dtype
+    ((4,), '0.weight', torch.float32)
+    """
+    op = node_info(node).op
+    if op == "mean":
+        return _match_rms(node)
+    if op in ("layer_norm", "native_layer_norm"):
+        return _match_layer_norm(node, gm)
+    return None

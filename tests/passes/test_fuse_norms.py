@@ -1,0 +1,224 @@
+"""fuse_norms: RMSNorm / LayerNorm chains, as models write them, become one fused call at O2, on
+both front ends; chains that differ from a norm in any way stay as they are.
+
+Fused or not, a converted model must compute what the unfused conversion computed (the same fp32
+math, rounded where the chain rounded) and still match torch.autocast within the O2 tolerances;
+O1 stays bit-identical to autocast (nothing is fused there).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import amp_fx
+from amp_fx.core.node_info import node_info
+from amp_fx.passes.fuse_norms import FUSED_NORM_FUNCTIONS
+from amp_fx.testing import assert_close_normwise, grad_tolerances, tolerances
+from tests.bit_equality import bits_equal
+from tests.models.hf import MODELS
+
+BF16 = torch.bfloat16
+EPS = 1e-6
+WIDTH = 24
+
+
+# RMSNorm as models write it out: (h, w) -> normalized h times w.
+def llama(h, w):
+    dtype = h.dtype
+    x = h.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + EPS)
+    return w * x.to(dtype)
+
+
+def square_and_reciprocal_root(h, w):
+    x = h.float()
+    variance = (x * x).mean(dim=-1, keepdim=True)
+    return (x * (1 / torch.sqrt(variance + EPS))).to(h.dtype) * w
+
+
+def divide_by_root(h, w):
+    x = h.float()
+    variance = torch.mean(x**2, -1, keepdim=True)
+    return w * (x / torch.sqrt(EPS + variance)).type_as(h)
+
+
+def gemma(h, w):
+    x = h.float()
+    out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    out = out * (1.0 + w.float())
+    return out.type_as(h)
+
+
+def t5(h, w):
+    variance = h.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    return w * (h * torch.rsqrt(variance + EPS))
+
+
+def layer_norm_function(h, w):
+    return F.layer_norm(h, (WIDTH,), w, None, 1e-5)
+
+
+# Near misses: one step differs from a norm.
+def eps_outside_the_root(h, w):
+    x = h.float()
+    return w * (x / (torch.sqrt(x.pow(2).mean(-1, keepdim=True)) + EPS)).to(h.dtype)
+
+
+def mean_over_another_dim(h, w):
+    x = h.float()
+    return w * (x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + EPS)).to(h.dtype)
+
+
+def mean_without_keepdim(h, w):
+    x = h.float()
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1) + EPS).unsqueeze(-1)).to(h.dtype)
+
+
+def variance_read_elsewhere(h, w):
+    x = h.float()
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return w * (x * torch.rsqrt(variance + EPS)).to(h.dtype) + variance
+
+
+class Stream(nn.Module):
+    """A residual stream: linear, residual add, the norm, linear."""
+
+    def __init__(self, norm) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(WIDTH))
+        self.norm = norm
+
+    def forward(self, x):
+        h = x + self.a(x)
+        return self.b(self.norm(h, self.weight))
+
+
+class LayerNormStream(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.ln, self.b = nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return self.b(self.ln(x + self.a(x)))
+
+
+def fused_calls(model: nn.Module) -> list[torch.fx.Node]:
+    graphs = amp_fx.report(model).graphs.values()
+    return [
+        n
+        for gm in graphs
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target in FUSED_NORM_FUNCTIONS
+    ]
+
+
+def convert(model: nn.Module, level: str = "O2", **flags) -> nn.Module:
+    return amp_fx.convert(copy.deepcopy(model), policy=amp_fx.preset(level, BF16, "cpu", **flags))
+
+
+def loss_and_grads(model: nn.Module, *args, **kwargs):
+    torch.manual_seed(0)
+    out = model(*args, **kwargs)
+    out = out if isinstance(out, torch.Tensor) else out.loss
+    weights = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    loss = (out.float() * weights).sum()
+    loss.backward()
+    grads = {name: p.grad.float() for name, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def assert_close_to(ours, expected) -> None:
+    """Loss and parameter gradients within the O2 tolerances (norm-wise, as the suite compares)."""
+    (loss, grads), (expected_loss, expected_grads) = ours, expected
+    rtol, atol = tolerances(BF16)
+    assert_close_normwise(loss, expected_loss, rtol=rtol, atol=atol, name="loss")
+    assert set(grads) == set(expected_grads)
+    scale = torch.cat([g.flatten() for g in expected_grads.values()]).pow(2).mean().sqrt().item()
+    rtol, atol = grad_tolerances(BF16)
+    for name, grad in grads.items():
+        assert_close_normwise(grad, expected_grads[name], rtol=rtol, atol=atol, scale=scale, name=name)
+
+
+@pytest.mark.parametrize(
+    "norm", [llama, square_and_reciprocal_root, divide_by_root, gemma, t5, layer_norm_function]
+)
+def test_spellings_fuse_on_the_fx_front_end(norm) -> None:
+    torch.manual_seed(0)
+    model, x = Stream(norm), torch.randn(3, 5, WIDTH)
+    fused = convert(model)
+    (call,) = fused_calls(fused)
+    assert call.target.__name__.startswith("add_")  # the residual add went in too
+    assert not [n for n in fused.graph.nodes if node_info(n).op in ("mean", "pow", "rsqrt", "layer_norm")]
+    assert "replaced" in node_info(call).notes[-1]
+    unfused = convert(model, fused_norms=False)
+    assert_close_to(loss_and_grads(fused, x), loss_and_grads(unfused, x))
+
+
+@pytest.mark.parametrize(
+    "norm", [eps_outside_the_root, mean_over_another_dim, mean_without_keepdim, variance_read_elsewhere]
+)
+def test_near_misses_are_left_alone(norm) -> None:
+    torch.manual_seed(0)
+    model = Stream(norm)
+    assert not fused_calls(convert(model))
+    assert convert(model).code == convert(model, fused_norms=False).code
+
+
+def test_layer_norm_module_with_the_residual_add() -> None:
+    torch.manual_seed(0)
+    model, x = LayerNormStream(), torch.randn(4, WIDTH)
+    fused = convert(model)
+    (call,) = fused_calls(fused)
+    assert call.target.__name__ == "add_layer_norm_fp32"
+    # The LayerNorm's parameters stay float32 and are read where they are.
+    assert fused.get_parameter("ln.weight").dtype == torch.float32
+    assert_close_to(loss_and_grads(fused, x), loss_and_grads(convert(model, fused_norms=False), x))
+    # A hook on the LayerNorm would no longer fire: such a LayerNorm is not fused.
+    model.ln.register_forward_hook(lambda *args: None)
+    assert not fused_calls(convert(model))
+
+
+def test_only_o2_fuses_by_default() -> None:
+    model = Stream(llama)
+    assert fused_calls(convert(model, "O2"))
+    for level in ("O0", "O1", "O3"):
+        assert not fused_calls(convert(model, level))
+
+
+@pytest.mark.parametrize(("name", "expected"), [("llama", 5), ("gpt2", 5)])
+def test_hugging_face_models_on_the_export_front_end(name: str, expected: int) -> None:
+    # Per model of two layers: the first layer's norm, then every norm after a residual add
+    # (the attention's, the MLP's, the final norm's) with the add in it.
+    torch.manual_seed(0)
+    model, inputs = MODELS[name]()
+    model.eval()
+    kwargs = inputs(2, 8)
+    converted = amp_fx.convert(copy.deepcopy(model), "O2", dtype=BF16)
+    ours = loss_and_grads(converted, **kwargs)
+    calls = fused_calls(converted)
+    assert len(calls) == expected
+    assert sum(call.target.__name__.startswith("add_") for call in calls) == expected - 1
+    reference = amp_fx.testing.with_autocast(model, "cpu", BF16)
+    assert_close_to(ours, loss_and_grads(reference, **kwargs))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_o1_stays_bit_identical_to_autocast(name: str) -> None:
+    torch.manual_seed(0)
+    model, inputs = MODELS[name]()
+    model.eval()
+    kwargs = inputs(2, 8)
+    converted = amp_fx.convert(copy.deepcopy(model), "O1", dtype=BF16)
+    loss, grads = loss_and_grads(converted, **kwargs)
+    assert not fused_calls(converted)
+    expected_loss, expected_grads = loss_and_grads(amp_fx.testing.with_autocast(model, "cpu", BF16), **kwargs)
+    assert bits_equal(loss, expected_loss)
+    assert all(bits_equal(grads[name], expected_grads[name]) for name in expected_grads)
