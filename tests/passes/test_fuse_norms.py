@@ -127,7 +127,7 @@ def loss_and_grads(model: nn.Module, *args, **kwargs):
     torch.manual_seed(0)
     out = model(*args, **kwargs)
     out = out if isinstance(out, torch.Tensor) else out.loss
-    weights = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    weights = torch.linspace(-1, 1, out.numel(), device=out.device).reshape(out.shape)
     loss = (out.float() * weights).sum()
     loss.backward()
     grads = {name: p.grad.float() for name, p in model.named_parameters() if p.grad is not None}
@@ -222,3 +222,16 @@ def test_o1_stays_bit_identical_to_autocast(name: str) -> None:
     expected_loss, expected_grads = loss_and_grads(amp_fx.testing.with_autocast(model, "cpu", BF16), **kwargs)
     assert bits_equal(loss, expected_loss)
     assert all(bits_equal(grads[name], expected_grads[name]) for name in expected_grads)
+
+
+@pytest.mark.gpu
+def test_llama_on_gpu_runs_the_triton_kernels_and_matches_autocast() -> None:
+    torch.manual_seed(0)
+    model, inputs = MODELS["llama"]()
+    model = model.cuda().eval()
+    kwargs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs(4, 64).items()}
+    converted = amp_fx.convert(copy.deepcopy(model), "O2", dtype=BF16)
+    ours = loss_and_grads(converted, **kwargs)
+    assert len(fused_calls(converted)) == 5
+    reference = amp_fx.testing.with_autocast(model, "cuda", BF16)
+    assert_close_to(ours, loss_and_grads(reference, **kwargs))
