@@ -315,6 +315,35 @@ def _rotary_calls() -> None:
         triton_ops.rotary_backward([out], cos, cos, True, [dtype])
 
 
+def _norms_calls() -> None:
+    configs = [
+        # (x dtype, residual dtype, weight dtype, subtract_mean, weight_offset, mid_dtype, width)
+        (torch.bfloat16, torch.float32, torch.float32, False, 0.0, None, 1536),  # Llama at O2
+        (torch.float16, torch.float32, torch.float32, False, 0.0, None, 1536),
+        (torch.bfloat16, torch.float32, torch.float32, True, 0.0, None, 768),  # GPT-2 at O2
+        (torch.float16, torch.float32, torch.float32, True, 0.0, None, 768),
+        (torch.bfloat16, None, torch.float32, False, 1.0, None, 2048),  # Gemma
+        (torch.bfloat16, torch.bfloat16, torch.bfloat16, False, 0.0, torch.bfloat16, 4096),  # low stream
+        (torch.float16, None, torch.float16, False, 0.0, torch.float16, 8192),
+        (torch.float32, None, None, False, 0.0, None, 123),  # no weight, a narrow odd row
+    ]
+    for dtype, residual_dtype, weight_dtype, subtract_mean, offset, mid, width in configs:
+        x = torch.zeros(16, width, dtype=dtype)
+        residual = None if residual_dtype is None else torch.zeros(16, width, dtype=residual_dtype)
+        weight = None if weight_dtype is None else torch.ones(width, dtype=weight_dtype)
+        bias = torch.zeros(width) if subtract_mean else None
+        options = {"subtract_mean": subtract_mean, "weight_offset": offset, "mid_dtype": mid}
+        out, summed, mean, rstd = triton_ops.norm_forward(
+            x, weight, bias, 1e-6, residual=residual, out_dtype=torch.bfloat16, **options
+        )
+        bias_dtype = None if bias is None else bias.dtype
+        triton_ops.norm_backward(
+            torch.zeros_like(out), None if summed is None else torch.zeros_like(summed),
+            x if summed is None else summed, weight, mean, rstd, bias_dtype=bias_dtype,
+            grad_dtype=dtype, residual_grad_dtype=residual_dtype, **options,
+        )  # fmt: skip
+
+
 WRAPPER_CALLS: list[Callable[[], None]] = [
     _check_finite_calls,
     _adam_calls,
@@ -324,6 +353,7 @@ WRAPPER_CALLS: list[Callable[[], None]] = [
     _max_pool_calls,
     _loss_scale_calls,
     _rotary_calls,
+    _norms_calls,
 ]
 
 
@@ -432,7 +462,7 @@ def test_every_launched_kernel_is_recorded(launches: list[dict]) -> None:
     recorded = {_kernel_name(launch) for launch in launches}
     missing = _launched_kernels() - recorded
     assert not missing, f"kernels launched by amp_fx.kernels but not by WRAPPER_CALLS: {sorted(missing)}"
-    assert len(recorded) == 16, sorted(recorded)
+    assert len(recorded) == 18, sorted(recorded)
 
 
 def test_fp16_and_bf16_variants_are_recorded(launches: list[dict]) -> None:
