@@ -122,9 +122,9 @@ def mixed_precision_policies(
     Example:
         >>> import torch, amp_fx
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
-        >>> gm = amp_fx.convert(model, "O2", dtype=torch.bfloat16)
+        >>> gm = amp_fx.convert(model, "O2", dtype=torch.bfloat16)  # the LayerNorm is fused: root group
         >>> {name: p.param_dtype for name, p in mixed_precision_policies(gm).items()}
-        {'0': torch.bfloat16, '1': None, '': None}
+        {'0': torch.bfloat16, '': None}
     """
     gm = _check_converted(gm)
     if isinstance(gm, CapturedModel):

@@ -6,26 +6,31 @@ front end), and why, as a table and as data.
     >>> gm = amp_fx.convert(model, "O2", device_type="cpu")
     >>> rep = amp_fx.report(gm)
     >>> rep.casts_inserted, dict(rep.rule_counts)
-    (2, {'lower': 1, 'fp32': 2})
+    (1, {'lower': 1, 'passthrough': 1, 'fp32': 1})
     >>> print(rep)
     amp_fx report: O2, torch.float16, cpu
-    node                op          rule   in    out   reason
-    input_1             -           -      -     fp32  input
-    input_1_to_float16  to          cast   fp32  fp16  LOWER linear: input cast to float16
-    _0                  linear      lower  fp16  fp16  O2: linear is on autocast's lower_precision_fp
-                                                       list
-    _0_to_float32       to          cast   fp16  fp32  FP32 layer_norm: input cast to float32
-    _1                  layer_norm  fp32   fp32  fp32  O2: norms run in FP32 with FP32 params (as under
-                                                       autocast)
-    _2                  softmax     fp32   fp32  fp32  O2 FP32 island: softmax is unstable in low
-                                                       precision (exp overflows fp16; the normalizing
-                                                       sum loses bits)
+    node                op               rule         in                out   reason
+    input_1             -                -            -                 fp32  input
+    input_1_to_float16  to               cast         fp32              fp16  LOWER linear: input cast
+                                                                              to float16
+    _0                  linear           lower        fp16              fp16  O2: linear is on
+                                                                              autocast's
+                                                                              lower_precision_fp list
+    _1_weight           -                -            -                 fp32
+    _1_bias             -                -            -                 fp32
+    layer_norm_fp32     layer_norm_fp32  passthrough  fp16, fp32, fp32  fp32  O2: layer_norm_fp32 is
+                                                                              dtype-agnostic (runs on
+                                                                              what flows in)
+    _2                  softmax          fp32         fp32              fp32  O2 FP32 island: softmax is
+                                                                              unstable in low precision
+                                                                              (exp overflows fp16; the
+                                                                              normalizing sum loses
+                                                                              bits)
     <BLANKLINE>
-    3 ops, 2 casts inserted
-    ops per rule: fp32 2 (layer_norm×1, softmax×1), lower 1 (linear×1)
+    3 ops, 1 casts inserted
+    ops per rule: fp32 1 (softmax×1), lower 1 (linear×1), passthrough 1 (layer_norm_fp32×1)
     parameters and buffers: fp16 2 tensors (72 elements), fp32 2 tensors (16 elements)
     stayed FP32:
-      _1 (layer_norm): O2: norms run in FP32 with FP32 params (as under autocast)
       _2 (softmax): O2 FP32 island: softmax is unstable in low precision (exp overflows fp16; the
         normalizing sum loses bits)
     >>> print(rep.diff())
@@ -34,6 +39,7 @@ front end), and why, as a table and as data.
     ...
     -    _0 = getattr(self, "0")(input_1);  input_1 = None
     -    _1 = getattr(self, "1")(_0);  _0 = None
+    -    _2 = getattr(self, "2")(_1);  _1 = None
     +    input_1_to_float16 = amp_fx_ops_casts_cast_if_floating(input_1, torch.float16);  input_1 = None
     +    _0 = getattr(self, "0")(input_1_to_float16);  input_1_to_float16 = None
     ...

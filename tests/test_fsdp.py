@@ -254,11 +254,11 @@ def test_policies_gather_low_weights_and_keep_norms_fp32() -> None:
     policies = mixed_precision_policies(gm)
     assert {name: p.param_dtype for name, p in policies.items()} == {
         "0": torch.bfloat16,
-        "1": None,  # LayerNorm: FP32 at O2
         "3": torch.bfloat16,
         "5": torch.bfloat16,
-        "": None,
+        "": None,  # with the LayerNorm's parameters, FP32 at O2: fuse_norms' call reads them
     }
+    assert gm.get_parameter("1.weight").dtype == torch.float32
     assert all(p.reduce_dtype == torch.float32 and not p.cast_forward_inputs for p in policies.values())
     o1 = mixed_precision_policies(amp_fx.convert(make_model(), "O1", dtype=torch.float16))
     # O1: the graph casts the Linear weights itself; they are gathered low, the LayerNorm in FP32.
