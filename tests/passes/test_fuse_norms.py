@@ -209,7 +209,6 @@ def test_hugging_face_models_on_the_export_front_end(name: str, expected: int) -
     assert_close_to(ours, loss_and_grads(reference, **kwargs))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_o1_stays_bit_identical_to_autocast(name: str) -> None:
     torch.manual_seed(0)
