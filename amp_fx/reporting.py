@@ -18,9 +18,9 @@ front end), and why, as a table and as data.
                                                                               lower_precision_fp list
     _1_weight           -                -            -                 fp32
     _1_bias             -                -            -                 fp32
-    layer_norm_fp32     layer_norm_fp32  passthrough  fp16, fp32, fp32  fp32  O2: layer_norm_fp32 is
-                                                                              dtype-agnostic (runs on
-                                                                              what flows in)
+    layer_norm_fp32     layer_norm_fp32  passthrough  fp16, fp32, fp32  fp32  O2: fused norm, reads its
+                                                                              inputs as they are and
+                                                                              computes in FP32
     _2                  softmax          fp32         fp32              fp32  O2 FP32 island: softmax is
                                                                               unstable in low precision
                                                                               (exp overflows fp16; the

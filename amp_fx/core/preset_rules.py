@@ -13,6 +13,7 @@ its row keeps them. `Policy` and `preset` (`amp_fx.core.policy`) read `preset_op
 
 from __future__ import annotations
 
+from amp_fx.core.op_facts import FUSED_ADD_NORM_OPS, FUSED_NORM_OPS
 from amp_fx.core.op_lists import OPAQUE_OP, AutocastOpLists, autocast_op_lists
 from amp_fx.core.opt_levels import OptLevel
 from amp_fx.core.rules import OpRule, Rule
@@ -164,6 +165,10 @@ def low_weight_rules(level: OptLevel, keep_batchnorm_fp32: bool) -> dict[str, Op
     if level.keeps_norms_fp32:
         for op, why in _FP32_PARAM_OPS.items():
             rules[op] = OpRule(Rule.FP32, f"{name}: {why}")
+        for op in FUSED_NORM_OPS | FUSED_ADD_NORM_OPS:  # what fuse_norms puts in place of the above
+            rules[op] = OpRule(
+                Rule.PASSTHROUGH, f"{name}: fused norm, reads its inputs as they are and computes in FP32"
+            )
     if level.autocast_opaque:
         rules[OPAQUE_OP] = OpRule(Rule.OPAQUE, f"{name}: untraced code runs inside an autocast island")
     else:
