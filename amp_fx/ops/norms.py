@@ -200,11 +200,16 @@ def _setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor, Tensor, Ten
         "residual_grad_dtype": None if residual is None else residual.dtype,
     }
     ctx.mark_non_differentiable(mean, rstd)
+    # A sum nothing else reads (a final norm's) gets no gradient: the kernel then reads none,
+    # rather than a tensor of zeros.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_out: Tensor, grad_summed: Tensor | None, _grad_mean, _grad_rstd) -> tuple:
     normalized, weight, mean, rstd = ctx.saved_tensors
     grad_sum = grad_summed if ctx.has_residual else None
+    if grad_out is None:  # only the sum is read
+        grad_out = torch.zeros_like(normalized)
     tensors = (grad_out, grad_sum, normalized, weight, mean, rstd)
     # AOT autograd traces this backward with functional tensors: plain torch math there, which
     # the compiler can fuse with its neighbours.

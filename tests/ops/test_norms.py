@@ -57,6 +57,9 @@ def assert_matches_expression(ours, expected, rounded_to=None):
         rtol, atol = rounding_tolerances(out.dtype)
         torch.testing.assert_close(out, ref, rtol=rtol, atol=max(atol, 1e-5))
     for grad, ref in zip(grads, expected_grads, strict=True):
+        if ref is None:  # the expression does not read it; the fused call's gradient is zero
+            assert grad is None or not grad.any()
+            continue
         assert grad.dtype == ref.dtype
         rtol, atol = rounding_tolerances(rounded_to or grad.dtype)
         assert_close_normwise(grad, ref, rtol=4 * rtol, atol=atol)
@@ -223,3 +226,22 @@ def test_opcheck() -> None:
     _, summed, mean, rstd = (t.detach() for t in fused_norm(*arguments))
     backward = (torch.randn(3, 8), None, summed, weight.detach(), mean, rstd, torch.float32, True, 0.0, None)
     torch.library.opcheck(fused_norm_backward, (*backward, torch.bfloat16, torch.float32))
+
+
+def test_a_sum_or_an_output_read_alone(fused_calls) -> None:
+    # A final norm's sum has no other reader (no gradient comes back for it), and a norm whose
+    # output is dropped leaves only the sum's gradient.
+    x, stream, weight, _ = inputs((3, 16), torch.bfloat16)
+    for read in (0, 1):
+
+        def expression(x, stream, weight, read=read):
+            summed = x + stream
+            return (summed, rms_expression(summed, weight, EPS))[read]
+
+        def fused(x, stream, weight, read=read):
+            return add_rms_norm_fp32(x, stream, weight, EPS)[read]
+
+        assert_matches_expression(
+            outputs_and_grads(fused, x, stream, weight), outputs_and_grads(expression, x, stream, weight)
+        )
+    assert len(fused_calls) == 2
