@@ -200,9 +200,17 @@ class _Chain:
         return node
 
     def closed(self, handed_on: tuple[torch.fx.Node | None, ...]) -> bool:
-        """True when no node of the chain but those handed on has a reader outside it."""
+        """True when no node of the chain but those handed on has a reader outside it, and none
+        updates in place a value something else reads (``x.pow_(2)`` changes what x's readers see;
+        ``variance.add_(eps)`` on a variance read once does not)."""
         inside = set(self.nodes)
-        return all(node in handed_on or set(node.users) <= inside for node in self.nodes)
+        for node in self.nodes:
+            if node not in handed_on and not set(node.users) <= inside:
+                return False
+            updated = node.args[0] if is_inplace_call(node) and node.args else None
+            if isinstance(updated, torch.fx.Node) and set(updated.users) != {node}:
+                return False
+        return True
 
 
 def _rms_root(mean: torch.fx.Node, chain: _Chain) -> tuple[torch.fx.Node, torch.fx.Node, float] | None:

@@ -86,6 +86,12 @@ def variance_read_elsewhere(h, w):
     return w * (x * torch.rsqrt(variance + EPS)).to(h.dtype) + variance
 
 
+def squares_in_place(h, w):
+    x = h.float()
+    x.pow_(2)  # x now holds the squares: not a norm of h
+    return w * (x * torch.rsqrt(x.mean(-1, keepdim=True) + EPS)).to(h.dtype)
+
+
 class Stream(nn.Module):
     """A residual stream: linear, residual add, the norm, linear."""
 
@@ -147,7 +153,15 @@ def assert_close_to(ours, expected) -> None:
 
 
 @pytest.mark.parametrize(
-    "norm", [llama, square_and_reciprocal_root, divide_by_root, gemma, t5, layer_norm_function]
+    "norm",
+    [
+        llama,
+        square_and_reciprocal_root,
+        divide_by_root,
+        gemma,
+        t5,
+        layer_norm_function,
+    ],
 )
 def test_spellings_fuse_on_the_fx_front_end(norm) -> None:
     torch.manual_seed(0)
@@ -162,7 +176,14 @@ def test_spellings_fuse_on_the_fx_front_end(norm) -> None:
 
 
 @pytest.mark.parametrize(
-    "norm", [eps_outside_the_root, mean_over_another_dim, mean_without_keepdim, variance_read_elsewhere]
+    "norm",
+    [
+        eps_outside_the_root,
+        mean_over_another_dim,
+        mean_without_keepdim,
+        variance_read_elsewhere,
+        squares_in_place,
+    ],
 )
 def test_near_misses_are_left_alone(norm) -> None:
     torch.manual_seed(0)
