@@ -4,8 +4,11 @@
   converted to fp16/bf16, compared with FP32 by norm-wise relative error (the one place these
   numbers are written); `rounding_tolerances(dtype)` for a fused kernel against its reference
   (the same float32 math, each rounded once).
-- `assert_equivalent(original, converted, inputs)`: forward and backward through both models,
-  outputs and input/parameter gradients compared within those tolerances (or bit for bit).
+- `assert_equivalent(original, converted, inputs)`: forward and backward through both models;
+  by default every output's and input/parameter gradient's error against FP32 must be at most
+  `RELATIVE_BOUND` (1.5) times the reference's (torch.autocast; for O3 the model cast low),
+  median over seeded batches (`error_ratio` measures it); ``measure="fixed"`` compares within
+  the fixed tolerances instead, ``exact=True`` bit for bit.
 - `with_autocast(model, device_type, dtype)` and `low_precision_copy(model, dtype)`: the
   references an O1 (torch.autocast) and an O3 (Apex's ``model.half()``) conversion must match.
 - `models_and_inputs()`: a hypothesis strategy for random models (linear, conv, norms,
@@ -33,19 +36,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from amp_fx.testing.dtype_tolerances import grad_tolerances, rounding_tolerances, tolerances
-from amp_fx.testing.equivalence import (
+from amp_fx.testing.comparison import (
     ForwardBackward,
     Mismatch,
     assert_close_normwise,
-    assert_equivalent,
     compare_tensors,
     forward_backward,
-    infer_dtype,
-    low_precision_copy,
     normwise_error,
-    with_autocast,
 )
+from amp_fx.testing.dtype_tolerances import (
+    RELATIVE_BOUND,
+    grad_tolerances,
+    relative_floor,
+    rounding_tolerances,
+    tolerances,
+)
+from amp_fx.testing.equivalence import assert_equivalent
+from amp_fx.testing.references import infer_dtype, low_precision_copy, reference_for, with_autocast
+from amp_fx.testing.relative_error import ErrorRatio, TensorRatio, error_ratio, seeded_batches
 
 # The strategies need hypothesis (a test dependency); import them on first use so that
 # `tolerances` and `assert_equivalent` work without it.
@@ -69,17 +77,24 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     *_STRATEGY_EXPORTS,
+    "RELATIVE_BOUND",
+    "ErrorRatio",
     "ForwardBackward",
     "Mismatch",
+    "TensorRatio",
     "assert_close_normwise",
     "assert_equivalent",
     "compare_tensors",
+    "error_ratio",
     "forward_backward",
     "grad_tolerances",
     "infer_dtype",
     "low_precision_copy",
     "normwise_error",
+    "reference_for",
+    "relative_floor",
     "rounding_tolerances",
+    "seeded_batches",
     "tolerances",
     "with_autocast",
 ]
