@@ -44,6 +44,7 @@ __all__ = [
     "INT64_ACCUMULATING_OPS",
     "FIRST_ARGUMENT_DTYPE_OPS",
     "FACTORY_FUNCTIONS",
+    "VALUE_MOVING_OPS",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -144,6 +145,16 @@ CONVERSION_METHOD_DTYPES = {
 }
 FLOATING_CONVERSION_METHODS = frozenset(
     method for method, dtype in CONVERSION_METHOD_DTYPES.items() if dtype.is_floating_point
+)
+# Ops whose result holds (some of) their tensor inputs' values unchanged, moved or cast: views,
+# concatenation, copies and dtype conversions. A parameter read through them is read as it is
+# (`amp_fx.passes.shared.decisions` asks which op finally computes with it).
+VALUE_MOVING_OPS = (
+    VIEW_OPS
+    | frozenset(
+        {"cat", "stack", "clone", "repeat", "tile", "to", "_to_copy", "type", "type_as", "expand_copy"}
+    )
+    | FLOATING_CONVERSION_METHODS
 )
 # ``x.type("torch.HalfTensor")``: the dtype of each tensor type string.
 TENSOR_TYPE_DTYPES = {

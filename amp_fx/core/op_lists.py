@@ -662,8 +662,14 @@ OP_ALIASES: dict[str, str] = {
     "negative": "neg",
 }
 
+# Matrix products on no autocast list: autocast runs them on what flows in (FP32 in an FP32 model),
+# as O1 does; `amp_fx.core.preset_rules` decides them at the levels that store weights low.
+UNLISTED_MATMUL_OPS = frozenset({"_grouped_mm"})
+
 KNOWN_OPS: frozenset[str] = frozenset(
-    PASSTHROUGH_OPS.union(*(lists.all_ops() for lists in AUTOCAST_OP_LISTS.values()), {OPAQUE_OP})
+    PASSTHROUGH_OPS.union(
+        *(lists.all_ops() for lists in AUTOCAST_OP_LISTS.values()), UNLISTED_MATMUL_OPS, {OPAQUE_OP}
+    )
 )
 
 # Ops registered at run time by `register_op` (custom ops, ops the curated set missed).

@@ -17,13 +17,21 @@ from torch import nn
 
 from amp_fx.core.module_ops import module_op
 from amp_fx.core.node_info import PARAMETER_PLAN_KEY, PARAMETERS_STORED_KEY, node_info
+from amp_fx.core.op_facts import NORM_OPS, VALUE_MOVING_OPS
 from amp_fx.core.op_lists import OPAQUE_OP
 from amp_fx.core.policy import Decision, Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.ops.batch_norm import FusedBatchNormAct
 from amp_fx.passes.shared.calls import calling_module, is_inplace_call
 
-__all__ = ["decide_node", "decide_module", "module_tensors", "parameter_plan", "planned_parameter_dtypes"]
+__all__ = [
+    "UNLOWERED_PARAMETER_REASON",
+    "decide_module",
+    "decide_node",
+    "module_tensors",
+    "parameter_plan",
+    "planned_parameter_dtypes",
+]
 
 
 def decide_node(node: torch.fx.Node, gm: torch.fx.GraphModule, policy: Policy) -> Decision | None:
@@ -116,7 +124,9 @@ def planned_parameter_dtypes(gm: torch.fx.GraphModule, policy: Policy) -> dict[s
     """Qualified name -> storage dtype for every parameter/buffer `cast_parameters` will cast.
 
     Empty unless ``policy.cast_parameters`` (O2/O3). A tensor reachable under several names
-    (tied weights) gets one dtype under all of them: float32 if any caller wants float32.
+    (tied weights) gets one dtype under all of them: float32 if any caller wants float32. At a
+    level that keeps norms FP32 (O2) a tensor the graph reads directly is float32 unless a
+    lowered op reads it (`_read_by_lowered_op`; the report notes why, `UNLOWERED_PARAMETER_REASON`).
 
     >>> from amp_fx.core.policy import preset
     >>> from amp_fx.passes.normalize_ops import normalize_ops
@@ -164,6 +174,10 @@ def planned_parameter_dtypes(gm: torch.fx.GraphModule, policy: Policy) -> dict[s
                 decision = decide_node(user, gm, policy)
                 if decision is not None:
                     want(node.target, tensor, decision.param_dtype)
+            unlowered = policy.level.keeps_norms_fp32 and not _read_by_lowered_op(node, gm, policy)
+            if unlowered and _castable(tensor):
+                want(node.target, tensor, torch.float32)
+                node_info(node).reason = UNLOWERED_PARAMETER_REASON  # the report's reason column
     # Parameters no call reads (unused, or reached only through untraced code): the owner's default.
     for path, module in gm.named_modules():
         own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
@@ -174,6 +188,52 @@ def planned_parameter_dtypes(gm: torch.fx.GraphModule, policy: Policy) -> dict[s
             elif id(tensor) in names and name not in names[id(tensor)]:
                 names[id(tensor)].append(name)
     return {name: by_tensor[key] for key, aliases in names.items() for name in aliases}
+
+
+# Why a parameter that no lowered op reads stays float32 at O2 (shown by `amp_fx.report`).
+UNLOWERED_PARAMETER_REASON = (
+    "kept float32: no op that this level lowers reads it (only FP32 math does, e.g. a logit scale "
+    "or a position-bias table), so it stays float32 as under autocast and as Apex keeps BatchNorm"
+)
+
+
+def _read_by_lowered_op(node: torch.fx.Node, gm: torch.fx.GraphModule, policy: Policy) -> bool:
+    """Whether an op the policy LOWERs reads ``node``'s value, directly or through ops that only
+    move or cast it (`VALUE_MOVING_OPS`: views, concatenation, copies, casts). This is the
+    parameter autocast would compute with in low precision (a weight, a bias concatenated into
+    one); a parameter whose every path first meets FP32 or passthrough math (``exp``, ``mul``,
+    ``add``: a logit scale, a position-bias table, a class token added to activations) is not.
+    An opaque reader counts as lowering (what it does with the value is unknown), and a norm
+    decides its affine parameters itself, as a norm module does (O2 keeps them FP32 by its rule; a
+    policy that makes the norm passthrough keeps them in the activations' dtype).
+
+    >>> from amp_fx.core.policy import preset
+    >>> from amp_fx.passes.normalize_ops import normalize_ops
+    >>> from amp_fx.passes.trace import trace
+    >>> class Scaled(nn.Linear):
+    ...     def __init__(self):
+    ...         super().__init__(2, 2)
+    ...         self.scale = nn.Parameter(torch.ones(1))
+    ...     def forward(self, x):
+    ...         return nn.functional.linear(x, self.weight.t().t(), self.bias) * self.scale.exp()
+    >>> gm, policy = normalize_ops(trace(Scaled())), preset("O2", torch.bfloat16, "cpu")
+    >>> {n.target: _read_by_lowered_op(n, gm, policy) for n in gm.graph.nodes if n.op == "get_attr"}
+    {'weight': True, 'bias': True, 'scale': False}
+    """
+    pending, seen = [node], {node}
+    while pending:
+        for user in pending.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
+            info = node_info(user)
+            if info.is_cast or info.op in VALUE_MOVING_OPS:
+                pending.append(user)
+                continue
+            decision = decide_node(user, gm, policy)
+            if info.op in NORM_OPS or (decision is not None and decision.rule in (Rule.LOWER, Rule.OPAQUE)):
+                return True
+    return False
 
 
 def decide_module(module: nn.Module, name: str | None, policy: Policy) -> Decision:

@@ -14,7 +14,7 @@ from amp_fx.core.policy import Rule, preset
 from amp_fx.passes.cast_parameters import cast_parameters
 from amp_fx.passes.classify import classify
 from amp_fx.passes.normalize_ops import module_op, normalize_ops
-from amp_fx.passes.shared.decisions import planned_parameter_dtypes
+from amp_fx.passes.shared.decisions import UNLOWERED_PARAMETER_REASON, planned_parameter_dtypes
 from amp_fx.passes.trace import trace
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -46,8 +46,12 @@ class ConvNet(nn.Module):
 def test_o2_low_except_batchnorm():
     gm = _cast(ConvNet(), preset("O2", BF16, "cpu"))
     dtypes = _dtypes(gm)
-    for name in ("conv.weight", "conv.bias", "fc.weight", "fc.bias", "scale"):
+    for name in ("conv.weight", "conv.bias", "fc.weight", "fc.bias"):
         assert dtypes[name] == BF16, name
+    # A buffer only a multiplication reads: no lowered op computes with it, it stays FP32.
+    assert dtypes["scale"] == F32
+    scale = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == "scale")
+    assert node_info(scale).reason == UNLOWERED_PARAMETER_REASON
     # BatchNorm (keep_batchnorm_fp32) and, as under autocast, LayerNorm keep FP32 parameters.
     for name in ("bn.weight", "bn.bias", "bn.running_mean", "bn.running_var", "norm.weight", "norm.bias"):
         assert dtypes[name] == F32, name

@@ -1,0 +1,157 @@
+"""O2 is never less accurate than torch.autocast, measured by the relative oracle (`error_ratio`).
+
+Two kinds of tensor O2 used to store low where autocast computes in FP32: the weights of matrix
+products autocast does not list (mixture-of-experts layers run their experts through
+``aten._grouped_mm``) and parameters no lowered op reads (Swin V2's attention logit scale, which
+only ``clamp``/``exp``/``mul`` read). Both now stay FP32, with a reason in the report; the suite's
+Hugging Face, timm and nanoGPT models are then within the oracle's bound of autocast.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import amp_fx
+from amp_fx.core.node_info import node_info
+from amp_fx.core.policy import Rule
+from amp_fx.passes.shared.decisions import UNLOWERED_PARAMETER_REASON
+from amp_fx.testing import RELATIVE_BOUND, assert_equivalent, error_ratio
+from tests.models.hf import MODELS as HF_MODELS
+from tests.models.hf import VOCAB
+from tests.models.small import NanoGPT
+
+BF16 = torch.bfloat16
+
+
+def _words(text: str) -> str:
+    """The report's text with its column wrapping undone (one space between words)."""
+    return re.sub(r"\s+", " ", text)
+
+
+def _mixtral() -> tuple[nn.Module, dict[str, Any]]:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    ids = torch.randint(0, VOCAB, (2, 8))
+    return transformers.MixtralForCausalLM(config).eval(), {"input_ids": ids, "labels": ids}
+
+
+def _swinv2() -> tuple[nn.Module, tuple[torch.Tensor]]:
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "swinv2_tiny_window8_256", pretrained=False, img_size=32, window_size=4, embed_dim=16,
+        depths=(1, 1), num_heads=(2, 2), num_classes=5,
+    )  # fmt: skip
+    return model.eval(), (torch.randn(2, 3, 32, 32),)
+
+
+def test_grouped_matmuls_of_experts_stay_fp32_at_o2() -> None:
+    pytest.importorskip("transformers")
+    model, batch = _mixtral()
+    o2 = amp_fx.convert(model, "O2", dtype=BF16)
+    assert error_ratio(model, o2, (), keyword_inputs=batch, check_grads=False).ratio <= 1.0
+    assert_equivalent(model, o2, (), keyword_inputs=batch)
+    grouped = [
+        n for gm in amp_fx.captured_graphs(o2) for n in gm.graph.nodes if node_info(n).op == "_grouped_mm"
+    ]
+    assert grouped and all(node_info(n).rule is Rule.FP32 for n in grouped)
+    text = _words(str(amp_fx.report(o2)))
+    assert "_grouped_mm fp32" in text and "grouped matrix products (mixture-of-experts layers)" in text
+
+
+def test_a_parameter_no_lowered_op_reads_stays_fp32_at_o2() -> None:
+    model, inputs = _swinv2()
+    o2 = amp_fx.convert(model, "O2", dtype=BF16)
+    assert error_ratio(model, o2, inputs, check_grads=False).ratio <= 1.0
+    assert_equivalent(model, o2, inputs)
+    dtypes = {name: p.dtype for name, p in o2.named_parameters()}
+    scales = [name for name in dtypes if name.endswith("logit_scale")]
+    assert scales and all(dtypes[name] == torch.float32 for name in scales)
+    # q_bias is concatenated into the qkv projection's bias: a lowered op reads it, it stays low.
+    assert all(dtypes[name] == BF16 for name in dtypes if name.endswith("q_bias"))
+    # The report's table names each parameter (its get_attr node) with its dtype and why.
+    report = amp_fx.report(o2)
+    rows = {row.name: row for row in report.rows}
+    for name in scales:
+        row = rows[name.replace(".", "_")]
+        assert row.out_dtype == torch.float32 and row.why == UNLOWERED_PARAMETER_REASON, row
+    assert "kept float32: no op that" in str(report)  # the text shows the same rows
+    # O3 stores everything low, as Apex's O3 does.
+    o3 = amp_fx.convert(model, "O3", dtype=BF16)
+    assert all(p.dtype == BF16 for name, p in o3.named_parameters() if name in scales)
+
+
+def test_the_rule_reads_through_value_moving_ops_only() -> None:
+    class Gated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(8, 8) / 3)  # read by a matmul through .t()
+            self.bias = nn.Parameter(torch.zeros(4))  # concatenated into the matmul's bias
+            self.pad = nn.Parameter(torch.zeros(4))
+            self.temperature = nn.Parameter(torch.ones(1))  # only exp and mul read it
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            bias = torch.cat([self.bias, self.pad])
+            return nn.functional.linear(x, self.weight.t(), bias) * self.temperature.exp()
+
+    torch.manual_seed(0)
+    model = Gated()
+    o2 = amp_fx.convert(model, "O2", dtype=BF16, device_type="cpu")
+    dtypes = {name: p.dtype for name, p in o2.named_parameters()}
+    assert dtypes == {"weight": BF16, "bias": BF16, "pad": BF16, "temperature": torch.float32}
+    assert_equivalent(model, o2, (torch.randn(3, 8),))
+
+
+def _suite_models() -> dict[str, Any]:
+    def nanogpt() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+        idx = torch.randint(0, 64, (2, 8))
+        return NanoGPT(), (idx, idx.clone()), {}
+
+    def swinv2() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+        model, inputs = _swinv2()
+        return model, inputs, {}
+
+    def hf(name: str):
+        def build() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+            model, inputs = HF_MODELS[name]()
+            return model, (), inputs(2, 8)
+
+        return build
+
+    return {"nanogpt": nanogpt, "timm_swinv2": swinv2, **{f"hf_{name}": hf(name) for name in HF_MODELS}}
+
+
+_FAST = ("nanogpt", "timm_swinv2", "hf_gpt2")
+# The torch.export front end stores parameters when the model is converted, before a graph shows
+# what reads them: CLIPModel's logit_scale (read by exp only) is stored low, and its logits are
+# 1.54x autocast's error. Strict: fixing the front end makes this test fail until the mark goes.
+_KNOWN_GAPS = {"hf_clip": "export front end stores logit_scale low before any graph exists"}
+
+
+def _case(name: str) -> Any:
+    marks = [] if name in _FAST else [pytest.mark.slow]
+    if name in _KNOWN_GAPS:
+        marks.append(pytest.mark.xfail(strict=True, reason=_KNOWN_GAPS[name]))
+    return pytest.param(name, marks=marks)
+
+
+@pytest.mark.parametrize("name", [_case(name) for name in _suite_models()])
+def test_o2_is_within_the_oracles_bound_of_autocast(name: str) -> None:
+    if name.startswith("hf_"):
+        pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, args, kwargs = _suite_models()[name]()
+    model.eval()  # no dropout: the three models see the same computation
+    o2 = amp_fx.convert(model, "O2", dtype=BF16)
+    measured = error_ratio(model, o2, args, keyword_inputs=kwargs)
+    assert not measured.failures(RELATIVE_BOUND), measured.failures(RELATIVE_BOUND)
