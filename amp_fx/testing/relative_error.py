@@ -48,7 +48,7 @@ __all__ = ["DEFAULT_BATCHES", "ErrorRatio", "TensorRatio", "error_ratio", "seede
 
 # Batches the median is taken over: one unlucky batch (a tensor autocast happens to compute
 # nearly exactly) does not decide the verdict.
-DEFAULT_BATCHES = 5
+DEFAULT_BATCHES = 7
 
 
 @dataclass(frozen=True)
