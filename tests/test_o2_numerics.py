@@ -3,8 +3,10 @@
 Two kinds of tensor O2 used to store low where autocast computes in FP32: the weights of matrix
 products autocast does not list (mixture-of-experts layers run their experts through
 ``aten._grouped_mm``) and parameters no lowered op reads (Swin V2's attention logit scale, which
-only ``clamp``/``exp``/``mul`` read). Both now stay FP32, with a reason in the report; the suite's
-Hugging Face, timm and nanoGPT models are then within the oracle's bound of autocast.
+only ``clamp``/``exp``/``mul`` read). Both now run FP32 at O2, with a reason in the report (the
+parameters' storage follows the graph on the torch.fx front end; the torch.export front end stores
+them before any graph, see the CLIP case); the suite's Hugging Face, timm and nanoGPT models are
+then within the oracle's bound of autocast.
 """
 
 from __future__ import annotations
