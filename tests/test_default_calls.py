@@ -81,7 +81,7 @@ def test_o2_keeps_the_cache_in_the_compute_dtype(name: str) -> None:
 
 
 def test_the_capturing_call_frees_its_outputs() -> None:
-    """Dropping the first call's output frees its logits and cache at once, as after any other call:
+    """Dropping the first call's output frees its loss and cache at once, as after any other call:
     torch.export's reference cycles would otherwise hold them (4 GiB on GPT-2 16 x 1024)."""
     model, inputs = _model("gpt2")
     converted = amp_fx.convert(model, "O2", dtype=BF16)
@@ -89,9 +89,9 @@ def test_the_capturing_call_frees_its_outputs() -> None:
     gc.disable()
     try:
         output = converted(**inputs)
-        logits, cache = weakref.ref(output.logits), weakref.ref(output.past_key_values)
+        loss, cache = weakref.ref(output.loss), weakref.ref(output.past_key_values)
         del output
-        assert logits() is None and cache() is None
+        assert loss() is None and cache() is None
     finally:
         gc.enable()
 

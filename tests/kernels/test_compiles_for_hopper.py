@@ -344,6 +344,18 @@ def _norms_calls() -> None:
         )  # fmt: skip
 
 
+def _activation_calls() -> None:
+    # Llama's SwiGLU (the two halves of one projection, read in place) and GPT-2's lone tanh GELU,
+    # every activation in each 16-bit dtype.
+    for dtype in (torch.float16, torch.bfloat16):
+        for activation in ("silu", "gelu", "gelu_tanh"):
+            gate, up = torch.zeros(64, 2 * 4096, dtype=dtype).chunk(2, dim=-1)
+            out = triton_ops.gated_activation_forward(gate, up, activation)
+            triton_ops.gated_activation_backward(torch.zeros_like(out), gate, up, activation)
+            x = torch.zeros(64, 3072, dtype=dtype)
+            triton_ops.activation_backward(triton_ops.activation_forward(x, activation), x, activation)
+
+
 WRAPPER_CALLS: list[Callable[[], None]] = [
     _check_finite_calls,
     _adam_calls,
@@ -353,6 +365,7 @@ WRAPPER_CALLS: list[Callable[[], None]] = [
     _max_pool_calls,
     _loss_scale_calls,
     _rotary_calls,
+    _activation_calls,
     _norms_calls,
 ]
 
@@ -462,7 +475,7 @@ def test_every_launched_kernel_is_recorded(launches: list[dict]) -> None:
     recorded = {_kernel_name(launch) for launch in launches}
     missing = _launched_kernels() - recorded
     assert not missing, f"kernels launched by amp_fx.kernels but not by WRAPPER_CALLS: {sorted(missing)}"
-    assert len(recorded) == 18, sorted(recorded)
+    assert len(recorded) == 20, sorted(recorded)
 
 
 def test_fp16_and_bf16_variants_are_recorded(launches: list[dict]) -> None:
