@@ -14,7 +14,7 @@ import torch
 
 import amp_fx
 from amp_fx.testing import grad_tolerances, tolerances, with_autocast
-from amp_fx.testing.equivalence import compare_tensors
+from amp_fx.testing.comparison import compare_tensors
 from tests.models.hf import VOCAB, causal_lm_without_dropout
 
 transformers = pytest.importorskip("transformers")

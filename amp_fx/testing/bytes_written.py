@@ -160,7 +160,7 @@ def _recipe_step(
 
         scaler = torch.amp.GradScaler(device_type) if fp16 else None
     else:
-        from amp_fx.testing.equivalence import low_precision_copy
+        from amp_fx.testing.references import low_precision_copy
 
         trained = low_precision_copy(model, dtype, output_dtype=None)
         forward, scaler = (lambda: _loss_of(trained(**inputs))), None

@@ -21,7 +21,7 @@ from amp_fx.ops.chunked_cross_entropy import (
     default_chunk_rows,
 )
 from amp_fx.testing import grad_tolerances, tolerances
-from amp_fx.testing.equivalence import normwise_error
+from amp_fx.testing.comparison import normwise_error
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 IGNORE_INDEX = -100

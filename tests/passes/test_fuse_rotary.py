@@ -17,7 +17,7 @@ from amp_fx.captured_model import capture_states
 from amp_fx.core.node_info import node_info
 from amp_fx.ops.rotary import rotary_embedding, rotary_embedding_pair
 from amp_fx.testing import grad_tolerances, tolerances, with_autocast
-from amp_fx.testing.equivalence import assert_close_normwise
+from amp_fx.testing.comparison import assert_close_normwise
 from tests.bit_equality import bits_equal
 
 BF16 = torch.bfloat16
