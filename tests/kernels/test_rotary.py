@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from amp_fx.kernels import reference, triton_ops
 from amp_fx.kernels.rotary import triton as rotary_triton
+from amp_fx.testing import rounding_tolerances
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -51,10 +52,13 @@ def run_both(xs, cos, sin, interleaved, out_dtypes, grad_dtypes):
     return (ours, ours_grad), (expected, expected_grad)
 
 
-def assert_bit_equal(ours, expected) -> None:
+def assert_matches_reference(ours, expected) -> None:
+    """Bit for bit where the kernel is interpreted; compiled for a GPU, within one rounding: the
+    compiler contracts ``a * c - b * s`` into fused multiply-adds, which round once less."""
     for mine, theirs in zip(ours, expected, strict=True):
         assert mine.dtype == theirs.dtype and mine.stride() == theirs.stride()
-        torch.testing.assert_close(mine.cpu(), theirs, rtol=0, atol=0)
+        rtol, atol = rounding_tolerances(mine.dtype) if mine.is_cuda else (0, 0)
+        torch.testing.assert_close(mine.cpu(), theirs, rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize(("case", "dtype"), [(case, DTYPES[i % 3]) for i, case in enumerate(CASES)])
@@ -64,8 +68,8 @@ def test_triton_matches_reference(device, case, dtype) -> None:
         (ours, ours_grad), (expected, expected_grad) = run_both(
             [q], cos, sin, interleaved, [out_dtype], [dtype]
         )
-        assert_bit_equal(ours, expected)
-        assert_bit_equal(ours_grad, expected_grad)
+        assert_matches_reference(ours, expected)
+        assert_matches_reference(ours_grad, expected_grad)
 
 
 @pytest.mark.parametrize(
@@ -84,8 +88,8 @@ def test_query_and_key_together(device, monkeypatch, k_shape, cos_shape, launche
     (ours, ours_grad), (expected, expected_grad) = run_both(
         [q, k], cos, sin, False, [torch.bfloat16, torch.float32], [torch.bfloat16, torch.bfloat16]
     )
-    assert_bit_equal(ours, expected)
-    assert_bit_equal(ours_grad, expected_grad)
+    assert_matches_reference(ours, expected)
+    assert_matches_reference(ours_grad, expected_grad)
     assert len(calls) == 2 * launches  # forward and backward
 
 
@@ -109,7 +113,7 @@ def test_triton_matches_reference_any_size(
     k = make_inputs(((2, kv_heads, seq, width), (1,), False, False), dtype, device, seed + 1)[0]
     ours, expected = run_both([q, k], cos, sin, interleaved, [dtype, dtype], [dtype, dtype])
     for mine, theirs in zip(ours, expected, strict=True):
-        assert_bit_equal(mine, theirs)
+        assert_matches_reference(mine, theirs)
 
 
 @pytest.mark.parametrize(
