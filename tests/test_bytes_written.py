@@ -76,25 +76,11 @@ def test_o2_casts_less_than_autocast(name: str, step_bytes: dict) -> None:
     assert o2.op_bytes(CASTS, MODEL_PHASES) < autocast.op_bytes(CASTS, MODEL_PHASES)
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(
-            "gpt2",
-            marks=pytest.mark.xfail(
-                strict=False,
-                reason="O2 runs pow in an FP32 island, so GPT-2's tanh GELU runs in fp32; CPU autocast "
-                "(no pow on its fp32 list) runs it in bf16",
-            ),
-        ),
-        "llama",
-    ],
-)
+@pytest.mark.parametrize("name", TINY_MODELS)
 def test_o2_writes_less_than_autocast(name: str, step_bytes: dict) -> None:
     assert model_part(step_bytes[(name, "O2")]) < model_part(step_bytes[(name, "autocast")])
 
 
-@pytest.mark.xfail(strict=False, reason="until the fused norm, gated MLP, rotary and LM-head kernels land")
 @pytest.mark.parametrize("name", TINY_MODELS)
 def test_o2_writes_less_than_pure_low_precision(name: str, step_bytes: dict) -> None:
     assert model_part(step_bytes[(name, "O2")]) < model_part(step_bytes[(name, "low_precision")])
