@@ -19,7 +19,6 @@ and is exact to fp32's absolute error, what ``1 + tanh`` keeps of it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -47,11 +46,10 @@ class ActivationLaunch:
 # benchmarks/bench_activations.py measures it against the copy ceiling on a GPU.
 LAUNCH = ActivationLaunch(block_elements=4096, num_warps=8)
 
-# Compiled Triton reads a module's globals only as constexpr (the interpreter reads any).
-_SQRT_2_OVER_PI = tl.constexpr(math.sqrt(2.0 / math.pi))
-_INV_SQRT_2 = tl.constexpr(1.0 / math.sqrt(2.0))
-_INV_SQRT_2PI = tl.constexpr(1.0 / math.sqrt(2.0 * math.pi))
-_GELU_CUBIC = tl.constexpr(0.044715)
+# The constants are written as numbers inside the kernels: compiled Triton refuses a module global
+# that is not a constexpr, and the interpreter turns constexpr * tensor into a constexpr.
+# sqrt(2 / pi) = 0.7978845608028654, 1 / sqrt(2) = 0.7071067811865475,
+# 1 / sqrt(2 pi) = 0.3989422804014327; 0.044715 is the tanh approximation's cubic term.
 
 
 @triton.jit
@@ -67,9 +65,9 @@ def _activation(x, ACTIVATION: tl.constexpr):
     if ACTIVATION == 0:
         return x * tl.sigmoid(x)
     elif ACTIVATION == 1:
-        return 0.5 * x * (1.0 + tl.math.erf(x * _INV_SQRT_2))
+        return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865475))
     else:
-        inner = _SQRT_2_OVER_PI * (x + _GELU_CUBIC * x * x * x)
+        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
         return 0.5 * x * (1.0 + _tanh(inner))
 
 
@@ -80,13 +78,13 @@ def _activation_and_slope(x, ACTIVATION: tl.constexpr):
         s = tl.sigmoid(x)
         return x * s, s * (1.0 + x * (1.0 - s))
     elif ACTIVATION == 1:
-        cdf = 0.5 * (1.0 + tl.math.erf(x * _INV_SQRT_2))
-        return x * cdf, cdf + x * tl.exp(-0.5 * x * x) * _INV_SQRT_2PI
+        cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865475))
+        return x * cdf, cdf + x * tl.exp(-0.5 * x * x) * 0.3989422804014327
     else:
         x2 = x * x
-        t = _tanh(_SQRT_2_OVER_PI * (x + _GELU_CUBIC * x2 * x))
+        t = _tanh(0.7978845608028654 * (x + 0.044715 * x2 * x))
         half_one_plus_t = 0.5 * (1.0 + t)
-        slope = half_one_plus_t + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_CUBIC * x2)
+        slope = half_one_plus_t + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x2)
         return x * half_one_plus_t, slope
 
 
