@@ -29,7 +29,13 @@ from torch import nn
 
 from amp_fx.captured_model import CapturedModel, captured_model
 from amp_fx.core.dtypes import default_device_type, short_repr
-from amp_fx.core.node_info import OTHER_MODE_GRAPH_KEY, POLICY_KEY, UNTRACEABLE_MODULES_KEY, node_info
+from amp_fx.core.node_info import (
+    OTHER_MODE_GRAPH_KEY,
+    PARAMETERS_STORED_KEY,
+    POLICY_KEY,
+    UNTRACEABLE_MODULES_KEY,
+    node_info,
+)
 from amp_fx.core.opt_levels import check_opt_level
 from amp_fx.core.policy import Policy, preset
 from amp_fx.ops.autocast_island import AutocastIsland
@@ -312,8 +318,10 @@ def convert(
                 "model (its FP32 weights) instead"
             )
         # Already amp_fx's: its graph is flat and annotated, and re-tracing would run the
-        # autocast islands' context managers at trace time. Convert a copy of it as it is.
+        # autocast islands' context managers at trace time. Convert a copy of it as it is; its
+        # parameters are stored already (fused calls read weights whose dtype no op decides).
         gm = copy.deepcopy(model)
+        gm.meta[PARAMETERS_STORED_KEY] = True
     elif front_end == "export":
         return follow_model_loads(captured_model(model, resolved))
     else:

@@ -36,7 +36,7 @@ import torch
 import torch.fx
 
 from amp_fx.core.dtypes import dtype_name
-from amp_fx.core.node_info import META_KEY, PARAMETERS_STORED_KEY, NodeInfo, node_info
+from amp_fx.core.node_info import META_KEY, NodeInfo, node_info
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.norms import add_layer_norm_fp32, add_rms_norm_fp32, layer_norm_fp32, rms_norm_fp32
 from amp_fx.passes.shared.decisions import decide_node
@@ -171,9 +171,6 @@ def fuse_norms(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule
         erased.update(norm.replaced)
         fused += 1
     if fused:
-        # The parameters are stored by now (cast_parameters ran). Converting this graph again must
-        # leave them so: the fused calls read weights whose dtype no op decides any more.
-        gm.meta[PARAMETERS_STORED_KEY] = True
         gm.recompile()
     logger.debug("fuse_norms %s: %d norm chains fused", policy.opt_level, fused)
     return gm
