@@ -431,22 +431,23 @@ def _capture(
         failure = error
     else:
         failure = None
-    island = failure is not None
-    if island:
+    if failure is None:
+        graph.meta[PARAMETERS_STORED_KEY] = True
+        graph.meta[TRAINING_MODE_KEY] = module.training
+        rewrite_graph(graph, policy, tuple(graph_inputs(graph, args, kwargs)))
+        graph = checkpoint_regions(graph, checkpoints)
+        if sharded:
+            graph = shard_regions(graph, module, sharded_modules(module))
+    else:
         _become_island(module, state, key, failure)
+        graph = None
     del failure  # its traceback holds this frame, and so the caller's frame and outputs
-    # torch.export leaves reference cycles behind (tracebacks holding the frames of this call). Until
-    # Python next collects them, they keep the caller's frame alive and with it the first call's
-    # outputs: GPT-2's FP32 logits and key/value cache, 4 GiB at 16 x 1024.
+    # torch.export and the passes leave reference cycles behind (tracebacks holding the frames of
+    # this call). Until Python next collects them, they keep the caller's frame alive and with it
+    # the first call's outputs: GPT-2's FP32 logits and key/value cache, 4 GiB at 16 x 1024.
     gc.collect()
-    if island:
+    if graph is None:
         return None
-    graph.meta[PARAMETERS_STORED_KEY] = True
-    graph.meta[TRAINING_MODE_KEY] = module.training
-    rewrite_graph(graph, policy, tuple(graph_inputs(graph, args, kwargs)))
-    graph = checkpoint_regions(graph, checkpoints)
-    if sharded:
-        graph = shard_regions(graph, module, sharded_modules(module))
     state.graphs.append(graph)
     state.seconds.append(time.perf_counter() - start)
 
