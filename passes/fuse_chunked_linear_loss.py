@@ -59,7 +59,7 @@ from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.chunked_cross_entropy import chunked_linear_cross_entropy
 from amp_fx.ops.module_hooks import has_forward_hooks
 from amp_fx.passes.shared.calls import call_argument
-from amp_fx.passes.shared.losses import cross_entropy_call_arguments
+from amp_fx.passes.shared.losses import cross_entropy_call_arguments, is_last_size_of
 
 logger = logging.getLogger(__name__)
 
@@ -116,24 +116,6 @@ def _rows_of(gm: torch.fx.GraphModule, weight: torch.fx.Node) -> int | None:
     return None
 
 
-def _is_last_size(value: object, chain: set[torch.fx.Node]) -> bool:
-    """``x.size(-1)`` or ``x.shape[-1]`` of a node of the chain (torch.fx spellings)."""
-    if not isinstance(value, torch.fx.Node):
-        return False
-    if value.op == "call_method" and value.target == "size":
-        return value.args[0] in chain and (list(value.args[1:]) == [-1] or value.kwargs == {"dim": -1})
-    if value.op == "call_function" and value.target is operator.getitem and list(value.args[1:]) == [-1]:
-        shape = value.args[0]
-        return (
-            isinstance(shape, torch.fx.Node)
-            and shape.op == "call_function"
-            and shape.target is getattr
-            and list(shape.args) == [shape.args[0], "shape"]
-            and shape.args[0] in chain
-        )
-    return False
-
-
 def _step_keeps_rows(node: torch.fx.Node, chain: set[torch.fx.Node], num_classes: int) -> bool | None:
     """For one node between the head and the loss: True if it reshapes to (-1, V) rows, None if it
     changes neither values nor shape (a widening cast, contiguous, alias), False otherwise."""
@@ -158,7 +140,7 @@ def _step_keeps_rows(node: torch.fx.Node, chain: set[torch.fx.Node], num_classes
         shape = list(shape[0])
     if len(shape) != 2 or shape[0] != -1:
         return False
-    return shape[1] == num_classes or _is_last_size(shape[1], chain)
+    return shape[1] == num_classes or is_last_size_of(shape[1], chain)
 
 
 def _chain_to_head(

@@ -46,7 +46,7 @@ from amp_fx.core.op_facts import SHAPE_METHODS
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.cross_entropy import fp32_cross_entropy, linear_cross_entropy
 from amp_fx.ops.module_hooks import has_forward_hooks
-from amp_fx.passes.shared.losses import is_fusable_loss
+from amp_fx.passes.shared.losses import is_fusable_loss, is_last_size_of
 
 logger = logging.getLogger(__name__)
 
@@ -89,35 +89,6 @@ def _linear_arguments(
     return arguments["input"], arguments["weight"], bias
 
 
-def _is_last_size_of(value: object, chain: set[torch.fx.Node]) -> bool:
-    """``x.size(-1)``, ``x.shape[-1]`` or ``x.size()[-1]`` of a node of the chain."""
-    if not isinstance(value, torch.fx.Node):
-        return False
-    if value.op == "call_method" and value.target == "size":
-        return value.args[0] in chain and (list(value.args[1:]) == [-1] or value.kwargs == {"dim": -1})
-    if value.op == "call_function" and value.target is operator.getitem and list(value.args[1:]) == [-1]:
-        shape = value.args[0]
-        return (
-            isinstance(shape, torch.fx.Node)
-            and shape.args[:1]
-            and shape.args[0] in chain
-            and (
-                (
-                    shape.op == "call_function"
-                    and shape.target is getattr
-                    and list(shape.args[1:]) == ["shape"]
-                )
-                or (
-                    shape.op == "call_method"
-                    and shape.target == "size"
-                    and len(shape.args) == 1
-                    and not shape.kwargs
-                )
-            )
-        )
-    return False
-
-
 def _keeps_rows(view: torch.fx.Node, chain: set[torch.fx.Node], num_classes: int | None) -> bool | None:
     """True for a view to (-1, last dim) or flatten(0, -2), None for contiguous (no change),
     False otherwise."""
@@ -137,7 +108,7 @@ def _keeps_rows(view: torch.fx.Node, chain: set[torch.fx.Node], num_classes: int
     if len(shape) != 2 or shape[0] != -1:
         return False
     last = shape[1]
-    return (num_classes is not None and last == num_classes) or _is_last_size_of(last, chain)
+    return (num_classes is not None and last == num_classes) or is_last_size_of(last, chain)
 
 
 def _row_view_chain(

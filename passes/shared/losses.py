@@ -8,6 +8,7 @@ True
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ __all__ = [
     "CROSS_ENTROPY_PARAMETERS",
     "cross_entropy_call_arguments",
     "is_fusable_loss",
+    "is_last_size_of",
 ]
 
 
@@ -88,3 +90,33 @@ def cross_entropy_call_arguments(node: torch.fx.Node) -> dict[str, Any] | None:
     if len(node.args) > len(CROSS_ENTROPY_PARAMETERS) or not set(kwargs) <= set(CROSS_ENTROPY_PARAMETERS):
         return None
     return CROSS_ENTROPY_DEFAULTS | dict(zip(CROSS_ENTROPY_PARAMETERS, node.args, strict=False)) | kwargs
+
+
+def is_last_size_of(value: object, chain: set[torch.fx.Node]) -> bool:
+    """``x.size(-1)``, ``x.shape[-1]`` or ``x.size()[-1]`` of a node of ``chain`` (torch.fx spellings of
+    the last size, as a loss's ``view(-1, V)`` writes V)."""
+    if not isinstance(value, torch.fx.Node):
+        return False
+    if value.op == "call_method" and value.target == "size":
+        return value.args[0] in chain and (list(value.args[1:]) == [-1] or value.kwargs == {"dim": -1})
+    if value.op == "call_function" and value.target is operator.getitem and list(value.args[1:]) == [-1]:
+        shape = value.args[0]
+        return (
+            isinstance(shape, torch.fx.Node)
+            and shape.args[:1]
+            and shape.args[0] in chain
+            and (
+                (
+                    shape.op == "call_function"
+                    and shape.target is getattr
+                    and list(shape.args[1:]) == ["shape"]
+                )
+                or (
+                    shape.op == "call_method"
+                    and shape.target == "size"
+                    and len(shape.args) == 1
+                    and not shape.kwargs
+                )
+            )
+        )
+    return False
