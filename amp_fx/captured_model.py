@@ -58,6 +58,7 @@ from torch import nn
 
 from amp_fx.capture.checkpointing import checkpointed_layers, checkpointing_off
 from amp_fx.capture.fit import fits, fits_containers, structure, traced_choice
+from amp_fx.capture.islands import called_children, log_islands
 from amp_fx.capture.sharding import is_sharded, sharded_capture, sharded_modules
 from amp_fx.capture.state import (
     EXPORTING,
@@ -161,7 +162,7 @@ class CapturedModel(nn.Module):
         elif JOURNALS:
             journal.merge_into(JOURNALS[-1])
         elif journal.islands:
-            _log_islands(self, journal.islands)
+            log_islands(self, journal.islands)
         return output
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -357,7 +358,7 @@ def _make_descendants_captured(module: nn.Module, policy: Policy) -> None:
     # calls ``model.model(...)``; a user calls a layer) runs a rewritten graph of its own instead of
     # the original code on converted weights. Inside its parent's capture it runs its own code
     # (`EXPORTING`), so the parent's graph holds its ops.
-    for child in _called_children(module):
+    for child in called_children(module):
         if attached_state(child) is None and any(True for _ in child.parameters()):
             _make_captured(child, policy)
         _make_descendants_captured(child, policy)
@@ -488,36 +489,6 @@ def _become_island(
         JOURNALS[-1].islands.append((module, state.islands[key]))
     # Its parts were converted with it; one added to the model since is converted now.
     _make_descendants_captured(module, state.policy)
-
-
-def _called_children(module: nn.Module) -> list[nn.Module]:
-    # ModuleList/ModuleDict are never called: the island's code calls their items.
-    children = []
-    for child in module.children():
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            children += _called_children(child)
-        else:
-            children.append(child)
-    return children
-
-
-def _log_islands(model: nn.Module, islands: list[tuple[nn.Module, str]]) -> None:
-    """One notice for the islands one call made, modules with the same cause listed together."""
-    names = {id(module): name or "<model>" for name, module in model.named_modules()}
-    by_reason: dict[str, list[str]] = {}
-    for module, reason in islands:
-        name = names.get(id(module), type(module).__name__)
-        cause = reason.replace(type(module).__name__, "<module>")
-        by_reason.setdefault(cause, []).append(f"{name} ({type(module).__name__})")
-    lines = [f"  {', '.join(modules)}: {cause}" for cause, modules in by_reason.items()]
-    logger.warning(
-        "%s: %d module(s) run in autocast islands for calls like this one; their own code runs under "
-        "torch.autocast and the modules they call are captured on their own "
-        "(amp_fx.capture_summary(model) tells more):\n%s",
-        type(model).__name__,
-        len(islands),
-        "\n".join(lines),
-    )
 
 
 def _run_island(module: nn.Module, policy: Policy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
