@@ -445,8 +445,10 @@ def _capture(
     del failure  # its traceback holds this frame, and so the caller's frame and outputs
     # torch.export and the passes leave reference cycles behind (tracebacks holding the frames of
     # this call). Until Python next collects them, they keep the caller's frame alive and with it
-    # the first call's outputs: GPT-2's FP32 logits and key/value cache, 4 GiB at 16 x 1024.
-    gc.collect()
+    # the first call's outputs: GPT-2's FP32 logits and key/value cache, 4 GiB at 16 x 1024. They
+    # are young: collecting the two young generations frees them in 1 ms, a full collection takes
+    # 0.5 s.
+    gc.collect(1)
     if graph is None:
         return None
     state.graphs.append(graph)
