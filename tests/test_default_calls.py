@@ -190,7 +190,13 @@ def _graphs(model: nn.Module) -> int:
 
 
 @pytest.mark.parametrize(
-    ("name", "opt_level"), [("llama", "O1"), ("llama", "O2"), ("mistral", "O1"), ("gemma3", "O1")]
+    ("name", "opt_level"),
+    [
+        ("llama", "O1"),
+        ("llama", "O2"),
+        pytest.param("mistral", "O1", marks=pytest.mark.slow),
+        pytest.param("gemma3", "O1", marks=pytest.mark.slow),
+    ],
 )
 def test_generate_greedy_and_sampled(name: str, opt_level: str) -> None:
     """Mistral's and Gemma 3's sliding-window caches count their tokens in an int: the count is an

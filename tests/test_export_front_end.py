@@ -90,7 +90,14 @@ def _check_state_dicts(converted: nn.Module, model: nn.Module) -> None:
     model.load_state_dict(converted.state_dict(), strict=True)
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+# The decoders like Llama, and the encoders like BERT/ViT, run with -m slow: the suite stays under
+# its 10 minutes on 2 cores, and test_default_calls covers their default calls.
+_SLOW_MODELS = {"bert", "clip", "gemma3", "mistral", "qwen2", "vit"}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in _SLOW_MODELS else n for n in sorted(MODELS)]
+)
 def test_hugging_face_model(name):
     torch.manual_seed(0)
     model, inputs = MODELS[name]()
