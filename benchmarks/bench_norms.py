@@ -10,9 +10,10 @@ graph run) and fused (`amp_fx.ops.norms`, what `fuse_norms` puts in the graph):
     layer         x (bf16) -> LayerNorm (fp32 math) -> bf16
     add_layer     stream (fp32) + branch (bf16) -> LayerNorm -> (fp32 sum, bf16 output)
 
-Per row: median ms (``triton.testing.do_bench``), GB/s counting the fused kernels' minimum
-traffic (every input and output read or written once, forward and backward), that as a share of
-the measured copy bandwidth (a device-to-device copy of 1 GiB, bytes read + written: the
+Per row: median ms (``triton.testing.do_bench``: wall-clock, which host time bounds at small
+sizes), the kernels' time per step from torch.profiler (GPU ms), GB/s of that counting the fused
+kernels' minimum traffic (every input and output read or written once, forward and backward),
+that as a share of the measured copy bandwidth (a device-to-device copy of 1 GiB, bytes read + written: the
 ceiling), the speedup of fused over eager, and the largest output difference. GPU only::
 
     python benchmarks/bench_norms.py
@@ -24,6 +25,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from kernel_breakdown import device_ms
 from reporting import environment, publish
 
 from amp_fx.ops.norms import add_layer_norm_fp32, add_rms_norm_fp32, layer_norm_fp32, rms_norm_fp32
@@ -129,8 +131,9 @@ def main(argv: list[str] | None = None) -> None:
         "",
         f"Copy ceiling: {ceiling / 1e9:.0f} GB/s.",
         "",
-        "| variant | eager ms | fused ms | speedup | fused GB/s | of ceiling | max out diff |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| variant | eager ms | fused ms | speedup | eager GPU ms | fused GPU ms | GPU speedup | "
+        "fused GB/s (GPU) | of ceiling | max out diff |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, (eager, fused, residual, bias) in VARIANTS.items():
         rows, width = args.rows, args.width
@@ -142,16 +145,20 @@ def main(argv: list[str] | None = None) -> None:
         ]
         grads = [randn(rows, width).detach()] if residual else []
         grads.append(randn(rows, width, dtype=LOW).detach())
-        times, outs = {}, {}
+        times, kernel_times, outs = {}, {}, {}
         for label, function in (("eager", eager), ("fused", fused)):
             run = _step(function, inputs, grads)
             outs[label] = run()[-1].detach().float()
             times[label] = do_bench(run, warmup=25, rep=200, return_mode="median")
-        gbps = minimum_bytes(rows, width, residual, bias) / times["fused"] / 1e6
+            kernel_times[label] = device_ms(run, torch.device("cuda"))
+        gbps = minimum_bytes(rows, width, residual, bias) / kernel_times["fused"] / 1e6
         diff = (outs["fused"] - outs["eager"]).abs().max().item()
         speedup = times["eager"] / times["fused"]
+        kernel_speedup = kernel_times["eager"] / kernel_times["fused"]
         lines.append(
-            f"| {name} | {times['eager']:.3f} | {times['fused']:.3f} | {speedup:.2f}x | {gbps:.0f} | "
+            f"| {name} | {times['eager']:.3f} | {times['fused']:.3f} | {speedup:.2f}x | "
+            f"{kernel_times['eager']:.3f} | {kernel_times['fused']:.3f} | {kernel_speedup:.2f}x | "
+            f"{gbps:.0f} | "
             f"{gbps * 1e9 / ceiling:.0%} | {diff:.1e} |"
         )
     publish("\n".join(lines) + "\n", args.markdown)

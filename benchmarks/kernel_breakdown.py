@@ -166,6 +166,18 @@ def profile_breakdown(step: Callable[[], Any], device: torch.device, steps: int 
     return breakdown_from_events(profiler.events(), steps, device.type)
 
 
+def device_ms(step: Callable[[], Any], device: torch.device, steps: int = 10) -> float:
+    """Milliseconds of kernel time per step (`profile_breakdown`'s sum): what a step costs the GPU,
+    apart from the host time that bounds a small op's wall-clock time.
+
+    Example:
+        >>> layer = torch.nn.Linear(8, 8)
+        >>> device_ms(lambda: layer(torch.randn(4, 8)).sum().backward(), torch.device("cpu")) > 0
+        True
+    """
+    return sum(profile_breakdown(step, device, steps).values())
+
+
 def format_breakdown(
     columns: dict[str, dict[str, float]],
     unit: str = "GPU ms/step",
