@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from amp_fx.ops.dispatch import is_eager, is_traced_backward
+from amp_fx.ops.dispatch import compiler_fuses, is_eager, is_traced_backward
 
 __all__ = [
     "ACTIVATIONS",
@@ -209,6 +209,8 @@ def _torch_activation(x: Tensor, name: str) -> Tensor:
 def _runs_fused(*tensors: Tensor) -> bool:
     """Whether the kernels compute this call: tensors of one shape, dtype and device, at least
     1-D. Reads metadata only, so torch.compile decides it while tracing."""
+    if compiler_fuses():
+        return False
     first = tensors[0]
     return all(
         isinstance(t, Tensor)

@@ -14,7 +14,7 @@ from torch import Tensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["is_eager", "is_traced_backward"]
+__all__ = ["compiler_fuses", "is_eager", "is_traced_backward"]
 
 
 def is_eager(tensor: Tensor) -> bool:
@@ -26,6 +26,18 @@ def is_eager(tensor: Tensor) -> bool:
         True
     """
     return type(tensor) is Tensor and _get_current_dispatch_mode() is None
+
+
+def compiler_fuses() -> bool:
+    """Whether torch.compile's Dynamo is tracing this call. The fused norm, activation and rotary
+    ops then give their torch expression: Inductor fuses it with its neighbours (the bias add,
+    dropout and residual add before a norm), which it cannot do across an opaque kernel call.
+
+    Example:
+        >>> compiler_fuses()
+        False
+    """
+    return torch.compiler.is_dynamo_compiling()
 
 
 def is_traced_backward(saved: Tensor) -> bool:

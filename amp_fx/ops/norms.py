@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from amp_fx.ops.dispatch import is_traced_backward
+from amp_fx.ops.dispatch import compiler_fuses, is_traced_backward
 
 __all__ = [
     "add_layer_norm_fp32",
@@ -264,6 +264,8 @@ def _is_vector(vector: Tensor | None, width: int, x: Tensor) -> bool:
 def _runs_fused(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None) -> bool:
     """Whether the kernels compute this call: dtypes, shapes and devices only, so torch.compile
     decides it while tracing."""
+    if compiler_fuses():
+        return False
     if not (isinstance(x, Tensor) and x.dim() >= 1 and x.shape[-1] > 0 and x.dtype in _FUSED_DTYPES):
         return False
     if residual is not None and not (

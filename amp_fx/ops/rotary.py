@@ -10,9 +10,11 @@ rotation, written once in q's dtype (``amp_fx.kernels.rotary`` has the math).
 
 The kernels are wrapped as the custom ops ``amp_fx::rotary_embedding`` (x, cos, sin, interleaved,
 out_dtype) and ``amp_fx::rotary_embedding_backward``, with fake implementations and autograd, so
-the call works under autograd, ``torch.compile`` and ``torch.export``. They run the Triton kernels
-on CUDA tensors of at most 4 dimensions and the pure-torch reference elsewhere. Gradients flow to
-x and, when they require it, to cos and sin (plain torch math: position tables rarely need one).
+the call works under autograd and ``torch.export``; under ``torch.compile`` the chain is traced
+instead, for Inductor to fuse with its neighbours (`amp_fx.ops.dispatch.compiler_fuses`). The ops
+run the Triton kernels on CUDA tensors of at most 4 dimensions, the pure-torch reference elsewhere.
+Gradients flow to x and, when they require it, to cos and sin (plain torch math: position tables
+rarely need one).
 
 A call whose tensors do not fit the kernels' contract (odd or mismatched widths, cos not
 broadcastable to x without enlarging it, float64) computes the chain it replaces with torch ops,
@@ -26,6 +28,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from amp_fx.ops.dispatch import compiler_fuses
 
 __all__ = [
     "tables_fit",
@@ -299,7 +303,7 @@ def _fits_kernels(
 ) -> bool:
     """Whether the kernels compute this call: dtypes, shapes and devices only, so torch.compile
     decides it while tracing."""
-    if not all(isinstance(t, Tensor) for t in (x, cos, sin)):
+    if compiler_fuses() or not all(isinstance(t, Tensor) for t in (x, cos, sin)):
         return False
     if any(t.dtype not in _KERNEL_DTYPES for t in (x, cos, sin)) or (
         dtype is not None and dtype not in _KERNEL_DTYPES

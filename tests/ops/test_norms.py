@@ -22,6 +22,7 @@ from amp_fx.ops.norms import (
     rms_norm_fp32,
 )
 from amp_fx.testing import assert_close_normwise, rounding_tolerances, tolerances
+from tests.ops.dynamo_graphs import calls_amp_fx_ops, compile_keeping_graphs
 
 LOW_DTYPES = [torch.float16, torch.bfloat16]
 EPS = 1e-6
@@ -192,14 +193,17 @@ def test_never_reads_a_value_on_the_host(kernels, no_host_reads) -> None:
         outputs_and_grads(rms_norm_fp32, x, weight, EPS, weight_offset=1.0)
 
 
-def test_compiles_without_graph_breaks() -> None:
+def test_compiles_as_the_expression_without_graph_breaks() -> None:
+    """Under torch.compile the calls are their torch expressions, for Inductor to fuse."""
+
     def model(x, stream, weight, bias):
         summed, normed = add_rms_norm_fp32(x, stream, weight, EPS, out_dtype=torch.bfloat16)
         return layer_norm_fp32(normed, (16,), weight, bias).sum() + summed.sum()
 
     x, stream, weight, bias = inputs((4, 16), torch.bfloat16)
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    compiled, graphs = compile_keeping_graphs(model)
     (loss,), grads = outputs_and_grads(compiled, x, stream, weight, bias)
+    assert not calls_amp_fx_ops(graphs[0])
     (expected,), expected_grads = outputs_and_grads(model, x, stream, weight, bias)
     rtol, atol = tolerances(torch.float32)
     torch.testing.assert_close(loss, expected, rtol=rtol, atol=atol)

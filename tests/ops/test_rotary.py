@@ -14,6 +14,7 @@ import torch
 from amp_fx.ops.rotary import rotary_chain, rotary_embedding, rotary_embedding_pair
 from amp_fx.testing import grad_tolerances, rounding_tolerances
 from tests.kernels.test_rotary import CASES, make_inputs
+from tests.ops.dynamo_graphs import calls_amp_fx_ops, compile_keeping_graphs
 
 LOW = [torch.float16, torch.bfloat16]
 
@@ -88,15 +89,17 @@ class Rotate(torch.nn.Module):
         return rotary_embedding(q, cos, sin, rotary_dim=cos.shape[-1], dtype=torch.bfloat16)
 
 
-def test_compiles_without_graph_breaks(kernels) -> None:
+def test_compiles_as_the_chain_without_graph_breaks() -> None:
+    """Under torch.compile the call is the torch chain, for Inductor to fuse with its neighbours."""
     q, cos, sin, _ = make_inputs(CASES[2], torch.bfloat16, "cpu")
     q.requires_grad_(True)
-    compiled = torch.compile(Rotate(), backend="aot_eager", fullgraph=True)
+    compiled, graphs = compile_keeping_graphs(Rotate())
     out = compiled(q, cos, sin)
     (grad,) = torch.autograd.grad(out.float().sum(), q)
-    expected = Rotate()(q, cos, sin)
+    expected = rotary_chain(q, cos, sin, rotary_dim=cos.shape[-1], dtype=torch.bfloat16)
     (expected_grad,) = torch.autograd.grad(expected.float().sum(), q)
     assert torch.equal(out, expected) and torch.equal(grad, expected_grad)
+    assert not calls_amp_fx_ops(graphs[0])
 
 
 def test_exports_as_one_custom_op() -> None:
