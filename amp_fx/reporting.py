@@ -308,6 +308,7 @@ def _policy_summary(policy: Any) -> dict[str, Any] | None:
         "fused_rotary": policy.fused_rotary,
         "fused_norms": policy.fused_norms,
         "keep_logits": policy.keep_logits,
+        "low_precision_residual": policy.low_precision_residual,
     }
 
 
@@ -448,8 +449,7 @@ def _parameter_rows(model: torch.nn.Module) -> list[ParameterRow]:
 
 
 def _header(policy: Any) -> str:
-    return (
-        "amp_fx report"
-        if policy is None
-        else f"amp_fx report: {policy.opt_level}, {policy.dtype}, {policy.device_type}"
-    )
+    if policy is None:
+        return "amp_fx report"
+    residual = ", low-precision residual stream (opt-in)" if policy.low_precision_residual else ""
+    return f"amp_fx report: {policy.opt_level}, {policy.dtype}, {policy.device_type}{residual}"

@@ -40,6 +40,7 @@ from amp_fx.core.policy_checks import (
     check_flag,
     check_keep_batchnorm_fp32,
     check_low_dtype,
+    check_low_precision_residual,
     check_module_type,
     check_op,
     check_output_dtype,
@@ -47,7 +48,7 @@ from amp_fx.core.policy_checks import (
     check_rule,
 )
 from amp_fx.core.policy_serialization import policy_fields_from_dict, policy_to_dict
-from amp_fx.core.preset_rules import BATCH_NORM_OPS, preset_op_rules
+from amp_fx.core.preset_rules import BATCH_NORM_OPS, LOW_PRECISION_RESIDUAL_OPS, preset_op_rules
 from amp_fx.core.rules import Decision, OpRule, Rule
 
 # Rule and Decision are the policy's vocabulary, imported from here with it (amp_fx.Rule).
@@ -115,6 +116,11 @@ class Policy:
     (`amp_fx.ops.rotary.rotary_embedding`; on CPU its torch reference).
     ``fused_norms`` (default True at O2, any device): RMSNorm / LayerNorm chains, with the residual add
     before them, run as one call (`amp_fx.ops.norms`: fp32 math, low-precision reads and writes).
+    ``low_precision_residual`` (default False; O2 only, opt-in): embedding tables are stored and
+    read low (`preset_rules.LOW_PRECISION_RESIDUAL_OPS`), so a transformer's residual stream and its
+    adds run in the low dtype as in a model cast with ``.to(dtype)``, and the fused add + norm calls
+    read and write a low stream; norms keep FP32 math and FP32 weights, the optimizer FP32 masters.
+    Faster (half the stream's bytes), further from FP32 than autocast (docs/DESIGN.md, "Fused norms").
 
     >>> policy = preset("O1", device_type="cpu", dtype=torch.bfloat16)
     >>> policy.decide("conv2d")
@@ -138,6 +144,8 @@ class Policy:
     fused_norms: bool | None = _fusion_flag(cuda_only=False)
     # Training graphs keep the logits they return instead of fusing their head with the loss.
     keep_logits: bool = False
+    # Opt-in (O2): the residual stream in the low dtype (embedding tables stored low).
+    low_precision_residual: bool = False
     op_rules: dict[str, OpRule] = field(default_factory=dict)
     global_rule: Rule = Rule.PASSTHROUGH
     op_overrides: dict[str, Rule] = field(default_factory=dict)
@@ -157,6 +165,9 @@ class Policy:
         for flag in _FUSION_FLAGS:
             setattr(self, flag.name, self._fusion_default(flag, getattr(self, flag.name)))
         self.keep_logits = check_flag("keep_logits", self.keep_logits)
+        self.low_precision_residual = check_low_precision_residual(
+            self.low_precision_residual, self.opt_level, self.level.keeps_norms_fp32
+        )
         self.global_rule = check_rule(self.global_rule)
         self.op_rules = {
             check_op(op): OpRule(check_rule(entry.rule), str(entry.reason))
@@ -323,6 +334,8 @@ class Policy:
             ], f"override: module type {module_type.__qualname__}"
         if op in self.op_overrides:
             return self.op_overrides[op], f"override: op {op!r}"
+        if self.low_precision_residual and op in LOW_PRECISION_RESIDUAL_OPS:
+            return Rule.LOWER, f"{self.opt_level} {LOW_PRECISION_RESIDUAL_OPS[op]}"
         if op in self.op_rules:
             entry = self.op_rules[op]
             return entry.rule, entry.reason
@@ -377,7 +390,7 @@ class Policy:
             f"Policy {self.opt_level} dtype={dtype_name(self.dtype)} device_type={self.device_type} "
             f"keep_batchnorm_fp32={self.keep_batchnorm_fp32} cast_model_outputs={outputs} "
             + " ".join(f"{flag}={getattr(self, flag)}" for flag in self.fusion_flags())
-            + f" keep_logits={self.keep_logits}",
+            + f" keep_logits={self.keep_logits} low_precision_residual={self.low_precision_residual}",
             f"  cast_parameters={self.cast_parameters} cast_inputs_dtype="
             f"{None if self.cast_inputs_dtype is None else dtype_name(self.cast_inputs_dtype)} "
             f"autocast_opaque={self.autocast_opaque}",
@@ -431,6 +444,7 @@ def preset(
     keep_batchnorm_fp32: bool | str | None = None,
     cast_model_outputs: torch.dtype | None = None,
     keep_logits: bool = False,
+    low_precision_residual: bool = False,
     **fusion_flags: bool | None,
 ) -> Policy:
     """The policy for an Apex opt level; see `Policy` for the table.
@@ -445,7 +459,8 @@ def preset(
     ``fused_norms``) are True or False, or None for the default: ``fused_losses``,
     ``fused_chunked_linear_loss``, ``fused_activations``, ``fused_rotary`` and ``fused_norms`` on
     for O2, the others for O2 on CUDA only.
-    `keep_logits` (default False) keeps the logits a training graph returns (see `Policy`).
+    `keep_logits` (default False) keeps the logits a training graph returns (see `Policy`);
+    `low_precision_residual` (default False, O2 only) runs the residual stream low (see `Policy`).
 
     >>> p = preset("O2", dtype=torch.bfloat16)
     >>> p.cast_parameters, p.keep_batchnorm_fp32, p.cast_model_outputs, p.fused_losses
@@ -474,6 +489,7 @@ def preset(
         keep_batchnorm_fp32=keep_bn,
         cast_model_outputs=outputs,
         keep_logits=keep_logits,
+        low_precision_residual=low_precision_residual,
         # None asks the policy for the opt level's (and device's) default.
         **{flag: fusion_flags.get(flag) for flag in Policy.fusion_flags()},
         op_rules=op_rules,

@@ -22,6 +22,7 @@ __all__ = [
     "check_flag",
     "check_keep_batchnorm_fp32",
     "check_low_dtype",
+    "check_low_precision_residual",
     "check_module_type",
     "check_op",
     "check_output_dtype",
@@ -98,6 +99,21 @@ def check_flag(name: str, value: Any) -> bool:
     """A bool switch named `name` (a fused-kernel flag)."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_low_precision_residual(value: Any, opt_level: str, keeps_residual_fp32: bool) -> bool:
+    """True or False; True only at a level whose residual stream is FP32 (O2: `keeps_residual_fp32`).
+
+    >>> check_low_precision_residual(True, "O2", keeps_residual_fp32=True)
+    True
+    """
+    value = check_flag("low_precision_residual", value)
+    if value and not keeps_residual_fp32:
+        raise ValueError(
+            f"low_precision_residual=True is for O2, whose residual stream is FP32; {opt_level} keeps "
+            "no FP32 stream to lower (O3 runs it low already, O1 follows torch.autocast)"
+        )
     return value
 
 

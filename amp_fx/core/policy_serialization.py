@@ -67,6 +67,7 @@ def policy_to_dict(policy: Policy) -> dict[str, Any]:
         else dtype_name(policy.cast_model_outputs),
         **{flag: getattr(policy, flag) for flag in policy.fusion_flags()},
         "keep_logits": policy.keep_logits,
+        "low_precision_residual": policy.low_precision_residual,
         "global": policy.global_rule.value,
         "op_rules": {
             op: {"rule": e.rule.value, "reason": e.reason} for op, e in sorted(policy.op_rules.items())
@@ -97,6 +98,7 @@ def policy_fields_from_dict(data: dict[str, Any], fusion_flags: tuple[str, ...])
         cast_model_outputs=check_output_dtype(data.get("cast_model_outputs")),
         **{flag: data.get(flag, False) for flag in fusion_flags},
         keep_logits=data.get("keep_logits", False),
+        low_precision_residual=data.get("low_precision_residual", False),
         op_rules={
             op: OpRule(check_rule(entry["rule"]), entry.get("reason", ""))
             for op, entry in data.get("op_rules", {}).items()

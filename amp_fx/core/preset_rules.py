@@ -21,6 +21,7 @@ from amp_fx.core.rules import OpRule, Rule
 __all__ = [
     "BATCH_NORM_OPS",
     "FP32_ISLANDS",
+    "LOW_PRECISION_RESIDUAL_OPS",
     "autocast_list_rules",
     "low_weight_rules",
     "preset_op_rules",
@@ -96,6 +97,16 @@ _FP32_PARAM_OPS: dict[str, str] = {
     "rms_norm": "norms run in FP32 with FP32 params (as under autocast)",
     "embedding": "FP32 tables keep the residual stream FP32 (as under autocast)",
     "embedding_bag": "FP32 tables keep the residual stream FP32 (as under autocast)",
+}
+
+# `Policy.low_precision_residual` (opt-in, O2): these tables are stored and read in the low dtype
+# instead, so a transformer's residual stream starts low and every residual add sums two low
+# values, as in a model cast with ``.to(dtype)`` (docs/DESIGN.md, "Fused norms"). Norms keep their
+# FP32 math and FP32 weights, the optimizer its FP32 masters.
+LOW_PRECISION_RESIDUAL_OPS: dict[str, str] = {
+    op: "low_precision_residual: the table is stored low, so the residual stream runs in the low "
+    "dtype (as in a model cast with .to(dtype)); norms still compute in FP32"
+    for op in ("embedding", "embedding_bag")
 }
 
 # Matrix products on no autocast list, which autocast therefore runs in FP32 on FP32 weights. A

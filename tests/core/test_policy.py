@@ -219,3 +219,34 @@ def test_fusion_flags_are_read_from_the_fields_and_unknown_ones_refused() -> Non
     assert {flag: data[flag] for flag in Policy.fusion_flags()} == dict.fromkeys(Policy.fusion_flags(), True)
     with pytest.raises(TypeError, match="unknown keyword 'fused_max_pol'; did you mean 'fused_max_pool'"):
         preset("O2", fused_max_pol=False)
+
+
+# ---- low_precision_residual: the opt-in low-precision residual stream ---------------------------------
+def test_low_precision_residual_lowers_embedding_tables_only_at_o2() -> None:
+    default, low = (
+        preset("O2", torch.bfloat16, "cpu"),
+        preset("O2", torch.bfloat16, "cpu", low_precision_residual=True),
+    )
+    assert default.low_precision_residual is False and default != low
+    for op in ("embedding", "embedding_bag"):
+        assert default.decide(op).rule is Rule.FP32 and default.decide(op).param_dtype == torch.float32
+        decision = low.decide(op)
+        assert decision.rule is Rule.LOWER and decision.param_dtype == torch.bfloat16
+        assert "low_precision_residual" in decision.reason
+    # Norms, the FP32 islands and matmuls are what O2 decides without it.
+    for op in ("layer_norm", "rms_norm", "softmax", "linear", "_grouped_mm"):
+        assert low.decide(op) == default.decide(op)
+    # Any override beats it, as it beats the preset.
+    assert low.set_op("embedding", Rule.FP32).decide("embedding").rule is Rule.FP32
+    assert "low_precision_residual=True" in str(low) and "low_precision_residual=False" in str(default)
+    assert Policy.from_dict(json.loads(json.dumps(low.to_dict()))) == low
+    undecided = preset("O2", torch.bfloat16, low_precision_residual=True)
+    assert undecided.for_device("cuda").decide("embedding").rule is Rule.LOWER
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O3"])
+def test_low_precision_residual_is_refused_where_the_stream_is_not_fp32(level: str) -> None:
+    with pytest.raises(ValueError, match=f"low_precision_residual=True is for O2.*{level}"):
+        preset(level, low_precision_residual=True)
+    with pytest.raises(TypeError, match="low_precision_residual must be True or False"):
+        preset("O2", low_precision_residual="yes")
