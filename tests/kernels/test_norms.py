@@ -21,8 +21,11 @@ SHAPES = [(5, 123), (21, 1000)]
 EPS = 1e-5
 
 
-def make_case(shape, dtype, seed, *, residual=False, subtract_mean=False, device="cpu"):
-    """x (and residual, fp32: the residual stream), weight and bias (fp32), upstream gradients."""
+def make_case(
+    shape, dtype, seed, *, residual=False, subtract_mean=False, device="cpu", stream_dtype=torch.float32
+):
+    """x (and residual: the residual stream, fp32 unless ``stream_dtype``), weight and bias (fp32),
+    upstream gradients."""
     generator = torch.Generator().manual_seed(seed)
     rows, width = shape
 
@@ -32,11 +35,11 @@ def make_case(shape, dtype, seed, *, residual=False, subtract_mean=False, device
     x = (2 * randn(rows, width) + 0.5).to(dtype)
     return {
         "x": x,
-        "residual": randn(rows, width) if residual else None,
+        "residual": randn(rows, width).to(stream_dtype) if residual else None,
         "weight": 1 + 0.3 * randn(width),
         "bias": 0.2 * randn(width) if subtract_mean else None,
         "grad_out": randn(rows, width).to(dtype),
-        "grad_sum": randn(rows, width) if residual else None,
+        "grad_sum": randn(rows, width).to(stream_dtype) if residual else None,
     }
 
 
@@ -160,6 +163,25 @@ def test_triton_matches_reference(device, shape, dtype, subtract_mean) -> None:
     case = make_case(shape, dtype, seed=4, residual=True, subtract_mean=subtract_mean, device=device)
     options = {"subtract_mean": subtract_mean, "out_dtype": torch.float32}
     assert_same_results(run(triton_ops, case, **options), run(reference, case, **options))
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("subtract_mean", [False, True], ids=["rms", "layer"])
+def test_a_low_residual_stream(device, dtype, subtract_mean) -> None:
+    # O2 with low_precision_residual: stream and branch low, the sum written low and normalized as
+    # rounded; the stream's gradient written low.
+    case = make_case(
+        (5, 123), dtype, 7, residual=True, subtract_mean=subtract_mean, device=device, stream_dtype=dtype
+    )
+    options = {"subtract_mean": subtract_mean, "out_dtype": dtype}
+    ours = run(triton_ops, case, **options)
+    expected = run(reference, case, **options)
+    assert_same_results(ours, expected)
+    out, summed, grads = expected
+    assert summed.dtype == grads["residual"].dtype == grads["x"].dtype == dtype
+    assert torch.equal(summed, case["x"] + case["residual"])  # torch's low-precision add
+    chain, _, _ = float64_chain({**case, "x": summed, "residual": None, "grad_sum": None}, subtract_mean)
+    torch.testing.assert_close(out, chain.to(dtype), rtol=2 * rounding_tolerances(dtype)[0], atol=1e-5)
 
 
 @settings(max_examples=12, deadline=None)

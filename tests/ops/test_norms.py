@@ -124,6 +124,35 @@ def test_add_rms_norm_on_an_fp32_stream(dtype, fused_calls) -> None:
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("subtract_mean", [False, True], ids=["rms", "layer"])
+def test_add_norms_on_a_low_stream(dtype, subtract_mean, fused_calls) -> None:
+    # O2 with low_precision_residual (and a model cast with .to(dtype)): stream and branch low,
+    # their sum rounded to the low dtype once and normalized in fp32 with fp32 weights.
+    x, stream, weight, bias = inputs((3, 7, 100), dtype)
+    stream = stream.to(dtype)
+
+    def expression(x, stream, weight, bias):
+        summed = stream + x
+        if subtract_mean:
+            return summed, F.layer_norm(summed.float(), (100,), weight, bias, EPS).to(dtype)
+        return summed, rms_expression(summed, weight, EPS, mid_dtype=dtype, out_dtype=dtype)
+
+    if subtract_mean:
+        ours = outputs_and_grads(add_layer_norm_fp32, x, stream, (100,), weight, bias, EPS, out_dtype=dtype)
+    else:
+        options = {"mid_dtype": dtype, "out_dtype": dtype}
+        ours = outputs_and_grads(
+            lambda x, s, w, b: add_rms_norm_fp32(x, s, w, EPS, **options), x, stream, weight, bias
+        )
+    # The expression's backward rounds the sum's gradient to the low dtype; the kernel's does not.
+    assert_matches_expression(ours, outputs_and_grads(expression, x, stream, weight, bias), rounded_to=dtype)
+    (summed, _), (grad_x, grad_stream, grad_weight, _) = ours
+    assert torch.equal(summed, x + stream)  # one low-precision add, as torch's
+    assert summed.dtype == grad_x.dtype == grad_stream.dtype == dtype and grad_weight.dtype == torch.float32
+    assert fused_calls == [1]
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
 @pytest.mark.parametrize("residual", [False, True])
 def test_layer_norm(dtype, residual, fused_calls) -> None:
     x, stream, weight, bias = inputs((3, 7, 123), dtype)
