@@ -51,6 +51,11 @@ variant trains the same freshly seeded model on the same batch:
                      o2_fp16 without its linear-head + loss fusion (``fused_linear_loss=False``):
                      a GPT's lm_head, then the loss (under torch.compile the fused call computes
                      the loss's gradient in its forward kernel, a backward of matmuls only)
+    o2_{fp16,bf16}_low_residual
+                     O2 with its opt-in low-precision residual stream
+                     (``preset(..., low_precision_residual=True)``: embedding tables stored low, the
+                     residual adds and the fused add + norm calls on a low stream, as pure_bf16 runs
+                     them; norms still in FP32 on FP32 weights, FP32 masters)
 
 Every variant trains ``WithLoss(model, loss_fn)``: the model and its loss as one module (the loss
 under autocast for the autocast variants, as before). amp_fx converts that module, so at O2 the

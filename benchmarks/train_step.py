@@ -60,6 +60,7 @@ def prepare_model(variant: Variant, work: Workload) -> nn.Module:
             fused_batch_norm=None if variant.fused_batch_norm else False,
             fused_max_pool=None if variant.fused_max_pool else False,
             fused_linear_loss=None if variant.fused_linear_loss else False,
+            low_precision_residual=variant.low_precision_residual,
         )
         if work.loss_fn is None:
             # The model computes its loss (a transformers LM): converted as a user converts it.

@@ -4,6 +4,8 @@ each model runs without ``--variants``.
 Example:
     >>> VARIANTS["o2_fp16"].uses_loss_scaling, VARIANTS["o2_bf16"].uses_loss_scaling
     (True, False)
+    >>> VARIANTS["o2_bf16_low_residual"].low_precision_residual
+    True
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class Variant:
     # Liger-Kernel's patch for the model's family applied before it is built (benchmarks/liger.py);
     # it holds for the whole process, so these variants run in a process of their own.
     liger: bool = False
+    # amp_fx's opt-in low-precision residual stream (``preset(..., low_precision_residual=True)``):
+    # embedding tables stored low, residual adds and the fused add + norm calls on a low stream.
+    low_precision_residual: bool = False
 
     @property
     def uses_loss_scaling(self) -> bool:
@@ -71,6 +76,10 @@ VARIANTS: dict[str, Variant] = {
         Variant(
             "o2_fp16_unfused_linear_loss", "amp_fx", torch.float16, opt_level="O2", fused_linear_loss=False
         ),
+        *(
+            Variant(f"o2_{short}_low_residual", "amp_fx", dtype, opt_level="O2", low_precision_residual=True)
+            for short, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16))
+        ),
         Variant("o2_fp16_no_kv_cache", "amp_fx", torch.float16, opt_level="O2", kv_cache=False),
         Variant("autocast_fp16_no_kv_cache", "torch", torch.float16, autocast=True, kv_cache=False),
         Variant("liger_autocast_bf16", "torch", torch.bfloat16, autocast=True, liger=True),
@@ -83,6 +92,7 @@ RUN_ORDER = [
     "o2_fp16",
     "half",
     "o2_bf16",
+    "o2_bf16_low_residual",
     "autocast_bf16",
     "pure_bf16",
     "liger_autocast_bf16",
@@ -93,6 +103,7 @@ RUN_ORDER = [
     "o2_fp16_unfused_pool",
     "o2_fp16_unfused_linear_loss",
     "o2_fp16_no_kv_cache",
+    "o2_fp16_low_residual",
     "autocast_fp16_no_kv_cache",
     "o1_fp16",
     "o3_fp16",
