@@ -53,7 +53,7 @@ FUSED_NORM_FUNCTIONS = (rms_norm_fp32, add_rms_norm_fp32, layer_norm_fp32, add_l
 
 
 def _parameter(gm: torch.fx.GraphModule, value: torch.fx.Node | str | None) -> torch.fx.Node | None:
-    """A node for the parameter: itself, or a get_attr of an nn.LayerNorm's parameter by name."""
+    """A node for the parameter: itself, or a get_attr of a norm module's parameter by name."""
     if not isinstance(value, str):
         return value
     node = gm.graph.get_attr(value)

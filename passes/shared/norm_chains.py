@@ -8,12 +8,14 @@ and ``aten.pow.Tensor_Scalar`` are all ``pow``. An RMSNorm is::
       -> rsqrt | 1 / sqrt | pow(-0.5) -> x * that (or x / sqrt)
       -> [cast to the input's dtype] -> [w * y | y * w | (w + c) * y] -> [cast]
 
-where the two reads of x are x itself or its cast up to fp32 (T5 multiplies the uncast x), and a
+where the two reads of x are x itself or its cast up to fp32 (T5 multiplies the uncast x). A
 LayerNorm is one call (``nn.LayerNorm``, ``F.layer_norm``, ``aten.layer_norm``,
-``aten.native_layer_norm``) on fp32 input with fp32 parameters. Before either, a residual add
-``a + b`` whose sum is the normalized value is fused in when it is a plain two-tensor add; after
-either, casts of the output to one low dtype (amp_fx's, before the next matmuls), also through
-reshapes, are taken in so the output is written low once.
+``aten.native_layer_norm``) on fp32 input with fp32 parameters, and so is an RMSNorm over the last
+dimension (``nn.RMSNorm``, ``F.rms_norm``, ``aten.rms_norm``, which torch.export keeps; without an
+eps, float32's epsilon, as aten takes for fp32 input; decomposed, it is the chain above). Before
+either, a residual add ``a + b`` whose sum is the normalized value is fused in when it is a plain
+two-tensor add; after either, casts of the output to one low dtype (amp_fx's, before the next
+matmuls), also through reshapes, are taken in so the output is written low once.
 
 A chain matches exactly or not at all: every node it replaces must have no reader outside it
 (the values it hands on, the sum and the output, excepted), every dtype must be known, and the
@@ -52,7 +54,7 @@ class NormChain:
     x: torch.fx.Node  # the value normalized (or the add's first operand)
     eps: float
     residual: torch.fx.Node | None = None  # the add's second operand
-    # Nodes, or the qualified names of an nn.LayerNorm's parameters (read with get_attr on rewrite).
+    # Nodes, or the qualified names of a norm module's parameters (read with get_attr on rewrite).
     weight: torch.fx.Node | str | None = None
     bias: torch.fx.Node | str | None = None
     normalized_shape: tuple[int, ...] | None = None  # LayerNorm
@@ -332,42 +334,67 @@ def _rms_tail(node: torch.fx.Node, norm: NormChain, chain: _Chain) -> torch.fx.N
     return node
 
 
-def _layer_norm_call(node: torch.fx.Node, gm: torch.fx.GraphModule) -> NormChain | None:
-    """The arguments of a LayerNorm call computed in fp32 with fp32 parameters, or None."""
+@dataclass(frozen=True)
+class _CallForm:
+    """A norm computed by one call: its torch module, the module's parameters, and the function's
+    eps (its position, and its value when the call gives none)."""
+
+    subtract_mean: bool
+    module: type[torch.nn.Module] | None
+    parameters: tuple[str, ...]
+    eps_position: int
+    default_eps: float
+
+
+# aten's rms_norm without an eps takes the epsilon of its math type: float32's for fp16, bf16 and
+# fp32 input, not the input dtype's (nn.RMSNorm's docstring says ``torch.finfo(x.dtype).eps``; the
+# code, torch 2.4 to 2.14, uses the opmath type's). The call is matched on fp32 input only.
+_RMS_NORM_DEFAULT_EPS = torch.finfo(torch.float32).eps
+_LAYER_NORM = _CallForm(True, torch.nn.LayerNorm, ("weight", "bias"), 4, 1e-5)
+_CALL_FORMS = {
+    "layer_norm": _LAYER_NORM,
+    "native_layer_norm": _LAYER_NORM,
+    "rms_norm": _CallForm(False, getattr(torch.nn, "RMSNorm", None), ("weight",), 3, _RMS_NORM_DEFAULT_EPS),
+}
+
+
+def _norm_call(node: torch.fx.Node, gm: torch.fx.GraphModule, form: _CallForm) -> NormChain | None:
+    """The arguments of a LayerNorm or RMSNorm call with fp32 parameters (or none), or None. An
+    RMSNorm must normalize over the last dimension only (what the kernels compute)."""
     from amp_fx.ops.module_hooks import has_forward_hooks
 
-    info = node_info(node)
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
-        if type(module).forward is not torch.nn.LayerNorm.forward or has_forward_hooks(module):
+        if form.module is None or type(module).forward is not form.module.forward:
             return None
-        if len(node.args) != 1 or node.kwargs:
+        if has_forward_hooks(module) or len(node.args) != 1 or node.kwargs:
             return None
-        shape = tuple(module.normalized_shape)
-        norm = NormChain(True, node.args[0], float(module.eps), normalized_shape=shape)
-        for name in ("weight", "bias"):
-            parameter = getattr(module, name)
-            if parameter is not None:
-                if parameter.dtype != torch.float32:
-                    return None
-                setattr(norm, name, f"{node.target}.{name}")
-        return norm
-    if node.op != "call_function":
+        x, shape, eps = node.args[0], tuple(module.normalized_shape), module.eps
+        found = {name: getattr(module, name) for name in form.parameters}
+        fp32 = all(p is None or p.dtype == torch.float32 for p in found.values())
+        parameters = {name: None if p is None else f"{node.target}.{name}" for name, p in found.items()}
+    elif node.op == "call_function":
+        x, shape = call_argument(node, 0, "input"), call_argument(node, 1, "normalized_shape")
+        parameters = {name: call_argument(node, 2 + i, name) for i, name in enumerate(form.parameters)}
+        eps = call_argument(node, form.eps_position, "eps")
+        fp32 = all(
+            p is None or (_is_parameter(p) and _dtype(p) == torch.float32) for p in parameters.values()
+        ) and all(d in (torch.float32, None) for d in node_info(node).in_dtypes)
+    else:
         return None
-    x, shape = call_argument(node, 0, "input"), call_argument(node, 1, "normalized_shape")
-    weight, bias = call_argument(node, 2, "weight"), call_argument(node, 3, "bias")
-    eps = call_argument(node, 4, "eps", 1e-5)
-    if not isinstance(shape, (list, tuple)) or not all(_is_number(s) for s in shape) or not _is_number(eps):
+    eps = form.default_eps if eps is None else eps
+    if not fp32 or not _is_number(eps) or not isinstance(shape, (list, tuple)):
         return None
-    if any(p is not None and _dtype(p) != torch.float32 for p in (weight, bias)):
+    if not all(_is_number(s) for s in shape) or (not form.subtract_mean and len(shape) != 1):
         return None
-    if info.in_dtypes and any(d not in (torch.float32, None) for d in info.in_dtypes):
-        return None
-    return NormChain(True, x, float(eps), weight=weight, bias=bias, normalized_shape=tuple(shape))
+    norm = NormChain(form.subtract_mean, x, float(eps), **parameters)
+    if form.subtract_mean:
+        norm.normalized_shape = tuple(shape)
+    return norm
 
 
-def _match_layer_norm(node: torch.fx.Node, gm: torch.fx.GraphModule) -> NormChain | None:
-    norm = _layer_norm_call(node, gm)
+def _match_norm_call(node: torch.fx.Node, gm: torch.fx.GraphModule, form: _CallForm) -> NormChain | None:
+    norm = _norm_call(node, gm, form)
     if norm is None or not isinstance(norm.x, torch.fx.Node) or _dtype(norm.x) != torch.float32:
         return None
     chain = _Chain()
@@ -473,6 +500,6 @@ def match_norm_chain(node: torch.fx.Node, gm: torch.fx.GraphModule) -> NormChain
     op = node_info(node).op
     if op == "mean":
         return _match_rms(node)
-    if op in ("layer_norm", "native_layer_norm"):
-        return _match_layer_norm(node, gm)
+    if op in _CALL_FORMS:
+        return _match_norm_call(node, gm, _CALL_FORMS[op])
     return None

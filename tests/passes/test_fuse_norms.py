@@ -64,6 +64,14 @@ def layer_norm_function(h, w):
     return F.layer_norm(h, (WIDTH,), w, None, 1e-5)
 
 
+def rms_norm_function(h, w):  # no eps: aten's default, float32's epsilon on fp32 input
+    return F.rms_norm(h, (WIDTH,), w)
+
+
+def torch_rms_norm(h, w):
+    return torch.rms_norm(h, [WIDTH], w, EPS)
+
+
 # Near misses: one step differs from a norm.
 def eps_outside_the_root(h, w):
     x = h.float()
@@ -90,6 +98,11 @@ def squares_in_place(h, w):
     x = h.float()
     x.pow_(2)  # x now holds the squares: not a norm of h
     return w * (x * torch.rsqrt(x.mean(-1, keepdim=True) + EPS)).to(h.dtype)
+
+
+def rms_norm_over_two_dims(h, w):  # the kernels normalize the last dimension only
+    halves = (2, WIDTH // 2)
+    return w * F.rms_norm(h.unflatten(-1, halves), halves, eps=EPS).flatten(-2)
 
 
 class Stream(nn.Module):
@@ -161,6 +174,8 @@ def assert_close_to(ours, expected) -> None:
         gemma,
         t5,
         layer_norm_function,
+        rms_norm_function,
+        torch_rms_norm,
     ],
 )
 def test_spellings_fuse_on_the_fx_front_end(norm) -> None:
@@ -169,7 +184,8 @@ def test_spellings_fuse_on_the_fx_front_end(norm) -> None:
     fused = convert(model)
     (call,) = fused_calls(fused)
     assert call.target.__name__.startswith("add_")  # the residual add went in too
-    assert not [n for n in fused.graph.nodes if node_info(n).op in ("mean", "pow", "rsqrt", "layer_norm")]
+    norm_ops = ("mean", "pow", "rsqrt", "layer_norm", "rms_norm")
+    assert not [n for n in fused.graph.nodes if node_info(n).op in norm_ops]
     assert "replaced" in node_info(call).notes[-1]
     unfused = convert(model, fused_norms=False)
     assert_close_to(loss_and_grads(fused, x), loss_and_grads(unfused, x))
@@ -183,6 +199,7 @@ def test_spellings_fuse_on_the_fx_front_end(norm) -> None:
         mean_without_keepdim,
         variance_read_elsewhere,
         squares_in_place,
+        rms_norm_over_two_dims,
     ],
 )
 def test_near_misses_are_left_alone(norm) -> None:
@@ -204,6 +221,85 @@ def test_layer_norm_module_with_the_residual_add() -> None:
     # A hook on the LayerNorm would no longer fire: such a LayerNorm is not fused.
     model.ln.register_forward_hook(lambda *args: None)
     assert not fused_calls(convert(model))
+
+
+class RMSNormDecoder(nn.Module):
+    """A pre-norm residual network written with nn.RMSNorm: per block ``h = h + mlp(norm(h))``, then
+    a final norm (torch's default eps) and a head."""
+
+    def __init__(self, vocab: int = 32, blocks: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, WIDTH)
+        self.norms = nn.ModuleList(nn.RMSNorm(WIDTH, eps=EPS) for _ in range(blocks))
+        self.mlps = nn.ModuleList(
+            nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.SiLU(), nn.Linear(2 * WIDTH, WIDTH))
+            for _ in range(blocks)
+        )
+        self.final = nn.RMSNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, vocab)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for norm, mlp in zip(self.norms, self.mlps, strict=True):
+            h = h + mlp(norm(h))
+        return self.head(self.final(h))
+
+
+@pytest.mark.parametrize("front_end", ["fx", "export"])
+def test_rms_norm_modules_fuse_on_both_front_ends(front_end: str) -> None:
+    torch.manual_seed(0)
+    model, ids = RMSNormDecoder(), torch.randint(0, 32, (3, 7))
+    policy = amp_fx.preset("O2", BF16, "cpu")
+    fused = amp_fx.convert(copy.deepcopy(model), policy=policy, front_end=front_end)
+    ours = loss_and_grads(fused, ids)  # the torch.export front end captures at the first call
+    calls = fused_calls(fused)
+    # The first norm reads the embedding; the second and the final one, the residual adds before them.
+    names = [call.target.__name__ for call in calls]
+    assert names == ["rms_norm_fp32", "add_rms_norm_fp32", "add_rms_norm_fp32"]
+    assert [call.args[-1] for call in calls] == [EPS, EPS, torch.finfo(torch.float32).eps]
+    assert all(call.kwargs["out_dtype"] == BF16 for call in calls)  # written once, low, for the linears
+    rows = [row for row in amp_fx.report(fused).rows if row.op == "add_rms_norm_fp32"]
+    assert len(rows) == 2 and all("fused the residual add and RMSNorm" in row.notes[-1] for row in rows)
+    unfused = amp_fx.convert(
+        copy.deepcopy(model), policy=amp_fx.preset("O2", BF16, "cpu", fused_norms=False), front_end=front_end
+    )
+    assert_close_to(ours, loss_and_grads(unfused, ids))
+    assert_close_to(ours, loss_and_grads(amp_fx.testing.with_autocast(model, "cpu", BF16), ids))
+
+
+@pytest.mark.parametrize("front_end", ["fx", "export"])
+def test_rms_norm_default_eps_is_float32_epsilon(front_end: str) -> None:
+    # Rows of mean square 1e-8: an eps of bfloat16's epsilon (7.8e-3, what nn.RMSNorm's docstring
+    # suggests for bf16 input) would scale them ~1000x less than torch does.
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.RMSNorm(WIDTH)), 1e-4 * torch.randn(4, WIDTH)
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(WIDTH))
+        model[0].bias.zero_()
+    fused = amp_fx.convert(copy.deepcopy(model), "O2", dtype=BF16, device_type="cpu", front_end=front_end)
+    out = fused(x)
+    (call,) = fused_calls(fused)
+    assert call.target.__name__ == "rms_norm_fp32"
+    expected = amp_fx.testing.with_autocast(model, "cpu", BF16)(x)
+    rtol, atol = tolerances(BF16)
+    assert_close_normwise(out, expected, rtol=rtol, atol=atol, name="out")
+
+
+def test_timm_rms_norm_model_fuses() -> None:
+    # timm's RmsNorm calls F.rms_norm: traced through, every norm of the ViT becomes one call.
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2, embed_dim=WIDTH,
+        num_heads=2, num_classes=10, norm_layer=timm.layers.RmsNorm,
+    )  # fmt: skip
+    model.eval()
+    x = torch.randn(2, 3, 32, 32)
+    fused = convert(model)
+    ours = loss_and_grads(fused, x)
+    calls = [call.target.__name__ for call in fused_calls(fused)]
+    assert calls == ["rms_norm_fp32"] + ["add_rms_norm_fp32"] * 4
+    assert_close_to(ours, loss_and_grads(amp_fx.testing.with_autocast(model, "cpu", BF16), x))
 
 
 def test_only_o2_fuses_by_default() -> None:
