@@ -34,7 +34,6 @@ from amp_fx.ops.cross_entropy import _matmul_fp32
 
 __all__ = ["chunked_linear_cross_entropy", "chunked_linear_cross_entropy_sum", "default_chunk_rows"]
 
-_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _REDUCTIONS = ("mean", "sum")
 
 # The logits of one chunk take at most this many bytes (rounded down to a power of two of rows):
@@ -186,22 +185,13 @@ chunked_linear_cross_entropy_sum.register_autograd(_backward, setup_context=_set
 
 def _runs_fused(input: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, reduction: str) -> bool:
     """Whether the chunked op computes this call (dtypes, ranks, devices, Python values only, so
-    torch.compile decides it while tracing)."""
+    torch.compile decides it while tracing): one class index per row, in any shape."""
+    # Imported on first use, as the kernels are: importing them loads Triton.
+    from amp_fx.kernels.cross_entropy.arguments import linear_head_fits
+
     return (
-        isinstance(input, Tensor)
-        and isinstance(weight, Tensor)
-        and isinstance(target, Tensor)
-        and input.dim() >= 1
-        and weight.dim() == 2
-        and weight.shape[0] > 0
-        and input.shape[-1] == weight.shape[1]
-        and input.dtype in _FUSED_DTYPES
-        and weight.dtype == input.dtype
-        and weight.device == input.device
-        and target.dtype == torch.int64
+        linear_head_fits(input, weight, bias, target)
         and target.numel() * weight.shape[1] == input.numel()
-        and target.device == input.device
-        and (bias is None or (bias.dtype == input.dtype and bias.shape == (weight.shape[0],)))
         and reduction in _REDUCTIONS
     )
 

@@ -383,30 +383,15 @@ def _linear_runs_fused(
 ) -> bool:
     """Whether the fused op computes this call: dtypes, ranks, shapes, devices and Python values
     only, so torch.compile decides it while tracing."""
-    if not (
-        isinstance(input, Tensor)
-        and isinstance(weight, Tensor)
-        and isinstance(target, Tensor)
+    # Imported on first use, as the kernels are: importing them loads Triton.
+    from amp_fx.kernels.cross_entropy.arguments import linear_head_fits
+
+    return (
+        linear_head_fits(input, weight, bias, target)
         and input.dim() >= 2
-        and weight.dim() == 2
-        and weight.shape[0] > 0
-        and input.shape[-1] == weight.shape[1]
-        and input.dtype in _FUSED_INPUT_DTYPES
-        and weight.dtype == input.dtype
-        and weight.device == input.device
-        and target.dtype == torch.int64
         and target.shape == input.shape[:-1]
-        and target.device == input.device
-    ):
-        return False
-    if bias is not None and not (
-        isinstance(bias, Tensor)
-        and bias.shape == (weight.shape[0],)
-        and bias.dtype == input.dtype
-        and bias.device == input.device
-    ):
-        return False
-    return _loss_options_fused(class_weight, ignore_index, reduction, label_smoothing)
+        and _loss_options_fused(class_weight, ignore_index, reduction, label_smoothing)
+    )
 
 
 def linear_cross_entropy(

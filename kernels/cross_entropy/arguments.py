@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from amp_fx.kernels.arguments import byte_ranges_overlap, check_dtype
+from amp_fx.kernels.arguments import PARAM_DTYPES, byte_ranges_overlap, check_dtype
 
-__all__ = ["check_cross_entropy_arguments", "check_logits_overwritable"]
+__all__ = ["check_cross_entropy_arguments", "check_logits_overwritable", "linear_head_fits"]
 
 
 def check_cross_entropy_arguments(
@@ -83,3 +83,37 @@ def check_logits_overwritable(logits: Tensor) -> None:
             f"logits of shape {tuple(logits.shape)} and strides {logits.stride()} are not contiguous; "
             "cross_entropy_forward_with_grad writes the gradient over them: pass logits.contiguous()"
         )
+
+
+def linear_head_fits(input: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor) -> bool:
+    """Whether a head ``F.linear(input, weight, bias)`` and its class indices ``target`` are what
+    the fused linear + loss ops feed ``cross_entropy_forward_with_grad``: input (*, d), weight
+    (V, d) with V > 0 and bias (V,) or None of one dtype the kernels take and on one device,
+    target int64 on that device. How target's shape matches input's rows is each op's to check.
+    Metadata only, so torch.compile decides it while tracing.
+
+    Example:
+        >>> h, head, t = torch.randn(4, 8), torch.randn(16, 8), torch.zeros(4, dtype=torch.long)
+        >>> linear_head_fits(h, head, None, t), linear_head_fits(h, head.double(), None, t)
+        (True, False)
+    """
+    if not (isinstance(input, Tensor) and isinstance(weight, Tensor) and isinstance(target, Tensor)):
+        return False
+    if bias is not None and not (
+        isinstance(bias, Tensor)
+        and bias.shape == (weight.shape[0],)
+        and bias.dtype == input.dtype
+        and bias.device == input.device
+    ):
+        return False
+    return (
+        input.dim() >= 1
+        and weight.dim() == 2
+        and weight.shape[0] > 0
+        and input.shape[-1] == weight.shape[1]
+        and input.dtype in PARAM_DTYPES
+        and weight.dtype == input.dtype
+        and weight.device == input.device
+        and target.dtype == torch.int64
+        and target.device == input.device
+    )
