@@ -14,7 +14,9 @@ by one pass only stays in that pass.
   an update that lands on a cast;
 - `losses`: which cross-entropy calls the fused loss computes;
 - `op_patterns`: expression patterns over canonical op names, matched whole in the graphs of
-  both front ends (for `fuse_activations`);
+  both front ends (for `fuse_activations`), and the node facts every matcher reads;
+- `norm_chains`, `rotary_chains`: the RMSNorm / LayerNorm and rotary-embedding chains, matched
+  exactly or not at all (the matchers of `fuse_norms` and `fuse_rotary`, apart for their size);
 - `affine_masks`: which attention masks are True everywhere or causal, proved by evaluating their
   nodes as affine functions of the element's indices (for `simplify_attention`);
 - `model_copy`: the deep copy of a model the front ends convert;

@@ -37,6 +37,7 @@ from amp_fx.core.op_facts import METADATA_ATTRIBUTES, RESHAPE_OPS, SHAPE_METHODS
 from amp_fx.ops.casts import cast_if_floating
 from amp_fx.passes.shared.calls import call_argument, is_inplace_call
 from amp_fx.passes.shared.dtypes import ASSUMED_DTYPE_NOTE, UNKNOWN_INPUT_DTYPE_NOTE
+from amp_fx.passes.shared.op_patterns import is_last_dim, is_number, only_user, read_only_inside, tensor_value
 
 __all__ = ["NormChain", "cast_target", "match_norm_chain"]
 
@@ -74,11 +75,6 @@ def _value_users(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [u for u in node.users if node_info(u).op not in SHAPE_METHODS | METADATA_ATTRIBUTES]
 
 
-def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
-    users = list(node.users)
-    return users[0] if len(users) == 1 else None
-
-
 def _dtype(node: torch.fx.Node) -> torch.dtype | None:
     """The node's floating dtype (None when unknown, not fp16/bf16/fp32, or a model input's
     assumption). A value computed from a model input whose dtype is assumed is taken as recorded:
@@ -92,10 +88,6 @@ def _dtype(node: torch.fx.Node) -> torch.dtype | None:
     if dtype is None and node_info(node).op == "to":
         dtype = cast_target(node)
     return dtype if dtype in _FLOATS else None
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _dtype_argument(value: object) -> torch.dtype | None:
@@ -141,7 +133,7 @@ def cast_target(node: torch.fx.Node) -> torch.dtype | None:
         if kwargs.pop("layout", torch.strided) != torch.strided:
             return None
         device = kwargs.pop("device", None)
-        value = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+        value = tensor_value(node.args[0])
         if device is not None and getattr(value, "device", None) != device:
             return None
         plain = all(_PLAIN_CAST_KEYWORDS.get(k, "other") in (v, None) or v is None for k, v in kwargs.items())
@@ -182,15 +174,6 @@ def _other(node: torch.fx.Node, one: object) -> object:
     return b if a is one else a
 
 
-def _last_dim(node: torch.fx.Node, dim: object) -> bool:
-    if isinstance(dim, (list, tuple)) and len(dim) == 1:
-        dim = dim[0]
-    if dim == -1:
-        return True
-    value = node.meta.get("val")
-    return _is_number(dim) and value is not None and hasattr(value, "dim") and dim == value.dim() - 1
-
-
 class _Chain:
     """The nodes of one candidate chain, and the checks that they belong to it alone."""
 
@@ -205,10 +188,9 @@ class _Chain:
         """True when no node of the chain but those handed on has a reader outside it, and none
         updates in place a value something else reads (``x.pow_(2)`` changes what x's readers see;
         ``variance.add_(eps)`` on a variance read once does not)."""
-        inside = set(self.nodes)
+        if not read_only_inside(self.nodes, handed_on):
+            return False
         for node in self.nodes:
-            if node not in handed_on and not set(node.users) <= inside:
-                return False
             updated = node.args[0] if is_inplace_call(node) and node.args else None
             if isinstance(updated, torch.fx.Node) and set(updated.users) != {node}:
                 return False
@@ -219,7 +201,7 @@ def _rms_root(mean: torch.fx.Node, chain: _Chain) -> tuple[torch.fx.Node, torch.
     """From the mean of squares to the normalization: (the squared value, the normalized
     node, eps), or None."""
     dim, keepdim = call_argument(mean, 1, "dim"), call_argument(mean, 2, "keepdim", False)
-    if call_argument(mean, 3, "dtype") is not None or keepdim is not True or not _last_dim(mean, dim):
+    if call_argument(mean, 3, "dtype") is not None or keepdim is not True or not is_last_dim(mean, dim):
         return None
     squares = mean.args[0]
     if not isinstance(squares, torch.fx.Node) or _dtype(mean) != torch.float32:
@@ -236,32 +218,32 @@ def _rms_root(mean: torch.fx.Node, chain: _Chain) -> tuple[torch.fx.Node, torch.
         return None
     chain.take(squares)
     chain.take(mean)
-    add = _only_user(mean)
+    add = only_user(mean)
     if add is None or node_info(add).op != "add":
         return None
     eps = _other(add, mean)
-    if not _is_number(eps):
+    if not is_number(eps):
         return None
-    root = _only_user(chain.take(add))
+    root = only_user(chain.take(add))
     if root is None:
         return None
     root_op = node_info(chain.take(root)).op
     if root_op == "rsqrt" or (root_op == "pow" and call_argument(root, 1, "exponent") == -0.5):
         inverse = root
     elif root_op == "sqrt":
-        user = _only_user(root)
+        user = only_user(root)
         divides = user is not None and node_info(user).op == "div" and not user.kwargs
         if divides and user.args[1:] == (root,) and isinstance(user.args[0], torch.fx.Node):
             return squared, chain.take(user), float(eps)  # x / sqrt(var + eps)
         if user is not None and node_info(user).op == "reciprocal":
             inverse = chain.take(user)
-        elif divides and user.args[1:] == (root,) and _is_number(user.args[0]) and user.args[0] == 1:
+        elif divides and user.args[1:] == (root,) and is_number(user.args[0]) and user.args[0] == 1:
             inverse = chain.take(user)  # 1 / sqrt(var + eps)
         else:
             return None
     else:
         return None
-    normalize = _only_user(inverse)
+    normalize = only_user(inverse)
     if normalize is None or node_info(normalize).op != "mul" or _other(normalize, inverse) is None:
         return None
     return squared, chain.take(normalize), float(eps)
@@ -298,22 +280,22 @@ def _match_rms(mean: torch.fx.Node) -> NormChain | None:
 def _rms_tail(node: torch.fx.Node, norm: NormChain, chain: _Chain) -> torch.fx.Node | None:
     """The cast, weight and cast after the normalization; returns the chain's last node."""
     product = torch.float32
-    user = _only_user(node)
+    user = only_user(node)
     if user is not None and node_info(user).op == "to" and cast_target(user) in _FLOATS:
         norm.mid_dtype = None if cast_target(user) == torch.float32 else cast_target(user)
         product = cast_target(user)
         node = chain.take(user)
         for argument in (*user.args[1:], *user.kwargs.values()):  # ``x.to(other.dtype)``
-            if isinstance(argument, torch.fx.Node) and _only_user(argument) is user:
+            if isinstance(argument, torch.fx.Node) and only_user(argument) is user:
                 chain.take(argument)
-        user = _only_user(node)
+        user = only_user(node)
     if user is not None and node_info(user).op == "mul":
         weight = _other(user, node)
         offset = None
-        if isinstance(weight, torch.fx.Node) and node_info(weight).op == "add" and _only_user(weight) is user:
+        if isinstance(weight, torch.fx.Node) and node_info(weight).op == "add" and only_user(weight) is user:
             for candidate in weight.args:
                 constant = _other(weight, candidate)
-                if _is_parameter(candidate) and _is_number(constant):
+                if _is_parameter(candidate) and is_number(constant):
                     offset = (candidate, float(constant))
         if offset is not None:
             chain.take(weight)
@@ -324,7 +306,7 @@ def _rms_tail(node: torch.fx.Node, norm: NormChain, chain: _Chain) -> torch.fx.N
             if _dtype(user) not in (None, product):
                 return None
             node = chain.take(user)
-            user = _only_user(node)
+            user = only_user(node)
         elif offset is not None:
             return None
     if user is not None and node_info(user).op == "to" and cast_target(user) in _FLOATS:
@@ -383,9 +365,9 @@ def _norm_call(node: torch.fx.Node, gm: torch.fx.GraphModule, form: _CallForm) -
     else:
         return None
     eps = form.default_eps if eps is None else eps
-    if not fp32 or not _is_number(eps) or not isinstance(shape, (list, tuple)):
+    if not fp32 or not is_number(eps) or not isinstance(shape, (list, tuple)):
         return None
-    if not all(_is_number(s) for s in shape) or (not form.subtract_mean and len(shape) != 1):
+    if not all(is_number(s) for s in shape) or (not form.subtract_mean and len(shape) != 1):
         return None
     norm = NormChain(form.subtract_mean, x, float(eps), **parameters)
     if form.subtract_mean:
@@ -408,7 +390,7 @@ def _match_norm_call(node: torch.fx.Node, gm: torch.fx.GraphModule, form: _CallF
     if _dtype(last) != torch.float32:
         return None
     norm.out_dtype = torch.float32
-    user = _only_user(last)
+    user = only_user(last)
     if user is not None and node_info(user).op == "to" and cast_target(user) in _FLOATS:
         last, norm.out_dtype = chain.take(user), cast_target(user)
     norm.x, casts = _strip_casts(norm.x)

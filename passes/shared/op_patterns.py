@@ -14,6 +14,11 @@ match, at a `Var` they are the input's casts.
 expression is there and nothing outside it reads a value inside it (the root aside): a replacement
 never leaves half an expression behind.
 
+The node facts the matchers written by hand (`amp_fx.passes.shared.norm_chains`,
+`amp_fx.passes.shared.rotary_chains`) share with this one live here too: `call_operands` (a call
+of one op on its operands alone), `is_amp_fx_cast`, `only_user`, `read_only_inside`,
+`is_last_dim`, `tensor_value` and `is_number`.
+
     >>> gm = torch.fx.symbolic_trace(lambda x, y: torch.sigmoid(x) * y)
     >>> from amp_fx.passes.normalize_ops import normalize_ops
     >>> root = [n for n in normalize_ops(gm).graph.nodes if n.name == "mul"][0]
@@ -25,7 +30,7 @@ never leaves half an expression behind.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -36,7 +41,24 @@ from amp_fx.core.node_info import node_info
 from amp_fx.ops.module_hooks import has_forward_hooks
 from amp_fx.passes.shared.calls import is_inplace_call
 
-__all__ = ["AnyOf", "CALL_FORMS", "CallForm", "Const", "Match", "Op", "Pattern", "Var", "match"]
+__all__ = [
+    "AnyOf",
+    "CALL_FORMS",
+    "CallForm",
+    "Const",
+    "Match",
+    "Op",
+    "Pattern",
+    "Var",
+    "call_operands",
+    "is_amp_fx_cast",
+    "is_last_dim",
+    "is_number",
+    "match",
+    "only_user",
+    "read_only_inside",
+    "tensor_value",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,26 +135,114 @@ class _State:
     input_casts: frozenset[torch.fx.Node]
 
 
-def _is_amp_fx_cast(node: torch.fx.Node) -> bool:
-    return node_info(node).is_cast and bool(node.args) and isinstance(node.args[0], torch.fx.Node)
+def is_number(value: object) -> bool:
+    """A Python int or float, not a bool: a constant operand as graphs record it.
+
+    >>> is_number(2), is_number(0.5), is_number(True)
+    (True, True, False)
+    """
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def tensor_value(node: Any) -> torch.Tensor | None:
+    """The (fake) tensor recorded as ``node``'s value (``meta["val"]``, where shapes are known),
+    else None.
+
+    >>> gm = torch.fx.symbolic_trace(lambda x: x)  # traced without shapes
+    >>> tensor_value(next(iter(gm.graph.nodes))) is None
+    True
+    """
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def is_last_dim(node: Any, dim: Any) -> bool:
+    """Whether ``dim`` (an int, or one in a list as reductions take it) names ``node``'s last
+    dimension: -1, or its rank - 1 where its value is known.
+
+    >>> gm = torch.fx.symbolic_trace(lambda x: x)
+    >>> x = next(iter(gm.graph.nodes))
+    >>> is_last_dim(x, [-1]), is_last_dim(x, 2)  # x's rank unknown
+    (True, False)
+    """
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    if isinstance(dim, int) and dim == -1:
+        return True
+    value = tensor_value(node)
+    return value is not None and isinstance(dim, int) and not isinstance(dim, bool) and dim == value.dim() - 1
+
+
+def only_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The one node that reads ``node``, or None when there are none or several.
+
+    >>> x, exp, add, _ = torch.fx.symbolic_trace(lambda x: x.exp() + x).graph.nodes
+    >>> only_user(x), only_user(exp).name
+    (None, 'add')
+    """
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def read_only_inside(
+    nodes: Collection[torch.fx.Node],
+    handed_on: Collection[torch.fx.Node] = (),
+    reads_inside: Callable[[torch.fx.Node], bool] | None = None,
+) -> bool:
+    """Whether every reader of ``nodes`` is one of them (or passes ``reads_inside``), but for the
+    readers of those ``handed_on`` (the values a replacement hands on): a replaced expression is
+    then all there is of it.
+
+    >>> x, exp, neg, _ = torch.fx.symbolic_trace(lambda x: x.exp().neg()).graph.nodes
+    >>> read_only_inside([exp]), read_only_inside([exp, neg], handed_on=[neg])
+    (False, True)
+    """
+    inside = set(nodes)
+    reads = reads_inside or inside.__contains__
+    return all(reads(user) for node in inside.difference(handed_on) for user in node.users)
+
+
+def is_amp_fx_cast(node: Any) -> bool:
+    """A cast amp_fx inserted (``node_info(node).is_cast``) of a node; a model's own casts are not.
+
+    >>> x, cast, _ = torch.fx.symbolic_trace(lambda x: x.float()).graph.nodes
+    >>> is_amp_fx_cast(cast)
+    False
+    """
+    return (
+        isinstance(node, torch.fx.Node)
+        and node_info(node).is_cast
+        and bool(node.args)
+        and isinstance(node.args[0], torch.fx.Node)
+    )
 
 
 def _through_casts(value: Any) -> tuple[Any, tuple[torch.fx.Node, ...]]:
     """The value beneath amp_fx's casts of it, and those casts."""
     casts: list[torch.fx.Node] = []
-    while isinstance(value, torch.fx.Node) and _is_amp_fx_cast(value):
+    while is_amp_fx_cast(value):
         casts.append(value)
         value = value.args[0]
     return value, tuple(casts)
 
 
-def _call_operands(node: torch.fx.Node, gm: torch.fx.GraphModule, pattern: Op) -> tuple[Any, ...] | None:
-    """The node's operands when it is a call of ``pattern.op`` with ``pattern``'s keyword values and
-    nothing else, else None."""
-    if node_info(node).op != pattern.op or is_inplace_call(node):
+def call_operands(
+    node: Any, gm: torch.fx.GraphModule, op: str, count: int, keywords: Mapping[str, Any] | None = None
+) -> tuple[Any, ...] | None:
+    """``node``'s ``count`` operands when it is a call of canonical op ``op`` on them, not in
+    place, with ``keywords``' values for the op's keyword parameters (`CALL_FORMS`; any other at
+    its default) and nothing else; else None.
+
+    >>> from amp_fx.passes.normalize_ops import normalize_ops
+    >>> gm = normalize_ops(torch.fx.symbolic_trace(lambda x: x.neg() * 2))
+    >>> mul = [n for n in gm.graph.nodes if n.name == "mul"][0]
+    >>> call_operands(mul, gm, "mul", 2)[1], call_operands(mul, gm, "add", 2)
+    (2, None)
+    """
+    if not isinstance(node, torch.fx.Node) or node_info(node).op != op or is_inplace_call(node):
         return None
-    count = len(pattern.operands)
-    form = CALL_FORMS.get(pattern.op, CallForm())
+    keywords = keywords or {}
+    form = CALL_FORMS.get(op, CallForm())
     parameters = form.keywords
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
@@ -152,7 +262,7 @@ def _call_operands(node: torch.fx.Node, gm: torch.fx.GraphModule, pattern: Op) -
     else:
         return None
     for name, default in parameters:
-        if given.get(name, default) != pattern.keywords.get(name, default):
+        if given.get(name, default) != keywords.get(name, default):
             return None
     return tuple(node.args[:count])
 
@@ -164,7 +274,7 @@ def _match(pattern: Pattern, value: Any, state: _State, gm: torch.fx.GraphModule
             yield from _match(alternative, value, state, gm)
         return
     if isinstance(pattern, Const):
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if is_number(value):
             wide = torch.tensor([value, pattern.value], dtype=torch.float64).float()
             if wide[0] == wide[1]:
                 yield state
@@ -181,7 +291,7 @@ def _match(pattern: Pattern, value: Any, state: _State, gm: torch.fx.GraphModule
         return
     if base in state.nodes:
         return  # an expression is a tree of nodes: no node twice
-    operands = _call_operands(base, gm, pattern)
+    operands = call_operands(base, gm, pattern.op, len(pattern.operands), pattern.keywords)
     if operands is None:
         return
     inner = dataclasses.replace(state, nodes=state.nodes | {base, *casts})
@@ -216,11 +326,11 @@ def match(pattern: Pattern, root: torch.fx.Node, gm: torch.fx.GraphModule) -> Ma
         >>> match(Op("mul", (Op("tanh", (Var("x"),)), Const(3.0))), root, gm) is None
         True
     """
-    if _is_amp_fx_cast(root):
+    if is_amp_fx_cast(root):
         return None  # the expression's value is its root's; a cast there is the reader's
     for state in _match(pattern, root, _State({}, frozenset(), frozenset()), gm):
         inside = state.nodes
-        if any(user not in inside for node in inside - {root} for user in node.users):
+        if not read_only_inside(inside, handed_on=(root,)):
             continue
         if any(node in inside for node in state.inputs.values()):
             continue

@@ -67,6 +67,10 @@ def wrong_step(x):
     return torch.stack((-x[..., 1::2], x[..., 1::2]), dim=-1).flatten(-2)
 
 
+def negated_in_place(x):  # neg_ of a view negates x's second half too, before x * cos reads it
+    return torch.cat((x[..., x.shape[-1] // 2 :].neg_(), x[..., : x.shape[-1] // 2]), dim=-1)
+
+
 class Rope(nn.Module):
     """q and k projections rotated as Llama writes it; ``rotary_dim`` rotates the first features only."""
 
@@ -164,9 +168,10 @@ def test_fx_partial_rotary_fuses_whole(rotate) -> None:
         Rope(wrong_order),
         Rope(wrong_slice),
         Rope(wrong_step),
+        Rope(negated_in_place),
         Rope(mix=True),  # q * cos + rotate_half(k) * sin
     ],
-    ids=["sign", "order", "slice", "step", "other-tensor"],
+    ids=["sign", "order", "slice", "step", "in-place", "other-tensor"],
 )
 def test_fx_near_misses_are_left_alone(model) -> None:
     check_against_unfused(model, inputs(), expected_calls=0)
