@@ -351,3 +351,16 @@ def test_llama_on_gpu_runs_the_triton_kernels_and_matches_autocast() -> None:
     assert len(fused_calls(converted)) == 5
     reference = amp_fx.testing.with_autocast(model, "cuda", BF16)
     assert_close_to(ours, loss_and_grads(reference, **kwargs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("front_end", ["fx", "export"])
+def test_rms_norm_modules_on_gpu_fuse_and_match_autocast(front_end: str) -> None:
+    # On CUDA, eager rms_norm runs aten's _fused_rms_norm; torch.export must still record
+    # aten.rms_norm for the pass to see it.
+    torch.manual_seed(0)
+    model, ids = RMSNormDecoder().cuda(), torch.randint(0, 32, (4, 64), device="cuda")
+    fused = amp_fx.convert(copy.deepcopy(model), "O2", dtype=BF16, front_end=front_end)
+    ours = loss_and_grads(fused, ids)
+    assert len(fused_calls(fused)) == 3
+    assert_close_to(ours, loss_and_grads(amp_fx.testing.with_autocast(model, "cuda", BF16), ids))
