@@ -86,6 +86,14 @@ def _call(norm: NormChain, weight, bias) -> tuple:
     return rms_norm_fp32, (norm.x, weight, norm.eps), options
 
 
+def _computed_by(norm: NormChain, weight: torch.fx.Node | None) -> torch.fx.Node:
+    """The chain's node whose module the fused call is recorded in: the one that reads the weight,
+    that is the norm module itself (FSDP2 gathers the weight for that module's ops alone,
+    `shard_regions`), else the output. The output can be a cast the passes added, of no module."""
+    readers = [node for node in norm.replaced if weight is not None and weight in node.all_input_nodes]
+    return readers[0] if readers else norm.output
+
+
 def _describe(norm: NormChain) -> str:
     kind = "LayerNorm" if norm.subtract_mean else "RMSNorm"
     reads = " + ".join(dtype_name(node_info(n).out_dtype) for n in (norm.x, norm.residual) if n is not None)
@@ -117,9 +125,10 @@ def _rewrite(gm: torch.fx.GraphModule, policy: Policy, norm: NormChain) -> None:
             summed = graph.call_function(operator.getitem, (fused, 0))
             out = graph.call_function(operator.getitem, (fused, 1))
     # Where the chain's output came from, for the report and for checkpoint_regions' layer cuts.
+    source = _computed_by(norm, weight)
     for node in (fused, summed, out):
         if node is not None:
-            node.meta.update({k: norm.output.meta[k] for k in _COPIED_META if k in norm.output.meta})
+            node.meta.update({k: source.meta[k] for k in _COPIED_META if k in source.meta})
     inputs = [n for n in (norm.x, norm.residual, weight, bias) if n is not None]
     # The op and rule classify gives this call when the graph is converted again.
     decision = decide_node(fused, gm, policy)

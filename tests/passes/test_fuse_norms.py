@@ -18,6 +18,7 @@ from torch import nn
 import amp_fx
 from amp_fx.core.node_info import node_info
 from amp_fx.passes.fuse_norms import FUSED_NORM_FUNCTIONS
+from amp_fx.passes.shared.module_regions import module_paths
 from amp_fx.testing import assert_close_normwise, grad_tolerances, tolerances
 from tests.bit_equality import bits_equal
 from tests.models.hf import MODELS
@@ -300,6 +301,39 @@ def test_timm_rms_norm_model_fuses() -> None:
     calls = [call.target.__name__ for call in fused_calls(fused)]
     assert calls == ["rms_norm_fp32"] + ["add_rms_norm_fp32"] * 4
     assert_close_to(ours, loss_and_grads(amp_fx.testing.with_autocast(model, "cpu", BF16), x))
+
+
+class NormModule(nn.Module):
+    def __init__(self, norm) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(WIDTH))
+        self.norm = norm
+
+    def forward(self, h):
+        return self.norm(h, self.weight)
+
+
+class ModuleStream(nn.Module):
+    """Linear, residual add, a norm module, linear: the next linear casts the norm's output."""
+
+    def __init__(self, norm) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(WIDTH, WIDTH), NormModule(norm), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return self.b(self.norm(x + self.a(x)))
+
+
+@pytest.mark.parametrize("norm", [llama, t5])
+def test_the_fused_call_is_the_norm_modules_op(norm) -> None:
+    # shard_regions runs it in the norm's call, where FSDP2 gathers the norm's weight; T5's
+    # norm ends in FP32, so its last node is the cast the passes add for the next linear.
+    torch.manual_seed(0)
+    model = amp_fx.convert(ModuleStream(norm), "O2", dtype=BF16, front_end="export")
+    model(torch.randn(4, WIDTH))
+    (call,) = fused_calls(model)
+    for node in (call, *call.users):
+        assert module_paths(node)[-1] == "norm"
 
 
 def test_only_o2_fuses_by_default() -> None:
