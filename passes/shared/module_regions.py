@@ -7,8 +7,11 @@ calls them through a checkpoint function, `shard_regions` through the module its
 FSDP2's hooks run).
 
 A region is a maximal run of consecutive nodes (in the graph's order, which is topological) that
-belong to one chosen module; nodes the passes added (casts) belong where their users do. A run of
-consecutive nodes is convex, so cutting it out keeps the graph acyclic.
+belong to one chosen module; nodes the passes added (casts) belong where their users do, and are
+moved to just before their first user: a cast placed after its input, with other ops between it
+and its user (a head fused with its loss, which comes later), would otherwise be a run, and a
+call of the module, of its own. A run of consecutive nodes is convex, so cutting it out keeps
+the graph acyclic.
 
 >>> from amp_fx.passes.export import export_graph
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 import torch.fx
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
+
+from amp_fx.passes.shared.calls import is_inplace_call
 
 __all__ = ["module_paths", "cut_module_regions"]
 
@@ -54,6 +59,19 @@ def _region_keys(
     return keys
 
 
+def _sink_to_users(gm: torch.fx.GraphModule, keys: dict[torch.fx.Node, str | None]) -> None:
+    """Move each node the passes added that joined a region to right before its first user."""
+    position = {node: float(index) for index, node in enumerate(gm.graph.nodes)}
+    for node in reversed(list(gm.graph.nodes)):  # users first: a chain of added nodes moves as one
+        if keys[node] is None or module_paths(node) or node.op == "get_attr" or is_inplace_call(node):
+            continue
+        first = min(node.users, key=position.__getitem__)
+        if first.prev is node:
+            continue
+        position[node] = (position[first.prev] + position[first]) / 2
+        first.prepend(node)
+
+
 def _read_once_per_user(gm: torch.fx.GraphModule) -> None:
     # Each user gets its own read, placed right before it, so the read joins the user's run.
     for node in list(gm.graph.find_nodes(op="get_attr")):
@@ -76,6 +94,7 @@ def cut_module_regions(
     if with_reads:
         _read_once_per_user(gm)
     keys = _region_keys(gm, modules, with_reads)
+    _sink_to_users(gm, keys)
     runs: list[tuple[str, dict[torch.fx.Node, int | None]]] = []
     previous: str | None = None
     for node in gm.graph.nodes:
