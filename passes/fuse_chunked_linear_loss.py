@@ -20,6 +20,8 @@ The head and loss become ``chunked_linear_cross_entropy(h, W, b, target, i, redu
 (`amp_fx.ops.chunked_cross_entropy`): low-precision cuBLAS matmuls and the fused cross-entropy
 kernel per chunk of rows, gradients computed in the forward. Nodes replaced: the head's linear
 call, the chain of casts and views to the loss, the loss itself and size reads only they used.
+The call is recorded as the head module's op (its ``nn_module_stack``): under FSDP2 an untied
+head is a group of its own, gathered for its ops alone (`shard_regions`).
 
 Returned logits follow Liger-Kernel's convention: the output holds None in their place (a Hugging
 Face model's output then has ``logits=None`` and a real ``loss``). Hence the pass runs only on
@@ -60,6 +62,7 @@ from amp_fx.ops.chunked_cross_entropy import chunked_linear_cross_entropy
 from amp_fx.ops.module_hooks import has_forward_hooks
 from amp_fx.passes.shared.calls import call_argument
 from amp_fx.passes.shared.losses import cross_entropy_call_arguments, is_last_size_of
+from amp_fx.passes.shared.module_regions import computed_by_module_of
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +219,8 @@ def _replace(
 ) -> None:
     graph = gm.graph
     input, weight, bias, _ = head_arguments
-    low = node_info(removed[0]).out_dtype
+    head = removed[0]
+    low = node_info(head).out_dtype
     with graph.inserting_before(loss):
         parameters = []
         for value in (weight, bias):
@@ -230,6 +234,8 @@ def _replace(
         )
     # Recorded as one call if the graph is traced again.
     fused.meta[FX_WRAPPED_KEY] = True
+    # The head's op: a sharded head's weight is gathered for it (an untied head is an FSDP2 group).
+    computed_by_module_of(fused, head)
     info = node_info(loss)
     fused.meta[META_KEY] = info
     info.rule = Rule.FP32

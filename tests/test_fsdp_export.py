@@ -15,7 +15,9 @@ trained with FusedAdam and LossScaler on halves of a global batch, called as Hug
 GPT-2's training runs in a spawn of its own on every test run; Llama, T5, the overflow and the
 resume share a second spawn, marked slow (a minute and more on a busy CPU).
 
-The models run in eval mode (no dropout): the halves and the whole batch then see the same function.
+The halves and the whole batch must see the same function: a model holding dropout runs in eval
+mode, one without (Llama) in training mode, as training captures it (its untied head fused with
+its loss, the head an FSDP2 group of its own).
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def make_model(name: str) -> torch.nn.Module:
 
     torch.manual_seed(0)
     model, _ = BUILDERS[name]()
-    return amp_fx.convert(model.eval(), "O2", dtype=torch.bfloat16)
+    random = any(isinstance(module, nn.Dropout) and module.p > 0 for module in model.modules())
+    return amp_fx.convert(model.train(not random), "O2", dtype=torch.bfloat16)
 
 
 def batches(steps: int, seed: int = 1) -> list[torch.Tensor]:

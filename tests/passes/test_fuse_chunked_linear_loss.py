@@ -21,6 +21,7 @@ from amp_fx.captured_model import capture_states
 from amp_fx.core.node_info import TRAINING_MODE_KEY, node_info
 from amp_fx.core.policy import preset
 from amp_fx.ops.chunked_cross_entropy import chunked_linear_cross_entropy
+from amp_fx.passes.shared.module_regions import module_paths
 from amp_fx.pipeline import rewrite_graph
 from amp_fx.testing import tolerances, with_autocast
 from tests.bit_equality import bits_equal
@@ -68,6 +69,7 @@ def test_hugging_face_head_and_loss_become_one_call(name, tied):
     assert node_info(call).in_dtypes == (BF16, BF16, torch.int64)
     assert any("chunked_linear_cross_entropy" in note for note in node_info(call).notes)
     assert (converted.lm_head.weight is converted.get_input_embeddings().weight) is tied
+    assert module_paths(call)[-1] == "lm_head"  # the head's op: FSDP2 gathers the head for it
 
     if name != "llama":
         return
