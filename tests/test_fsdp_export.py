@@ -327,7 +327,7 @@ def test_regions_run_through_their_modules_hooks_and_in_place_updates_see_copies
 def test_on_one_gpu_the_sharded_code_path_matches_the_unsharded_model(tmp_path: Path) -> None:
     """A mesh of one on CUDA (NCCL): the gathers are copies, so the sharded model computes the
     unsharded one's losses exactly, and its FP32 shards track the unsharded masters."""
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # NCCL asks for an index
     dist.init_process_group(
         "nccl", init_method=Path(tmp_path, "store").as_uri(), rank=0, world_size=1, device_id=device
     )
