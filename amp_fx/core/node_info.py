@@ -22,9 +22,13 @@ from amp_fx.core.rules import Rule
 META_KEY = "amp_fx"
 POLICY_KEY = "amp_fx_policy"
 ORIGINAL_CODE_KEY = "amp_fx_original_code"
-# Set on a graph whose parameters are already stored in their dtypes (the torch.export front end
-# stores them when the model is converted, before any capture): the passes leave them as they are.
+# Set on a graph whose parameters are already stored in their dtypes (a converted graph converted
+# again): the passes leave them as they are.
 PARAMETERS_STORED_KEY = "amp_fx_parameters_stored"
+# gm.meta of a torch.export front end graph: qualified names of the parameters not stored yet (left
+# FP32 at convert, see `amp_fx.captured_model`); the passes store those the graph reads, as on the
+# fx front end, and leave every other parameter as it is.
+UNSTORED_PARAMETERS_KEY = "amp_fx_unstored_parameters"
 # gm.meta: indices of the graph's flat outputs that keep the dtype they are computed in (a KV
 # cache's tensors, a container's state after the call), not cast per ``cast_model_outputs``.
 KEEP_OUTPUT_DTYPE_KEY = "amp_fx_keep_output_dtype"

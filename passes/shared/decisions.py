@@ -16,7 +16,12 @@ import torch.fx
 from torch import nn
 
 from amp_fx.core.module_ops import module_op
-from amp_fx.core.node_info import PARAMETER_PLAN_KEY, PARAMETERS_STORED_KEY, node_info
+from amp_fx.core.node_info import (
+    PARAMETER_PLAN_KEY,
+    PARAMETERS_STORED_KEY,
+    UNSTORED_PARAMETERS_KEY,
+    node_info,
+)
 from amp_fx.core.op_facts import NORM_OPS, VALUE_MOVING_OPS
 from amp_fx.core.op_lists import OPAQUE_OP
 from amp_fx.core.policy import Decision, Policy, Rule
@@ -127,6 +132,8 @@ def planned_parameter_dtypes(gm: torch.fx.GraphModule, policy: Policy) -> dict[s
     (tied weights) gets one dtype under all of them: float32 if any caller wants float32. At a
     level that keeps norms FP32 (O2) a tensor the graph reads directly is float32 unless a
     lowered op reads it (`_read_by_lowered_op`; the report notes why, `UNLOWERED_PARAMETER_REASON`).
+    A graph of the torch.export front end plans only the parameters its model has not stored yet
+    (``gm.meta[UNSTORED_PARAMETERS_KEY]``) that it reads; the others keep their stored dtype.
 
     >>> from amp_fx.core.policy import preset
     >>> from amp_fx.passes.normalize_ops import normalize_ops
@@ -137,6 +144,8 @@ def planned_parameter_dtypes(gm: torch.fx.GraphModule, policy: Policy) -> dict[s
     """
     if not policy.cast_parameters or gm.meta.get(PARAMETERS_STORED_KEY):
         return {}
+    unstored = gm.meta.get(UNSTORED_PARAMETERS_KEY)  # None: every parameter is planned (fx)
+    unlowered_reads: list[torch.fx.Node] = []
     by_tensor: dict[int, torch.dtype] = {}
     names: dict[int, list[str]] = {}
 
@@ -177,9 +186,9 @@ def planned_parameter_dtypes(gm: torch.fx.GraphModule, policy: Policy) -> dict[s
             unlowered = policy.level.keeps_norms_fp32 and not _read_by_lowered_op(node, gm, policy)
             if unlowered and _castable(tensor):
                 want(node.target, tensor, torch.float32)
-                node_info(node).reason = UNLOWERED_PARAMETER_REASON  # the report's reason column
+                unlowered_reads.append(node)
     # Parameters no call reads (unused, or reached only through untraced code): the owner's default.
-    for path, module in gm.named_modules():
+    for path, module in gm.named_modules() if unstored is None else ():
         own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
         for attribute, tensor in own:
             name = f"{path}.{attribute}" if path else attribute
@@ -187,7 +196,23 @@ def planned_parameter_dtypes(gm: torch.fx.GraphModule, policy: Policy) -> dict[s
                 want(name, tensor, policy.decide(_UNCALLED_OP, module_name=path or None).param_dtype)
             elif id(tensor) in names and name not in names[id(tensor)]:
                 names[id(tensor)].append(name)
-    return {name: by_tensor[key] for key, aliases in names.items() for name in aliases}
+    plan = {
+        name: by_tensor[key]
+        for key, aliases in names.items()
+        for name in aliases
+        if unstored is None or name in unstored
+    }
+    _note_unlowered(gm, unlowered_reads, plan)
+    return plan
+
+
+def _note_unlowered(
+    gm: torch.fx.GraphModule, reads: list[torch.fx.Node], plan: dict[str, torch.dtype]
+) -> None:
+    """The report's reason for each read of a parameter no lowered op reads, stored float32."""
+    for node in reads:
+        if plan.get(node.target, _tensor_at(gm, node.target).dtype) == torch.float32:
+            node_info(node).reason = UNLOWERED_PARAMETER_REASON
 
 
 # Why a parameter that no lowered op reads stays float32 at O2 (shown by `amp_fx.report`).
