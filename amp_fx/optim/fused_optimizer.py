@@ -269,6 +269,17 @@ class FusedOptimizer(StateDictLoading, torch.optim.Optimizer):
                 # .to() keeps the memory format, so master and param share strides (the kernels need it).
                 state[MASTER_KEY] = param.detach().to(torch.float32, copy=True)
 
+    def adopt_master(self, param: Tensor, value: Tensor) -> bool:
+        """Give ``param``, stored low after this optimizer was built, the FP32 master ``value`` (its
+        value before it was rounded) where its group keeps masters and it has none; True if given.
+        (`amp_fx.optim.model_loads.masters_for_stored_low` calls it; the example is there.)"""
+        group = next((g for g in self.param_groups if any(p is param for p in g["params"])), None)
+        if group is None or not self._master_expected(param, group) or MASTER_KEY in self.state[param]:
+            return False
+        with torch.no_grad():
+            self.state[param][MASTER_KEY] = value.detach().to(torch.float32, copy=True)
+        return True
+
     def _init_moments(self, param: Tensor, group: dict[str, Any]) -> None:
         """Create the zeroed FP32 state tensors ``param`` lacks (its first step, or momentum 0 -> 0.9),
         and with them its step offset: the group's count now, so that this is its step t = 1.

@@ -66,6 +66,36 @@ def fused_masters(params: Iterable[Tensor]) -> dict[int, list[Tensor]]:
     return found
 
 
+def masters_for_stored_low(stored: Iterable[tuple[Tensor, Tensor]]) -> Callable[[], None]:
+    """For each ``(param, value)``: ``param`` was ``value`` (FP32) and is now stored in a low dtype (the
+    torch.export front end stores some parameters at their first capture, after optimizers may have
+    been built). Each fused optimizer holding it that keeps masters takes ``value`` as its FP32
+    master, as one built after the store would (from the exact value, not the rounded one).
+    Returns what takes those masters back.
+
+    Example:
+        >>> from amp_fx.optim import FusedSGD
+        >>> w = torch.nn.Parameter(torch.full((2,), 1 / 3))
+        >>> opt = FusedSGD([w], lr=0.1)
+        >>> value, w.data = w.data, w.data.half()
+        >>> undo = masters_for_stored_low([(w, value)])
+        >>> opt.state[w][MASTER_KEY].dtype, torch.equal(opt.state[w][MASTER_KEY], value)
+        (torch.float32, True)
+    """
+    given = [
+        (optimizer, param)
+        for param, value in stored
+        for optimizer in list(_optimizers_by_param.get(param, ()))
+        if optimizer.adopt_master(param, value)
+    ]
+
+    def undo() -> None:
+        for optimizer, param in given:
+            optimizer.state[param].pop(MASTER_KEY, None)
+
+    return undo
+
+
 def masters_of(module: nn.Module) -> dict[int, list[Tensor]]:
     """id(param) -> the FP32 masters kept for each of ``module``'s parameters (params without any left out).
 
