@@ -6,7 +6,8 @@ model, of the model's own class, so it is a drop-in: the same call signature (``
 ``labels=``, ``pixel_values=``), the same output type (a ``ModelOutput`` with ``.loss``), the same
 ``state_dict`` keys, ``.config`` and ``save_pretrained``. At O2/O3 its parameters are stored in
 the low dtype when it is made (BatchNorm's and FP32-ruled modules' stay float32), so optimizers
-built from it see the tensors they will train.
+built from it see the tensors they will train; at O2 a parameter only modules with children hold
+waits FP32 for the first graph that reads it (`amp_fx.capture.storage`).
 
 Each call is run by a graph rewritten by the convert passes (`amp_fx.pipeline`):
 
@@ -70,10 +71,11 @@ from amp_fx.capture.state import (
     capture_states,
     record,
 )
+from amp_fx.capture.storage import store_parameters, storing_unstored
 from amp_fx.core.containers import flatten
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
-from amp_fx.core.node_info import PARAMETERS_STORED_KEY, TRAINING_MODE_KEY
-from amp_fx.core.policy import Policy, Rule
+from amp_fx.core.node_info import TRAINING_MODE_KEY
+from amp_fx.core.policy import Policy
 from amp_fx.ops.casts import cast_if_floating
 from amp_fx.passes.checkpoint_regions import checkpoint_regions
 from amp_fx.passes.export import (
@@ -84,7 +86,6 @@ from amp_fx.passes.export import (
     graph_inputs,
 )
 from amp_fx.passes.shard_regions import shard_regions
-from amp_fx.passes.shared.decisions import decide_module
 from amp_fx.passes.shared.model_copy import copy_model
 from amp_fx.pipeline import rewrite_graph
 from amp_fx.saving import master_state_dict
@@ -297,10 +298,10 @@ def _captured_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def _make_captured(module: nn.Module, policy: Policy) -> None:
+def _make_captured(module: nn.Module, policy: Policy, unstored: list[torch.Tensor]) -> None:
     original = type(module)
     module.__class__ = _captured_class(original)
-    module.__dict__[STATE_ATTR] = CaptureState(policy)
+    module.__dict__[STATE_ATTR] = CaptureState(policy, unstored=unstored)
 
     def undo() -> None:
         module.__class__ = original
@@ -313,55 +314,27 @@ def _original_forward(module: nn.Module) -> Any:
     return super(CapturedModel, module).forward
 
 
-def _store_parameters(model: nn.Module, policy: Policy) -> None:
-    """O2/O3: store each module's parameters (and its floating buffers) in the dtype the policy
-    decides for the op the module is, as `cast_parameters` does for traced modules; a tensor
-    shared by several modules is float32 if any of them wants float32."""
-    wanted: dict[int, torch.dtype] = {}
-    tensors: dict[int, torch.Tensor] = {}
-    for name, module in model.named_modules():
-        own = [*module.parameters(recurse=False)]
-        if not own:
-            continue
-        decision = decide_module(module, name, policy)
-        if decision.rule is Rule.OPAQUE or decision.param_dtype is None:
-            continue
-        for tensor in [*own, *module.buffers(recurse=False)]:
-            if tensor.is_floating_point() and tensor.dtype != torch.float64:
-                key = id(tensor)
-                tensors[key] = tensor
-                current = wanted.get(key)
-                wanted[key] = (
-                    torch.float32
-                    if torch.float32 in (current, decision.param_dtype)
-                    else decision.param_dtype
-                )
-    for key, dtype in wanted.items():
-        tensors[key].data = tensors[key].data.to(dtype)
-
-
 def captured_model(model: nn.Module, policy: Policy) -> nn.Module:
     """A converted copy of ``model`` whose calls are captured by torch.export (module docstring).
 
     The model passed in is never modified.
     """
     converted = copy_model(model)
-    if policy.cast_parameters:
-        _store_parameters(converted, policy)
-    _make_captured(converted, policy)
-    _make_descendants_captured(converted, policy)
+    unstored = store_parameters(converted, policy) if policy.cast_parameters else []
+    _make_captured(converted, policy, unstored)
+    _make_descendants_captured(converted, policy, unstored)
     return converted
 
 
-def _make_descendants_captured(module: nn.Module, policy: Policy) -> None:
+def _make_descendants_captured(module: nn.Module, policy: Policy, unstored: list[torch.Tensor]) -> None:
     # Each part holding parameters is converted too, so a call of it on its own (TRL's fused head
     # calls ``model.model(...)``; a user calls a layer) runs a rewritten graph of its own instead of
     # the original code on converted weights. Inside its parent's capture it runs its own code
     # (`EXPORTING`), so the parent's graph holds its ops.
     for child in called_children(module):
         if attached_state(child) is None and any(True for _ in child.parameters()):
-            _make_captured(child, policy)
-        _make_descendants_captured(child, policy)
+            _make_captured(child, policy, unstored)
+        _make_descendants_captured(child, policy, unstored)
 
 
 @torch.compiler.disable
@@ -433,9 +406,12 @@ def _capture(
     else:
         failure = None
     if failure is None:
-        graph.meta[PARAMETERS_STORED_KEY] = True
         graph.meta[TRAINING_MODE_KEY] = module.training
-        rewrite_graph(graph, policy, tuple(graph_inputs(graph, args, kwargs)))
+        # Parameters the graph is first to read are stored now (`amp_fx.capture.storage`), not
+        # those of a model FSDP2 shards or of a call on fake tensors (its graph is dropped after it).
+        decide = not sharded and not _on_fake_tensors(args, kwargs)
+        with storing_unstored(module, state, graph, decide):
+            rewrite_graph(graph, policy, tuple(graph_inputs(graph, args, kwargs)))
         graph = checkpoint_regions(graph, checkpoints)
         if sharded:
             graph = shard_regions(graph, module, sharded_modules(module))
@@ -490,7 +466,7 @@ def _become_island(
     if JOURNALS:
         JOURNALS[-1].islands.append((module, state.islands[key]))
     # Its parts were converted with it; one added to the model since is converted now.
-    _make_descendants_captured(module, state.policy)
+    _make_descendants_captured(module, state.policy, state.unstored)
 
 
 def _run_island(module: nn.Module, policy: Policy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

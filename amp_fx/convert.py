@@ -27,7 +27,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from amp_fx.captured_model import CapturedModel, captured_model
+from amp_fx.captured_model import CapturedModel, capture_states, captured_model
 from amp_fx.core.dtypes import default_device_type, short_repr
 from amp_fx.core.node_info import (
     OTHER_MODE_GRAPH_KEY,
@@ -211,6 +211,7 @@ def _capture_untraceable_children(gm: torch.fx.GraphModule, policy: Policy) -> N
         child = gm.get_submodule(name)
         captured = captured_model(child, child_policy)
         _share_tensors(captured, child)
+        capture_states(captured)[0][1].unstored.clear()  # the passes stored every one of them
         setattr(gm.get_submodule(parent_name), attribute, captured)
         logger.info("%s: torch.fx stopped in %r; it is captured with torch.export", type(gm).__name__, name)
     for path in islands:

@@ -223,6 +223,7 @@ def fully_shard_converted(
             (gm.get_submodule(name) if name else gm).__dict__[GATHER_DTYPE_ATTR] = policy.param_dtype
         for _, state in capture_states(gm):
             state.graphs.clear()  # they read the parameters FSDP2 has just replaced by shards
+            state.unstored.clear()  # FP32 shards now, in groups gathered in FP32: they stay FP32
     logger.info(
         "sharded %d FSDP2 groups over %d ranks: %s",
         len(policies),

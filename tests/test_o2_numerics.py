@@ -4,9 +4,9 @@ Two kinds of tensor O2 used to store low where autocast computes in FP32: the we
 products autocast does not list (mixture-of-experts layers run their experts through
 ``aten._grouped_mm``) and parameters no lowered op reads (Swin V2's attention logit scale, which
 only ``clamp``/``exp``/``mul`` read). Both now run FP32 at O2, with a reason in the report (the
-parameters' storage follows the graph on the torch.fx front end; the torch.export front end stores
-them before any graph, see the CLIP case); the suite's Hugging Face, timm and nanoGPT models are
-then within the oracle's bound of autocast.
+parameters' storage follows the graph on both front ends: the torch.export front end stores such a
+parameter at the first capture that reads it, tests/test_export_parameter_storage.py); the suite's
+Hugging Face, timm and nanoGPT models are then within the oracle's bound of autocast.
 """
 
 from __future__ import annotations
@@ -134,17 +134,10 @@ def _suite_models() -> dict[str, Any]:
 
 
 _FAST = ("nanogpt", "timm_swinv2", "hf_gpt2")
-# The torch.export front end stores parameters when the model is converted, before a graph shows
-# what reads them: CLIPModel's logit_scale (read by exp only) is stored low, and its logits are
-# 1.54x autocast's error. Strict: fixing the front end makes this test fail until the mark goes.
-_KNOWN_GAPS = {"hf_clip": "export front end stores logit_scale low before any graph exists"}
 
 
 def _case(name: str) -> Any:
-    marks = [] if name in _FAST else [pytest.mark.slow]
-    if name in _KNOWN_GAPS:
-        marks.append(pytest.mark.xfail(strict=True, reason=_KNOWN_GAPS[name]))
-    return pytest.param(name, marks=marks)
+    return pytest.param(name, marks=[] if name in _FAST else [pytest.mark.slow])
 
 
 @pytest.mark.parametrize("name", [_case(name) for name in _suite_models()])

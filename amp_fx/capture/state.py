@@ -8,6 +8,7 @@ captures transactional (`amp_fx.captured_model`).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -42,14 +43,19 @@ class CaptureState:
     seconds: list[float] = dataclasses.field(default_factory=list)
     # Argument structure (see `_structure`) -> why calls of that structure run in an island.
     islands: dict[tuple[Any, ...], str] = dataclasses.field(default_factory=dict)
+    # The model's parameters not stored yet (`amp_fx.capture.storage`): one list, shared by the
+    # states of a converted model and its captured parts.
+    unstored: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CaptureState:
-        # Graphs hold the model's tensors; a copy of the model captures its own.
-        return CaptureState(self.policy, islands=dict(self.islands))
+        # Graphs hold the model's tensors; a copy of the model captures its own. Through ``memo``
+        # the copy's list is one list again, of the copy's parameters.
+        unstored = copy.deepcopy(self.unstored, memo)
+        return CaptureState(self.policy, islands=dict(self.islands), unstored=unstored)
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled without graphs, as deep-copied: they are captured again at the next call.
-        return {"policy": self.policy, "islands": dict(self.islands)}
+        return {"policy": self.policy, "islands": dict(self.islands), "unstored": self.unstored}
 
     def __setstate__(self, values: dict[str, Any]) -> None:
         values.pop("called", None)  # kept by pickles of an earlier version

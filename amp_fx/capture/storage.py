@@ -1,0 +1,129 @@
+"""Where the torch.export front end stores a converted model's parameters (O2/O3): most when the
+model is converted, the rest at the first capture that reads them.
+
+A parameter of a module whose children hold none (``nn.Linear``, GPT-2's ``Conv1D``, an RMSNorm,
+a mixture-of-experts layer's expert tensors beside its activation) is what that module's op
+computes with, so the policy's decision for the op (`decide_module`) says how to store it, as the
+fx front end decides for a module its graph calls: `store_parameters` stores it when the model is
+converted, and optimizers, DDP and FSDP2 set up right after see the tensors they train. A
+parameter held by a module whose children hold parameters (CLIP's ``logit_scale``, ViT's
+``cls_token``, Mamba's ``A_log``) is read by the code around those children, which only a graph
+shows. Where the level keeps parameters no lowered op reads FP32 (O2) it stays FP32 at convert,
+and the first graph that reads it decides (`storing_unstored`): the convert passes plan it as on
+the fx front end (`planned_parameter_dtypes`), so a logit scale that only ``exp`` reads stays FP32
+and is never rounded, and a bias concatenated into a projection's is stored low. A fused optimizer
+already holding a parameter stored low then is given its FP32 master (the exact value it had);
+all of it is undone if the call fails.
+
+    >>> from amp_fx.core.policy import preset
+    >>> class Scaled(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.fc, self.scale = nn.Linear(2, 2), nn.Parameter(torch.ones(()))
+    >>> model = Scaled()
+    >>> [p is model.scale for p in store_parameters(model, preset("O2", torch.bfloat16, "cpu"))]
+    [True]
+    >>> model.fc.weight.dtype, model.scale.dtype
+    (torch.bfloat16, torch.float32)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.fx
+from torch import nn
+
+from amp_fx.capture.state import CaptureState, record
+from amp_fx.core.node_info import UNSTORED_PARAMETERS_KEY
+from amp_fx.core.policy import Policy, Rule
+from amp_fx.optim.model_loads import masters_for_stored_low
+from amp_fx.passes.shared.decisions import decide_module
+
+__all__ = ["store_parameters", "storing_unstored"]
+
+
+def _castable(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() and tensor.dtype != torch.float64
+
+
+def store_parameters(model: nn.Module, policy: Policy) -> list[nn.Parameter]:
+    """Store each module's parameters (and its floating buffers) in the dtype the policy decides
+    for the op the module is; a tensor several modules hold is float32 if any of them wants it.
+    Returns the parameters left unstored (module docstring): held only by modules with children,
+    at a level that keeps parameters no lowered op reads FP32."""
+    wanted: dict[int, torch.dtype] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    unstored: dict[int, nn.Parameter] = {}
+    for name, module in model.named_modules():
+        own = [*module.parameters(recurse=False)]
+        if not own:
+            continue
+        decision = decide_module(module, name, policy)
+        if decision.rule is Rule.OPAQUE or decision.param_dtype is None:
+            continue
+        stored = [*module.buffers(recurse=False)]
+        low = decision.param_dtype != torch.float32
+        if low and policy.level.keeps_norms_fp32 and _composes(module):
+            unstored.update((id(param), param) for param in own)
+        else:
+            stored += own
+        for tensor in stored:
+            if _castable(tensor):
+                key = id(tensor)
+                tensors[key] = tensor
+                current = wanted.get(key)
+                dtype = decision.param_dtype
+                wanted[key] = torch.float32 if torch.float32 in (current, dtype) else dtype
+    for key, dtype in wanted.items():
+        tensors[key].data = tensors[key].data.to(dtype)
+    return [param for key, param in unstored.items() if key not in wanted and _castable(param)]
+
+
+def _composes(module: nn.Module) -> bool:
+    """Whether a child of ``module`` holds parameters: its own are read by the code around them."""
+    return any(True for child in module.children() for _ in child.parameters())
+
+
+@contextlib.contextmanager
+def storing_unstored(
+    module: nn.Module, state: CaptureState, graph: torch.fx.GraphModule, decide: bool
+) -> Iterator[None]:
+    """Around the convert passes' rewrite of ``graph``, a capture of ``module``: the parameters
+    left unstored that the graph reads are planned and stored by the passes (``decide`` False: none,
+    for a capture on fake tensors or of a model FSDP2 shards). Afterwards they count as stored, and
+    fused optimizers holding one now stored low keep its FP32 value as master. A rewrite that
+    raises restores them; a call that fails later undoes all of it (the capture journal)."""
+    reads = {node.target for node in graph.graph.nodes if node.op == "get_attr"}
+    unstored = {id(param) for param in state.unstored} if decide else set()
+    deciding = {
+        name: param
+        for name, param in module.named_parameters(remove_duplicate=False)
+        if id(param) in unstored and name in reads
+    }
+    graph.meta[UNSTORED_PARAMETERS_KEY] = frozenset(deciding)
+    before = {id(param): (param, param.data, param.grad) for param in deciding.values()}
+    try:
+        yield
+    except BaseException:
+        _restore(before.values())
+        raise
+    lowered = [(param, data) for param, data, _ in before.values() if param.dtype != data.dtype]
+    undo_masters = masters_for_stored_low(lowered)
+    previous = list(state.unstored)
+    state.unstored[:] = [param for param in previous if id(param) not in before]
+
+    def undo() -> None:
+        undo_masters()
+        _restore(before.values())
+        state.unstored[:] = previous
+
+    record(undo)
+
+
+def _restore(saved: Iterable[tuple[nn.Parameter, torch.Tensor, torch.Tensor | None]]) -> None:
+    for param, data, grad in saved:
+        param.data = data
+        param.grad = grad
