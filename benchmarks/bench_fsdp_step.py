@@ -13,7 +13,14 @@ model (benchmarks/models.py, random weights) converted at O2 (bf16) and sharded 
 `amp_fx.fsdp.fully_shard_converted` (one FSDP2 group per block), called as Hugging Face documents
 (``model(input_ids=ids, labels=ids).loss``), against one process training the unsharded converted
 model on the whole global batch (FusedAdam with FP32 masters): time per step, optimizer state per
-rank and the peak of the gathered parameter bytes in the forward (read at every group's pre-hook).
+rank and the peak of the gathered parameter bytes in the forward (read at every group's pre-hook,
+in a step of its own: the hooks read every parameter of the model, host time kept out of the
+timed steps). Where the time goes: ``host ms`` is the time the step's Python takes to return (on
+a GPU, a step whose host ms reaches its ms/step is host-bound: the GPU waits for launches), and
+one profiled step counts what it ran and sums its time: kernels and copies on a GPU, top-level
+aten ops on a CPU; ``--trace-dir`` writes that step's Chrome trace per row.
+``--no-reshard-after-forward`` keeps each block gathered from its forward to its backward (no
+second all-gather).
 
 Run it under torchrun (NCCL on GPUs, gloo on CPUs):
 
@@ -22,6 +29,8 @@ Run it under torchrun (NCCL on GPUs, gloo on CPUs):
     torchrun --standalone --nproc_per_node=1 benchmarks/bench_fsdp_step.py --model hf_gpt2
     torchrun --standalone --nproc_per_node=2 benchmarks/bench_fsdp_step.py --model hf_gpt2 --small \
         --device cpu
+    torchrun --standalone --nproc_per_node=1 benchmarks/bench_fsdp_step.py --model hf_gpt2 \
+        --trace-dir /tmp/fsdp_traces
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.profiler import DeviceType, ProfilerActivity, profile
 
 import amp_fx
 from amp_fx.capture.sharding import sharded_modules
@@ -67,6 +77,12 @@ def parse_args() -> argparse.Namespace:
         "--batch-size", type=int, default=None, help="hf_*: global batch; default the model's"
     )
     parser.add_argument("--seq-len", type=int, default=None, help="hf_*: tokens per row; default the model's")
+    parser.add_argument(
+        "--no-reshard-after-forward", action="store_true", help="hf_*: blocks stay gathered until backward"
+    )
+    parser.add_argument(
+        "--trace-dir", default=None, help="hf_*: write one profiled step's Chrome trace per row"
+    )
     return parser.parse_args()
 
 
@@ -128,17 +144,22 @@ def plain_step(args: argparse.Namespace, shapes: list, device: torch.device, dty
     return make_optimizer(args.optimizer, params)
 
 
-def timed_ms(fn: Callable[[], object], device: torch.device) -> float:
+def timed_ms(fn: Callable[[], object], device: torch.device) -> tuple[float, float]:
+    """(milliseconds the call takes to finish, on the device for CUDA; milliseconds until it returns
+    on the host): equal on a CPU; on a GPU the second reaching the first means host-bound."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        begin = time.perf_counter()
         fn()
+        host = (time.perf_counter() - begin) * 1e3
         end.record()
         end.synchronize()
-        return start.elapsed_time(end)
+        return start.elapsed_time(end), host
     begin = time.perf_counter()
     fn()
-    return (time.perf_counter() - begin) * 1e3
+    elapsed = (time.perf_counter() - begin) * 1e3
+    return elapsed, elapsed
 
 
 def hf_training(args: argparse.Namespace, device: torch.device, shard: bool):
@@ -148,7 +169,7 @@ def hf_training(args: argparse.Namespace, device: torch.device, shard: bool):
     model = amp_fx.convert(work.model, "O2", dtype=torch.bfloat16)
     ids = work.inputs
     if shard:
-        model = fully_shard_converted(model)
+        model = fully_shard_converted(model, reshard_after_forward=not args.no_reshard_after_forward)
         ids = ids.chunk(dist.get_world_size())[dist.get_rank()]
     optimizer = amp_fx.optim.FusedAdam(model.parameters(), lr=1e-4, weight_decay=0.01)
 
@@ -169,37 +190,85 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(local_tensor(t).nbytes for t in state + params)
 
 
+def peak_gathered_bytes(model: nn.Module, step: Callable[[], None]) -> int:
+    """The most parameter bytes gathered at any group's forward pre-hook during one step (all of
+    them unsharded). The hooks are removed after it: each reads every parameter of the model."""
+    peaks: list[int] = []
+    handles = [
+        group.register_forward_pre_hook(lambda *_: peaks.append(gathered_parameter_bytes(model)))
+        for group in sharded_modules(model).values()
+    ]
+    step()
+    for handle in handles:
+        handle.remove()
+    return max(peaks) if peaks else gathered_parameter_bytes(model)
+
+
+def profiled_step(step: Callable[[], None], device: torch.device, trace: str | None) -> tuple[int, float]:
+    """(count, summed milliseconds) of what one step runs: its device activities (kernels, copies)
+    on a GPU, its top-level aten ops on a CPU. ``trace``: where to write the Chrome trace."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    if trace is not None:
+        prof.export_chrome_trace(trace)
+    if device.type == "cuda":
+        events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    else:
+        events = [
+            e
+            for e in prof.events()
+            if e.name.startswith("aten::") and not (e.cpu_parent and e.cpu_parent.name.startswith("aten::"))
+        ]
+    return len(events), sum(e.time_range.elapsed_us() for e in events) / 1e3
+
+
 def hf_main(args: argparse.Namespace, device: torch.device) -> None:
     args.reps = args.reps or (20 if device.type == "cuda" else 3)
-    rows: dict[str, tuple[float, int, int, float]] = {}
+    rows: dict[str, tuple[float, ...]] = {}
     for shard in (True, False):
         if not shard and dist.get_rank() != 0:
             break  # one process on the whole batch: rank 0 alone, the others wait
         step, optimizer, model = hf_training(args, device, shard)
-        peaks: list[int] = []
-        for group in sharded_modules(model).values():
-            group.register_forward_pre_hook(
-                lambda *_, m=model, seen=peaks: seen.append(gathered_parameter_bytes(m))
-            )
         for _ in range(3):  # captures, moments
             step()
-        peaks.clear()
+        peak_gathered = peak_gathered_bytes(model, step)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         samples = [timed_ms(step, device) for _ in range(args.reps)]
-        peak_gathered = max(peaks) if peaks else gathered_parameter_bytes(model)
         memory = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
         name = f"FSDP2 over {dist.get_world_size()} rank(s)" if shard else "one process, unsharded O2"
-        rows[name] = (statistics.median(samples), state_bytes(optimizer), peak_gathered, memory)
+        trace = None
+        if args.trace_dir is not None:
+            os.makedirs(args.trace_dir, exist_ok=True)
+            trace = os.path.join(args.trace_dir, f"{args.model}_{'sharded' if shard else 'unsharded'}.json")
+        launches, busy = profiled_step(step, device, trace)
+        rows[name] = (
+            statistics.median(ms for ms, _ in samples),
+            statistics.median(host for _, host in samples),
+            launches,
+            busy,
+            state_bytes(optimizer) / 2**20,
+            peak_gathered / 2**20,
+            memory,
+        )
         del step, optimizer, model
         gc.collect()  # the captured graphs and the model refer to each other
     if dist.get_rank() == 0:
         size = " (small)" if args.small else ""
-        print(f"{args.model}{size}, O2 bf16, FusedAdam, {device}, median of {args.reps}")
-        header = f"{'ms/step':>9s} {'optimizer MiB':>14s} {'peak gathered MiB':>18s} {'max alloc MiB':>14s}"
-        print(f"{'':32s} {header}")
-        for name, (ms, state, gathered, memory) in rows.items():
-            print(f"{name:32s} {ms:9.2f} {state / 2**20:14.3f} {gathered / 2**20:18.3f} {memory:14.1f}")
+        reshard = ", blocks kept gathered to backward" if args.no_reshard_after_forward else ""
+        print(f"{args.model}{size}, O2 bf16, FusedAdam, {device}{reshard}, median of {args.reps}")
+        launched = "kernels" if device.type == "cuda" else "aten ops"
+        columns = {
+            "ms/step": ".1f", "host ms": ".1f", launched: "d", f"{launched} ms": ".1f",
+            "optimizer MiB": ".3f", "peak gathered MiB": ".3f", "max alloc MiB": ".1f",
+        }  # fmt: skip
+        print(f"{'':32s} " + " ".join(f"{c:>{max(len(c), 9)}s}" for c in columns))
+        for name, values in rows.items():
+            cells = [f"{v:>{max(len(c), 9)}{f}}" for (c, f), v in zip(columns.items(), values, strict=True)]
+            print(f"{name:32s} " + " ".join(cells))
     dist.barrier()
 
 
@@ -224,7 +293,7 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in rows}
     for rep in range(args.reps + 3):  # interleaved: drift affects every row alike; 3 warm-up rounds
         for name, optimizer in rows.items():
-            elapsed = timed_ms(optimizer.step, device)
+            elapsed, _ = timed_ms(optimizer.step, device)
             if rep >= 3:
                 times[name].append(elapsed)
 
