@@ -235,13 +235,16 @@ def _ratio(
     a: torch.Tensor, r: torch.Tensor | None, e: torch.Tensor, floor: float, scale: float, name: str
 ) -> tuple[float, float, float] | Mismatch:
     """(ratio, converted's error, reference's floored error), errors relative to ‖e‖; or why not."""
-    error = _distance(a, e, name)
+    e = e.detach().to(torch.float64).cpu()  # once: both distances and the norm read it
+    finite = torch.isfinite(e)
+    all_finite = bool(finite.all())
+    error = _distance(a, e, finite, all_finite, name)
     if isinstance(error, Mismatch):
         return error
-    reference_error = _distance(r, e, name) if isinstance(r, torch.Tensor) else math.inf
+    reference_error = _distance(r, e, finite, all_finite, name) if isinstance(r, torch.Tensor) else math.inf
     if isinstance(reference_error, Mismatch):
         reference_error = math.inf  # the reference overflowed (or lost the tensor): not a bound
-    norm = e.detach().to(torch.float64)[torch.isfinite(e)].norm().item()
+    norm = (e if all_finite else e[finite]).norm().item()
     floored = max(reference_error, floor * (norm + scale * math.sqrt(e.numel())))
     if floored == 0.0:
         ratio = 0.0 if error == 0.0 else math.inf
@@ -251,23 +254,27 @@ def _ratio(
     return ratio, error / relative, floored / relative
 
 
-def _distance(actual: torch.Tensor, expected: torch.Tensor, name: str) -> float | Mismatch:
-    """‖actual − expected‖₂ over the finite entries of ``expected``, in float64; a Mismatch when
-    the shapes differ or the non-finite entries are not the same (an overflow is never averaged away)."""
+def _distance(
+    actual: torch.Tensor, expected: torch.Tensor, finite: torch.Tensor, all_finite: bool, name: str
+) -> float | Mismatch:
+    """‖actual − expected‖₂ over the ``finite`` entries of ``expected`` (float64 on the CPU, ``finite``
+    its isfinite mask, ``all_finite`` whether that is all True), in float64; a Mismatch when the
+    shapes differ or the non-finite entries are not the same (an overflow is never averaged away)."""
     if actual.shape != expected.shape:
         return Mismatch(name, f"shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
     a = actual.detach().to(torch.float64).cpu()
-    e = expected.detach().to(torch.float64).cpu()
-    finite = torch.isfinite(e)
-    if not torch.equal(torch.isfinite(a), finite) or not torch.equal(
-        a[~finite].nan_to_num(), e[~finite].nan_to_num()
+    if all_finite and math.isfinite(distance := (a - expected).norm().item()):
+        return distance  # the common case: no entry of either is inf/NaN, nothing to mask
+    a_finite = torch.isfinite(a)
+    if not torch.equal(a_finite, finite) or not torch.equal(
+        a[~finite].nan_to_num(), expected[~finite].nan_to_num()
     ):
         return Mismatch(
             name,
-            f"{int((torch.isfinite(a) != finite).sum())} element(s) are inf/NaN in one result but not "
+            f"{int((a_finite != finite).sum())} element(s) are inf/NaN in one result but not "
             f"the other (actual {actual.dtype}); an overflow in {actual.dtype}?",
         )
-    return (a[finite] - e[finite]).norm().item()
+    return (a[finite] - expected[finite]).norm().item()
 
 
 def _differs(a: Any, e: Any) -> bool:
