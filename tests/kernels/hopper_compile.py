@@ -16,9 +16,10 @@ LAUNCHES.json is a list of launches as the test records them::
 Each launch is specialized the way ``JITFunction.run`` specializes a real one (Triton's own
 ``native_specialize_impl``: pointer element types, i32/i64 by value, ints equal to 1 as constants,
 16-divisibility of pointers and ints as ``tt.divisibility`` hints, ``do_not_specialize`` honoured)
-and compiled through ptxas to a cubin. RESULTS.json: ``{"canary": ..., "results": [...]}``, one
-result per launch, in order: ``{"signature": {...}, "constexprs": {...}, "error": null |
-"<compiler error>", "seconds": 1.2}``; "canary" is CANARY_LAUNCH's (it must fail).
+and compiled through ptxas to a cubin, in one process per available core. RESULTS.json:
+``{"canary": ..., "results": [...]}``, one result per launch, in order: ``{"signature": {...},
+"constexprs": {...}, "error": null | "<compiler error>", "seconds": 1.2}``; "canary" is
+CANARY_LAUNCH's (it must fail).
 
 Example:
     $ env -u TRITON_INTERPRET python tests/kernels/hopper_compile.py launches.json results.json
@@ -28,9 +29,12 @@ from __future__ import annotations
 
 import importlib
 import json
+import multiprocessing
+import os
 import sys
 import time
 import traceback
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -153,8 +157,11 @@ def compile_launch(launch: dict) -> dict:
 
 def main(argv: list[str]) -> int:
     launches = json.loads(Path(argv[1]).read_text())
-    canary = compile_launch(CANARY_LAUNCH)
-    results = [compile_launch(launch) for launch in launches]
+    # One compiler process per core (forked: the kernels' modules are imported once, here); the
+    # results come back in the launches' order.
+    workers = max(1, min(len(os.sched_getaffinity(0)), len(launches) + 1))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        canary, *results = pool.map(compile_launch, [CANARY_LAUNCH, *launches])
     Path(argv[2]).write_text(json.dumps({"canary": canary, "results": results}, indent=1))
     return 0
 

@@ -14,10 +14,10 @@ and compiles each through ptxas for ``GPUTarget("cuda", 90, 32)``.
 The default run compiles a fixed subset (`_default_subset`): each kernel's first launch per 16-bit
 type (fp16, bf16, none) and per combination of its other constexprs (flags, block and window sizes)
 and launch options, so every kernel, every dtype and every constexpr branch is compiled: 74 of the
-89 distinct launches of the 16 kernels, about 45 s on 2 idle cores. ``-m slow`` compiles the other 15,
-which repeat a compiled combination in another dtype or differ only in non-constexpr sizes. Ints
-are specialized by their recorded values (== 1, divisible by 16) as the JIT would for these shapes;
-other sizes give other variants of the same code.
+89 distinct launches of the 16 kernels, about 25 s of compiler time shared by one compiler process
+per core. ``-m slow`` compiles the other 15, which repeat a compiled combination in another dtype or
+differ only in non-constexpr sizes. Ints are specialized by their recorded values (== 1, divisible
+by 16) as the JIT would for these shapes; other sizes give other variants of the same code.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import amp_fx.kernels  # noqa: E402
 from amp_fx.kernels import triton_ops  # noqa: E402
 
 HOPPER_COMPILE = Path(__file__).with_name("hopper_compile.py")
-COMPILE_TIMEOUT_S = 300  # the default run takes about 38 s, the slow one about 10 s
+COMPILE_TIMEOUT_S = 300  # the default run's compiles take about 25 s of CPU time
 KERNEL_CLASSES = (InterpretedFunction, JITFunction)
 LOW_NAMES = {"float16": "fp16", "bfloat16": "bf16"}  # torch dtype names as Triton's type names
 
