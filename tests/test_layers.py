@@ -159,14 +159,15 @@ PASS_MODULES = sorted(
     if path != PACKAGE_DIRECTORIES["amp_fx.passes"] / "__init__.py"
 )
 
-# Imports torch once (most of the cost), then forks one child per pass: each child starts with
-# no amp_fx module loaded, imports its pass and reports the amp_fx modules that are then loaded.
+# Imports torch once (most of the cost), then forks one child per pass, as many at a time as there
+# are cores: each child starts with no amp_fx module loaded, imports its pass and reports the amp_fx
+# modules that are then loaded.
 _IMPORT_EACH_PASS = """
 import importlib, json, os, sys, traceback
 import torch
 assert not [m for m in sys.modules if m.split(".")[0] == "amp_fx"], "amp_fx loaded before the fork"
-results = {}
-for name in sys.argv[1:]:
+
+def start(name):
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -180,9 +181,17 @@ for name in sys.argv[1:]:
             json.dump(report, pipe)
         os._exit(0)
     os.close(write)
-    with os.fdopen(read) as pipe:
-        results[name] = json.loads(pipe.read() or '{"error": "no report"}')
-    os.waitpid(pid, 0)
+    return pid, read
+
+results = {}
+names = sys.argv[1:]
+cores = len(os.sched_getaffinity(0))
+for first in range(0, len(names), cores):
+    started = {name: start(name) for name in names[first : first + cores]}
+    for name, (pid, read) in started.items():
+        with os.fdopen(read) as pipe:
+            results[name] = json.loads(pipe.read() or '{"error": "no report"}')
+        os.waitpid(pid, 0)
 print(json.dumps(results))
 """
 
