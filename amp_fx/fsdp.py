@@ -21,7 +21,8 @@ level's decisions become ``MixedPrecisionPolicy`` objects (docs/DESIGN.md, "FSDP
 A model of the torch.export front end (Hugging Face models) is sharded per transformer block
 instead (`amp_fx.fsdp_groups`; docs/DESIGN.md, "FSDP2 for the torch.export front end"): its
 captured graph is cut at the blocks, each block's ops run through the block's own call, so FSDP2
-gathers one block at a time; a part stored in another dtype (O2's FP32 norms) is a nested group.
+gathers one block at a time; the parts stored in another dtype (O2's FP32 norms, all blocks') are
+one group of their own, gathered once per step (`amp_fx.fsdp_groups.shard_units`).
 
 The shards stay FP32: convert's low-precision storage is undone (``param.data = data.float()``,
 exact) before sharding, so the masters start from convert's rounded weights, as `FusedAdam`'s
@@ -68,7 +69,7 @@ from amp_fx.capture.state import capture_states
 from amp_fx.captured_model import CapturedModel
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES, default_device_type
 from amp_fx.core.node_info import POLICY_KEY, node_info
-from amp_fx.fsdp_groups import shard_groups
+from amp_fx.fsdp_groups import shard_groups, shard_units
 from amp_fx.loss_scaler import LossScaler
 from amp_fx.optim.fused_optimizer import is_fused_optimizer
 
@@ -214,10 +215,21 @@ def fully_shard_converted(
         for param in gm.parameters():
             if param.dtype in LOW_PRECISION_DTYPES:
                 param.data = param.data.float()  # exact: the FP32 shard is the master
-    for name, policy in policies.items():
-        module = gm.get_submodule(name) if name else gm
-        # The root's group is gathered first and kept for the whole forward when it holds parameters.
-        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    if isinstance(gm, CapturedModel):
+        dtypes = {name: policy.param_dtype for name, policy in policies.items()}
+        units = shard_units(gm, block_types, dtypes)
+    else:
+        units = [(name,) for name in policies]
+    for names in units:
+        modules = [gm.get_submodule(name) if name else gm for name in names]
+        # A group of several parts (every block's FP32 norms) runs the whole forward: it stays
+        # gathered for the backward (tiny) rather than being gathered a second time.
+        fully_shard(
+            modules if len(modules) > 1 else modules[0],
+            mesh=mesh,
+            mp_policy=policies[names[0]],
+            reshard_after_forward=reshard_after_forward and len(modules) == 1,
+        )
     if isinstance(gm, CapturedModel):
         for name, policy in policies.items():
             (gm.get_submodule(name) if name else gm).__dict__[GATHER_DTYPE_ATTR] = policy.param_dtype
@@ -226,7 +238,7 @@ def fully_shard_converted(
             state.unstored.clear()  # FP32 shards now, in groups gathered in FP32: they stay FP32
     logger.info(
         "sharded %d FSDP2 groups over %d ranks: %s",
-        len(policies),
+        len(units),
         mesh.size(),
         {name or "<root>": policy.param_dtype or torch.float32 for name, policy in policies.items()},
     )

@@ -6,8 +6,11 @@ part stored in another dtype than the rest of its group.
 ``nn.ModuleList``) is a group gathered for its own forward and freed after it, and the root group
 holds the rest (embeddings, final norm, head). One group is gathered, and its gradients reduced,
 in one dtype, so a part convert stored in another dtype than its group's most parameters (at O2 a
-LayerNorm/RMSNorm kept FP32 inside a block gathered in bf16) becomes a group of its own, nested
-in the block: it is gathered in FP32 for its own call, as the opt level wants it.
+LayerNorm/RMSNorm kept FP32 inside a block gathered in bf16) is split off the block. The parts split
+off in one dtype, all blocks' together, then form ONE group (`shard_units`: ``fully_shard`` on the
+list of them): gathered in FP32 once, at the first norm's call, and kept until the backward has
+reduce-scattered their gradients, in FP32. One group instead of two per block: its hooks and
+collectives run once per step, not per norm, and the norms are tiny.
 
 >>> import amp_fx
 >>> class Block(nn.Module):
@@ -33,6 +36,8 @@ in the block: it is gathered in FP32 for its own call, as the opt level wants it
 'blocks.0' torch.bfloat16
 'blocks.1' torch.bfloat16
 '' torch.bfloat16
+>>> shard_units(model)
+[('blocks.0.norm', 'blocks.1.norm'), ('blocks.0',), ('blocks.1',), ('',)]
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from torch import nn
 
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 
-__all__ = ["block_names", "shard_groups"]
+__all__ = ["block_names", "shard_groups", "shard_units"]
 
 
 def _modules_in_lists(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -147,3 +152,27 @@ def _refuse_shared_across_groups(model: nn.Module, groups: list[str]) -> None:
                 "groups; FSDP2 shards a parameter in one group: untie them, or pass block_types so that "
                 "both are in one block"
             )
+
+
+def shard_units(
+    model: nn.Module,
+    block_types: Iterable[type] | None = None,
+    groups: dict[str, torch.dtype | None] | None = None,
+) -> list[tuple[str, ...]]:
+    """The qualified names each ``fully_shard`` call of ``model`` takes, innermost first, the root
+    (``""``) last: the parts `shard_groups` splits off that enclose no other group, one call for
+    all of one gather dtype (O2's FP32 norms, every block's, in one FSDP2 group), then the other
+    groups one by one. ``groups``: `shard_groups`' answer, when the caller has it. Read-only
+    (module docstring).
+    """
+    groups = shard_groups(model, block_types) if groups is None else groups
+    blocks = set(block_names(model, block_types))
+    merged: dict[torch.dtype | None, list[str]] = {}
+    alone: list[tuple[str, ...]] = []
+    for name, dtype in groups.items():  # innermost first: a group's parts come before it
+        encloses = any(other.startswith(f"{name}.") for other in groups) or not name
+        if name in blocks or encloses:
+            alone.append((name,))
+        else:
+            merged.setdefault(dtype, []).append(name)
+    return [*(tuple(names) for names in merged.values()), *alone]

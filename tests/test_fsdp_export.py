@@ -1,14 +1,15 @@
 """FSDP2 over models of the torch.export front end (Hugging Face GPT-2, Llama, T5), gloo, two ranks.
 
 Each model is converted at O2 (bf16), sharded with `fully_shard_converted` (one group per block,
-found from ``_no_split_modules``; norms kept FP32 are groups of their own inside the blocks) and
+found from ``_no_split_modules``; the norms kept FP32, all blocks', one group of their own) and
 trained with FusedAdam and LossScaler on halves of a global batch, called as Hugging Face documents
 (``model(input_ids=ids, labels=ids)``). One spawn of two processes runs every scenario:
 
 - the gathered FP32 shards equal one process's masters after training on the whole batch;
 - the FP32 shards are the masters: per rank, half the optimizer state of one process;
 - parameters are gathered per block: at every group's forward pre-hook the gathered parameter
-  bytes are at most the root group's plus one block's, less than the whole model's;
+  bytes are at most the root group's plus one block's plus all FP32 norms' (one group, gathered
+  for the whole step: tiny), less than the whole model's;
 - an inf written into rank 0's local grad shard skips the step on both ranks;
 - a DCP checkpoint: resuming on two ranks is bit-identical to not stopping.
 
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import amp_fx
@@ -43,6 +45,7 @@ from amp_fx.fsdp import (
     mixed_precision_policies,
     save_checkpoint,
 )
+from amp_fx.fsdp_groups import block_names, shard_units
 from amp_fx.ops.module_call import ModuleCall
 from amp_fx.optim import master_params
 from amp_fx.testing import assert_close_normwise, tolerances
@@ -125,6 +128,7 @@ def sharded_training_results(name: str, rank: int) -> dict:
         "islands": [name for name, state in capture_states(model) if state.islands],
         "region_calls": region_calls(model),
         "groups": sorted(sharded_modules(model)),
+        "fsdp_states": len({id(m._get_fsdp_state()) for m in model.modules() if isinstance(m, FSDPModule)}),
     }
 
 
@@ -229,22 +233,38 @@ def test_fp32_shards_are_the_masters_half_the_state_per_rank(results: list[dict]
         assert held / state_bytes(optimizer) == pytest.approx(1 / WORLD_SIZE, abs=0.03)
 
 
-def _gathered_sizes(name: str) -> tuple[int, int, int]:
-    """(root group, largest block with its nested groups, whole model) bytes in the gather dtypes."""
+def _gathered_sizes(name: str) -> tuple[int, int, int, int]:
+    """(root group, largest block, all FP32 norms, whole model) bytes in the gather dtypes."""
     model = make_model(name)  # O2-stored: each parameter in the dtype FSDP2 gathers it in
-    groups = [g for g in mixed_precision_policies(model) if g]
-    blocks = [g for g in groups if not any(g.startswith(f"{other}.") for other in groups)]
+    blocks = block_names(model)
+    policies = mixed_precision_policies(model)
+    split_off = [g for g, p in policies.items() if g and g not in blocks and p.param_dtype is None]
     sizes = {g: sum(p.nbytes for p in model.get_submodule(g).parameters()) for g in blocks}
+    norms = sum(p.nbytes for g in split_off for p in model.get_submodule(g).parameters())
     whole = sum(p.nbytes for p in model.parameters())
-    return whole - sum(sizes.values()), max(sizes.values()), whole
+    return whole - sum(sizes.values()), max(sizes.values()), norms, whole
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_forward_gathers_one_block_at_a_time(results: list[dict], name: str) -> None:
-    root, block, whole = _gathered_sizes(name)
+    root, block, norms, whole = _gathered_sizes(name)
+    assert norms < block / 10  # the FP32 norms' group, gathered for the whole step, is tiny
     for rank_result in (r[name] for r in results):
-        assert rank_result["peak_gathered"] <= root + block
+        assert rank_result["peak_gathered"] <= root + block + norms
         assert rank_result["peak_gathered"] < whole
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_fp32_norms_of_all_blocks_are_one_group(results: list[dict], name: str) -> None:
+    model = make_model(name)
+    blocks, units = block_names(model), shard_units(model)
+    norms = units[0]  # the parts split off in FP32: every block's norms (and perhaps the final one)
+    assert all(mixed_precision_policies(model)[n].param_dtype is None for n in norms)
+    assert all(any(n.startswith(f"{block}.") for n in norms) for block in blocks)
+    assert [unit for unit in units if len(unit) > 1] == [norms]
+    for rank_result in (r[name] for r in results):
+        # One FSDP2 state per call: the norms', each block's, the root's (and an untied head's).
+        assert rank_result["fsdp_states"] == len(units) < len(rank_result["groups"]) + 1
 
 
 @pytest.mark.slow
@@ -266,7 +286,7 @@ def test_resume_on_one_rank_matches_two(slow_results: list[dict]) -> None:
         assert_close_normwise(actual, expected, rtol=rtol, atol=atol, name=f"parameter {i}")
 
 
-def test_blocks_are_found_and_fp32_norms_are_groups_of_their_own() -> None:
+def test_blocks_are_found_and_fp32_norms_are_split_off_them() -> None:
     policies = mixed_precision_policies(make_model("gpt2"))
     blocks = {f"transformer.h.{i}": torch.bfloat16 for i in range(2)}
     norms = {f"transformer.h.{i}.{norm}": None for i in range(2) for norm in ("ln_1", "ln_2")}

@@ -73,6 +73,16 @@ def _storageless(param: nn.Parameter, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=param.requires_grad)
 
 
+def _bound_to(hook: object) -> object:
+    """The object whose method ``hook`` is, through wrappers: a group of several modules (FSDP2's
+    ``fully_shard([...])``) hooks each through a wrapper of its state's method."""
+    while hook is not None:
+        if (owner := getattr(hook, "__self__", None)) is not None:
+            return owner
+        hook = getattr(hook, "__wrapped__", None)
+    return None
+
+
 @contextlib.contextmanager
 def _fsdp_hooks_off(module: nn.Module) -> Iterator[None]:
     saved = []
@@ -83,7 +93,7 @@ def _fsdp_hooks_off(module: nn.Module) -> Iterator[None]:
         for hooks in (sub._forward_pre_hooks, sub._forward_hooks):
             saved.append((hooks, dict(hooks)))
             for key, hook in list(hooks.items()):
-                if getattr(hook, "__self__", None) is state:
+                if _bound_to(hook) is state:
                     del hooks[key]
     try:
         yield
