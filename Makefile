@@ -13,7 +13,7 @@ $(STAMP): requirements-dev.txt pyproject.toml
 	@$(PYTHON) -m venv $(VENV)
 	@echo "[2/4] installing pip, setuptools>=77, wheel"
 	@$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel
-	@echo "[3/4] installing torch, torchvision, transformers, pytest, hypothesis, ruff, tqdm (requirements-dev.txt) ... (about 2 minutes)"
+	@echo "[3/4] installing torch, torchvision, transformers, pytest, pytest-xdist, hypothesis, ruff, tqdm (requirements-dev.txt) ... (about 2 minutes)"
 	@$(PY) -m pip install -q -r requirements-dev.txt
 	@echo "[4/4] installing amp_fx (editable)"
 	@# setuptools notes that an editable install maps packages (passes/ -> amp_fx.passes), which is
@@ -22,9 +22,10 @@ $(STAMP): requirements-dev.txt pyproject.toml
 	@touch $(STAMP)
 	@echo "done: $(VENV) is ready"
 
-# CPU-only machines run the Triton kernels in the interpreter.
+# CPU-only machines run the Triton kernels in the interpreter; two workers use both cores of CI's
+# machine (every test is independent: seeded, in its own tmp_path, distributed ones on file stores).
 test: $(STAMP)
-	TRITON_INTERPRET=1 HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m "not slow and not gpu" tests
+	TRITON_INTERPRET=1 HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -n 2 -m "not slow and not gpu" tests
 
 # The property tests (every test file that uses hypothesis) with the "thorough" profile: 20x CI's examples.
 thorough: $(STAMP)
