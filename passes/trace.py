@@ -74,6 +74,7 @@ from amp_fx.core.node_info import (
     UNTRACEABLE_MODULES_KEY,
 )
 from amp_fx.passes.shared.autograd_functions import intercepted_applies, recorded_in
+from amp_fx.passes.shared.fx_wrap_registry import forget_unreachable_wraps
 from amp_fx.passes.shared.model_copy import copy_model
 from amp_fx.passes.shared.torch_source import culprit_frame, frames_after_current, location
 from amp_fx.passes.shared.trace_leaves import (
@@ -311,6 +312,7 @@ def _trace_graph(
     """Trace ``root`` in its current mode; each submodule that stops the tracer is added to
     ``leaves.untraceable`` and the trace retried. Raises `TraceError` for the top level's own."""
     model = leaves.model
+    forget_unreachable_wraps()  # a trace patches every registered function: only those that can run
     while True:
         tracer = _PrimitiveLeafTracer(leaves.opaque_types, leaves.leaf_names | set(leaves.untraceable))
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import inspect
 import math
 
@@ -10,7 +11,9 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 from torch import nn
+from torch.fx._symbolic_trace import _wrapped_fns_to_patch as registry
 
+import amp_fx
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Rule
 from amp_fx.passes.trace import TraceError, trace
@@ -216,6 +219,34 @@ def test_fx_wrapped_functions_are_opaque_but_torch_and_math_are_not():
     assert opaque["wrapped_scale"].endswith("wrapped_scale")
     x = torch.randn(2, 4)
     assert torch.equal(gm(x), model(x))
+
+
+def test_freed_graphs_leave_no_fx_wrap_registrations_behind():
+    """Converted graphs register their generated code's globals with torch.fx.wrap (so that
+    tracing them again keeps their casts as calls); a trace first forgets those of graphs that
+    were freed or recompiled, and keeps those of live ones."""
+
+    def generated() -> int:  # registrations of generated code (a real module's globals have a name)
+        return sum(1 for frame_dict in registry.values() if "__name__" not in frame_dict)
+
+    def convert(model: nn.Module) -> torch.fx.GraphModule:
+        return amp_fx.convert(model, "O2", dtype=torch.bfloat16, device_type="cpu")
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Softmax(-1))
+    live = convert(model)
+    gc.collect()
+    trace(model)
+    before = generated()
+    for _ in range(20):
+        convert(model)
+    gc.collect()  # the freed graphs' generated code (classes are collected by the cycle collector)
+    trace(model)
+    # The last trace's patches may still hold one freed graph's globals: at most one is left.
+    assert generated() <= before + 1, f"{generated() - before} registrations left by 20 freed graphs"
+    # The live graph's registration is kept: converting it again leaves its casts as they are.
+    again = convert(live)
+    casts = [n for n in again.graph.nodes if node_info(n).is_cast]
+    assert casts and len(casts) == sum(1 for n in live.graph.nodes if node_info(n).is_cast)
 
 
 def test_input_model_is_left_untouched():
