@@ -8,6 +8,7 @@ way each time (`forward_backward`), and the norm-wise comparison of two tensors 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -156,12 +157,18 @@ def _copy_inputs(inputs: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(pytree.tree_map(copy, list(inputs)))
 
 
+@functools.cache
+def _has_accelerator() -> bool:
+    # Asked once: without CUDA, torch.cuda.is_available() tries to load NVML on every call.
+    return torch.accelerator.is_available()
+
+
 def _manual_seed(seed: int) -> None:
     """`torch.manual_seed` where an accelerator is present; else the CPU's generator alone, the
     same seeding: there torch.manual_seed also queues a seed for each absent backend (CUDA, XPU,
     MTIA), formatting the call stack each time, about 2 ms a call under pytest, more than a small
     model's forward and backward."""
-    if torch.accelerator.is_available():
+    if _has_accelerator():
         torch.manual_seed(seed)
     else:
         torch.random.default_generator.manual_seed(seed)
