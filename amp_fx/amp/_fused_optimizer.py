@@ -11,6 +11,7 @@ from torch import Tensor
 from amp_fx.amp import _grads
 from amp_fx.amp._amp_optimizer import AmpOptimizer, OptimizerKind, new_master
 from amp_fx.optim.fused_optimizer import MASTER_KEY, master_params
+from amp_fx.optim.model_loads import track_params
 from amp_fx.optim.scaled_optimizer import ScaledOptimizer
 from amp_fx.optim.torch_optimizer_scaling import FoundInf
 
@@ -43,8 +44,10 @@ class FusedAmpOptimizer(AmpOptimizer):
         mapped: list[Tensor],
         master_weights: bool | None,
     ) -> list[Tensor]:
-        """Masters from the FP32 originals (exact) for the now low-precision params."""
+        """Masters from the FP32 originals (exact) for the now low-precision params; the optimizer
+        tracks the params, so it adopts masters for those stored low later (`masters_for_stored_low`)."""
         self._rekey_state(originals, mapped)
+        track_params(self.optimizer, mapped)
         if master_weights is not None:
             group["master_weights"] = bool(master_weights)
             self.optimizer.defaults["master_weights"] = bool(master_weights)
@@ -65,7 +68,7 @@ class FusedAmpOptimizer(AmpOptimizer):
         return list(zip(self.params(), master_params(self.optimizer), strict=True))
 
     def masters_by_param(self) -> dict[int, Tensor]:
-        return {id(p): m for p, m in self._params_and_masters() if m is not p}
+        return self.optimizer.masters_by_param()
 
     def master_params(self) -> Iterator[Tensor]:
         """The FP32 masters (the params without one themselves), with unscaled grads.

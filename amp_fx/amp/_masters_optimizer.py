@@ -16,6 +16,7 @@ from amp_fx.amp import _grads
 from amp_fx.amp._amp_optimizer import MASTERS_KEY, OptimizerKind, new_master
 from amp_fx.amp._direct_optimizer import DirectAmpOptimizer
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
+from amp_fx.optim.model_loads import track_params
 from amp_fx.optim.torch_optimizer_scaling import FoundInf
 
 logger = logging.getLogger("amp_fx.amp")
@@ -28,7 +29,9 @@ class MasterWeightsAmpOptimizer(DirectAmpOptimizer):
     stay themselves and are handled as by `DirectAmpOptimizer`). After each backward the
     low-precision grads are unscaled into the masters' FP32 grads (so grads of several losses with
     different scales add up exactly, as in Apex); ``step`` updates the masters and copies them
-    back into the model. Its state dict carries the masters under ``MASTERS_KEY``.
+    back into the model. Its state dict carries the masters under ``MASTERS_KEY``. A parameter the
+    torch.export front end stores low only at the model's first call gets its master then
+    (`adopt_master`).
     """
 
     kind = OptimizerKind.MASTERS
@@ -59,7 +62,38 @@ class MasterWeightsAmpOptimizer(DirectAmpOptimizer):
         targets = self._targets(originals, mapped)
         self.pairs.extend(zip(mapped, targets, strict=True))
         self._rekey_state(originals, targets)
+        track_params(self, mapped)
         return targets
+
+    def adopt_master(self, param: Tensor, value: Tensor) -> Callable[[], None] | None:
+        """Step an FP32 master in place of ``param``, stepped itself until the torch.export front end
+        stored it low (at the model's first call): the master is ``value``, its exact FP32 value, and
+        takes over its optimizer state and its (unscaled) grad. Returns what takes it back; None
+        where ``param`` is not one of this optimizer's FP32-stepped params or is not low now
+        (`amp_fx.optim.model_loads.masters_for_stored_low` calls it)."""
+        index = next((i for i, (p, target) in enumerate(self.pairs) if p is param and target is p), None)
+        if index is None or param.dtype not in LOW_PRECISION_DTYPES:
+            return None
+        group = next(g for g in self.optimizer.param_groups if any(p is param for p in g["params"]))
+        position = next(i for i, p in enumerate(group["params"]) if p is param)
+        state, grad = self.optimizer.state, param.grad
+        with torch.no_grad():
+            master = new_master(param, value)
+        if grad is not None:  # a direct param's grad is unscaled already: the master's from now on
+            master.grad, param.grad = grad.to(torch.float32), None
+        if param in state:
+            state[master] = state.pop(param)
+        group["params"][position] = master
+        self.pairs[index] = (param, master)
+
+        def undo() -> None:
+            if master in state:
+                state[param] = state.pop(master)
+            group["params"][position] = param
+            self.pairs[index] = (param, param)
+            param.grad = grad
+
+        return undo
 
     def _master_pairs(self) -> list[tuple[Tensor, Tensor]]:
         return [(p, target) for p, target in self.pairs if target is not p]
@@ -171,3 +205,4 @@ class MasterWeightsAmpOptimizer(DirectAmpOptimizer):
             targets = self._targets(originals, mapped)
         add({**group, "params": targets})
         self.pairs.extend(zip(mapped, targets, strict=True))
+        track_params(self, mapped)

@@ -54,7 +54,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -269,16 +269,26 @@ class FusedOptimizer(StateDictLoading, torch.optim.Optimizer):
                 # .to() keeps the memory format, so master and param share strides (the kernels need it).
                 state[MASTER_KEY] = param.detach().to(torch.float32, copy=True)
 
-    def adopt_master(self, param: Tensor, value: Tensor) -> bool:
+    def masters_by_param(self) -> dict[int, Tensor]:
+        """id(param) -> its FP32 master, for each parameter that has one (`MasterKeeper`)."""
+        return {
+            id(param): self.state[param][MASTER_KEY]
+            for group in self.param_groups
+            for param in group["params"]
+            if MASTER_KEY in self.state.get(param, {})
+        }
+
+    def adopt_master(self, param: Tensor, value: Tensor) -> Callable[[], None] | None:
         """Give ``param``, stored low after this optimizer was built, the FP32 master ``value`` (its
-        value before it was rounded) where its group keeps masters and it has none; True if given.
+        value before it was rounded) where its group keeps masters and it has none; returns what
+        takes it back, None if none was given (`MasterKeeper`).
         (`amp_fx.optim.model_loads.masters_for_stored_low` calls it; the example is there.)"""
         group = next((g for g in self.param_groups if any(p is param for p in g["params"])), None)
         if group is None or not self._master_expected(param, group) or MASTER_KEY in self.state[param]:
-            return False
+            return None
         with torch.no_grad():
             self.state[param][MASTER_KEY] = value.detach().to(torch.float32, copy=True)
-        return True
+        return lambda: self.state[param].pop(MASTER_KEY, None)
 
     def _init_moments(self, param: Tensor, group: dict[str, Any]) -> None:
         """Create the zeroed FP32 state tensors ``param`` lacks (its first step, or momentum 0 -> 0.9),

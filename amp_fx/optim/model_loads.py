@@ -12,9 +12,10 @@ undone by the next step, which writes the stale master back. `follow_model_loads
 - after the load, every master of those parameters is set from them: an FP32 checkpoint gives FP32
   masters equal to its values, not the fp16-rounded ones.
 
-The masters are found through *sources*: `fused_masters` (every amp_fx fused optimizer holding the
-parameter, which registers itself with `track_params`) by default; ``amp.initialize`` adds its
-session's. It uses only the nn.Module API, so it works for a GraphModule, a `CapturedModel` or any module.
+The masters are found through *sources*: `tracked_masters` (every `MasterKeeper` holding the
+parameter, which registers itself with `track_params`: amp_fx's fused optimizers, and amp's optimizers
+with masters) by default; ``amp.initialize`` adds its session's. It uses only the nn.Module API, so it
+works for a GraphModule, a `CapturedModel` or any module.
 
 Example:
     >>> import torch
@@ -31,7 +32,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -40,37 +41,50 @@ from torch.utils.weak import WeakIdKeyDictionary
 MASTER_KEY = "master_param"
 MasterSource = Callable[[], dict[int, Tensor]]
 
-# param -> the fused optimizers that hold it (weak both ways: neither is kept alive by this table).
-_optimizers_by_param: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# param -> the master keepers that hold it (weak both ways: neither is kept alive by this table).
+_keepers_by_param: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _SOURCES_ATTRIBUTE = "_amp_fx_master_sources"
 _CAPTURED_ATTRIBUTE = "_amp_fx_loaded_values"
 
 
-def track_params(optimizer: torch.optim.Optimizer, params: Iterable[Tensor]) -> None:
-    """Note that ``optimizer`` keeps masters (in ``state[p]["master_param"]``) for some of ``params``."""
+class MasterKeeper(Protocol):
+    """What keeps FP32 masters for parameters: `FusedOptimizer`, amp's MASTERS optimizer."""
+
+    def masters_by_param(self) -> dict[int, Tensor]:
+        """id(param) -> its FP32 master, for each parameter that has one."""
+
+    def adopt_master(self, param: Tensor, value: Tensor) -> Callable[[], None] | None:
+        """Give ``param``, held FP32 and now stored low, the FP32 master ``value`` where this keeper
+        keeps masters and it has none; returns what takes it back (None if none was given)."""
+
+
+def track_params(keeper: MasterKeeper, params: Iterable[Tensor]) -> None:
+    """Note that ``keeper`` keeps, or may come to keep, masters for some of ``params``."""
     for param in params:
-        owners = _optimizers_by_param.get(param)
+        owners = _keepers_by_param.get(param)
         if owners is None:
-            owners = _optimizers_by_param[param] = weakref.WeakSet()
-        owners.add(optimizer)
+            owners = _keepers_by_param[param] = weakref.WeakSet()
+        owners.add(keeper)
 
 
-def fused_masters(params: Iterable[Tensor]) -> dict[int, list[Tensor]]:
-    """id(param) -> the FP32 masters the tracked optimizers keep for it (params without any left out)."""
+def tracked_masters(params: Iterable[Tensor]) -> dict[int, list[Tensor]]:
+    """id(param) -> the FP32 masters the tracked keepers keep for it (params without any left out)."""
+    params = list(params)
+    wanted = {id(param) for param in params}
+    keepers = {id(k): k for param in params for k in list(_keepers_by_param.get(param, ()))}
     found: dict[int, list[Tensor]] = {}
-    for param in params:
-        for optimizer in _optimizers_by_param.get(param, ()):
-            master = optimizer.state.get(param, {}).get(MASTER_KEY)
-            if master is not None:
-                found.setdefault(id(param), []).append(master)
+    for keeper in keepers.values():
+        for key, master in keeper.masters_by_param().items():
+            if key in wanted:
+                found.setdefault(key, []).append(master)
     return found
 
 
 def masters_for_stored_low(stored: Iterable[tuple[Tensor, Tensor]]) -> Callable[[], None]:
     """For each ``(param, value)``: ``param`` was ``value`` (FP32) and is now stored in a low dtype (the
     torch.export front end stores some parameters at their first capture, after optimizers may have
-    been built). Each fused optimizer holding it that keeps masters takes ``value`` as its FP32
-    master, as one built after the store would (from the exact value, not the rounded one).
+    been built). Each keeper holding it that keeps masters takes ``value`` as its FP32 master, as
+    one built after the store would (from the exact value, not the rounded one).
     Returns what takes those masters back.
 
     Example:
@@ -82,16 +96,16 @@ def masters_for_stored_low(stored: Iterable[tuple[Tensor, Tensor]]) -> Callable[
         >>> opt.state[w][MASTER_KEY].dtype, torch.equal(opt.state[w][MASTER_KEY], value)
         (torch.float32, True)
     """
-    given = [
-        (optimizer, param)
+    undos = [
+        undo
         for param, value in stored
-        for optimizer in list(_optimizers_by_param.get(param, ()))
-        if optimizer.adopt_master(param, value)
+        for keeper in list(_keepers_by_param.get(param, ()))
+        if (undo := keeper.adopt_master(param, value)) is not None
     ]
 
     def undo() -> None:
-        for optimizer, param in given:
-            optimizer.state[param].pop(MASTER_KEY, None)
+        for undo_one in reversed(undos):
+            undo_one()
 
     return undo
 
@@ -99,7 +113,7 @@ def masters_for_stored_low(stored: Iterable[tuple[Tensor, Tensor]]) -> Callable[
 def masters_of(module: nn.Module) -> dict[int, list[Tensor]]:
     """id(param) -> the FP32 masters kept for each of ``module``'s parameters (params without any left out).
 
-    The sources are those `_update_masters` uses: every fused optimizer holding the parameter, and the
+    The sources are those `_update_masters` uses: every keeper holding the parameter, and the
     sources given to `follow_model_loads` on ``module`` or any of its submodules. Each master appears
     once per parameter, however many sources report it; a parameter that is its own master is left out.
 
@@ -119,7 +133,7 @@ def masters_of(module: nn.Module) -> dict[int, list[Tensor]]:
         if master is not params[key] and not any(m is master for m in masters):
             masters.append(master)
 
-    for key, masters in fused_masters(params.values()).items():
+    for key, masters in tracked_masters(params.values()).items():
         for master in masters:
             add(key, master)
     for sub in module.modules():
@@ -176,9 +190,9 @@ def _check_load(module: nn.Module, state_dict: dict[str, Any], prefix: str, stri
 def follow_model_loads(module: nn.Module, source: MasterSource | None = None) -> nn.Module:
     """Make ``module.load_state_dict`` set the FP32 masters of the parameters it loads; returns ``module``.
 
-    ``source`` (optional) returns id(param) -> master for masters kept outside amp_fx's fused
-    optimizers (``amp.initialize`` passes its session's); the hooks are installed once per module,
-    later calls only add sources. See the module docstring for what the hooks do.
+    ``source`` (optional) returns id(param) -> master for masters kept outside the tracked keepers
+    (``amp.initialize`` passes its session's); the hooks are installed once per module, later calls
+    only add sources. See the module docstring for what the hooks do.
 
     Example:
         >>> import torch
