@@ -167,8 +167,8 @@ class MasterWeightsAmpOptimizer(DirectAmpOptimizer):
             )
         else:
             with torch.no_grad():
-                for (param, master), value in zip(self.pairs, saved, strict=True):
-                    if master is not param:
+                for (_, master), value in zip(self.pairs, saved, strict=True):
+                    if value is not None:  # an FP32 parameter is its own master
                         master.copy_(value)
         self.zero_pending()
 
@@ -180,12 +180,9 @@ class MasterWeightsAmpOptimizer(DirectAmpOptimizer):
                 f"{len(self.pairs)} parameters; load a state dict saved from this model and optimizer"
             )
         for index, ((param, master), value) in enumerate(zip(self.pairs, saved, strict=True)):
-            if master is param:
-                if value is not None:
-                    raise ValueError(
-                        f"the state dict has an FP32 master for parameter {index}, which has none here "
-                        f"({param.dtype}); was it saved at another opt level?"
-                    )
+            # A master saved for a parameter that is FP32 here loads into it, as into any master: the
+            # torch.export front end stores some parameters low only at the model's first call.
+            if master is param and value is None:
                 continue
             if not isinstance(value, Tensor) or value.shape != master.shape or not value.is_floating_point():
                 got = f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from amp_fx.distributed import is_dtensor
 from amp_fx.optim.model_loads import MASTER_KEY
 
 __all__ = ["STEP_KEY", "STEP_OFFSET_KEY", "StateDictLoading", "check_step_count"]
@@ -47,6 +48,19 @@ def check_step_count(where: str, step: Any, key: str = STEP_KEY) -> float:
             "corrupt (a NaN or negative step would turn every weight NaN at the next step)"
         )
     return value
+
+
+def _loads_into_param(param: Tensor, group: dict[str, Any], saved_state: dict[str, Any]) -> bool:
+    """Whether ``saved_state`` holds a master for ``param``, FP32 here, that loads into the parameter:
+    an FP32 parameter is its own master, and the torch.export front end stores some parameters low
+    only at the model's first call, so a checkpoint saved after it holds masters for parameters
+    still FP32 before it. (Not into FSDP2's shards: a checkpoint with masters is not theirs.)"""
+    return (
+        MASTER_KEY in saved_state
+        and param.dtype == torch.float32
+        and bool(group.get("master_weights"))
+        and not is_dtensor(param)
+    )
 
 
 # Keys torch's Optimizer.__setstate__ adds to ``defaults`` at every load (``differentiable``): a
@@ -87,6 +101,8 @@ class StateDictLoading:
         # Moments are all there or, for a parameter that never took a step, all absent.
         moments = set(self._state_keys(group))
         expected = {MASTER_KEY} if self._master_expected(param, group) else set()
+        if _loads_into_param(param, group, saved_state):
+            expected.add(MASTER_KEY)
         # The step offset comes with the moments; a checkpoint saved before offsets existed has none.
         optional = set()
         if moments & set(saved_state):
@@ -183,7 +199,11 @@ class StateDictLoading:
                 )
                 new_groups.append(group)
                 for saved_id, param in zip(saved["params"], current["params"], strict=True):
+                    into_param = _loads_into_param(param, saved, saved_state[saved_id])
                     for key, value in saved_state[saved_id].items():
+                        if into_param and key == MASTER_KEY:
+                            param.copy_(value)
+                            continue
                         if key == STEP_OFFSET_KEY:
                             offset = torch.as_tensor(value).to(step_device, torch.float32).reshape(())
                             new_state[param][key] = offset.clone()

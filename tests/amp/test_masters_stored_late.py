@@ -5,6 +5,8 @@ one to every low-precision parameter: the optimizer steps the master, the model 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -106,4 +108,51 @@ def test_a_parameter_stored_low_at_the_first_call_steps_on_an_fp32_master(name: 
     checkpoint = model.state_dict()
     for (param_name, _), master in zip(model.named_parameters(), amp.master_params(optimizer), strict=True):
         assert torch.equal(checkpoint[param_name], master.detach()), param_name
+
+
+def _optimizer_snapshot(optimizer: torch.optim.Optimizer) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    """Per stepped tensor, in param-group order: its identity and clones of its state."""
+    return [
+        (id(p), {k: v.clone() for k, v in optimizer.state.get(p, {}).items()})
+        for group in optimizer.param_groups
+        for p in group["params"]
+    ]
+
+
+def _same_snapshot(a: list, b: list) -> bool:
+    return [key for key, _ in a] == [key for key, _ in b] and all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+        for (_, x), (_, y) in zip(a, b, strict=True)
+    )
+
+
+@pytest.mark.parametrize("name", ["adamw", "fused_adam"])
+def test_a_checkpoint_resumes_before_the_first_call_and_a_failed_call_changes_nothing(name: str) -> None:
+    _, model, optimizer = _initialize(name)
+    _train_step(model, optimizer, 0)
+    saved_optimizer, saved_model = copy.deepcopy(optimizer.state_dict()), model.state_dict()
+    masters = dict(zip(map(id, model.parameters()), amp.master_params(optimizer), strict=True))
+    q_bias_master = masters[id(model.attention.q_bias)].detach().clone()
+
+    _, resumed, resumed_optimizer = _initialize(name, seed=1)  # other weights: the loads must set them
+    resumed_optimizer.load_state_dict(saved_optimizer)
+    # Still FP32 before its first call, q_bias is its own master: the saved one loads into it.
+    assert resumed.attention.q_bias.dtype == FP32 and torch.equal(resumed.attention.q_bias, q_bias_master)
+    resumed.load_state_dict(saved_model)
+    before = _optimizer_snapshot(resumed_optimizer)
+    dtypes = [p.dtype for p in resumed.parameters()]
+    # The model's own code raises after the attention (captured on its own) stored q_bias low.
+    with pytest.raises(RuntimeError):
+        resumed(torch.randn(3, 8), torch.ones(3))
+    assert _same_snapshot(before, _optimizer_snapshot(resumed_optimizer))
+    assert [p.dtype for p in resumed.parameters()] == dtypes
+    assert torch.equal(resumed.attention.q_bias, q_bias_master)
+
+    for step in (1, 2):  # bit for bit the run that was not interrupted
+        _train_step(model, optimizer, step)
+        _train_step(resumed, resumed_optimizer, step)
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    for a, b in zip(amp.master_params(optimizer), amp.master_params(resumed_optimizer), strict=True):
+        assert a.dtype == FP32 and torch.equal(a, b)
 
