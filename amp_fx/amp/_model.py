@@ -122,7 +122,8 @@ def install_fp32_state_dict(gm: nn.Module, session: Any) -> None:
     `session` is the `AmpSession` whose optimizers hold the masters (looked up at each call, so
     optimizers loaded or extended later are seen).
     """
-    if not any(_low_precision(t) for t in [*gm.parameters(), *gm.buffers()]):
+    stores_low = session.properties.cast_model_type in LOW_PRECISION_DTYPES  # maybe at the first call
+    if not stores_low and not any(_low_precision(t) for t in [*gm.parameters(), *gm.buffers()]):
         return
 
     def fp32_state_dict(

@@ -156,3 +156,29 @@ def test_a_checkpoint_resumes_before_the_first_call_and_a_failed_call_changes_no
     for a, b in zip(amp.master_params(optimizer), amp.master_params(resumed_optimizer), strict=True):
         assert a.dtype == FP32 and torch.equal(a, b)
 
+
+class _RootWeights(nn.Module):
+    """Every parameter stored at the first call: the root holds them beside a child's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8) / 3)  # a matmul reads it: low
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != 8:  # stops torch.fx
+            raise ValueError("x must have 8 features")
+        return self.norm(x @ self.weight)
+
+
+def test_the_fp32_checkpoint_holds_the_master_of_a_model_with_nothing_low_before_its_first_call() -> None:
+    torch.manual_seed(0)
+    original = _RootWeights()
+    model, optimizer = amp.initialize(
+        original, torch.optim.SGD(original.parameters(), lr=0.1), opt_level="O2", dtype=BF16, verbosity=0
+    )
+    assert all(p.dtype == FP32 for p in model.parameters())
+    model(torch.randn(2, 8))
+    assert model.weight.dtype == BF16
+    checkpoint = model.state_dict()
+    assert checkpoint["weight"].dtype == FP32 and torch.equal(checkpoint["weight"], original.weight)
