@@ -148,3 +148,33 @@ def test_converted_model_compiles_without_graph_breaks_on_gpu(opt_level: str) ->
     tokens = make_batches(1, "cuda")[0][0]
     breaks, reasons = graph_breaks(amp_fx.convert(model, opt_level, dtype=torch.float16), tokens)
     assert breaks == 0, f"amp_fx introduced graph breaks: {reasons}"
+
+
+def test_converted_hf_llama_default_call_compiles_to_one_graph() -> None:
+    """A converted Hugging Face Llama's default training call, ``model(input_ids=, labels=).loss``,
+    is one graph with no break: its output holds a ``DynamicCache``, so the graph is chosen by
+    comparing container specs (`amp_fx.core.containers`) and the cache is rebuilt, both in traced
+    code. The compiled loss is the uncompiled converted model's."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = amp_fx.convert(transformers.LlamaForCausalLM(config), "O2")
+    ids = torch.randint(0, config.vocab_size, (2, 8))
+
+    def loss(ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids, labels=ids).loss
+
+    eager = loss(ids)  # captures the graph: a capture is a graph break (docs/DESIGN.md)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(loss)(ids)
+    reasons = [str(reason.reason) for reason in explanation.break_reasons]
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), reasons
+    torch._dynamo.reset()
+    # The ``eager`` backend runs Dynamo's graph as traced: the breaks and the value are Dynamo's
+    # (AOTAutograd's backward, traced by the other tests here, would add 5 s).
+    compiled = torch.compile(loss, backend="eager", fullgraph=True)(ids)
+    assert type(compiled) is torch.Tensor and type(eager) is torch.Tensor
+    assert torch.equal(compiled, eager), (compiled.item(), eager.item())

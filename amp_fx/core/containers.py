@@ -106,11 +106,23 @@ class Spec:
 
 
 def _hashable(value: Any) -> Any:
+    # The value where it hashes (compared by value), else its identity.
+    return value if _hashes(value) else (type(value), id(value))
+
+
+def _hashes(value: Any) -> bool:
+    # Whether ``hash(value)`` succeeds, without calling ``hash`` on the values a call's structure
+    # is made of: torch.compile traces the choice of a graph (`amp_fx.capture.fit`), and torch
+    # 2.11's Dynamo cannot trace ``hash`` (a graph break). A tuple hashes where its items do.
+    if type(value) in _HASHABLE_TYPES:
+        return True
+    if type(value) is tuple:
+        return all(_hashes(item) for item in value)
     try:
         hash(value)
     except TypeError:
-        return (type(value), id(value))
-    return value
+        return False
+    return True
 
 
 def _node_type(value: Any) -> Any:
@@ -169,12 +181,20 @@ class _Context:
     # A pytree context compared by value where it can be, kept as it is for unflattening.
     def __init__(self, context: Any) -> None:
         self.context = context
+        self.key = _hashable(context)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Context) and _hashable(self.context) == _hashable(other.context)
+        return isinstance(other, _Context) and self.key == other.key
 
     def __hash__(self) -> int:
-        return hash(_hashable(self.context))
+        return hash(self.key)
+
+
+# Types (exactly: a subclass may define its own __hash__) whose values always hash; a `_Context`
+# hashes its key, which `_hashable` made hashable.
+_HASHABLE_TYPES = (
+    type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, type, _Context
+)  # fmt: skip
 
 
 def _context_key(context: Any) -> _Context:
@@ -202,7 +222,10 @@ def _unflatten(leaves: Any, spec: Spec, built: list[Any] | None, inputs: list[An
         obj = object.__new__(spec.value)
         if built is not None:
             built.append(obj)
-        obj.__dict__.update(_unflatten(leaves, spec.children[0], None, inputs))
+        state = vars(obj)
+        # Item by item: torch 2.11's Dynamo cannot trace ``__dict__.update`` (a graph break).
+        for name, value in _unflatten(leaves, spec.children[0], None, inputs).items():
+            state[name] = value
         return obj
     node_type, context = spec.value
     children = [_unflatten(leaves, child, built, inputs) for child in spec.children]
