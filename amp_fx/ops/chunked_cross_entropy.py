@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from amp_fx.ops.cross_entropy import _matmul_fp32
+from amp_fx.ops.head_matmuls import matmul_fp32
 
 __all__ = ["chunked_linear_cross_entropy", "chunked_linear_cross_entropy_sum", "default_chunk_rows"]
 
@@ -57,7 +57,7 @@ def _accumulate_fp32(total: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
 
     The product gets a buffer of its own: ``addmm``'s float32-output overload does not take a
     float32 ``total`` with fp16/bf16 factors on every torch version."""
-    product = _matmul_fp32(a, b)
+    product = matmul_fp32(a, b)
     return product if total is None else total.add_(product)
 
 
@@ -115,7 +115,7 @@ def chunked_linear_cross_entropy_sum(
             logits[:, num_classes:] = float("-inf")
         loss_sum += kernels.cross_entropy_forward_with_grad(logits, rows_target, ignore_index).sum()
         if input_grad:
-            grad_input[start : start + rows.shape[0]] = _matmul_fp32(logits, weight)
+            grad_input[start : start + rows.shape[0]] = matmul_fp32(logits, weight)
         if weight_grad:
             grad_weight = _accumulate_fp32(grad_weight, logits.t(), rows)
         if bias_grad:

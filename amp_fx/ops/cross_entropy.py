@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from amp_fx.ops.dispatch import is_eager, is_traced_backward
+from amp_fx.ops.head_matmuls import matmul_fp32
 
 __all__ = [
     "fp32_cross_entropy",
@@ -264,20 +265,6 @@ def _reduce(losses: Tensor, target: Tensor, ignore_index: int, reduction: str) -
 # Linear layer + cross-entropy as one call: `linear_cross_entropy` (one op under torch.compile).
 # ---------------------------------------------------------------------------------------------
 
-# torch.mm(a, b, out_dtype=torch.float32) (the "mm.dtype" overload: fp16/bf16 inputs, fp32
-# accumulation and output, CUDA only) exists from torch 2.8 on.
-_MM_HAS_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
-
-
-def _matmul_fp32(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` (2-D) accumulated in float32 and returned in float32, not rounded to the inputs'
-    dtype: the caller scales the product first and rounds once."""
-    if a.dtype != torch.float32 and a.is_cuda and _MM_HAS_OUT_DTYPE:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    # Elsewhere (CPU, tests) the same math from float32 copies: products of fp16/bf16 values are
-    # exact in float32.
-    return torch.mm(a.float(), b.float())
-
 
 def linear_cross_entropy_grads(
     grad_losses: Tensor,
@@ -309,7 +296,7 @@ def linear_cross_entropy_grads(
     """
     grad_input = grad_weight = grad_bias = None
     if needs_input_grad[0]:
-        grad_input = (_matmul_fp32(grad_rows, weight) * grad_losses[:, None]).to(input.dtype)
+        grad_input = (matmul_fp32(grad_rows, weight) * grad_losses[:, None]).to(input.dtype)
     if needs_input_grad[1] or (needs_input_grad[2] and bias_dtype is not None):
         # amax of no rows raises; with no rows the gradients are zeros whatever the scale.
         largest = grad_losses.abs().amax() if grad_losses.numel() > 0 else grad_losses.new_zeros(())
@@ -317,10 +304,10 @@ def linear_cross_entropy_grads(
         unit = grad_losses / scale
         if needs_input_grad[1]:
             scaled_input = (input * unit[:, None]).to(input.dtype)
-            grad_weight = (_matmul_fp32(grad_rows.t(), scaled_input) * scale).to(weight.dtype)
+            grad_weight = (matmul_fp32(grad_rows.t(), scaled_input) * scale).to(weight.dtype)
         if needs_input_grad[2] and bias_dtype is not None:
             unit_column = unit.to(grad_rows.dtype)[:, None]
-            grad_bias = (_matmul_fp32(grad_rows.t(), unit_column)[:, 0] * scale).to(bias_dtype)
+            grad_bias = (matmul_fp32(grad_rows.t(), unit_column)[:, 0] * scale).to(bias_dtype)
     return grad_input, grad_weight, grad_bias
 
 
