@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from amp_fx.ops.head_matmuls import matmul_fp32
+from amp_fx.ops.head_matmuls import mask_padding, matmul_fp32, padded_classes, padded_target
 
 __all__ = ["chunked_linear_cross_entropy", "chunked_linear_cross_entropy_sum", "default_chunk_rows"]
 
@@ -61,17 +61,6 @@ def _accumulate_fp32(total: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
     return product if total is None else total.add_(product)
 
 
-def _padded_classes(weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """``weight`` (V, d) and ``bias`` with zero rows appended up to a multiple of 16 bytes of
-    classes, as Inductor pads matmuls: cuBLAS runs products whose rows are not 16-byte aligned
-    several times slower (GPT-2's 50257 classes: 34 against 7 ms for its head and loss on an H200)."""
-    multiple = max(1, 16 // weight.element_size())
-    padding = -weight.shape[0] % multiple
-    if padding == 0:
-        return weight, bias
-    return F.pad(weight, (0, 0, 0, padding)), None if bias is None else F.pad(bias, (0, padding))
-
-
 @torch.library.custom_op("amp_fx::chunked_linear_cross_entropy", mutates_args=())
 def chunked_linear_cross_entropy_sum(
     input: Tensor,
@@ -93,11 +82,9 @@ def chunked_linear_cross_entropy_sum(
 
     num_rows, num_classes = input.shape[0], weight.shape[0]
     kernels = implementation_for([input])
-    weight, bias = _padded_classes(weight, bias)
-    padded = weight.shape[0] != num_classes
-    if padded:  # a target among the padding classes stays out of range: its loss is NaN, as unpadded
-        outside = (target >= num_classes) & (target != ignore_index)
-        target = torch.where(outside, weight.shape[0], target)
+    # Classes padded to 16 bytes a row: cuBLAS runs unaligned products several times slower.
+    weight, bias = padded_classes(weight, bias)
+    target = padded_target(target, num_classes, weight.shape[0], ignore_index)
     loss_sum = input.new_zeros((), dtype=torch.float32)
     grad_input = (
         input.new_empty(input.shape, dtype=torch.float32)
@@ -111,8 +98,7 @@ def chunked_linear_cross_entropy_sum(
         # One chunk of logits in the input's dtype; the kernel reads them and leaves softmax -
         # onehot (float32 math, rounded once) in their place.
         logits = F.linear(rows, weight, bias).contiguous()
-        if padded:  # no probability for the padding classes: their softmax and gradient are 0
-            logits[:, num_classes:] = float("-inf")
+        mask_padding(logits, num_classes)
         loss_sum += kernels.cross_entropy_forward_with_grad(logits, rows_target, ignore_index).sum()
         if input_grad:
             grad_input[start : start + rows.shape[0]] = matmul_fp32(logits, weight)

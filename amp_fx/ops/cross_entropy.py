@@ -34,7 +34,13 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from amp_fx.ops.dispatch import is_eager, is_traced_backward
-from amp_fx.ops.head_matmuls import matmul_fp32
+from amp_fx.ops.head_matmuls import (
+    mask_padding,
+    matmul_fp32,
+    padded_class_count,
+    padded_classes,
+    padded_target,
+)
 
 __all__ = [
     "fp32_cross_entropy",
@@ -275,10 +281,12 @@ def linear_cross_entropy_grads(
     needs_input_grad: tuple[bool, bool, bool],
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Gradients of ``losses = cross_entropy_rows(input @ weight.T + bias)`` w.r.t. (input, weight,
-    bias), from the unscaled gradient ``grad_rows = softmax - onehot`` (N, V) that
+    bias), from the unscaled gradient ``grad_rows = softmax - onehot`` (N, V') that
     `cross_entropy_forward_with_grad` left in the logits' buffer and the upstream per-row gradient
-    ``grad_losses`` = r (N,), float32 (an expanded scalar for a sum or a mean). The [N, V] tensor
-    is only read by matmuls; r is applied to their smaller outputs, in float32, rounded once::
+    ``grad_losses`` = r (N,), float32 (an expanded scalar for a sum or a mean). V' is the weight's
+    V classes padded as `linear_cross_entropy_rows` pads them (`padded_classes`; the padding's
+    columns are 0), so the matmuls run on aligned rows. The [N, V'] tensor is only read by
+    matmuls; r is applied to their smaller outputs, in float32, rounded once::
 
         grad_input  = r[:, None] * (G @ W)
         grad_weight = s * (G.T @ round(h * (r / s)[:, None]))      s = max |r|
@@ -295,8 +303,10 @@ def linear_cross_entropy_grads(
     small.) An all-zero r gives zero gradients, not 0 / 0.
     """
     grad_input = grad_weight = grad_bias = None
+    num_classes = weight.shape[0]
     if needs_input_grad[0]:
-        grad_input = (matmul_fp32(grad_rows, weight) * grad_losses[:, None]).to(input.dtype)
+        padded_weight, _ = padded_classes(weight, None)
+        grad_input = (matmul_fp32(grad_rows, padded_weight) * grad_losses[:, None]).to(input.dtype)
     if needs_input_grad[1] or (needs_input_grad[2] and bias_dtype is not None):
         # amax of no rows raises; with no rows the gradients are zeros whatever the scale.
         largest = grad_losses.abs().amax() if grad_losses.numel() > 0 else grad_losses.new_zeros(())
@@ -304,10 +314,11 @@ def linear_cross_entropy_grads(
         unit = grad_losses / scale
         if needs_input_grad[1]:
             scaled_input = (input * unit[:, None]).to(input.dtype)
-            grad_weight = (matmul_fp32(grad_rows.t(), scaled_input) * scale).to(weight.dtype)
+            product = matmul_fp32(grad_rows.t(), scaled_input)[:num_classes]
+            grad_weight = (product * scale).to(weight.dtype)
         if needs_input_grad[2] and bias_dtype is not None:
             unit_column = unit.to(grad_rows.dtype)[:, None]
-            grad_bias = (matmul_fp32(grad_rows.t(), unit_column)[:, 0] * scale).to(bias_dtype)
+            grad_bias = (matmul_fp32(grad_rows.t(), unit_column)[:num_classes, 0] * scale).to(bias_dtype)
     return grad_input, grad_weight, grad_bias
 
 
@@ -317,12 +328,20 @@ def linear_cross_entropy_rows(
 ) -> tuple[Tensor, Tensor]:
     """Per-row FP32 cross-entropy of ``F.linear(input, weight, bias)`` (input (N, d), weight
     (V, d)) against int64 class indices: ``(losses, grad_rows)``, losses float32 (N,) and
-    grad_rows the unscaled gradient softmax - onehot (N, V) in the input's dtype, computed in the
+    grad_rows the unscaled gradient softmax - onehot (N, V') in the input's dtype, computed in the
     forward into the logits' buffer (`cross_entropy_forward_with_grad`). Functional from outside:
-    the logits are allocated here and come back as grad_rows."""
+    the logits are allocated here and come back as grad_rows.
+
+    The classes are padded to 16 bytes a row (V' = `padded_class_count`, zero columns of
+    grad_rows past V), as Inductor pads the matmuls it compiles: this op is opaque to it, and
+    cuBLAS runs unaligned products (GPT-2's 50257 classes) several times slower."""
     from amp_fx.kernels import implementation_for
 
+    num_classes = weight.shape[0]
+    weight, bias = padded_classes(weight, bias)
+    target = padded_target(target, num_classes, weight.shape[0], ignore_index)
     logits = F.linear(input, weight, bias).contiguous()
+    mask_padding(logits, num_classes)
     losses = implementation_for([logits]).cross_entropy_forward_with_grad(logits, target, ignore_index)
     return losses, logits
 
@@ -331,7 +350,7 @@ def linear_cross_entropy_rows(
 def _linear_cross_entropy_rows_fake(
     input: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, ignore_index: int
 ) -> tuple[Tensor, Tensor]:
-    num_rows, num_classes = input.shape[0], weight.shape[0]
+    num_rows, num_classes = input.shape[0], padded_class_count(weight.shape[0], weight.dtype)
     return input.new_empty((num_rows,), dtype=torch.float32), input.new_empty((num_rows, num_classes))
 
 

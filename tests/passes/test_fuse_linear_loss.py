@@ -2,7 +2,8 @@
 one `linear_cross_entropy` call.
 
 Reference: the same conversion without the flag (the head, then `fp32_cross_entropy`): losses and
-eager gradients are bit-identical; on torch.compile's path gradients differ by one low-dtype rounding.
+eager gradients are bit-identical; on torch.compile's path losses agree to float32 summation order
+and gradients differ by one low-dtype rounding.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Policy, preset
 from amp_fx.ops.cross_entropy import fp32_cross_entropy, linear_cross_entropy
 from amp_fx.passes.fuse_linear_loss import fuse_linear_loss
+from amp_fx.testing import tolerances
 from tests.tracer_path import PassThroughMode
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
@@ -126,11 +128,17 @@ def _assert_same_training_signal(make, dtype: torch.dtype) -> torch.fx.GraphModu
     unfused = _convert(make(), dtype, fused=False)
     ref_loss, ref_grads = _loss_and_grads(unfused, *inputs)
     eps = torch.finfo(dtype).eps
+    rtol, atol = tolerances(F32)
     for path in (contextlib.nullcontext, PassThroughMode):
         with path():
             loss, grads = _loss_and_grads(fused, *inputs)
         assert loss.dtype == ref_loss.dtype == F32
-        torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+        if path is contextlib.nullcontext:
+            torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+        else:
+            # The op pads the classes to 16 bytes a row (-inf logits): the same float32 math over
+            # more columns, summed in another order.
+            torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=atol)
         for grad, ref in zip(grads, ref_grads, strict=True):
             assert grad.dtype == ref.dtype
             if path is contextlib.nullcontext:
