@@ -647,6 +647,7 @@ OP_ALIASES: dict[str, str] = {
     "cross_entropy": "cross_entropy_loss",
     "fp32_cross_entropy": "cross_entropy_loss",  # amp_fx.ops.cross_entropy: same op, read from low precision
     "chunked_linear_cross_entropy": "cross_entropy_loss",  # amp_fx.ops.chunked_cross_entropy: head + loss
+    "nll_loss_nd": "nll_loss",  # what F.nll_loss calls (torch.export records it): nll_loss of any rank
     "grid_sample": "grid_sampler",
     "multi_dot": "linalg_multi_dot",
     "vecdot": "linalg_vecdot",

@@ -300,6 +300,7 @@ def test_known_ops_cover_every_list_and_passthrough_is_on_none() -> None:
 
 def test_canonical_names_and_registration() -> None:
     assert canonical_op_name("cross_entropy") == "cross_entropy_loss"
+    assert canonical_op_name("nll_loss_nd") == "nll_loss"  # torch.export's F.nll_loss: FP32 as nll_loss
     assert canonical_op_name("relu_") == "relu"
     assert canonical_op_name("add_") == "add"
     assert canonical_op_name("__add__") == "__add__"
