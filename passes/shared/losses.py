@@ -1,5 +1,6 @@
 """Which cross-entropy calls the fused loss kernel computes, for `fuse_losses`, `fuse_linear_loss` and
-`fuse_chunked_linear_loss`, and the arguments of a cross-entropy call in either front end's spelling.
+`fuse_chunked_linear_loss`, and the arguments of a cross-entropy call in either front end's spelling:
+``cross_entropy_loss`` itself, or the ``nll_loss`` that reads its input's ``log_softmax``.
 
 >>> arguments = dict(zip(CROSS_ENTROPY_PARAMETERS, (torch.fx.Graph().placeholder("x"), None)))
 >>> is_fusable_loss(CROSS_ENTROPY_DEFAULTS | arguments)
@@ -23,6 +24,7 @@ __all__ = [
     "cross_entropy_call_arguments",
     "is_fusable_loss",
     "is_last_size_of",
+    "nll_loss_call_arguments",
 ]
 
 
@@ -53,14 +55,36 @@ def is_fusable_loss(arguments: dict[str, Any]) -> bool:
         and arguments["label_smoothing"] == 0.0
         and arguments["reduction"] in ("mean", "sum", "none")
         and isinstance(arguments["ignore_index"], int)
+        and not isinstance(arguments["ignore_index"], bool)
     )
 
 
-# ATen's cross_entropy_loss(self, target, weight, reduction, ignore_index, label_smoothing): the
-# reduction as an enum (torch's _Reduction), the legacy size_average/reduce already folded into it.
+# ATen's cross_entropy_loss(self, target, weight, reduction, ignore_index, label_smoothing) and
+# nll_loss_nd / nll_loss(self, target, weight, reduction, ignore_index): the reduction as an enum
+# (torch's _Reduction), the legacy size_average/reduce already folded into it.
 _ATEN_CROSS_ENTROPY = torch.ops.aten.cross_entropy_loss.default
 _ATEN_PARAMETERS = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+_ATEN_NLL_LOSSES = (torch.ops.aten.nll_loss_nd.default, torch.ops.aten.nll_loss.default)
 _ATEN_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+# F.nll_loss's parameters, in order: F.cross_entropy's but label_smoothing.
+_NLL_PARAMETERS = CROSS_ENTROPY_PARAMETERS[:-1]
+
+
+def _aten_arguments(node: torch.fx.Node, parameters: tuple[str, ...]) -> dict[str, Any] | None:
+    if len(node.args) > len(parameters) or not set(node.kwargs) <= set(parameters):
+        return None
+    arguments = dict(zip(parameters, node.args, strict=False)) | dict(node.kwargs)
+    reduction = _ATEN_REDUCTIONS.get(arguments.pop("reduction", 1))
+    if reduction is None:
+        return None
+    return CROSS_ENTROPY_DEFAULTS | arguments | {"reduction": reduction}
+
+
+def _torch_arguments(node: torch.fx.Node, parameters: tuple[str, ...]) -> dict[str, Any] | None:
+    kwargs = {k: v for k, v in node.kwargs.items() if k != "grad_into_input"}
+    if len(node.args) > len(parameters) or not set(kwargs) <= set(parameters):
+        return None
+    return CROSS_ENTROPY_DEFAULTS | dict(zip(parameters, node.args, strict=False)) | kwargs
 
 
 def cross_entropy_call_arguments(node: torch.fx.Node) -> dict[str, Any] | None:
@@ -77,19 +101,32 @@ def cross_entropy_call_arguments(node: torch.fx.Node) -> dict[str, Any] | None:
     if node.op != "call_function":
         return None
     if node.target is _ATEN_CROSS_ENTROPY:
-        if len(node.args) > len(_ATEN_PARAMETERS) or not set(node.kwargs) <= set(_ATEN_PARAMETERS):
-            return None
-        arguments = dict(zip(_ATEN_PARAMETERS, node.args, strict=False)) | dict(node.kwargs)
-        reduction = _ATEN_REDUCTIONS.get(arguments.pop("reduction", 1))
-        if reduction is None:
-            return None
-        return CROSS_ENTROPY_DEFAULTS | arguments | {"reduction": reduction}
-    if node.target not in (F.cross_entropy, fp32_cross_entropy):
+        return _aten_arguments(node, _ATEN_PARAMETERS)
+    if node.target in (F.cross_entropy, fp32_cross_entropy):
+        return _torch_arguments(node, CROSS_ENTROPY_PARAMETERS)
+    return None
+
+
+def nll_loss_call_arguments(node: torch.fx.Node) -> dict[str, Any] | None:
+    """For a call of ``F.nll_loss`` (torch.fx graphs) or ATen's ``nll_loss_nd`` / ``nll_loss``
+    (torch.export graphs), every parameter of ``F.cross_entropy`` by name: the cross-entropy it
+    computes when its input is a ``log_softmax`` over the classes (no label smoothing). None for
+    any other node or arguments it cannot read.
+
+    >>> graph = torch.fx.Graph()
+    >>> x, t = graph.placeholder("x"), graph.placeholder("t")
+    >>> call = graph.call_function(F.nll_loss, (x, t), {"ignore_index": -1})
+    >>> arguments = nll_loss_call_arguments(call)
+    >>> arguments["ignore_index"], arguments["reduction"], arguments["label_smoothing"]
+    (-1, 'mean', 0.0)
+    """
+    if node.op != "call_function":
         return None
-    kwargs = {k: v for k, v in node.kwargs.items() if k != "grad_into_input"}
-    if len(node.args) > len(CROSS_ENTROPY_PARAMETERS) or not set(kwargs) <= set(CROSS_ENTROPY_PARAMETERS):
-        return None
-    return CROSS_ENTROPY_DEFAULTS | dict(zip(CROSS_ENTROPY_PARAMETERS, node.args, strict=False)) | kwargs
+    if node.target in _ATEN_NLL_LOSSES:
+        return _aten_arguments(node, _ATEN_PARAMETERS[:-1])
+    if node.target is F.nll_loss:
+        return _torch_arguments(node, _NLL_PARAMETERS)
+    return None
 
 
 def is_last_size_of(value: object, chain: set[torch.fx.Node]) -> bool:

@@ -153,6 +153,40 @@ def test_near_misses_are_left_alone(make):
     assert output["logits"].dtype == torch.float32
 
 
+class Classifier(nn.Module):
+    """2-D logits read without a view (their rank is in the recorded shapes), the loss written as
+    cross_entropy or as nll_loss of log_softmax."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, VOCAB)
+        self.form = form
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(torch.tanh(x))
+        if self.form == "nll_loss":
+            loss = F.nll_loss(F.log_softmax(logits.float(), dim=-1), y)
+        else:
+            loss = F.cross_entropy(logits.float(), y)
+        return {"loss": loss, "logits": logits}
+
+
+@pytest.mark.parametrize("form", ["cross_entropy", "nll_loss"])
+def test_rows_shown_by_the_recorded_shapes_and_the_written_out_loss(form):
+    """The description `fuse_linear_loss` shares: no view where the capture recorded the rank."""
+    torch.manual_seed(0)
+    model = Classifier(form)
+    generator = torch.Generator().manual_seed(2)
+    x, y = torch.randn(6, 16, generator=generator), torch.randint(0, VOCAB, (6,), generator=generator)
+    expected = with_autocast(model, "cpu", BF16)(x, y)["loss"]
+    converted = amp_fx.convert(copy.deepcopy(model), "O2", dtype=BF16, front_end="export")
+    output = converted(x, y)
+    assert output["logits"] is None and type(output["loss"]) is torch.Tensor
+    assert len(_chunked_calls(converted)) == 1
+    rtol, atol = tolerances(BF16)
+    torch.testing.assert_close(output["loss"], expected, rtol=rtol, atol=atol)
+
+
 def test_keep_logits_and_the_flag():
     converted, output = _run(HeadAndLoss(), preset("O2", BF16, keep_logits=True))
     assert not _chunked_calls(converted) and output["logits"].dtype == torch.float32
