@@ -1,14 +1,17 @@
 """fuse_linear_loss: with ``fused_linear_loss=True`` a language model's head and its FP32 loss run as
-one `linear_cross_entropy` call.
+one `linear_cross_entropy` call, in graphs of either front end.
 
 Reference: the same conversion without the flag (the head, then `fp32_cross_entropy`): losses and
 eager gradients are bit-identical; on torch.compile's path losses agree to float32 summation order
-and gradients differ by one low-dtype rounding.
+and gradients differ by one low-dtype rounding. Through both front ends (a classifier's
+``F.cross_entropy(self.head(x), y)``): the loss and every gradient against torch.autocast's and the
+float64 model's, within the suite's per-dtype tolerances.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -20,7 +23,8 @@ from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Policy, preset
 from amp_fx.ops.cross_entropy import fp32_cross_entropy, linear_cross_entropy
 from amp_fx.passes.fuse_linear_loss import fuse_linear_loss
-from amp_fx.testing import tolerances
+from amp_fx.testing import grad_tolerances, tolerances, with_autocast
+from amp_fx.testing.comparison import compare_tensors, root_mean_square
 from tests.tracer_path import PassThroughMode
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
@@ -251,3 +255,144 @@ def test_converted_model_compiles_without_graph_breaks():
     assert torch.equal(loss, expected_loss)
     for grad, expected in zip(grads, expected_grads, strict=True):
         assert torch.equal(grad, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Both front ends: one description of the pattern (amp_fx.passes.shared.linear_loss_chains).
+# ---------------------------------------------------------------------------------------------
+
+
+class Classifier(nn.Module):
+    """A model of a user's own: ``F.cross_entropy(self.head(x), y)`` on 2-D logits, no view; ``form``
+    writes the loss another way (``view``, ``nll``: log_softmax + nll_loss) or makes a near miss."""
+
+    def __init__(self, form: str = "plain", **loss_kwargs) -> None:
+        super().__init__()
+        self.body = nn.Linear(16, 16)
+        self.head = nn.Linear(16, VOCAB)
+        self.form = form
+        self.loss_kwargs = loss_kwargs
+
+    def forward(self, x, y):
+        logits = self.head(torch.tanh(self.body(x)))
+        if self.form == "view":
+            return F.cross_entropy(logits.view(-1, VOCAB), y, **self.loss_kwargs)
+        if self.form in ("nll", "nll_dim_0"):
+            dim = 0 if self.form == "nll_dim_0" else -1
+            return F.nll_loss(F.log_softmax(logits, dim=dim), y, **self.loss_kwargs)
+        if self.form == "returned":
+            return F.cross_entropy(logits, y, **self.loss_kwargs), logits
+        if self.form == "sequence":  # (batch, time, V) read without a view: dim 1's 3 are the classes
+            return F.cross_entropy(logits.view(2, 3, VOCAB), y, **self.loss_kwargs)
+        return F.cross_entropy(logits, y, **self.loss_kwargs)
+
+
+def _classifier_batch():
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 16, generator=generator)
+    y = torch.randint(0, VOCAB, (6,), generator=generator)
+    y[1] = -100
+    return x, y
+
+
+def _convert_with(model: nn.Module, front_end: str, dtype: torch.dtype = BF16) -> nn.Module:
+    policy = preset("O2", dtype=dtype, device_type="cpu", fused_linear_loss=True)
+    return amp_fx.convert(copy.deepcopy(model), "O2", policy=policy, front_end=front_end)
+
+
+def _fused_nodes(converted: nn.Module) -> list[dict]:
+    """The report's nodes that are the fused head and loss."""
+    nodes = amp_fx.report(converted).to_dict()["nodes"]
+    return [node for node in nodes if node["target"] == "amp_fx.ops.cross_entropy.linear_cross_entropy"]
+
+
+def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = model(x, y)
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, [p for _, p in named])
+    return loss.detach(), {name: grad for (name, _), grad in zip(named, grads, strict=True)}
+
+
+def _mismatches(actual, expected, dtype: torch.dtype, label: str) -> list:
+    (loss, grads), (expected_loss, expected_grads) = actual, expected
+    rtol, atol = tolerances(dtype)
+    found = [compare_tensors(loss, expected_loss, rtol=rtol, atol=atol, name=f"{label} loss")]
+    rtol, atol = grad_tolerances(dtype)
+    scale = root_mean_square(list(expected_grads.values()))
+    for name, grad in grads.items():
+        assert type(grad) is torch.Tensor
+        found.append(
+            compare_tensors(
+                grad, expected_grads[name], rtol=rtol, atol=atol, scale=scale, name=f"{label} {name}"
+            )
+        )
+    return [mismatch for mismatch in found if mismatch is not None]
+
+
+@pytest.mark.parametrize(
+    ("front_end", "form", "dtype"),
+    [("fx", "view", BF16), ("export", "plain", BF16), ("export", "nll", F16), ("fx", "view", F16)],
+)
+def test_both_front_ends_fuse_and_train_as_autocast(front_end, form, dtype):
+    """The torch.export front end's ATen loss (cross_entropy_loss, or log_softmax + nll_loss) fuses
+    as the torch.fx graph's does, no view needed where the capture recorded the logits' rank; the
+    report names the fusion, and the step trains as under autocast and as the float64 model."""
+    model = _seeded(Classifier, form=form)
+    x, y = _classifier_batch()
+    autocast = _step(with_autocast(model, "cpu", dtype), x, y)
+    exact = _step(copy.deepcopy(model).double(), x.double(), y)
+    converted = _convert_with(model, front_end, dtype)
+    ours = _step(converted, x, y)
+    (fused,) = _fused_nodes(converted)
+    assert any("fused with the linear layer head" in note for note in fused["notes"])
+    assert fused["in_dtypes"][:3] == [str(dtype).removeprefix("torch.")] * 3
+    assert ours[0].dtype == torch.float32
+    assert not _mismatches(ours, autocast, dtype, "autocast") + _mismatches(ours, exact, dtype, "float64")
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_export_graph_in_eval_and_every_reduction(reduction):
+    """A graph captured in eval (a validation loss) and a per-row loss: only this pass fuses them."""
+    model = _seeded(Classifier, reduction=reduction)
+    x, y = _classifier_batch()
+    converted = _convert_with(model, "export")
+    converted.eval()
+    with torch.no_grad():
+        loss = converted(x, y)
+        expected = with_autocast(model, "cpu", BF16)(x, y)
+    assert len(_fused_nodes(converted)) == 1
+    assert type(loss) is torch.Tensor and loss.dtype == torch.float32 and loss.shape == expected.shape
+    rtol, atol = tolerances(BF16)
+    torch.testing.assert_close(loss, expected.float(), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize(
+    ("front_end", "make"),
+    [
+        ("export", lambda: Classifier(label_smoothing=0.1)),
+        ("export", lambda: Classifier(weight=torch.rand(VOCAB))),
+        ("export", lambda: Classifier("returned")),
+        ("export", lambda: Classifier("nll_dim_0")),
+        ("export", lambda: Classifier("sequence")),
+        ("fx", lambda: Classifier()),  # 2-D logits without a view: their rank is not in the graph
+    ],
+    ids=[
+        "label_smoothing",
+        "class_weights",
+        "logits_returned",
+        "log_softmax_dim_0",
+        "classes_in_dim_1",
+        "fx_no_view",
+    ],
+)
+def test_near_misses_stay_unfused_in_both_front_ends(front_end, make):
+    torch.manual_seed(0)
+    model = make()
+    converted = _convert_with(model, front_end)
+    x, y = _classifier_batch()
+    if model.form == "sequence":
+        y = torch.randint(0, 3, (2, VOCAB))
+    output = converted(x, y)
+    assert not _fused_nodes(converted)
+    loss = output[0] if isinstance(output, tuple) else output
+    assert type(loss) is torch.Tensor and loss.isfinite().all()
