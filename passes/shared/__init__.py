@@ -12,7 +12,9 @@ by one pass only stays in that pass.
 - `casts`: amp_fx's cast nodes, shared or one per user, and the casts a node's ``in_dtypes`` ask for;
 - `in_place_updates`: which inputs a node updates in place, through views, and the write-back of
   an update that lands on a cast;
-- `losses`: which cross-entropy calls the fused loss computes;
+- `losses`: which cross-entropy calls the fused loss computes, read from either front end's spelling;
+- `linear_loss_chains`: a linear head and its cross-entropy, one description for both front ends
+  (the matcher of `fuse_linear_loss` and `fuse_chunked_linear_loss`);
 - `op_patterns`: expression patterns over canonical op names, matched whole in the graphs of
   both front ends (for `fuse_activations`), and the node facts every matcher reads;
 - `norm_chains`, `rotary_chains`: the RMSNorm / LayerNorm and rotary-embedding chains, matched
