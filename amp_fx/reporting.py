@@ -381,7 +381,7 @@ def report(model: torch.nn.Module) -> Report:
             "at the first call; call the model once on an example input (converted(**batch)), then "
             "report it"
         )
-    if isinstance(model, torch.fx.GraphModule) and len(sections) == 1:
+    if list(sections.values()) == [model]:
         result = _graph_report(model)
     else:
         result = _combined_report(sections, _parameter_rows(model))
@@ -397,7 +397,10 @@ def _labelled_graphs(model: torch.nn.Module) -> dict[str, torch.fx.GraphModule]:
             f"report expects a model returned by amp_fx.convert, got {type(model).__name__}; "
             "call amp_fx.report(amp_fx.convert(model, opt_level))"
         )
-    sections = {"<model>": model} if isinstance(model, torch.fx.GraphModule) else {}
+    # A torch.export front-end model runs only the graphs it captures, also where the model given
+    # to convert was a GraphModule (an ExportedProgram's ``.module()``): its own graph is not run.
+    own = isinstance(model, torch.fx.GraphModule) and not isinstance(model, CapturedModel)
+    sections = {"<model>": model} if own else {}
     for name, state in capture_states(model):
         for index, graph in enumerate(state.graphs):
             label = name or "<model>"

@@ -404,3 +404,47 @@ def test_a_torch_fx_model_draws_its_one_graph(tmp_path) -> None:
     assert rep.write_dot(tmp_path / "block.dot") == [str(tmp_path / "block.dot")]
     drawn = set(re.findall(r'^  "([^"]+)" \[label=', (tmp_path / "block.dot").read_text(), flags=re.M))
     assert drawn == {n.name for n in gm.graph.nodes}
+
+
+class GatedBlock(nn.Module):
+    """A LayerNorm on a lowered value and a gated MLP: O2 fuses both on either front end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.gate = nn.Linear(8, 16)
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.fc(x))
+        return self.down(nn.functional.silu(self.gate(h)) * self.up(h)).softmax(-1)
+
+
+def _activation_cast_reasons(rep: amp_fx.Report) -> Counter[str]:
+    """The reasons of the report's casts of computed values (not of parameters, whose storage the
+    two front ends may decide apart)."""
+    nodes = {(label, n.name): n for label, gm in rep.graphs.items() for n in gm.graph.nodes}
+    return Counter(r.why for r in rep.casts if nodes[(r.graph, r.name)].all_input_nodes[0].op != "get_attr")
+
+
+def test_an_exported_programs_module_is_reported_over_the_graph_it_runs() -> None:
+    """convert(ExportedProgram.module(), front_end="export") is a GraphModule, but what runs is the
+    graph it captures: the report shows that one, with the fusions and casts the fx front end
+    makes of the same model."""
+    torch.manual_seed(0)
+    model, x = GatedBlock(), torch.randn(3, 8)
+    exported = torch.export.export(model, (x,)).module()
+    converted = amp_fx.convert(exported, "O2", dtype=torch.float16, device_type="cpu", front_end="export")
+    with pytest.raises(ValueError, match="captured no graph yet"):
+        amp_fx.report(converted)
+    converted(x)
+    rep = amp_fx.report(converted)
+    (graph,) = amp_fx.captured_graphs(converted)
+    assert graph is not converted and list(rep.graphs.values()) == [graph]
+    assert [r.name for r in rep.rows] == [n.name for n in graph.graph.nodes]
+    fx = amp_fx.report(_convert(GatedBlock(), "O2"))
+    assert rep.ops_by_rule == fx.ops_by_rule
+    assert {"layer_norm_fp32", "fp32_gated_activation"} <= set(rep.ops_by_rule["passthrough"])
+    assert _activation_cast_reasons(rep) == _activation_cast_reasons(fx) != Counter()
