@@ -13,6 +13,8 @@ Two modules gather every family's kernels under one name space:
 - ``reference``: plain torch; runs on any device and is what the optimizers use without CUDA.
 - ``triton_ops``: Triton kernels, one launch per dtype group; run on CUDA tensors, or on CPU
   tensors under ``TRITON_INTERPRET=1`` (slow; for tests). None when Triton is not installed.
+  Loaded on first use: importing the reference or a family's argument checks (what convert and
+  the passes read) does not load Triton.
 
 ``implementation_for(tensors)`` picks one.
 
@@ -25,19 +27,17 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import os
 from collections.abc import Iterable
 from types import ModuleType
+from typing import Any
 
 from torch import Tensor
 
 from amp_fx.kernels import reference
-
-if importlib.util.find_spec("triton") is not None:
-    from amp_fx.kernels import triton_ops
-else:  # e.g. macOS or Windows: no Triton wheel; the reference serves everything
-    triton_ops = None
 
 __all__ = ["reference", "triton_ops", "implementation_for"]
 
@@ -54,9 +54,24 @@ def implementation_for(tensors: Iterable[Tensor]) -> ModuleType:
         >>> implementation_for([]).__name__
         'amp_fx.kernels.reference'
     """
-    if triton_ops is None:
-        return reference
-    if os.environ.get(FORCE_TRITON_ENV) == "1":
-        return triton_ops
     first = next(iter(tensors), None)
-    return triton_ops if first is not None and first.is_cuda else reference
+    if os.environ.get(FORCE_TRITON_ENV) != "1" and (first is None or not first.is_cuda):
+        return reference
+    triton = _triton_ops()
+    return reference if triton is None else triton
+
+
+@functools.cache
+def _triton_ops() -> ModuleType | None:
+    """``amp_fx.kernels.triton_ops``, imported at the first call that wants it; None without Triton
+    (e.g. macOS or Windows: no Triton wheel; the reference serves everything)."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    return importlib.import_module("amp_fx.kernels.triton_ops")
+
+
+def __getattr__(name: str) -> Any:
+    # ``amp_fx.kernels.triton_ops`` (None without Triton) loads Triton only when it is asked for.
+    if name == "triton_ops":
+        return _triton_ops()
+    raise AttributeError(f"module 'amp_fx.kernels' has no attribute {name!r}")

@@ -172,7 +172,7 @@ chunked_linear_cross_entropy_sum.register_autograd(_backward, setup_context=_set
 def _runs_fused(input: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, reduction: str) -> bool:
     """Whether the chunked op computes this call (dtypes, ranks, devices, Python values only, so
     torch.compile decides it while tracing): one class index per row, in any shape."""
-    # Imported on first use, as the kernels are: importing them loads Triton.
+    # Imported on first use, as the kernels are.
     from amp_fx.kernels.cross_entropy.arguments import linear_head_fits
 
     return (

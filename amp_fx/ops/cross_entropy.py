@@ -389,7 +389,7 @@ def _linear_runs_fused(
 ) -> bool:
     """Whether the fused op computes this call: dtypes, ranks, shapes, devices and Python values
     only, so torch.compile decides it while tracing."""
-    # Imported on first use, as the kernels are: importing them loads Triton.
+    # Imported on first use, as the kernels are.
     from amp_fx.kernels.cross_entropy.arguments import linear_head_fits
 
     return (

@@ -212,7 +212,7 @@ def _window_if_fused(
         and not input.is_contiguous()
     ):
         return None
-    # Only for a call that may fuse: the kernels' package loads Triton.
+    # Only for a call that may fuse: the kernels' package is imported on first use.
     from amp_fx.kernels.max_pool.arguments import (
         MAX_POOL_MAX_PIXELS,
         MAX_POOL_MAX_TAPS,

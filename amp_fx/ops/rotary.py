@@ -284,7 +284,7 @@ def tables_fit(
         >>> tables_fit((2, 4, 8, 16), (8, 1), (8, 1), None)  # one angle for every feature
         False
     """
-    # Imported on first use, as the kernels are: importing them loads Triton.
+    # Imported on first use, as the kernels are.
     from amp_fx.kernels.rotary.arguments import rotary_width_problem
 
     if len(x_shape) == 0 or len(cos_shape) == 0:

@@ -8,6 +8,11 @@ Hugging Face models torch.autocast (O2 within the suite's tolerances, O1 bit for
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -222,6 +227,73 @@ def test_o1_and_switch_off_leave_chains() -> None:
     assert not fused_calls(amp_fx.convert(model, "O1", dtype=BF16))
     assert amp_fx.preset("O2").fused_rotary and not amp_fx.preset("O1").fused_rotary
     assert amp_fx.preset("O2", device_type="cpu").fused_rotary
+
+
+# Converts a rotary embedding at O2 on both front ends with shapes known (the pass then asks
+# whether the tables fit the kernels), runs each on the CPU, and reports the amp_fx Triton modules
+# then loaded and the fused custom op's calls; saves the outputs and the unfused conversion's.
+_CONVERT_IN_A_FRESH_PROCESS = """
+import json, sys, torch, amp_fx
+from torch.utils._python_dispatch import TorchDispatchMode
+
+class Rope(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(16, 16)
+    def forward(self, h, cos, sin):
+        q = self.q(h)
+        half = q.shape[-1] // 2
+        return q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
+
+class Calls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+torch.manual_seed(0)
+model, h = Rope(), torch.randn(2, 5, 16)
+angles = torch.randn(5, 8).repeat(1, 2)
+args = (h, angles.cos(), angles.sin())
+unfused = amp_fx.preset("O2", torch.bfloat16, fused_rotary=False)
+results, calls = {}, {}
+for front_end in ("fx", "export"):
+    options = {"example_inputs": args} if front_end == "fx" else {}
+    converted = amp_fx.convert(model, "O2", dtype=torch.bfloat16, front_end=front_end, **options)
+    converted(*args)  # the torch.export front end captures at the first call
+    with Calls() as seen:
+        out = converted(*args)
+    calls[front_end] = seen.names
+    expected = amp_fx.convert(model, policy=unfused, front_end=front_end, **options)(*args)
+    results[front_end] = (out, expected)
+torch.save(results, sys.argv[1])
+triton = sorted(m for m in sys.modules if m.startswith("amp_fx.kernels") and "triton" in m)
+print(json.dumps({"triton_modules": triton, "calls": calls}))
+"""
+
+
+def test_converting_and_running_on_cpu_loads_no_triton_kernels(tmp_path) -> None:
+    """The pass asks the kernels' argument checks whether tables fit; neither that nor convert
+    may load amp_fx's Triton kernels (nor need Triton): they are chosen when a call runs, and a CPU
+    call runs the reference. The converted model still runs the fused op, with the chain's value."""
+    env = {k: v for k, v in os.environ.items() if k != "AMP_FX_FORCE_TRITON"}
+    saved = tmp_path / "outputs.pt"
+    done = subprocess.run(
+        [sys.executable, "-c", _CONVERT_IN_A_FRESH_PROCESS, str(saved)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["triton_modules"] == []
+    for front_end, (out, expected) in torch.load(saved).items():
+        assert report["calls"][front_end].count("amp_fx.rotary_embedding.default") == 1, front_end
+        assert type(out) is torch.Tensor
+        assert_close_normwise(out.float(), expected.float(), **OUTPUT_TOL)
 
 
 transformers = pytest.importorskip("transformers")
