@@ -19,8 +19,11 @@ to ``sum_dtype`` as torch's add rounds it (and returned); without one it is x::
 
 ``round_X`` rounds an fp32 value to that dtype and back, as the graph's cast or op in that dtype
 did; so the kernels compute, up to fp32 summation order, what the chain of torch ops they replace
-computed. The backward (dy the upstream gradient of out in fp32, g_s that of the returned sum
-from its other readers, zero when none), with the roundings taken as identities::
+computed. With a ``mid_dtype`` that order can show: mean and rstd summed in another order differ
+in their last bits, an n at a rounding midpoint of ``mid_dtype`` then rounds to the other
+neighbour, and ``out`` and ``grad_weight`` differ by one unit of ``mid_dtype`` at that n (about
+one element in 10^4 for bf16). The backward (dy the upstream gradient of out in fp32, g_s that of
+the returned sum from its other readers, zero when none), with the roundings taken as identities::
 
     dn            = dy * w'
     grad_weight   = sum over rows of dy * n      grad_bias = sum over rows of dy     (in fp32)
