@@ -42,7 +42,8 @@ def _user_api_modules() -> frozenset[str]:
     packages = {
         f"amp_fx.{path.parent.name}"
         for path in top.glob("*/__init__.py")
-        if path.parent.name not in ("core", "ops")
+        # a link (a checkout's amp_fx/passes -> ../passes) is another package's directory
+        if path.parent.name not in ("core", "ops") and not path.parent.is_symlink()
     }
     return frozenset(modules | packages)
 
