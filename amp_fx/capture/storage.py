@@ -66,7 +66,7 @@ def store_parameters(model: nn.Module, policy: Policy) -> list[nn.Parameter]:
             continue
         stored = [*module.buffers(recurse=False)]
         low = decision.param_dtype != torch.float32
-        if low and policy.level.keeps_norms_fp32 and _composes(module):
+        if low and policy.level.keeps_norms_fp32 and (_composes(module) or not _computes(module)):
             unstored.update((id(param), param) for param in own)
         else:
             stored += own
@@ -85,6 +85,13 @@ def store_parameters(model: nn.Module, policy: Policy) -> list[nn.Parameter]:
 def _composes(module: nn.Module) -> bool:
     """Whether a child of ``module`` holds parameters: its own are read by the code around them."""
     return any(True for child in module.children() for _ in child.parameters())
+
+
+def _computes(module: nn.Module) -> bool:
+    """Whether ``module`` has a forward of its own. One without (a plain ``nn.Module`` holder: the
+    shells of an exported program's module, ``ep.module()``, that held a LayerNorm's or a Linear's
+    parameters) computes no op its type names: the code reading its parameters is its parent's."""
+    return type(module).forward is not nn.Module.forward
 
 
 @contextlib.contextmanager
