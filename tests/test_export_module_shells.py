@@ -2,9 +2,10 @@
 
 ``torch.export.export(model, args).module()`` holds each submodule's parameters in a plain
 ``nn.Module`` (no forward, no type naming a norm), so the module tree cannot say which parameters
-a LayerNorm reads. They stay FP32 at convert and the first capture's graph decides them, as for
-parameters a composite module holds (`amp_fx/capture/storage.py`): a norm reading one keeps it
-FP32, a Linear reading one stores it low. The result computes as the original model converted.
+a LayerNorm reads. They stay FP32 at convert (a BatchNorm's running statistics too) and the first
+capture's graph decides them, as for parameters a composite module holds
+(`amp_fx/capture/storage.py`): a norm reading one keeps it FP32, a Linear reading one stores it
+low. The result computes as the original model converted.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from amp_fx.optim.model_loads import MASTER_KEY
 from amp_fx.testing import assert_equivalent, forward_backward, with_autocast
 
 FP32 = torch.float32
-NORMS = [nn.LayerNorm, nn.GroupNorm] + ([nn.RMSNorm] if hasattr(nn, "RMSNorm") else [])
+NORMS = [nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d] + ([nn.RMSNorm] if hasattr(nn, "RMSNorm") else [])
 
 
 class _Net(nn.Module):
@@ -48,6 +49,10 @@ def _shell_model(norm: type[nn.Module]) -> tuple[nn.Module, nn.Module, torch.Ten
     return model, shells, x
 
 
+def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*model.named_parameters(), *model.named_buffers()]
+
+
 def _casts_of(model: nn.Module, names: set[str]) -> list[str]:
     return [
         node.target
@@ -66,8 +71,8 @@ def test_norm_parameters_of_an_exported_module_stay_fp32(norm: type[nn.Module], 
     expected = forward_backward(reference, (x,))
     actual = forward_backward(converted, (x,))
     norm_names = {name for name, _ in converted.named_parameters() if name.startswith("norm.")}
-    dtypes = {name: param.dtype for name, param in converted.named_parameters()}
-    assert dtypes == {name: param.dtype for name, param in reference.named_parameters()}
+    dtypes = {name: t.dtype for name, t in _tensors(converted)}
+    assert dtypes == {name: t.dtype for name, t in _tensors(reference)}
     assert {dtypes[name] for name in norm_names} == {FP32}
     assert {dtypes["up.weight"], dtypes["down.bias"]} == {dtype}
     assert _casts_of(converted, norm_names) == []

@@ -49,14 +49,15 @@ def _castable(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() and tensor.dtype != torch.float64
 
 
-def store_parameters(model: nn.Module, policy: Policy) -> list[nn.Parameter]:
+def store_parameters(model: nn.Module, policy: Policy) -> list[torch.Tensor]:
     """Store each module's parameters (and its floating buffers) in the dtype the policy decides
     for the op the module is; a tensor several modules hold is float32 if any of them wants it.
-    Returns the parameters left unstored (module docstring): held only by modules with children,
-    at a level that keeps parameters no lowered op reads FP32."""
+    Returns the parameters left unstored (module docstring): held only by modules with children
+    or by modules with no forward of their own (with those modules' buffers), at a level that keeps
+    parameters no lowered op reads FP32."""
     wanted: dict[int, torch.dtype] = {}
     tensors: dict[int, torch.Tensor] = {}
-    unstored: dict[int, nn.Parameter] = {}
+    unstored: dict[int, torch.Tensor] = {}
     for name, module in model.named_modules():
         own = [*module.parameters(recurse=False)]
         if not own:
@@ -66,7 +67,11 @@ def store_parameters(model: nn.Module, policy: Policy) -> list[nn.Parameter]:
             continue
         stored = [*module.buffers(recurse=False)]
         low = decision.param_dtype != torch.float32
-        if low and policy.level.keeps_norms_fp32 and (_composes(module) or not _computes(module)):
+        if low and policy.level.keeps_norms_fp32 and not _computes(module):
+            # Its buffers too (a BatchNorm's running statistics): its type decides nothing.
+            unstored.update((id(tensor), tensor) for tensor in [*own, *stored])
+            stored = []
+        elif low and policy.level.keeps_norms_fp32 and _composes(module):
             unstored.update((id(param), param) for param in own)
         else:
             stored += own
@@ -105,11 +110,8 @@ def storing_unstored(
     raises restores them; a call that fails later undoes all of it (the capture journal)."""
     reads = {node.target for node in graph.graph.nodes if node.op == "get_attr"}
     unstored = {id(param) for param in state.unstored} if decide else set()
-    deciding = {
-        name: param
-        for name, param in module.named_parameters(remove_duplicate=False)
-        if id(param) in unstored and name in reads
-    }
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    deciding = {name: tensor for name, tensor in named if id(tensor) in unstored and name in reads}
     graph.meta[UNSTORED_PARAMETERS_KEY] = frozenset(deciding)
     before = {id(param): (param, param.data, param.grad) for param in deciding.values()}
     try:
