@@ -8,8 +8,10 @@ fx front end decides for a module its graph calls: `store_parameters` stores it 
 converted, and optimizers, DDP and FSDP2 set up right after see the tensors they train. A
 parameter held by a module whose children hold parameters (CLIP's ``logit_scale``, ViT's
 ``cls_token``, Mamba's ``A_log``) is read by the code around those children, which only a graph
-shows. Where the level keeps parameters no lowered op reads FP32 (O2) it stays FP32 at convert,
-and the first graph that reads it decides (`storing_unstored`): the convert passes plan it as on
+shows; so is one of a module with no forward of its own (the plain ``nn.Module`` shells of
+``ep.module()``, whose LayerNorm type is gone), and with it that module's buffers. Where the
+level keeps parameters no lowered op reads FP32 (O2) it stays FP32 at convert, and the first
+graph that reads it decides (`storing_unstored`): the convert passes plan it as on
 the fx front end (`planned_parameter_dtypes`), so a logit scale that only ``exp`` reads stays FP32
 and is never rounded, and a bias concatenated into a projection's is stored low. A fused optimizer
 already holding a parameter stored low then is given its FP32 master (the exact value it had);
