@@ -11,6 +11,12 @@ whose arguments the fused kernel computes (no class weights, no label smoothing,
 ``size_average``/``reduce``); `fp32_cross_entropy` itself falls back to the cast for input ranks
 and target kinds that are only known at run time.
 
+One description matches both front ends (`_loss_call`; the arguments read by
+`amp_fx.passes.shared.losses`): ``F.cross_entropy``, ``nn.CrossEntropyLoss`` and ATen's
+``cross_entropy_loss``, or an ``nll_loss`` (``F.nll_loss``, ATen's ``nll_loss`` / ``nll_loss_nd``)
+of a ``log_softmax`` over the classes that only it reads, which the fused call then replaces too.
+A log_softmax over another dim stays as it is.
+
 Where the graph shows that nothing reads the logits after the loss (they come, through views
 only, from a linear layer or matmul whose backward does not need its output, and have no other
 user), the call also gets ``grad_into_input=True``: its backward writes the gradient over the
@@ -32,7 +38,6 @@ from typing import Any
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 from torch import nn
 
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES, dtype_name
@@ -42,42 +47,65 @@ from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.cross_entropy import fp32_cross_entropy
 from amp_fx.ops.module_hooks import has_forward_hooks
 from amp_fx.passes.shared.dtypes import dtype_is_assumed
-from amp_fx.passes.shared.losses import CROSS_ENTROPY_DEFAULTS, CROSS_ENTROPY_PARAMETERS, is_fusable_loss
+from amp_fx.passes.shared.losses import (
+    CROSS_ENTROPY_PARAMETERS,
+    cross_entropy_call_arguments,
+    is_fusable_loss,
+    log_softmax_over_classes,
+    nll_loss_call_arguments,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["fuse_losses", "FUSED_LOSS_FUNCTIONS"]
-
-# The functions a fused loss node may call: torch's and amp_fx's (a converted graph converted again).
-FUSED_LOSS_FUNCTIONS = (F.cross_entropy, fp32_cross_entropy)
+__all__ = ["fuse_losses"]
 
 
-def _cross_entropy_arguments(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict[str, Any] | None:
-    """The call's arguments by name (defaults filled in), or None where it is not one we can read:
-    a subclass of nn.CrossEntropyLoss with its own forward, or arguments the signature lacks."""
-    if node.op == "call_module":
-        module = gm.get_submodule(node.target)
-        if type(module).forward is not nn.CrossEntropyLoss.forward or len(node.args) + len(node.kwargs) != 2:
-            return None
-        if has_forward_hooks(module):
-            return None  # replaced by a function call, the module would not run, nor its hooks
-        inputs = dict(zip(("input", "target"), node.args, strict=False)) | dict(node.kwargs)
-        return inputs | {
-            "weight": module.weight,
-            "size_average": None,
-            "ignore_index": module.ignore_index,
-            "reduce": None,
-            "reduction": module.reduction,
-            "label_smoothing": module.label_smoothing,
-        }
-    if node.op != "call_function" or node.target not in FUSED_LOSS_FUNCTIONS:
+def _module_arguments(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict[str, Any] | None:
+    """A plain nn.CrossEntropyLoss call's arguments by name (torch.fx graphs), or None: a subclass
+    with its own forward, hooks, or arguments the signature lacks."""
+    module = gm.get_submodule(node.target)
+    if type(module).forward is not nn.CrossEntropyLoss.forward or len(node.args) + len(node.kwargs) != 2:
         return None
-    # A graph converted before: this pass decides grad_into_input again.
-    kwargs = {k: v for k, v in node.kwargs.items() if k != "grad_into_input"}
-    if len(node.args) > len(CROSS_ENTROPY_PARAMETERS) or not set(kwargs) <= set(CROSS_ENTROPY_PARAMETERS):
+    if has_forward_hooks(module):
+        return None  # replaced by a function call, the module would not run, nor its hooks
+    inputs = dict(zip(("input", "target"), node.args, strict=False)) | dict(node.kwargs)
+    return inputs | {
+        "weight": module.weight,
+        "size_average": None,
+        "ignore_index": module.ignore_index,
+        "reduce": None,
+        "reduction": module.reduction,
+        "label_smoothing": module.label_smoothing,
+    }
+
+
+def _loss_call(
+    gm: torch.fx.GraphModule, node: torch.fx.Node
+) -> tuple[dict[str, Any], list[torch.fx.Node]] | None:
+    """F.cross_entropy's arguments (``input``: the float32 logits) of an FP32 cross-entropy in
+    either front end's spelling, and the nodes between those logits and the loss that the fused
+    call replaces; None for anything else. The spellings: ``cross_entropy_loss`` (F.cross_entropy,
+    nn.CrossEntropyLoss, ATen's), or ``nll_loss`` (F.nll_loss, ATen's nll_loss / nll_loss_nd) of a
+    ``log_softmax`` over the classes that nothing else reads."""
+    info = node_info(node)
+    if info.rule is not Rule.FP32:
         return None
-    arguments = dict(zip(CROSS_ENTROPY_PARAMETERS, node.args, strict=False)) | kwargs
-    return CROSS_ENTROPY_DEFAULTS | arguments
+    if info.op == "cross_entropy_loss":
+        if node.op == "call_module":
+            return (arguments, []) if (arguments := _module_arguments(gm, node)) is not None else None
+        return (arguments, []) if (arguments := cross_entropy_call_arguments(node)) is not None else None
+    if info.op != "nll_loss" or (arguments := nll_loss_call_arguments(node)) is None:
+        return None
+    log_softmax = arguments["input"]
+    if (
+        not isinstance(log_softmax, torch.fx.Node)
+        or node_info(log_softmax).op != "log_softmax"
+        or node_info(log_softmax).rule is not Rule.FP32
+        or len(log_softmax.users) != 1
+        or not log_softmax_over_classes(gm, log_softmax)
+    ):
+        return None
+    return arguments | {"input": log_softmax.args[0]}, [log_softmax]
 
 
 # Users that read a tensor's metadata, never its values (``logits.view(-1, logits.size(-1))``).
@@ -141,11 +169,10 @@ def fuse_losses(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModul
     fused = 0
     for node in list(gm.graph.nodes):
         info = node_info(node)
-        if info.op != "cross_entropy_loss" or info.rule is not Rule.FP32:
+        found = _loss_call(gm, node)
+        if found is None or not is_fusable_loss(found[0]):
             continue
-        arguments = _cross_entropy_arguments(gm, node)
-        if arguments is None or not is_fusable_loss(arguments):
-            continue
+        arguments, replaced = found
         cast = arguments["input"]
         source = _low_precision_source(cast)
         if source is None:
@@ -156,14 +183,16 @@ def fuse_losses(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModul
         node.args, node.kwargs = (source,), rest
         # Recorded as one call if the graph is traced again (its checks read tensor ranks).
         node.meta[FX_WRAPPED_KEY] = True
+        info.op = "cross_entropy_loss"  # an nll_loss of its log_softmax is one now
         seen[source] = node_info(source).out_dtype
         info.in_dtypes = tuple(seen.get(n) for n in node.all_input_nodes)
         low = dtype_name(node_info(source).out_dtype)
         note = f"fused: reads the {low} logits, computes in float32 (no float32 copy)"
         if note not in info.notes:
             info.notes.append(note)
-        if not cast.users:
-            gm.graph.erase_node(cast)
+        for step in (*reversed(replaced), cast):
+            if not step.users:
+                gm.graph.erase_node(step)
         if _only_the_loss_reads(source):
             node.kwargs = {**node.kwargs, "grad_into_input": True}
         fused += 1

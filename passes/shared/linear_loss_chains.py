@@ -65,6 +65,7 @@ from amp_fx.passes.shared.losses import (
     cross_entropy_call_arguments,
     is_fusable_loss,
     is_last_size_of,
+    log_softmax_dim,
     nll_loss_call_arguments,
 )
 from amp_fx.passes.shared.module_regions import module_paths
@@ -194,26 +195,9 @@ def _is_row_view(node: torch.fx.Node, chain: set[torch.fx.Node], num_classes: in
     return (num_classes is not None and shape[1] == num_classes) or is_last_size_of(shape[1], chain)
 
 
-def _log_softmax_dim(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Any:
-    """The dim of a log_softmax call in its input's dtype (no ``dtype`` argument); None otherwise."""
-    if node.op == "call_module":
-        module = gm.get_submodule(node.target)
-        plain = type(module).forward is nn.LogSoftmax.forward and not has_forward_hooks(module)
-        return module.dim if plain and len(node.args) == 1 and not node.kwargs else None
-    names = (
-        ("input", "dim", "_stacklevel", "dtype")
-        if node.target is F.log_softmax
-        else ("input", "dim", "dtype")
-    )
-    if len(node.args) > len(names) or not set(node.kwargs) <= set(names[1:]):
-        return None
-    arguments = dict(zip(names, node.args, strict=False)) | dict(node.kwargs)
-    return arguments.get("dim") if arguments.get("dtype") is None else None
-
-
 def _over_classes(gm: torch.fx.GraphModule, node: torch.fx.Node, rows: bool, num_classes: int | None) -> bool:
     """A log_softmax over the last dimension (the classes) of its input."""
-    dim = _log_softmax_dim(gm, node)
+    dim = log_softmax_dim(gm, node)
     if not isinstance(dim, int) or isinstance(dim, bool):
         return False
     shape = _recorded_shape(node.args[0])

@@ -1,6 +1,7 @@
 """Which cross-entropy calls the fused loss kernel computes, for `fuse_losses`, `fuse_linear_loss` and
 `fuse_chunked_linear_loss`, and the arguments of a cross-entropy call in either front end's spelling:
-``cross_entropy_loss`` itself, or the ``nll_loss`` that reads its input's ``log_softmax``.
+``cross_entropy_loss`` itself, or the ``nll_loss`` that reads its input's ``log_softmax``
+(`log_softmax_dim`, `log_softmax_over_classes`).
 
 >>> arguments = dict(zip(CROSS_ENTROPY_PARAMETERS, (torch.fx.Graph().placeholder("x"), None)))
 >>> is_fusable_loss(CROSS_ENTROPY_DEFAULTS | arguments)
@@ -15,8 +16,12 @@ from typing import Any
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch import nn
 
+from amp_fx.core.node_info import node_info
 from amp_fx.ops.cross_entropy import fp32_cross_entropy
+from amp_fx.ops.module_hooks import has_forward_hooks
+from amp_fx.passes.shared.op_patterns import tensor_value
 
 __all__ = [
     "CROSS_ENTROPY_DEFAULTS",
@@ -24,6 +29,8 @@ __all__ = [
     "cross_entropy_call_arguments",
     "is_fusable_loss",
     "is_last_size_of",
+    "log_softmax_dim",
+    "log_softmax_over_classes",
     "nll_loss_call_arguments",
 ]
 
@@ -127,6 +134,72 @@ def nll_loss_call_arguments(node: torch.fx.Node) -> dict[str, Any] | None:
     if node.target is F.nll_loss:
         return _torch_arguments(node, _NLL_PARAMETERS)
     return None
+
+
+def log_softmax_dim(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Any:
+    """The dim of a log_softmax call (``F.log_softmax``, ``x.log_softmax``, ATen's, or a plain
+    ``nn.LogSoftmax``) in its input's dtype (no ``dtype`` argument); None otherwise.
+
+    >>> gm = torch.fx.symbolic_trace(lambda x: F.log_softmax(x, dim=1))
+    >>> log_softmax_dim(gm, list(gm.graph.nodes)[1])
+    1
+    """
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        plain = type(module).forward is nn.LogSoftmax.forward and not has_forward_hooks(module)
+        return module.dim if plain and len(node.args) == 1 and not node.kwargs else None
+    names = (
+        ("input", "dim", "_stacklevel", "dtype")
+        if node.target is F.log_softmax
+        else ("input", "dim", "dtype")
+    )
+    if len(node.args) > len(names) or not set(node.kwargs) <= set(names[1:]):
+        return None
+    arguments = dict(zip(names, node.args, strict=False)) | dict(node.kwargs)
+    return arguments.get("dim") if arguments.get("dtype") is None else None
+
+
+# Ops that keep their input's rank: a rank is read through them (amp_fx's casts record no value).
+_SAME_RANK_OPS = frozenset({"to", "contiguous", "alias"})
+_VIEW_OPS = frozenset({"view", "reshape"})
+
+
+def _rank(node: Any) -> int | None:
+    """The rank of ``node``'s value: recorded (torch.export graphs), else that of a 2-entry
+    ``view``/``reshape`` it is (through casts); None when unknown."""
+    while isinstance(node, torch.fx.Node):
+        value = tensor_value(node)
+        if value is not None:
+            return value.dim()
+        op = node_info(node).op
+        if op in _VIEW_OPS:
+            shape = list(node.args[1:]) or list(node.kwargs.get("shape", node.kwargs.get("size", ())))
+            if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+                shape = list(shape[0])
+            return len(shape) or None
+        if op not in _SAME_RANK_OPS or not node.args:
+            return None
+        node = node.args[0]
+    return None
+
+
+def log_softmax_over_classes(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a log_softmax (`log_softmax_dim`) over the dimension cross-entropy
+    takes as the classes: dim 1 of an input of rank 2 or more (-1 or 1 where the rank is 2).
+    An ``nll_loss`` of it is then a cross-entropy of its input.
+
+    >>> from amp_fx.passes.normalize_ops import normalize_ops
+    >>> gm = normalize_ops(torch.fx.symbolic_trace(lambda x: F.log_softmax(x.view(-1, 7), dim=-1)))
+    >>> log_softmax_over_classes(gm, list(gm.graph.nodes)[2])
+    True
+    """
+    dim = log_softmax_dim(gm, node)
+    if not isinstance(dim, int) or isinstance(dim, bool) or not node.args:
+        return False
+    rank = _rank(node.args[0])
+    if dim == 1:
+        return rank is not None and rank >= 2
+    return rank == 2 and dim == -1
 
 
 def is_last_size_of(value: object, chain: set[torch.fx.Node]) -> bool:
