@@ -23,8 +23,8 @@ from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Policy, preset
 from amp_fx.ops.cross_entropy import fp32_cross_entropy, linear_cross_entropy
 from amp_fx.passes.fuse_linear_loss import fuse_linear_loss
-from amp_fx.testing import grad_tolerances, tolerances, with_autocast
-from amp_fx.testing.comparison import compare_tensors, root_mean_square
+from amp_fx.testing import tolerances, with_autocast
+from tests.passes.training_signal import mismatches, step
 from tests.tracer_path import PassThroughMode
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
@@ -306,29 +306,6 @@ def _fused_nodes(converted: nn.Module) -> list[dict]:
     return [node for node in nodes if node["target"] == "amp_fx.ops.cross_entropy.linear_cross_entropy"]
 
 
-def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    loss = model(x, y)
-    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    grads = torch.autograd.grad(loss, [p for _, p in named])
-    return loss.detach(), {name: grad for (name, _), grad in zip(named, grads, strict=True)}
-
-
-def _mismatches(actual, expected, dtype: torch.dtype, label: str) -> list:
-    (loss, grads), (expected_loss, expected_grads) = actual, expected
-    rtol, atol = tolerances(dtype)
-    found = [compare_tensors(loss, expected_loss, rtol=rtol, atol=atol, name=f"{label} loss")]
-    rtol, atol = grad_tolerances(dtype)
-    scale = root_mean_square(list(expected_grads.values()))
-    for name, grad in grads.items():
-        assert type(grad) is torch.Tensor
-        found.append(
-            compare_tensors(
-                grad, expected_grads[name], rtol=rtol, atol=atol, scale=scale, name=f"{label} {name}"
-            )
-        )
-    return [mismatch for mismatch in found if mismatch is not None]
-
-
 @pytest.mark.parametrize(
     ("front_end", "form", "dtype"),
     [("fx", "view", BF16), ("export", "plain", BF16), ("export", "nll", F16), ("fx", "view", F16)],
@@ -339,15 +316,15 @@ def test_both_front_ends_fuse_and_train_as_autocast(front_end, form, dtype):
     report names the fusion, and the step trains as under autocast and as the float64 model."""
     model = _seeded(Classifier, form=form)
     x, y = _classifier_batch()
-    autocast = _step(with_autocast(model, "cpu", dtype), x, y)
-    exact = _step(copy.deepcopy(model).double(), x.double(), y)
+    autocast = step(with_autocast(model, "cpu", dtype), x, y)
+    exact = step(copy.deepcopy(model).double(), x.double(), y)
     converted = _convert_with(model, front_end, dtype)
-    ours = _step(converted, x, y)
+    ours = step(converted, x, y)
     (fused,) = _fused_nodes(converted)
     assert any("fused with the linear layer head" in note for note in fused["notes"])
     assert fused["in_dtypes"][:3] == [str(dtype).removeprefix("torch.")] * 3
     assert ours[0].dtype == torch.float32
-    assert not _mismatches(ours, autocast, dtype, "autocast") + _mismatches(ours, exact, dtype, "float64")
+    assert not mismatches(ours, autocast, dtype, "autocast") + mismatches(ours, exact, dtype, "float64")
 
 
 @pytest.mark.parametrize("reduction", ["sum", "none"])

@@ -7,6 +7,8 @@ low dtype's.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,7 +20,8 @@ from amp_fx.core.policy import preset
 from amp_fx.ops.cross_entropy import fp32_cross_entropy
 from amp_fx.passes.fuse_losses import fuse_losses
 from amp_fx.passes.shared.dtypes import dtype_is_assumed
-from amp_fx.testing import tolerances
+from amp_fx.testing import tolerances, with_autocast
+from tests.passes.training_signal import mismatches, step
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 VOCAB = 37
@@ -225,3 +228,111 @@ def test_converting_twice_changes_nothing():
 def test_fused_losses_must_be_a_bool():
     with pytest.raises(TypeError, match="fused_losses must be True or False"):
         preset("O2", fused_losses="yes")
+
+
+class LogitsAndLoss(nn.Module):
+    """A classifier returning its logits and their loss: ``F.cross_entropy``, or ``F.nll_loss`` of
+    ``F.log_softmax`` over rows of classes (torch.export records ATen's cross_entropy_loss, or
+    log_softmax + nll_loss_nd; the row view shows a torch.fx graph the rank its dim is read in)."""
+
+    def __init__(self, form: str = "cross_entropy", dim: int = -1, **loss_kwargs) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.head = nn.Linear(16, VOCAB)
+        self.form, self.dim, self.loss_kwargs = form, dim, loss_kwargs
+
+    def forward(self, x, y):
+        logits = self.head(torch.relu(self.fc(x)))
+        if self.form == "nll":
+            rows = logits.view(-1, logits.size(-1))
+            return logits, F.nll_loss(F.log_softmax(rows, dim=self.dim), y, **self.loss_kwargs)
+        return logits, F.cross_entropy(logits, y, **self.loss_kwargs)
+
+
+def _classifier_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 16, generator=generator)
+    y = torch.randint(0, VOCAB, (6,), generator=generator)
+    y[1] = -100
+    return x, y
+
+
+def _convert_front_end(model: nn.Module, front_end: str, dtype: torch.dtype) -> nn.Module:
+    # keep_logits: the returned logits stay, so no head-and-loss fusion takes the loss first.
+    policy = preset("O2", dtype=dtype, device_type="cpu", keep_logits=True)
+    return amp_fx.convert(copy.deepcopy(model), "O2", policy=policy, front_end=front_end)
+
+
+def _reported_losses(converted: nn.Module) -> list[dict]:
+    """The report's loss nodes: fused ones (fp32_cross_entropy) or torch's."""
+    nodes = amp_fx.report(converted).to_dict()["nodes"]
+    return [node for node in nodes if any(op in node["target"] for op in ("cross_entropy", "nll_loss"))]
+
+
+def _is_fused(node: dict) -> bool:
+    return node["target"] == "amp_fx.ops.cross_entropy.fp32_cross_entropy" and any(
+        note.startswith("fused: reads the") for note in node["notes"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("front_end", "form", "dtype"),
+    [
+        ("fx", "cross_entropy", BF16),
+        ("export", "cross_entropy", BF16),
+        ("export", "nll", F16),
+        ("fx", "nll", F16),
+        ("export", "cross_entropy", F16),
+    ],
+)
+def test_both_front_ends_fuse_a_loss_beside_returned_logits(front_end, form, dtype):
+    """ATen's cross_entropy_loss and log_softmax + nll_loss fuse as F.cross_entropy does: the report
+    names the fusion, no float32 copy of the logits feeds the loss, and the step trains as under
+    autocast and as the float64 model."""
+    torch.manual_seed(0)
+    model = LogitsAndLoss(form)
+    x, y = _classifier_batch()
+    autocast = step(with_autocast(model, "cpu", dtype), x, y)
+    exact = step(copy.deepcopy(model).double(), x.double(), y)
+    converted = _convert_front_end(model, front_end, dtype)
+    ours = step(converted, x, y)
+    (loss,) = _reported_losses(converted)
+    assert _is_fused(loss), loss
+    assert loss["in_dtypes"][0] == str(dtype).removeprefix("torch.")
+    assert not any(node["op"] == "log_softmax" for node in amp_fx.report(converted).to_dict()["nodes"])
+    logits, _ = converted(x, y)
+    assert type(logits) is torch.Tensor and logits.dtype == F32  # still returned, as O2 casts outputs
+    assert ours[0].dtype == F32
+    assert not mismatches(ours, autocast, dtype, "autocast") + mismatches(ours, exact, dtype, "float64")
+
+
+_NEAR_MISSES = {
+    "label_smoothing": lambda: LogitsAndLoss(label_smoothing=0.1),
+    "class_weights": lambda: LogitsAndLoss(weight=torch.rand(VOCAB)),
+    "nll_class_weights": lambda: LogitsAndLoss("nll", weight=torch.rand(VOCAB)),
+    "log_softmax_dim_0": lambda: LogitsAndLoss("nll", dim=0),
+}
+
+
+@pytest.mark.parametrize(
+    ("front_end", "make"),
+    [
+        *[(front_end, make) for make in _NEAR_MISSES.values() for front_end in ("fx", "export")],
+        # torch.fx keeps the legacy flag (torch.export folds it into reduction="none", fused).
+        ("fx", lambda: LogitsAndLoss(reduce=False)),
+    ],
+    ids=[*[f"{name}-{fe}" for name in _NEAR_MISSES for fe in ("fx", "export")], "legacy_reduce-fx"],
+)
+@pytest.mark.filterwarnings("ignore:size_average and reduce args will be deprecated")
+def test_near_misses_stay_unfused_in_both_front_ends(front_end, make):
+    """What the fused op does not compute keeps torch's float32 loss, as under autocast."""
+    torch.manual_seed(0)
+    model = make()
+    x, y = _classifier_batch()
+    converted = _convert_front_end(model, front_end, BF16)
+    _, loss = converted(x, y)
+    assert not any(_is_fused(node) for node in _reported_losses(converted))
+    _, expected = with_autocast(model, "cpu", BF16)(x, y)
+    assert type(loss) is torch.Tensor
+    rtol, atol = tolerances(BF16)
+    torch.testing.assert_close(loss, expected.float(), rtol=rtol, atol=atol)
