@@ -12,10 +12,13 @@ where the two reads of x are x itself or its cast up to fp32 (T5 multiplies the 
 LayerNorm is one call (``nn.LayerNorm``, ``F.layer_norm``, ``aten.layer_norm``,
 ``aten.native_layer_norm``) on fp32 input with fp32 parameters, and so is an RMSNorm over the last
 dimension (``nn.RMSNorm``, ``F.rms_norm``, ``aten.rms_norm``, which torch.export keeps; without an
-eps, float32's epsilon, as aten takes for fp32 input; decomposed, it is the chain above). Before
-either, a residual add ``a + b`` whose sum is the normalized value is fused in when it is a plain
-two-tensor add; after either, casts of the output to one low dtype (amp_fx's, before the next
-matmuls), also through reshapes, are taken in so the output is written low once.
+eps, float32's epsilon, as aten takes for fp32 input; decomposed, it is the chain above). A
+LayerNorm written out is the chain above on ``x - mean(x, -1, keepdim=True)`` (both reads; one
+subtraction or two), in fp32, then ``* w`` and ``+ b`` (each optional; fp32 parameters of the
+normalized width, which must be known) and a cast. Before any of them, a residual add ``a + b``
+whose sum is the normalized value is fused in when it is a plain two-tensor add; after it, casts
+of the output to one low dtype (amp_fx's, before the next matmuls), also through reshapes, are
+taken in so the output is written low once.
 
 A chain matches exactly or not at all: every node it replaces must have no reader outside it
 (the values it hands on, the sum and the output, excepted), every dtype must be known, and the
@@ -255,7 +258,7 @@ def _normalized_value(normalize: torch.fx.Node, inverse_or_root: torch.fx.Node) 
     return _other(normalize, inverse_or_root)
 
 
-def _match_rms(mean: torch.fx.Node) -> NormChain | None:
+def _match_rms(mean: torch.fx.Node, gm: torch.fx.GraphModule) -> NormChain | None:
     chain = _Chain()
     found = _rms_root(mean, chain)
     if found is None:
@@ -266,6 +269,13 @@ def _match_rms(mean: torch.fx.Node) -> NormChain | None:
         return None
     if _dtype(squared) != torch.float32 or _dtype(normalize) != torch.float32:
         return None
+    centered = _centered(squared, scaled)
+    if centered is not None:  # both reads are x - mean(x): a LayerNorm written out
+        layer_chain = _Chain()
+        layer_chain.nodes = list(chain.nodes)
+        norm = _match_written_layer_norm(centered, normalize, eps, layer_chain, gm)
+        if norm is not None:
+            return norm
     value, casts = _strip_casts(squared)
     scaled_value, scaled_casts = _strip_casts(scaled)
     if value is not scaled_value:
@@ -275,6 +285,109 @@ def _match_rms(mean: torch.fx.Node) -> NormChain | None:
     if node is None:
         return None
     return _finish(norm, node, chain, [*casts, *scaled_casts])
+
+
+def _centered(
+    squared: torch.fx.Node, scaled: torch.fx.Node
+) -> tuple[torch.fx.Node, list[torch.fx.Node], list[torch.fx.Node]] | None:
+    """(x, the mean and subtractions, the casts up to fp32 they read) when the squared value and
+    the scaled one are both ``x - mean(x, -1, keepdim=True)`` of the same x (one subtraction read
+    twice, or one for each); else None."""
+    subtractions = list(dict.fromkeys((squared, scaled)))
+    centers, reads = set(), []
+    for sub in subtractions:
+        if node_info(sub).op != "sub" or is_inplace_call(sub):
+            return None
+        if len(sub.args) != 2 or sub.kwargs or not all(isinstance(a, torch.fx.Node) for a in sub.args):
+            return None
+        reads.append(sub.args[0])
+        centers.add(sub.args[1])
+    if len(centers) != 1:
+        return None
+    (center,) = centers
+    dim, keepdim = call_argument(center, 1, "dim"), call_argument(center, 2, "keepdim", False)
+    if node_info(center).op != "mean" or not center.args or call_argument(center, 3, "dtype") is not None:
+        return None
+    if keepdim is not True or not is_last_dim(center, dim) or _dtype(center) != torch.float32:
+        return None
+    reads.append(center.args[0])
+    if not all(isinstance(r, torch.fx.Node) and _dtype(r) == torch.float32 for r in reads):
+        return None
+    stripped = [_strip_casts(r) for r in reads]
+    if len({value for value, _ in stripped}) != 1:
+        return None
+    casts = [cast for _, found in stripped for cast in found]
+    return stripped[0][0], [center, *subtractions], casts
+
+
+def _shape(node: object, gm: torch.fx.GraphModule) -> tuple[int, ...] | None:
+    """The shape of a node's value: recorded (``meta["val"]``), or that of the parameter a
+    get_attr (through casts) reads; None when unknown."""
+    value = tensor_value(node)
+    if value is not None:
+        return tuple(value.shape)
+    while isinstance(node, torch.fx.Node) and node.op != "get_attr" and node_info(node).op == "to":
+        node = node.args[0]
+    if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
+        return None
+    try:
+        attribute = operator.attrgetter(node.target)(gm)
+    except AttributeError:
+        return None
+    return tuple(attribute.shape) if isinstance(attribute, torch.Tensor) else None
+
+
+def _affine_parameter(node: torch.fx.Node | None, op: str, previous: torch.fx.Node) -> torch.fx.Node | None:
+    """The fp32 parameter that ``node`` (a ``mul`` or ``add`` reading ``previous``) applies, in
+    float32, or None."""
+    if node is None or node_info(node).op != op or node.op not in ("call_function", "call_method"):
+        return None
+    parameter = _other(node, previous)
+    if not _is_parameter(parameter) or _dtype(parameter) != torch.float32 or _dtype(node) != torch.float32:
+        return None
+    return parameter
+
+
+def _match_written_layer_norm(
+    centered: tuple[torch.fx.Node, list[torch.fx.Node], list[torch.fx.Node]],
+    normalize: torch.fx.Node,
+    eps: float,
+    chain: _Chain,
+    gm: torch.fx.GraphModule,
+) -> NormChain | None:
+    """A LayerNorm written out in fp32 (``(x - mu) * rsqrt(mean((x - mu)**2) + eps)``, then
+    ``* w`` and ``+ b``, each optional, and a cast): the call `layer_norm_fp32` makes. Matched only
+    where weight and bias are fp32 parameters of the normalized width, which is known."""
+    x, centering, casts = centered
+    for node in centering:
+        chain.take(node)
+    norm = NormChain(subtract_mean=True, x=x, eps=eps)
+    node, user = normalize, only_user(normalize)
+    if user is not None and node_info(user).op == "to" and cast_target(user) == torch.float32:
+        node, user = chain.take(user), only_user(user)  # an identity cast (``.to(input_dtype)``)
+    weight = _affine_parameter(user, "mul", node)
+    if weight is not None:
+        norm.weight, node = weight, chain.take(user)
+        user = only_user(node)
+    bias = _affine_parameter(user, "add", node)
+    if bias is not None:
+        norm.bias, node = bias, chain.take(user)
+        user = only_user(node)
+    norm.out_dtype = torch.float32
+    if user is not None and node_info(user).op == "to" and cast_target(user) in _FLOATS:
+        node, norm.out_dtype = chain.take(user), cast_target(user)
+    # The width: x's last dimension where recorded, else the parameters'; a parameter of any
+    # other shape (per-head weights over a head dimension) broadcasts otherwise than the kernel's.
+    x_shape = _shape(x, gm)
+    widths = {x_shape[-1:]} if x_shape else set()
+    widths |= {_shape(p, gm) for p in (norm.weight, norm.bias) if p is not None}
+    if len(widths) != 1 or None in widths:
+        return None
+    (width,) = widths
+    if len(width) != 1:
+        return None
+    norm.normalized_shape = width
+    return _finish(norm, node, chain, casts)
 
 
 def _rms_tail(node: torch.fx.Node, norm: NormChain, chain: _Chain) -> torch.fx.Node | None:
@@ -481,7 +594,7 @@ def match_norm_chain(node: torch.fx.Node, gm: torch.fx.GraphModule) -> NormChain
     """
     op = node_info(node).op
     if op == "mean":
-        return _match_rms(node)
+        return _match_rms(node, gm)
     if op in _CALL_FORMS:
         return _match_norm_call(node, gm, _CALL_FORMS[op])
     return None

@@ -73,6 +73,21 @@ def torch_rms_norm(h, w):
     return torch.rms_norm(h, [WIDTH], w, EPS)
 
 
+# LayerNorm written out in fp32 (no bias): Cohere's two subtractions of the mean, or one shared.
+def layer_norm_written_out(h, w):
+    x = h.to(torch.float32)
+    mean = x.mean(-1, keepdim=True)
+    variance = (x - mean).pow(2).mean(-1, keepdim=True)
+    x = (x - mean) * torch.rsqrt(variance + EPS)
+    return (w.to(torch.float32) * x).to(h.dtype)
+
+
+def layer_norm_centered_once(h, w):
+    x = h.float()
+    centered = x - x.mean(dim=-1, keepdim=True)
+    return w * (centered / torch.sqrt((centered * centered).mean(-1, keepdim=True) + EPS))
+
+
 # Near misses: one step differs from a norm.
 def eps_outside_the_root(h, w):
     x = h.float()
@@ -104,6 +119,20 @@ def squares_in_place(h, w):
 def rms_norm_over_two_dims(h, w):  # the kernels normalize the last dimension only
     halves = (2, WIDTH // 2)
     return w * F.rms_norm(h.unflatten(-1, halves), halves, eps=EPS).flatten(-2)
+
+
+def centered_over_another_dim(h, w):  # the mean subtracted is over dim 1, the variance's over -1
+    x = h.float()
+    mean = x.mean(1, keepdim=True)
+    variance = (x - mean).pow(2).mean(-1, keepdim=True)
+    return w * ((x - mean) * torch.rsqrt(variance + EPS))
+
+
+def centered_on_another_value(h, w):  # x - mean(x) squared, but h.exp() - mean(x) normalized
+    x = h.float()
+    mean = x.mean(-1, keepdim=True)
+    variance = (x - mean).pow(2).mean(-1, keepdim=True)
+    return w * ((x.exp() - mean) * torch.rsqrt(variance + EPS))
 
 
 class Stream(nn.Module):
@@ -177,6 +206,8 @@ def assert_close_to(ours, expected) -> None:
         layer_norm_function,
         rms_norm_function,
         torch_rms_norm,
+        layer_norm_written_out,
+        layer_norm_centered_once,
     ],
 )
 def test_spellings_fuse_on_the_fx_front_end(norm) -> None:
@@ -201,6 +232,8 @@ def test_spellings_fuse_on_the_fx_front_end(norm) -> None:
         variance_read_elsewhere,
         squares_in_place,
         rms_norm_over_two_dims,
+        centered_over_another_dim,
+        centered_on_another_value,
     ],
 )
 def test_near_misses_are_left_alone(norm) -> None:
@@ -222,6 +255,66 @@ def test_layer_norm_module_with_the_residual_add() -> None:
     # A hook on the LayerNorm would no longer fire: such a LayerNorm is not fused.
     model.ln.register_forward_hook(lambda *args: None)
     assert not fused_calls(convert(model))
+
+
+class WrittenLayerNorm(nn.Module):
+    """A LayerNorm written out in fp32 as Cohere's is (weight, and here a bias), over the last
+    dimension with parameters of ``shape``: (WIDTH,), or per head (2, WIDTH // 2) as Cohere's QK
+    norm, which broadcasts per head and is no LayerNorm call."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(shape))
+        self.bias = nn.Parameter(0.1 * torch.randn(shape))
+
+    def forward(self, h):
+        x = h.to(torch.float32)
+        mean = x.mean(-1, keepdim=True)
+        variance = (x - mean).pow(2).mean(-1, keepdim=True)
+        x = (x - mean) * torch.rsqrt(variance + EPS)
+        return (self.weight.to(torch.float32) * x + self.bias).to(h.dtype)
+
+
+class WrittenLayerNormStream(nn.Module):
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.a, self.b = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.norm = WrittenLayerNorm((WIDTH,) if heads == 1 else (heads, WIDTH // heads))
+
+    def forward(self, x):
+        h = x + self.a(x)
+        if self.heads > 1:
+            return self.b(self.norm(h.unflatten(-1, (self.heads, -1))).flatten(-2))
+        return self.b(self.norm(h))
+
+
+@pytest.mark.parametrize("front_end", ["fx", "export"])
+def test_written_out_layer_norm_fuses_on_both_front_ends(front_end: str) -> None:
+    torch.manual_seed(0)
+    model, x = WrittenLayerNormStream(heads=1), torch.randn(3, 5, WIDTH)
+    policy = amp_fx.preset("O2", BF16, "cpu")
+    fused = amp_fx.convert(copy.deepcopy(model), policy=policy, front_end=front_end)
+    ours = loss_and_grads(fused, x)
+    (call,) = fused_calls(fused)
+    assert call.target.__name__ == "add_layer_norm_fp32" and call.kwargs["out_dtype"] == BF16
+    graph = next(iter(amp_fx.report(fused).graphs.values())).graph
+    assert not [n for n in graph.nodes if node_info(n).op in ("mean", "sub", "pow", "rsqrt")]
+    assert "fused the residual add and LayerNorm" in node_info(call).notes[-1]
+    unfused = amp_fx.convert(
+        copy.deepcopy(model), policy=amp_fx.preset("O2", BF16, "cpu", fused_norms=False), front_end=front_end
+    )
+    assert_close_to(ours, loss_and_grads(unfused, x))
+    assert_close_to(ours, loss_and_grads(amp_fx.testing.with_autocast(model, "cpu", BF16), x))
+
+
+@pytest.mark.parametrize("front_end", ["fx", "export"])
+def test_written_out_layer_norm_with_per_head_weights_is_left_alone(front_end: str) -> None:
+    torch.manual_seed(0)
+    model, x = WrittenLayerNormStream(heads=2), torch.randn(3, 5, WIDTH)
+    fused = amp_fx.convert(copy.deepcopy(model), "O2", dtype=BF16, device_type="cpu", front_end=front_end)
+    fused(x)  # the torch.export front end captures at the first call
+    assert not fused_calls(fused)
 
 
 class RMSNormDecoder(nn.Module):
