@@ -6,6 +6,7 @@ so it serves the torch.export front end's ATen graphs and torch.fx graphs alike:
 
     logits = linear(h, W[, b])                  the head (W may be tied to the embedding)
     x      = to(logits, float32) | view | reshape | flatten | contiguous | alias   (any chain)
+             | x * c | x / c                    (c a power of two: the call reads h * c)
     rows   = view(x, [-1, V])                   (rows of V classes: a view, or recorded shapes)
     loss   = cross_entropy_loss(rows, target, ignore_index=i, reduction="mean" | "sum")
              (or nll_loss of the rows' log_softmax)
@@ -59,6 +60,7 @@ from amp_fx.passes.shared.linear_loss_chains import (
     erase_head_and_loss,
     head_parameter_nodes,
     match_linear_loss,
+    scaled_head_arguments,
 )
 from amp_fx.passes.shared.module_regions import computed_by_module_of
 
@@ -75,9 +77,10 @@ def _replace(gm: torch.fx.GraphModule, match: LinearLoss, output: torch.fx.Node)
     loss = match.loss
     with graph.inserting_before(loss):
         weight, bias = head_parameter_nodes(graph, match)
+        input, bias = scaled_head_arguments(graph, match, bias)
         kwargs = {name: match.arguments[name] for name in ("ignore_index", "reduction")}
         fused = graph.call_function(
-            chunked_linear_cross_entropy, (match.input, weight, bias, match.arguments["target"]), kwargs
+            chunked_linear_cross_entropy, (input, weight, bias, match.arguments["target"]), kwargs
         )
     # Recorded as one call if the graph is traced again.
     fused.meta[FX_WRAPPED_KEY] = True

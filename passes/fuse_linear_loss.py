@@ -44,6 +44,7 @@ from amp_fx.passes.shared.linear_loss_chains import (
     erase_head_and_loss,
     head_parameter_nodes,
     match_linear_loss,
+    scaled_head_arguments,
 )
 from amp_fx.passes.shared.module_regions import computed_by_module_of
 
@@ -54,9 +55,10 @@ __all__ = ["fuse_linear_loss"]
 
 def _replace(gm: torch.fx.GraphModule, match: LinearLoss, output: torch.fx.Node) -> None:
     graph = gm.graph
-    input, loss = match.input, match.loss
+    loss = match.loss
     with graph.inserting_before(loss):
         weight, bias = head_parameter_nodes(graph, match)
+        input, bias = scaled_head_arguments(graph, match, bias)
         size = graph.call_method("size", (input, -1))
         node_info(size).op, node_info(size).rule = "size", Rule.PASSTHROUGH
         rows = graph.call_method("reshape", (input, -1, size))

@@ -6,6 +6,7 @@ description serves torch.fx graphs and the torch.export front end's ATen graphs:
 
     logits = linear(h, W[, b])           a plain nn.Linear (no hooks), F.linear, aten.linear
     x      = to(float32) | view | reshape | flatten | contiguous | alias     (a chain, any order)
+             | x * c | c * x | x / c         c a power of two (1.0 included): a logit scale
     loss   = cross_entropy_loss(x, target, ...)        F.cross_entropy, fp32_cross_entropy (after
                                                        fuse_losses), aten.cross_entropy_loss
            | nll_loss(log_softmax(x, classes), target, ...)   the same loss written out: F.nll_loss,
@@ -24,6 +25,11 @@ It matches where the fused ops compute exactly what the graph does:
   widening cast in the chain, or a float32 head), or it is ``fp32_cross_entropy``.
 - Its arguments are ones the fused kernels compute (`is_fusable_loss`): no class weights, no label
   smoothing, a mean, sum or no reduction, an int ignore_index.
+- A logit scale is a Python number whose product over the chain is a power of two
+  (`LinearLoss.scale`): the fused call reads ``h * scale`` and ``b * scale``
+  (`scaled_head_arguments`), whose rounding to fp16/bf16 scales exactly as the logits' would
+  (barring overflow and subnormals), so its logits are the graph's. Any other scale (one that
+  rounds, a tensor, or one of the log-probabilities) is left alone.
 - The head's logits, their casts and views are read by nothing but the chain, size reads that only
   feed the chain's views, and the graph's output (`LinearLoss.returned`; whether a pass may drop
   returned logits is its own choice); log-probabilities only by the chain and the loss.
@@ -46,6 +52,7 @@ It matches where the fused ops compute exactly what the graph does:
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -58,9 +65,10 @@ from torch.fx.node import map_arg
 
 from amp_fx.core.node_info import node_info
 from amp_fx.core.op_facts import METADATA_ATTRIBUTES, RESHAPE_OPS, SHAPE_METHODS
+from amp_fx.core.policy import Rule
 from amp_fx.ops.cross_entropy import fp32_cross_entropy
 from amp_fx.ops.module_hooks import has_forward_hooks
-from amp_fx.passes.shared.calls import call_argument
+from amp_fx.passes.shared.calls import call_argument, is_inplace_call
 from amp_fx.passes.shared.losses import (
     cross_entropy_call_arguments,
     is_fusable_loss,
@@ -69,9 +77,15 @@ from amp_fx.passes.shared.losses import (
     nll_loss_call_arguments,
 )
 from amp_fx.passes.shared.module_regions import module_paths
-from amp_fx.passes.shared.op_patterns import tensor_value
+from amp_fx.passes.shared.op_patterns import is_number, tensor_value
 
-__all__ = ["LinearLoss", "erase_head_and_loss", "head_parameter_nodes", "match_linear_loss"]
+__all__ = [
+    "LinearLoss",
+    "erase_head_and_loss",
+    "head_parameter_nodes",
+    "match_linear_loss",
+    "scaled_head_arguments",
+]
 
 # Ops that pass the logits on unchanged in value and row order (a widening cast included).
 _CHAIN_OPS = RESHAPE_OPS | {"alias", "to"}
@@ -97,6 +111,7 @@ class LinearLoss:
     # in graph order: with the loss, what a fused call replaces.
     removed: list[torch.fx.Node]
     returned: bool  # the graph's output returns some of them
+    scale: float = 1.0  # the logit scale of the chain: a power of two
 
     @property
     def head_name(self) -> str:
@@ -217,12 +232,17 @@ def _hands_on_rows(
     seen = {head}
     for step in path:
         op = node_info(step).op
+        if op in ("mul", "div") and any(node_info(s).op == "log_softmax" for s in seen):
+            return False  # a scale of log-probabilities, not of the logits
         if op == "to":
             widening = node_info(step).out_dtype == torch.float32
             if not (widening and node_info(step.args[0]).out_dtype in _LOW_OR_FP32):
                 return False
         elif op in ("contiguous", "alias"):
             if len(step.args) != 1 or step.kwargs:
+                return False
+        elif op in ("mul", "div"):  # a logit scale (`_chain_to_head` took no other): shape kept
+            if node_info(step).out_dtype != node_info(_logits_read(step)).out_dtype:
                 return False
         elif op == "log_softmax":
             if not _over_classes(gm, step, rows, num_classes):
@@ -239,6 +259,33 @@ def _hands_on_rows(
     return rows
 
 
+def _scale_factor(node: torch.fx.Node) -> float | None:
+    """The factor of a logit-scale step (``x * c``, ``c * x``, ``x / c``, c a Python number) when
+    it is a power of two; else None."""
+    op = node_info(node).op
+    if op not in ("mul", "div") or len(node.args) != 2 or node.kwargs or is_inplace_call(node):
+        return None
+    value, constant = node.args
+    if op == "mul" and not isinstance(value, torch.fx.Node):
+        value, constant = constant, value
+    if not isinstance(value, torch.fx.Node) or not is_number(constant) or constant == 0:
+        return None
+    factor = 1.0 / constant if op == "div" else float(constant)
+    return factor if _is_power_of_two(factor) else None
+
+
+def _is_power_of_two(factor: float) -> bool:
+    """2**k for an integer k (positive, finite): multiplying by it rounds nothing."""
+    return math.isfinite(factor) and factor > 0 and math.frexp(factor)[0] == 0.5
+
+
+def _logits_read(node: torch.fx.Node) -> torch.fx.Node:
+    """The operand of a chain step that carries the logits (a scale may read them second)."""
+    if node_info(node).op == "mul" and not isinstance(node.args[0], torch.fx.Node):
+        return node.args[1]
+    return node.args[0]
+
+
 def _chain_to_head(
     gm: torch.fx.GraphModule, value: Any
 ) -> tuple[torch.fx.Node, list[torch.fx.Node], tuple[Any, Any, Any, int | None]] | None:
@@ -247,15 +294,16 @@ def _chain_to_head(
     path: list[torch.fx.Node] = []
     node = value
     while (arguments := _head_arguments(gm, node)) is None:
-        if (
-            not isinstance(node, torch.fx.Node)
-            or node_info(node).op not in _CHAIN_OPS | {"log_softmax"}
+        if not isinstance(node, torch.fx.Node):
+            return None
+        if _scale_factor(node) is None and (
+            node_info(node).op not in _CHAIN_OPS | {"log_softmax"}
             or not node.args
             or not isinstance(node.args[0], torch.fx.Node)
         ):
             return None
         path.append(node)
-        node = node.args[0]
+        node = _logits_read(node)
     path.reverse()
     return node, path, arguments
 
@@ -338,7 +386,10 @@ def match_linear_loss(
     if removed is None:
         return None
     nodes, returned = removed
-    return LinearLoss(loss, arguments, head, input, weight, bias, nodes, returned)
+    scale = math.prod(factor for step in path if (factor := _scale_factor(step)) is not None)
+    if not _is_power_of_two(scale):
+        return None
+    return LinearLoss(loss, arguments, head, input, weight, bias, nodes, returned, scale)
 
 
 def head_parameter_nodes(
@@ -353,6 +404,29 @@ def head_parameter_nodes(
             node_info(value).out_dtype = node_info(match.head).out_dtype
         nodes.append(value)
     return nodes[0], nodes[1]
+
+
+def scaled_head_arguments(
+    graph: torch.fx.Graph, match: LinearLoss, bias: torch.fx.Node | None
+) -> tuple[torch.fx.Node, torch.fx.Node | None]:
+    """The head's input and ``bias`` (its node, `head_parameter_nodes`) times the chain's logit
+    scale, inserted where the graph's insertion point is (``(h @ W.T + b) * c`` is
+    ``(h * c) @ W.T + b * c``), or themselves when there is none: what a fused call reads."""
+    if match.scale == 1.0:
+        return match.input, bias
+    return _scaled(graph, match, match.input), None if bias is None else _scaled(graph, match, bias)
+
+
+def _scaled(graph: torch.fx.Graph, match: LinearLoss, value: torch.fx.Node) -> torch.fx.Node:
+    scaled = graph.call_function(operator.mul, (value, match.scale))
+    info = node_info(scaled)
+    info.op, info.rule = "mul", Rule.PASSTHROUGH
+    info.in_dtypes, info.out_dtype = (node_info(value).out_dtype,), node_info(value).out_dtype
+    info.notes.append(f"the logit scale {match.scale:g} of the fused head, applied to its arguments (exact)")
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in match.head.meta:
+            scaled.meta[key] = match.head.meta[key]
+    return scaled
 
 
 def erase_head_and_loss(graph: torch.fx.Graph, match: LinearLoss, output: torch.fx.Node) -> None:

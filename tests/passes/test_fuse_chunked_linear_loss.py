@@ -23,7 +23,7 @@ from amp_fx.core.policy import preset
 from amp_fx.ops.chunked_cross_entropy import chunked_linear_cross_entropy
 from amp_fx.passes.shared.module_regions import module_paths
 from amp_fx.pipeline import rewrite_graph
-from amp_fx.testing import tolerances, with_autocast
+from amp_fx.testing import assert_close_normwise, grad_tolerances, tolerances, with_autocast
 from tests.bit_equality import bits_equal
 from tests.models.hf import VOCAB, causal_lm_without_dropout
 
@@ -151,6 +151,82 @@ def test_near_misses_are_left_alone(make):
     converted, output = _run(make())
     assert not _chunked_calls(converted)
     assert output["logits"].dtype == torch.float32
+
+
+class ScaledHeadAndLoss(nn.Module):
+    """A logit scale between the head and the loss (``logits / 16``, ``logits * 0.0625``: a model
+    dividing its logits by a config constant), as ``scale`` writes it; the near misses scale by a
+    number that rounds, by a tensor, or scale the log-probabilities instead."""
+
+    def __init__(self, scale: str) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.head = nn.Linear(16, VOCAB, bias=False)
+        self.temperature = nn.Parameter(torch.tensor(0.5))
+        self.scale = scale
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(torch.tanh(self.embed(ids)))
+        logits = {
+            "divided": lambda: logits / 16.0,
+            "multiplied": lambda: 0.0625 * logits,
+            "identity": lambda: logits / 1.0,
+            "twice": lambda: logits * 4 / 2,
+            "rounding": lambda: logits / 3.0,
+            "tensor": lambda: logits * self.temperature,
+            "log_probs": lambda: logits,
+        }[self.scale]()
+        rows = logits.float().view(-1, VOCAB)
+        shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+        if self.scale == "log_probs":
+            loss = F.nll_loss(F.log_softmax(rows, -1) * 0.5, shifted.view(-1))
+        else:
+            loss = F.cross_entropy(rows, shifted.view(-1))
+        return {"loss": loss, "logits": logits}
+
+
+def _loss_and_grads(model: nn.Module, policy) -> tuple[torch.Tensor, dict[str, torch.Tensor], nn.Module]:
+    converted = amp_fx.convert(copy.deepcopy(model), "O2", dtype=BF16, policy=policy, front_end="export")
+    ids = _ids()
+    output = converted(ids, ids)
+    output["loss"].backward()
+    grads = {name: p.grad for name, p in converted.named_parameters() if p.grad is not None}
+    return output, grads, converted
+
+
+@pytest.mark.parametrize("scale", ["divided", "multiplied", "identity", "twice"])
+def test_a_power_of_two_logit_scale_fuses_into_the_head_input(scale):
+    """The call reads h * scale: its low-precision logits are the scaled ones, rounded alike, so
+    loss and gradients are those of the unfused graph."""
+    torch.manual_seed(0)
+    model = ScaledHeadAndLoss(scale)
+    output, grads, converted = _loss_and_grads(model, preset("O2", BF16, "cpu"))
+    assert output["logits"] is None and type(output["loss"]) is torch.Tensor
+    (call,) = _chunked_calls(converted)
+    scaled = call.args[0]
+    expected_scale = 1.0 if scale == "identity" else 2.0 if scale == "twice" else 0.0625
+    if expected_scale == 1.0:
+        assert node_info(scaled).op != "mul"
+    else:
+        assert node_info(scaled).op == "mul" and scaled.args[1] == expected_scale
+    unfused = preset("O2", BF16, "cpu", fused_chunked_linear_loss=False)
+    reference, expected, _ = _loss_and_grads(model, unfused)
+    assert reference["logits"] is not None
+    rtol, atol = tolerances(BF16)
+    torch.testing.assert_close(output["loss"], reference["loss"], rtol=rtol, atol=atol)
+    scale_of_grads = torch.cat([g.flatten() for g in expected.values()]).pow(2).mean().sqrt().item()
+    rtol, atol = grad_tolerances(BF16)
+    assert grads.keys() == expected.keys()
+    for name, grad in grads.items():
+        assert_close_normwise(grad, expected[name], rtol=rtol, atol=atol, scale=scale_of_grads, name=name)
+
+
+@pytest.mark.parametrize("scale", ["rounding", "tensor", "log_probs"])
+def test_other_logit_scales_are_left_alone(scale):
+    torch.manual_seed(0)
+    converted, output = _run(ScaledHeadAndLoss(scale))
+    assert not _chunked_calls(converted)
+    assert type(output["logits"]) is torch.Tensor
 
 
 class Classifier(nn.Module):

@@ -87,6 +87,19 @@ class SizesReadElsewhere(LanguageModel):
         return loss * tokens / tokens
 
 
+class ScaledLogits(LanguageModel):
+    """Logits divided by a constant before the loss: a power of two fuses (the call reads the
+    head's input scaled), any other is left alone."""
+
+    def __init__(self, divisor: float = 8.0) -> None:
+        super().__init__()
+        self.divisor = divisor
+
+    def forward(self, ids, targets):
+        logits = self.head(torch.relu(self.fc(self.embed(ids)))) / self.divisor
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
 class ClassDimensionLoss(LanguageModel):
     """The loss over (batch, classes, time): not a row view."""
 
@@ -184,6 +197,16 @@ def test_other_heads_and_loss_arguments(make):
     assert linear_cross_entropy in _targets(gm)
 
 
+def test_a_power_of_two_logit_scale_scales_the_head_input_and_bias():
+    """``(h @ W.T + b) / 8`` is ``(h / 8) @ W.T + b / 8`` exactly, value for value, in bf16 (fp16's
+    subnormals would round the unfused graph's scaled logit gradients, not the fused call's)."""
+    gm = _assert_same_training_signal(lambda: _seeded(ScaledLogits), BF16)
+    (loss,) = [n for n in gm.graph.nodes if n.target is linear_cross_entropy]
+    rows, _, bias = loss.args[:3]
+    assert [node_info(n).op for n in (rows.args[0], bias)] == ["mul", "mul"]
+    assert rows.args[0].args[1] == bias.args[1] == 0.125
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -191,8 +214,9 @@ def test_other_heads_and_loss_arguments(make):
         lambda: _seeded(SizesReadElsewhere),
         lambda: _seeded(ClassDimensionLoss),
         lambda: _seeded(label_smoothing=0.1),
+        lambda: _seeded(ScaledLogits, divisor=3.0),
     ],
-    ids=["logits_returned", "sizes_read_elsewhere", "class_dimension", "label_smoothing"],
+    ids=["logits_returned", "sizes_read_elsewhere", "class_dimension", "label_smoothing", "rounding_scale"],
 )
 def test_left_alone_where_not_exact(make):
     gm = _convert(make(), F16, fused=True)
