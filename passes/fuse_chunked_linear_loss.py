@@ -6,7 +6,7 @@ so it serves the torch.export front end's ATen graphs and torch.fx graphs alike:
 
     logits = linear(h, W[, b])                  the head (W may be tied to the embedding)
     x      = to(logits, float32) | view | reshape | flatten | contiguous | alias   (any chain)
-             | x * c | x / c                    (c a power of two: the call reads h * c)
+             | x * c | x / c                    (c a power of two <= 1: the call reads h * c)
     rows   = view(x, [-1, V])                   (rows of V classes: a view, or recorded shapes)
     loss   = cross_entropy_loss(rows, target, ignore_index=i, reduction="mean" | "sum")
              (or nll_loss of the rows' log_softmax)

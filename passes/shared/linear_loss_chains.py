@@ -6,7 +6,7 @@ description serves torch.fx graphs and the torch.export front end's ATen graphs:
 
     logits = linear(h, W[, b])           a plain nn.Linear (no hooks), F.linear, aten.linear
     x      = to(float32) | view | reshape | flatten | contiguous | alias     (a chain, any order)
-             | x * c | c * x | x / c         c a power of two (1.0 included): a logit scale
+             | x * c | c * x | x / c         c a power of two <= 1 (1.0 included): a logit scale
     loss   = cross_entropy_loss(x, target, ...)        F.cross_entropy, fp32_cross_entropy (after
                                                        fuse_losses), aten.cross_entropy_loss
            | nll_loss(log_softmax(x, classes), target, ...)   the same loss written out: F.nll_loss,
@@ -25,11 +25,12 @@ It matches where the fused ops compute exactly what the graph does:
   widening cast in the chain, or a float32 head), or it is ``fp32_cross_entropy``.
 - Its arguments are ones the fused kernels compute (`is_fusable_loss`): no class weights, no label
   smoothing, a mean, sum or no reduction, an int ignore_index.
-- A logit scale is a Python number whose product over the chain is a power of two
+- A logit scale is a Python number whose product over the chain is a power of two, at most 1
   (`LinearLoss.scale`): the fused call reads ``h * scale`` and ``b * scale``
   (`scaled_head_arguments`), whose rounding to fp16/bf16 scales exactly as the logits' would
-  (barring overflow and subnormals), so its logits are the graph's. Any other scale (one that
-  rounds, a tensor, or one of the log-probabilities) is left alone.
+  (barring subnormals), so its logits are the graph's. Any other scale (one that rounds, one
+  above 1, which could overflow fp16 hidden states the graph never scales, a tensor, or one of
+  the log-probabilities) is left alone.
 - The head's logits, their casts and views are read by nothing but the chain, size reads that only
   feed the chain's views, and the graph's output (`LinearLoss.returned`; whether a pass may drop
   returned logits is its own choice); log-probabilities only by the chain and the loss.
@@ -387,7 +388,8 @@ def match_linear_loss(
         return None
     nodes, returned = removed
     scale = math.prod(factor for step in path if (factor := _scale_factor(step)) is not None)
-    if not _is_power_of_two(scale):
+    # Scaling up could overflow the fp16 hidden states where the graph scales fp32 logits.
+    if not _is_power_of_two(scale) or scale > 1.0:
         return None
     return LinearLoss(loss, arguments, head, input, weight, bias, nodes, returned, scale)
 

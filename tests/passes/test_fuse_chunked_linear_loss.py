@@ -156,7 +156,8 @@ def test_near_misses_are_left_alone(make):
 class ScaledHeadAndLoss(nn.Module):
     """A logit scale between the head and the loss (``logits / 16``, ``logits * 0.0625``: a model
     dividing its logits by a config constant), as ``scale`` writes it; the near misses scale by a
-    number that rounds, by a tensor, or scale the log-probabilities instead."""
+    number that rounds, by one above 1 (fp16 hidden states could overflow), by a tensor, or scale
+    the log-probabilities instead."""
 
     def __init__(self, scale: str) -> None:
         super().__init__()
@@ -171,7 +172,8 @@ class ScaledHeadAndLoss(nn.Module):
             "divided": lambda: logits / 16.0,
             "multiplied": lambda: 0.0625 * logits,
             "identity": lambda: logits / 1.0,
-            "twice": lambda: logits * 4 / 2,
+            "twice": lambda: logits * 0.5 / 2,
+            "enlarging": lambda: logits * 2.0,
             "rounding": lambda: logits / 3.0,
             "tensor": lambda: logits * self.temperature,
             "log_probs": lambda: logits,
@@ -204,7 +206,7 @@ def test_a_power_of_two_logit_scale_fuses_into_the_head_input(scale):
     assert output["logits"] is None and type(output["loss"]) is torch.Tensor
     (call,) = _chunked_calls(converted)
     scaled = call.args[0]
-    expected_scale = 1.0 if scale == "identity" else 2.0 if scale == "twice" else 0.0625
+    expected_scale = 1.0 if scale == "identity" else 0.25 if scale == "twice" else 0.0625
     if expected_scale == 1.0:
         assert node_info(scaled).op != "mul"
     else:
@@ -221,7 +223,7 @@ def test_a_power_of_two_logit_scale_fuses_into_the_head_input(scale):
         assert_close_normwise(grad, expected[name], rtol=rtol, atol=atol, scale=scale_of_grads, name=name)
 
 
-@pytest.mark.parametrize("scale", ["rounding", "tensor", "log_probs"])
+@pytest.mark.parametrize("scale", ["rounding", "enlarging", "tensor", "log_probs"])
 def test_other_logit_scales_are_left_alone(scale):
     torch.manual_seed(0)
     converted, output = _run(ScaledHeadAndLoss(scale))
