@@ -91,8 +91,9 @@ def _replace(gm: torch.fx.GraphModule, match: LinearLoss, output: torch.fx.Node)
     info.op, info.rule = "cross_entropy_loss", Rule.FP32
     info.in_dtypes = tuple(node_info(n).out_dtype for n in fused.all_input_nodes)
     note = (
-        "fused with the language model's head: amp_fx.ops.chunked_cross_entropy."
-        "chunked_linear_cross_entropy (never the whole logits; gradients in the forward)"
+        f"fused with the language model's head {match.head_name}: amp_fx.ops.chunked_cross_entropy."
+        "chunked_linear_cross_entropy (never the whole logits; gradients in the forward); replaced "
+        + match.replaced_names
     )
     if note not in info.notes:
         info.notes.append(note)

@@ -79,7 +79,7 @@ def _replace(gm: torch.fx.GraphModule, match: LinearLoss, output: torch.fx.Node)
     info.in_dtypes = tuple(node_info(n).out_dtype for n in fused.all_input_nodes)
     note = (
         f"fused with the linear layer {match.head_name}: amp_fx.ops.cross_entropy.linear_cross_entropy "
-        "(under torch.compile, the gradient in the forward)"
+        f"(under torch.compile, the gradient in the forward); replaced {match.replaced_names}"
     )
     if note not in info.notes:
         info.notes.append(note)

@@ -115,6 +115,11 @@ class LinearLoss:
     scale: float = 1.0  # the logit scale of the chain: a power of two
 
     @property
+    def replaced_names(self) -> str:
+        """The names of the nodes a fused call replaces, for its report note."""
+        return ", ".join(node.name for node in [*self.removed, self.loss])
+
+    @property
     def head_name(self) -> str:
         """The head as the user knows it: the module's qualified name, else the call's node name."""
         if self.head.op == "call_module":

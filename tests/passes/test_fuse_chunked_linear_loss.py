@@ -67,7 +67,9 @@ def test_hugging_face_head_and_loss_become_one_call(name, tied):
     assert not _aten_losses(converted)
     assert call.kwargs == {"ignore_index": -100, "reduction": "mean"}
     assert node_info(call).in_dtypes == (BF16, BF16, torch.int64)
-    assert any("chunked_linear_cross_entropy" in note for note in node_info(call).notes)
+    (note,) = [note for note in node_info(call).notes if "chunked_linear_cross_entropy" in note]
+    # The head's name, then every node replaced: the head's call, the loss's cast and view, the loss.
+    assert "head lm_head:" in note and len(note.split("; replaced ")[1].split(", ")) >= 4
     assert (converted.lm_head.weight is converted.get_input_embeddings().weight) is tied
     assert module_paths(call)[-1] == "lm_head"  # the head's op: FSDP2 gathers the head for it
 

@@ -179,7 +179,8 @@ def test_head_and_loss_become_one_call(dtype, flatten):
     assert linear_cross_entropy in targets and fp32_cross_entropy not in targets
     assert not any(n.op == "call_module" and n.target == "head" for n in gm.graph.nodes)
     (loss,) = [n for n in gm.graph.nodes if n.target is linear_cross_entropy]
-    assert any("fused with the linear layer head" in note for note in node_info(loss).notes)
+    (note,) = [note for note in node_info(loss).notes if "fused with the linear layer head" in note]
+    assert "; replaced head" in note  # the replaced nodes, from the head on
     assert node_info(loss).in_dtypes[:3] == (dtype, dtype, dtype)
 
 

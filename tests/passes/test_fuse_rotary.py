@@ -335,6 +335,7 @@ def test_hugging_face_models_fuse_at_o2_and_match_autocast(name, pairs) -> None:
     assert len(calls) == 4  # q and k of each of the 2 layers
     assert len({c.args[0] for c in calls if c.target is not rotary_embedding}) == pairs
     assert all("fused rotary embedding" in node_info(c).notes[0] for c in calls)
+    assert all(": replaces " in node_info(c).notes[0] for c in calls)  # names the nodes it replaced
     assert out.logits is None  # training with labels=: the head and loss run chunked at O2
     assert_close_normwise(out.loss, reference.loss.float(), **OUTPUT_TOL)
     out.loss.backward()
