@@ -351,3 +351,28 @@ def test_forward_backward_reports_outputs_and_gradients() -> None:
     assert set(run.param_grads) == {n for n, _ in model.named_parameters()}
     assert run.input_grads[0].shape == x.shape and torch.equal(run.outputs[0], model(x).detach())
     assert forward_backward(model, (x,), check_grads=False).param_grads == {}
+
+
+def test_forward_backward_restores_buffers_and_leaves_the_callers_graph_usable() -> None:
+    """Running statistics it moved are put back; buffers it left alone are not written, so an
+    output the caller computed before it (a graph that saved such a buffer) still backpropagates."""
+
+    class Reindexed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+            self.register_buffer("ids", torch.tensor([3, 1, 0, 2]))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x).index_select(1, self.ids)
+
+    model = Reindexed()
+    x = torch.randn(5, 4, requires_grad=True)
+    pending = model(x)  # index_select saved `ids` for its backward
+    forward_backward(model, (torch.randn(5, 4),))
+    pending.sum().backward()
+    assert x.grad is not None
+
+    norm = nn.BatchNorm1d(4)
+    forward_backward(norm, (torch.randn(5, 4) + 3,))
+    assert torch.equal(norm.running_mean, torch.zeros(4)) and int(norm.num_batches_tracked) == 0

@@ -252,9 +252,12 @@ def forward_backward(
         # Leave the models as they were: gradients the caller had, running statistics.
         for name, p in params.items():
             p.grad = saved_grads[name]
+        # Only buffers the run changed: a copy bumps a buffer's version, and a graph the caller
+        # still holds (an output not yet backpropagated) may have saved it.
         with torch.no_grad():
             for name, b in model.named_buffers():
-                b.copy_(saved_buffers[name])
+                if not torch.equal(b, saved_buffers[name]):
+                    b.copy_(saved_buffers[name])
 
 
 class _FunctionModule(torch.nn.Module):
