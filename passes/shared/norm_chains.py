@@ -240,6 +240,11 @@ def _rms_root(mean: torch.fx.Node, chain: _Chain) -> tuple[torch.fx.Node, torch.
             return squared, chain.take(user), float(eps)  # x / sqrt(var + eps)
         if user is not None and node_info(user).op == "reciprocal":
             inverse = chain.take(user)
+            times_one = only_user(inverse)  # ATen's ``1 / t``: reciprocal(t) * 1
+            if times_one is not None and node_info(times_one).op == "mul" and not times_one.kwargs:
+                one = _other(times_one, inverse)
+                if is_number(one) and one == 1:
+                    inverse = chain.take(times_one)
         elif divides and user.args[1:] == (root,) and is_number(user.args[0]) and user.args[0] == 1:
             inverse = chain.take(user)  # 1 / sqrt(var + eps)
         else:

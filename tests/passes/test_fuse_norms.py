@@ -94,6 +94,11 @@ def eps_outside_the_root(h, w):
     return w * (x / (torch.sqrt(x.pow(2).mean(-1, keepdim=True)) + EPS)).to(h.dtype)
 
 
+def numerator_other_than_one(h, w):
+    x = h.float()
+    return w * (x * (2 / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS))).to(h.dtype)
+
+
 def mean_over_another_dim(h, w):
     x = h.float()
     return w * (x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + EPS)).to(h.dtype)
@@ -168,8 +173,14 @@ def fused_calls(model: nn.Module) -> list[torch.fx.Node]:
     ]
 
 
-def convert(model: nn.Module, level: str = "O2", **flags) -> nn.Module:
-    return amp_fx.convert(copy.deepcopy(model), policy=amp_fx.preset(level, BF16, "cpu", **flags))
+def convert(model: nn.Module, level: str = "O2", front_end: str = "fx", **flags) -> nn.Module:
+    policy = amp_fx.preset(level, BF16, "cpu", **flags)
+    return amp_fx.convert(copy.deepcopy(model), policy=policy, front_end=front_end)
+
+
+def graph_codes(model: nn.Module) -> list[str]:
+    """The code of every graph the model captured (the export front end captures on a call)."""
+    return [gm.code for gm in amp_fx.report(model).graphs.values()]
 
 
 def loss_and_grads(model: nn.Module, *args, **kwargs):
@@ -210,23 +221,28 @@ def assert_close_to(ours, expected) -> None:
         layer_norm_centered_once,
     ],
 )
-def test_spellings_fuse_on_the_fx_front_end(norm) -> None:
+@pytest.mark.parametrize("front_end", ["fx", "export"])
+def test_spellings_fuse_on_both_front_ends(norm, front_end) -> None:
     torch.manual_seed(0)
     model, x = Stream(norm), torch.randn(3, 5, WIDTH)
-    fused = convert(model)
+    fused, unfused = (
+        convert(model, front_end=front_end),
+        convert(model, front_end=front_end, fused_norms=False),
+    )
+    assert_close_to(loss_and_grads(fused, x), loss_and_grads(unfused, x))
     (call,) = fused_calls(fused)
     assert call.target.__name__.startswith("add_")  # the residual add went in too
-    norm_ops = ("mean", "pow", "rsqrt", "layer_norm", "rms_norm")
-    assert not [n for n in fused.graph.nodes if node_info(n).op in norm_ops]
+    norm_ops = ("mean", "pow", "rsqrt", "sqrt", "layer_norm", "rms_norm")
+    nodes = [n for gm in amp_fx.report(fused).graphs.values() for n in gm.graph.nodes]
+    assert not [n for n in nodes if node_info(n).op in norm_ops]
     assert "replaced" in node_info(call).notes[-1]
-    unfused = convert(model, fused_norms=False)
-    assert_close_to(loss_and_grads(fused, x), loss_and_grads(unfused, x))
 
 
 @pytest.mark.parametrize(
     "norm",
     [
         eps_outside_the_root,
+        numerator_other_than_one,
         mean_over_another_dim,
         mean_without_keepdim,
         variance_read_elsewhere,
@@ -236,11 +252,17 @@ def test_spellings_fuse_on_the_fx_front_end(norm) -> None:
         centered_on_another_value,
     ],
 )
-def test_near_misses_are_left_alone(norm) -> None:
+@pytest.mark.parametrize("front_end", ["fx", "export"])
+def test_near_misses_are_left_alone(norm, front_end) -> None:
     torch.manual_seed(0)
-    model = Stream(norm)
-    assert not fused_calls(convert(model))
-    assert convert(model).code == convert(model, fused_norms=False).code
+    model, x = Stream(norm), torch.randn(3, 5, WIDTH)
+    fused, unfused = (
+        convert(model, front_end=front_end),
+        convert(model, front_end=front_end, fused_norms=False),
+    )
+    fused(x), unfused(x)  # the export front end captures on the first call
+    assert not fused_calls(fused)
+    assert graph_codes(fused) == graph_codes(unfused) != []
 
 
 def test_layer_norm_module_with_the_residual_add() -> None:
