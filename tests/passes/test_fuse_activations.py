@@ -107,35 +107,47 @@ NEAR_MISSES = {
 
 
 def _convert(
-    model: nn.Module, fused: bool, level: str = "O2", dtype: torch.dtype = BF16
-) -> torch.fx.GraphModule:
-    return amp_fx.convert(
-        model, level, policy=preset(level, dtype=dtype, device_type="cpu", fused_activations=fused)
+    model: nn.Module, fused: bool, level: str = "O2", dtype: torch.dtype = BF16, front_end: str = "fx"
+) -> nn.Module:
+    converted = amp_fx.convert(
+        model,
+        level,
+        policy=preset(level, dtype=dtype, device_type="cpu", fused_activations=fused),
+        front_end=front_end,
     )
+    if front_end == "export":
+        converted(*_inputs())  # the export front end captures on the first call
+    return converted
 
 
-def _fused_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    return [n for n in gm.graph.nodes if node_info(n).op in FUSED_OPS]
+def _nodes(model: nn.Module) -> list[torch.fx.Node]:
+    """The nodes of every graph the converted model captured, on either front end."""
+    return [n for gm in amp_fx.report(model).graphs.values() for n in gm.graph.nodes]
+
+
+def _fused_nodes(model: nn.Module) -> list[torch.fx.Node]:
+    return [n for n in _nodes(model) if node_info(n).op in FUSED_OPS]
 
 
 def _inputs() -> tuple[torch.Tensor]:
     return (torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(0)),)
 
 
+@pytest.mark.parametrize("front_end", ["fx", "export"])
 @pytest.mark.parametrize("spelling", list(SPELLINGS))
-def test_each_spelling_becomes_one_call(spelling: str) -> None:
+def test_each_spelling_becomes_one_call(spelling: str, front_end: str) -> None:
     expression, function, activation = SPELLINGS[spelling]
     torch.manual_seed(0)
     model = Mlp(expression)
-    gm = _convert(model, fused=True)
-    (node,) = _fused_nodes(gm)
+    converted = _convert(model, fused=True, front_end=front_end)
+    (node,) = _fused_nodes(converted)
     assert node.target is function and node.args[-1] == activation
     # Nothing of the expression is left: no elementwise op, no cast between the projections.
-    ops = [node_info(n).op for n in gm.graph.nodes]
-    assert not {"mul", "add", "silu", "gelu", "tanh", "pow"} & set(ops)
-    assert sum(node_info(n).is_cast for n in gm.graph.nodes) == 2  # the model's input and output
+    nodes = _nodes(converted)
+    assert not {"mul", "add", "silu", "gelu", "tanh", "pow"} & {node_info(n).op for n in nodes}
+    assert sum(node_info(n).is_cast for n in nodes) == 2  # the model's input and output
     assert any("replaced" in note for note in node_info(node).notes)
-    assert_equivalent(model, gm, _inputs(), dtype=BF16)
+    assert_equivalent(model, converted, _inputs(), dtype=BF16)
 
 
 def test_chunks_of_one_projection_fuse() -> None:
@@ -147,13 +159,16 @@ def test_chunks_of_one_projection_fuse() -> None:
     assert_equivalent(model, gm, _inputs(), dtype=BF16)
 
 
+@pytest.mark.parametrize("front_end", ["fx", "export"])
 @pytest.mark.parametrize("miss", list(NEAR_MISSES))
-def test_near_misses_are_left_alone(miss: str) -> None:
+def test_near_misses_are_left_alone(miss: str, front_end: str) -> None:
     torch.manual_seed(0)
     model = Mlp(NEAR_MISSES[miss])
-    fused, unfused = _convert(model, fused=True), _convert(model, fused=False)
+    fused = _convert(model, fused=True, front_end=front_end)
+    unfused = _convert(model, fused=False, front_end=front_end)
     assert not _fused_nodes(fused)
-    assert fused.code == unfused.code
+    codes = [[gm.code for gm in amp_fx.report(m).graphs.values()] for m in (fused, unfused)]
+    assert codes[0] == codes[1] != []
 
 
 def test_a_hooked_module_and_a_float32_reader_are_left_alone() -> None:
