@@ -23,9 +23,12 @@ from amp_fx.testing import (
     error_ratio,
     low_precision_copy,
     models_and_inputs,
+    relative_floor,
     seeded_batches,
     with_autocast,
 )
+from amp_fx.testing.comparison import root_mean_square
+from amp_fx.testing.relative_error import DEFAULT_BATCHES
 
 LOW_DTYPES = [torch.float16, torch.bfloat16]
 
@@ -124,6 +127,110 @@ def test_seeded_batches_shuffle_floating_inputs_only() -> None:
     assert seeded_batches((x,), None, 2)[1][0][0].equal(seeded_batches((x,), None, 2)[1][0][0])
     with pytest.raises(ValueError, match="batches must be a positive int"):
         seeded_batches((x,), None, 0)
+
+
+# --- the median over batches and the floor, on stand-ins with a chosen error -----------------
+
+
+class _WrongOnSome(nn.Module):
+    """Linear, GELU, Linear in FP32, its output doubled on the batches in ``wrong_on`` (recognized
+    by value): as a converted model its error is 0 on every other batch and hundreds of times
+    autocast's on those, so one such batch takes the mean of the ratios past the bound."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 10)
+        self.wrong_on: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc2(nn.functional.gelu(self.fc1(x)))
+        return 2 * y if any(torch.equal(x.detach(), batch) for batch in self.wrong_on) else y
+
+
+@pytest.mark.parametrize("wrong", range(DEFAULT_BATCHES + 1))
+def test_the_verdict_is_the_median_over_the_batches(wrong: int) -> None:
+    """``wrong`` of the seeded batches are off. A minority is placed first (the given batch
+    among them) and passes: neither the first batch nor the worst one nor the mean decides. A
+    majority is placed last (the given batch a right one) and fails."""
+    torch.manual_seed(0)
+    model, inputs = _WrongOnSome(), (torch.randn(16, 32),)
+    batches = [args[0] for args, _ in seeded_batches(inputs, None, DEFAULT_BATCHES)]
+    majority = wrong > DEFAULT_BATCHES // 2
+    converted = copy.deepcopy(model)
+    converted.wrong_on = batches[DEFAULT_BATCHES - wrong :] if majority else batches[:wrong]
+    measured = error_ratio(model, converted, inputs, dtype=torch.bfloat16)
+    assert measured.batches == DEFAULT_BATCHES and measured.reference.startswith("torch.autocast")
+    if not majority:
+        # The right batches' ratio, exactly: the stand-in computes what the original computes.
+        assert measured.ratio == 0.0, measured.failures()
+        assert_equivalent(model, converted, inputs, dtype=torch.bfloat16)
+        return
+    assert measured.ratio > RELATIVE_BOUND
+    listing = rf"median over {DEFAULT_BATCHES} seeded batches.*\n  output\[0\]"
+    with pytest.raises(AssertionError, match=listing):
+        assert_equivalent(model, converted, inputs, dtype=torch.bfloat16)
+
+
+class _ExactInLowPrecision(nn.Module):
+    """A Linear of small integers on small integers, returning y and z = y − y repeated to eight
+    times y's size: integers below 256 are fp16 and bf16 values and fp32 accumulation sums them
+    exactly, so autocast computes both with no error. As a converted stand-in it errs by
+    ``scale`` on y (relative to y's norm) and by ``offset`` on z (absolute: z cancels to exactly
+    0). z's size makes y's floor mostly its relative part (the absolute part, per entry the RMS
+    of all outputs, comes to a third of the relative one), so each part decides one output."""
+
+    def __init__(self, scale: float = 1.0, offset: float = 0.0) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.randint(-3, 4, (4, 8)))
+            self.fc.bias.copy_(torch.randint(-3, 4, (4,)))
+        self.scale, self.offset = scale, offset
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.fc(x)
+        return y * self.scale, (y - y).repeat(1, 8) + self.offset
+
+
+def _exact_in_low_precision() -> tuple[nn.Module, tuple[torch.Tensor]]:
+    torch.manual_seed(0)
+    return _ExactInLowPrecision(), (torch.randint(-4, 5, (16, 8)).float(),)
+
+
+def _erring(model: nn.Module, **error: float) -> nn.Module:
+    wrong = copy.deepcopy(model)
+    for name, value in error.items():
+        setattr(wrong, name, value)
+    return wrong
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES, ids=["fp16", "bf16"])
+def test_the_floor_holds_where_autocast_is_exact(dtype: torch.dtype) -> None:
+    """Autocast's error is 0 here, so the ratio's denominator is the floor alone: an error at
+    or below it passes, and one ten bounds above it fails. Gradients are left out: autocast's
+    are not exact (the seeded loss weights are rounded to ``dtype`` in its backward)."""
+    model, inputs = _exact_in_low_precision()
+    reference = with_autocast(model, "cpu", dtype)
+    for exact, computed in zip(model(*inputs), reference(*inputs), strict=True):
+        assert computed.dtype == dtype and torch.equal(computed.float(), exact)  # no error at all
+    floor = relative_floor(dtype)
+    # The absolute floor's unit: the RMS of all FP32 outputs (per entry, as `error_ratio` has it).
+    rms = root_mean_square(list(model(*inputs)))
+
+    def check(converted: nn.Module) -> None:
+        assert_equivalent(model, converted, inputs, dtype=dtype, check_grads=False)
+
+    assert error_ratio(model, _erring(model), inputs, dtype=dtype, check_grads=False).ratio == 0.0
+    for passing in (
+        _erring(model, scale=1.0 + floor),
+        _erring(model, scale=1.0 - floor),
+        _erring(model, offset=floor * rms),
+    ):
+        check(passing)
+    far = 10 * RELATIVE_BOUND * floor
+    for failing, output in ((_erring(model, scale=1.0 + far), 0), (_erring(model, offset=far * rms), 1)):
+        with pytest.raises(AssertionError, match=rf"\n  output\[{output}\]: norm-wise error"):
+            check(failing)
 
 
 # --- the property: drawn models -------------------------------------------------------------
