@@ -3,7 +3,8 @@
 Two kinds of tensor O2 used to store low where autocast computes in FP32: the weights of matrix
 products autocast does not list (mixture-of-experts layers run their experts through
 ``aten._grouped_mm``) and parameters no lowered op reads (Swin V2's attention logit scale, which
-only ``clamp``/``exp``/``mul`` read). Both now run FP32 at O2, with a reason in the report (the
+only ``clamp``/``exp``/``mul`` read; Swin V1's relative-position bias table, indexed and added to
+the attention scores). Both now run FP32 at O2, with a reason in the report (the
 parameters' storage follows the graph on both front ends: the torch.export front end stores such a
 parameter at the first capture that reads it, tests/test_export_parameter_storage.py); the suite's
 Hugging Face, timm and nanoGPT models are then within the oracle's bound of autocast.
@@ -21,13 +22,16 @@ from torch import nn
 import amp_fx
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Rule
+from amp_fx.optim import FusedAdam
+from amp_fx.optim.model_loads import MASTER_KEY
 from amp_fx.passes.shared.decisions import UNLOWERED_PARAMETER_REASON
-from amp_fx.testing import RELATIVE_BOUND, assert_equivalent, error_ratio
+from amp_fx.testing import RELATIVE_BOUND, assert_equivalent, error_ratio, tolerances
 from tests.models.hf import MODELS as HF_MODELS
 from tests.models.hf import VOCAB
 from tests.models.small import NanoGPT
 
 BF16 = torch.bfloat16
+FP32 = torch.float32
 
 
 def _words(text: str) -> str:
@@ -52,6 +56,16 @@ def _swinv2() -> tuple[nn.Module, tuple[torch.Tensor]]:
     torch.manual_seed(0)
     model = timm.create_model(
         "swinv2_tiny_window8_256", pretrained=False, img_size=32, window_size=4, embed_dim=16,
+        depths=(1, 1), num_heads=(2, 2), num_classes=5,
+    )  # fmt: skip
+    return model.eval(), (torch.randn(2, 3, 32, 32),)
+
+
+def _swin() -> tuple[nn.Module, tuple[torch.Tensor]]:
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "swin_tiny_patch4_window7_224", pretrained=False, img_size=32, window_size=4, embed_dim=16,
         depths=(1, 1), num_heads=(2, 2), num_classes=5,
     )  # fmt: skip
     return model.eval(), (torch.randn(2, 3, 32, 32),)
@@ -91,6 +105,44 @@ def test_a_parameter_no_lowered_op_reads_stays_fp32_at_o2() -> None:
     # O3 stores everything low, as Apex's O3 does.
     o3 = amp_fx.convert(model, "O3", dtype=BF16)
     assert all(p.dtype == BF16 for name, p in o3.named_parameters() if name in scales)
+
+
+def test_a_position_bias_table_stays_fp32_at_o2_and_trains_in_fp32() -> None:
+    """Swin V1 reads its relative-position bias table by an index, views and an add to the
+    attention scores: no lowered op reads it, so O2 keeps it FP32 (never rounded) and
+    within the oracle's bound of autocast; its gradient is FP32, and a fused optimizer steps it as
+    torch's Adam steps an FP32 tensor (no master copy), leaving it the same FP32 tensor."""
+    model, inputs = _swin()
+    o2 = amp_fx.convert(model, "O2", dtype=BF16)
+    assert_equivalent(model, o2, inputs)
+    params = dict(o2.named_parameters())
+    tables = [name for name in params if name.endswith("relative_position_bias_table")]
+    assert len(tables) == 2
+    for name in tables:
+        assert params[name].dtype == FP32 and torch.equal(params[name], model.get_parameter(name)), name
+    # The attention's matrix products read their weights low, as O2 stores weights.
+    assert all(params[name].dtype == BF16 for name in params if name.endswith(("qkv.weight", "proj.weight")))
+    rows = {row.name: row for row in amp_fx.report(o2).rows}
+    for name in tables:
+        assert rows[name.replace(".", "_")].why == UNLOWERED_PARAMETER_REASON, name
+
+    o2.train()
+    optimizer = FusedAdam(o2.parameters(), lr=1e-2)
+    nn.functional.cross_entropy(o2(*inputs), torch.tensor([1, 3])).backward()
+    references, (fp32_rtol, fp32_atol) = [], tolerances(FP32)
+    for name in tables:
+        assert params[name].grad.dtype == FP32, name
+        reference = nn.Parameter(params[name].detach().clone())
+        reference.grad = params[name].grad.clone()
+        references.append(reference)
+    torch.optim.Adam(references, lr=1e-2).step()
+    optimizer.step()
+    for name, reference in zip(tables, references, strict=True):
+        assert o2.get_parameter(name) is params[name] and params[name].dtype == FP32, name
+        assert MASTER_KEY not in optimizer.state[params[name]], name  # FP32: its own master
+        assert not torch.equal(params[name], model.get_parameter(name)), name  # the step moved it
+        # Within FP32's tolerances (the fused kernel's order of operations), far below bf16's rounding.
+        torch.testing.assert_close(params[name], reference, rtol=fp32_rtol, atol=fp32_atol)
 
 
 def test_the_rule_reads_through_value_moving_ops_only() -> None:
