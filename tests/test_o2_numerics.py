@@ -51,22 +51,13 @@ def _mixtral() -> tuple[nn.Module, dict[str, Any]]:
     return transformers.MixtralForCausalLM(config).eval(), {"input_ids": ids, "labels": ids}
 
 
-def _swinv2() -> tuple[nn.Module, tuple[torch.Tensor]]:
+def _tiny_swin(name: str) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """A timm Swin (``swinv2_tiny_window8_256``, ``swin_tiny_patch4_window7_224``) from a tiny config."""
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
     model = timm.create_model(
-        "swinv2_tiny_window8_256", pretrained=False, img_size=32, window_size=4, embed_dim=16,
-        depths=(1, 1), num_heads=(2, 2), num_classes=5,
-    )  # fmt: skip
-    return model.eval(), (torch.randn(2, 3, 32, 32),)
-
-
-def _swin() -> tuple[nn.Module, tuple[torch.Tensor]]:
-    timm = pytest.importorskip("timm")
-    torch.manual_seed(0)
-    model = timm.create_model(
-        "swin_tiny_patch4_window7_224", pretrained=False, img_size=32, window_size=4, embed_dim=16,
-        depths=(1, 1), num_heads=(2, 2), num_classes=5,
+        name, pretrained=False, img_size=32, window_size=4, embed_dim=16, depths=(1, 1), num_heads=(2, 2),
+        num_classes=5,
     )  # fmt: skip
     return model.eval(), (torch.randn(2, 3, 32, 32),)
 
@@ -86,7 +77,7 @@ def test_grouped_matmuls_of_experts_stay_fp32_at_o2() -> None:
 
 
 def test_a_parameter_no_lowered_op_reads_stays_fp32_at_o2() -> None:
-    model, inputs = _swinv2()
+    model, inputs = _tiny_swin("swinv2_tiny_window8_256")
     o2 = amp_fx.convert(model, "O2", dtype=BF16)
     assert error_ratio(model, o2, inputs, check_grads=False).ratio <= 1.0
     assert_equivalent(model, o2, inputs)
@@ -112,7 +103,7 @@ def test_a_position_bias_table_stays_fp32_at_o2_and_trains_in_fp32() -> None:
     attention scores: no lowered op reads it, so O2 keeps it FP32 (never rounded) and
     within the oracle's bound of autocast; its gradient is FP32, and a fused optimizer steps it as
     torch's Adam steps an FP32 tensor (no master copy), leaving it the same FP32 tensor."""
-    model, inputs = _swin()
+    model, inputs = _tiny_swin("swin_tiny_patch4_window7_224")
     o2 = amp_fx.convert(model, "O2", dtype=BF16)
     assert_equivalent(model, o2, inputs)
     params = dict(o2.named_parameters())
@@ -172,7 +163,7 @@ def _suite_models() -> dict[str, Any]:
         return NanoGPT(), (idx, idx.clone()), {}
 
     def swinv2() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
-        model, inputs = _swinv2()
+        model, inputs = _tiny_swin("swinv2_tiny_window8_256")
         return model, inputs, {}
 
     def hf(name: str):

@@ -206,6 +206,14 @@ def assert_close_to(ours, expected) -> None:
         assert_close_normwise(grad, expected_grads[name], rtol=rtol, atol=atol, scale=scale, name=name)
 
 
+def assert_matches_unfused_and_autocast(model: nn.Module, ours, front_end: str, *args) -> None:
+    """``ours`` (`loss_and_grads` of the fused conversion) is close to the unfused conversion's and
+    to torch.autocast's."""
+    unfused = convert(model, front_end=front_end, fused_norms=False)
+    assert_close_to(ours, loss_and_grads(unfused, *args))
+    assert_close_to(ours, loss_and_grads(amp_fx.testing.with_autocast(model, "cpu", BF16), *args))
+
+
 @pytest.mark.parametrize(
     "norm",
     [
@@ -315,19 +323,14 @@ class WrittenLayerNormStream(nn.Module):
 def test_written_out_layer_norm_fuses_on_both_front_ends(front_end: str) -> None:
     torch.manual_seed(0)
     model, x = WrittenLayerNormStream(heads=1), torch.randn(3, 5, WIDTH)
-    policy = amp_fx.preset("O2", BF16, "cpu")
-    fused = amp_fx.convert(copy.deepcopy(model), policy=policy, front_end=front_end)
+    fused = convert(model, front_end=front_end)
     ours = loss_and_grads(fused, x)
     (call,) = fused_calls(fused)
     assert call.target.__name__ == "add_layer_norm_fp32" and call.kwargs["out_dtype"] == BF16
     graph = next(iter(amp_fx.report(fused).graphs.values())).graph
     assert not [n for n in graph.nodes if node_info(n).op in ("mean", "sub", "pow", "rsqrt")]
     assert "fused the residual add and LayerNorm" in node_info(call).notes[-1]
-    unfused = amp_fx.convert(
-        copy.deepcopy(model), policy=amp_fx.preset("O2", BF16, "cpu", fused_norms=False), front_end=front_end
-    )
-    assert_close_to(ours, loss_and_grads(unfused, x))
-    assert_close_to(ours, loss_and_grads(amp_fx.testing.with_autocast(model, "cpu", BF16), x))
+    assert_matches_unfused_and_autocast(model, ours, front_end, x)
 
 
 @pytest.mark.parametrize("front_end", ["fx", "export"])
@@ -365,8 +368,7 @@ class RMSNormDecoder(nn.Module):
 def test_rms_norm_modules_fuse_on_both_front_ends(front_end: str) -> None:
     torch.manual_seed(0)
     model, ids = RMSNormDecoder(), torch.randint(0, 32, (3, 7))
-    policy = amp_fx.preset("O2", BF16, "cpu")
-    fused = amp_fx.convert(copy.deepcopy(model), policy=policy, front_end=front_end)
+    fused = convert(model, front_end=front_end)
     ours = loss_and_grads(fused, ids)  # the torch.export front end captures at the first call
     calls = fused_calls(fused)
     # The first norm reads the embedding; the second and the final one, the residual adds before them.
@@ -376,11 +378,7 @@ def test_rms_norm_modules_fuse_on_both_front_ends(front_end: str) -> None:
     assert all(call.kwargs["out_dtype"] == BF16 for call in calls)  # written once, low, for the linears
     rows = [row for row in amp_fx.report(fused).rows if row.op == "add_rms_norm_fp32"]
     assert len(rows) == 2 and all("fused the residual add and RMSNorm" in row.notes[-1] for row in rows)
-    unfused = amp_fx.convert(
-        copy.deepcopy(model), policy=amp_fx.preset("O2", BF16, "cpu", fused_norms=False), front_end=front_end
-    )
-    assert_close_to(ours, loss_and_grads(unfused, ids))
-    assert_close_to(ours, loss_and_grads(amp_fx.testing.with_autocast(model, "cpu", BF16), ids))
+    assert_matches_unfused_and_autocast(model, ours, front_end, ids)
 
 
 @pytest.mark.parametrize("front_end", ["fx", "export"])
