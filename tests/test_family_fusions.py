@@ -179,8 +179,7 @@ def test_family_gets_the_fusions(family: Family) -> None:
     optimizer = amp_fx.optim.FusedAdam(converted.parameters(), lr=1e-2)
     before = {name: p.detach().clone() for name, p in converted.named_parameters()}
     output.loss.backward()
-    # Before the step, while the parameters are the original's; after the backward, since the
-    # oracle's runs restore the buffers in place, which a graph built before them cannot outlive.
+    # Before the step, while the parameters are the original's.
     assert_equivalent(Loss(model), Loss(converted), (), keyword_inputs=inputs)
     optimizer.step()
     unchanged = [name for name, p in converted.named_parameters() if torch.equal(p, before[name])]
