@@ -12,6 +12,12 @@ fused linear cross-entropy does, never holding more than one chunk of logits; th
 scales them by the upstream gradient (and 1 / valid rows for a mean) and rounds them once to
 their parameters' dtypes.
 
+With ``softcap=c`` (Gemma2's "final logit softcapping") the loss reads ``c * tanh(logits / c)``:
+per chunk those capped logits are computed in float32 from the chunk's logits (one more
+chunk-sized buffer, float32), the kernel reads them, and the logits' gradient
+``(softmax - onehot) * (1 - tanh**2)`` is computed in float32 and rounded once to the input's
+dtype, over the chunk's logits, for the same two matmuls.
+
 The gradients are kept in float32 between forward and backward (rows x d for the hidden states,
 V x d for the weight): far smaller than the logits, and unscaled, so fp16's range never sees the
 loss scale before the one rounding at the end. Without gradients (``torch.no_grad()``, or no
@@ -24,6 +30,8 @@ pure-torch reference and the matmuls run on float32 copies (the same products, e
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +48,8 @@ _REDUCTIONS = ("mean", "sum")
 # for GPT-2 (V = 50257, fp16) 2048 rows, for Llama (V = 32000, bf16) 4096 rows. Large enough that
 # each chunk's matmuls run at cuBLAS's full rate, small next to the [rows, V] logits it replaces.
 CHUNK_BYTES = 256 * 2**20
+# A softcap's tanh derivative is computed over this many slices of a chunk's rows (module docstring).
+_DERIVATIVE_SLABS = 8
 
 
 def default_chunk_rows(num_classes: int, dtype: torch.dtype) -> int:
@@ -72,12 +82,14 @@ def chunked_linear_cross_entropy_sum(
     input_grad: bool,
     weight_grad: bool,
     bias_grad: bool,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Sum over rows of the FP32 cross-entropy of ``F.linear(input, weight, bias)`` (input (N, d),
     weight (V, d), target (N,) int64), computed ``chunk_rows`` rows at a time: ``(loss_sum,
     valid_rows, grad_input, grad_weight, grad_bias)``. The loss sum and the number of rows whose
     target is not ``ignore_index`` are float32 scalars; the gradients of the loss sum are float32
-    (N, d), (V, d) and (V,), each computed only where its flag asks (else an empty tensor)."""
+    (N, d), (V, d) and (V,), each computed only where its flag asks (else an empty tensor). With
+    ``softcap`` c the loss reads the capped logits ``c * tanh(logits / c)`` (module docstring)."""
     from amp_fx.kernels import implementation_for
 
     num_rows, num_classes = input.shape[0], weight.shape[0]
@@ -96,10 +108,16 @@ def chunked_linear_cross_entropy_sum(
         rows = input[start : start + chunk_rows]
         rows_target = target[start : start + chunk_rows]
         # One chunk of logits in the input's dtype; the kernel reads them and leaves softmax -
-        # onehot (float32 math, rounded once) in their place.
+        # onehot (float32 math, rounded once) in their place (with a softcap, the capped logits'
+        # gradient: `_softcapped_loss_and_grad`).
         logits = F.linear(rows, weight, bias).contiguous()
-        mask_padding(logits, num_classes)
-        loss_sum += kernels.cross_entropy_forward_with_grad(logits, rows_target, ignore_index).sum()
+        if softcap is None:
+            mask_padding(logits, num_classes)
+            loss_sum += kernels.cross_entropy_forward_with_grad(logits, rows_target, ignore_index).sum()
+        else:
+            loss_sum += _softcapped_loss_and_grad(
+                kernels, logits, rows_target, ignore_index, softcap, num_classes
+            )
         if input_grad:
             grad_input[start : start + rows.shape[0]] = matmul_fp32(logits, weight)
         if weight_grad:
@@ -121,6 +139,26 @@ def chunked_linear_cross_entropy_sum(
     return loss_sum, valid_rows, grad_input, grad_weight, grad_bias
 
 
+def _softcapped_loss_and_grad(
+    kernels: ModuleType, logits: Tensor, target: Tensor, ignore_index: int, softcap: float, num_classes: int
+) -> Tensor:
+    """The loss sum of the capped logits ``c * tanh(logits / c)`` of one chunk, and over ``logits``
+    their gradient ``(softmax - onehot) * (1 - tanh**2)``: float32 math, rounded once."""
+    # The capped logits in float32: the one chunk-sized float32 buffer; the kernel leaves
+    # softmax - onehot (float32, unrounded) in it.
+    capped = logits.to(torch.float32, copy=True).div_(softcap).tanh_().mul_(softcap)
+    mask_padding(capped, num_classes)  # after the cap: tanh would make -inf a finite -c
+    loss_sum = kernels.cross_entropy_forward_with_grad(capped, target, ignore_index).sum()
+    # The tanh's derivative from the logits (the same float32 ops, so the same tanh), a few rows at
+    # a time so that no second chunk-sized float32 buffer is made; the product is rounded once.
+    step = max(1, -(-logits.shape[0] // _DERIVATIVE_SLABS))
+    for start in range(0, logits.shape[0], step):
+        rows = slice(start, start + step)
+        derivative = logits[rows].to(torch.float32, copy=True).div_(softcap).tanh_().square_().neg_().add_(1)
+        logits[rows] = derivative.mul_(capped[rows])
+    return loss_sum
+
+
 @chunked_linear_cross_entropy_sum.register_fake
 def _chunked_fake(
     input: Tensor,
@@ -132,6 +170,7 @@ def _chunked_fake(
     input_grad: bool,
     weight_grad: bool,
     bias_grad: bool,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     def grad(wanted: bool, shape: torch.Size | tuple[int, ...]) -> Tensor:
         return input.new_empty(shape if wanted else (0,), dtype=torch.float32)
@@ -163,7 +202,7 @@ def _backward(ctx, grad_loss_sum: Tensor, *unused: Tensor | None) -> tuple:
         (grad * grad_loss_sum).to(dtype) if need and dtype is not None else None
         for grad, dtype, need in zip(saved, ctx.dtypes, needs, strict=True)
     )
-    return (*grads, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None)
 
 
 chunked_linear_cross_entropy_sum.register_autograd(_backward, setup_context=_setup_context)
@@ -190,6 +229,7 @@ def chunked_linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     chunk_rows: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """``F.cross_entropy(F.linear(input, weight, bias).float().view(-1, V), target.view(-1),
     ignore_index=ignore_index, reduction=reduction)`` in value (a float32 scalar), without ever
@@ -202,6 +242,10 @@ def chunked_linear_cross_entropy(
     ignored is NaN and its gradients are zeros; unlike torch, a target outside [0, V) that is not
     ignore_index makes the loss NaN instead of raising (no host synchronization).
 
+    ``softcap`` c (a positive number; None for none) caps the logits as Gemma2's final logit
+    softcapping does: the loss is that of ``c * tanh(logits.float() / c)``, computed in float32
+    per chunk (the default ``chunk_rows`` then bounds those float32 logits by `CHUNK_BYTES`).
+
     Example:
         >>> h = torch.randn(2, 5, 16, dtype=torch.bfloat16, requires_grad=True)
         >>> head = torch.randn(50, 16, dtype=torch.bfloat16, requires_grad=True)
@@ -212,13 +256,23 @@ def chunked_linear_cross_entropy(
         >>> expected = F.cross_entropy(F.linear(h, head).float().view(-1, 50), target)
         >>> torch.allclose(loss, expected)
         True
+        >>> capped = chunked_linear_cross_entropy(h, head, None, target, chunk_rows=4, softcap=30.0)
+        >>> expected = F.linear(h, head).float().div(30.0).tanh().mul(30.0)
+        >>> torch.allclose(capped, F.cross_entropy(expected.view(-1, 50), target))
+        True
     """
     if chunk_rows is not None and (
         isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1
     ):
         raise ValueError(f"chunk_rows must be a positive int or None for the default, got {chunk_rows!r}")
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < float("inf")
+    ):
+        raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
     if not _runs_fused(input, weight, bias, target, reduction):
         logits = F.linear(input, weight, bias).float()
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
         return F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]),
             target.reshape(-1),
@@ -227,7 +281,8 @@ def chunked_linear_cross_entropy(
         )
     rows = input.reshape(-1, input.shape[-1])
     if chunk_rows is None:
-        chunk_rows = default_chunk_rows(weight.shape[0], input.dtype)
+        # Capped logits are float32: a chunk of them within CHUNK_BYTES.
+        chunk_rows = default_chunk_rows(weight.shape[0], input.dtype if softcap is None else torch.float32)
     grad_on = torch.is_grad_enabled()
     loss_sum, valid_rows, *_ = chunked_linear_cross_entropy_sum(
         rows,
@@ -239,6 +294,7 @@ def chunked_linear_cross_entropy(
         grad_on and input.requires_grad,
         grad_on and weight.requires_grad,
         grad_on and bias is not None and bias.requires_grad,
+        None if softcap is None else float(softcap),
     )
     if reduction == "sum":
         return loss_sum

@@ -5,6 +5,8 @@ against that low-precision head with a float32 loss (what torch.autocast and O2 
 The chunked op rounds the logits' gradient G = softmax - onehot once to the low dtype and
 accumulates the matmuls over chunks in float32, so its error against float64 is that of one
 low-precision rounding of G and of the logits: at most about the autocast path's own error.
+With a softcap the op computes ``c * tanh(logits / c)`` and its derivative in float32, where the
+unfused path rounds after each of the division, tanh and product: fewer roundings, the same bounds.
 """
 
 from __future__ import annotations
@@ -47,9 +49,12 @@ def run(function, h, w, b, target, upstream: float = 1.0, **kwargs):
     return loss.detach(), [leaf.grad if leaf is not None else None for leaf in leaves]
 
 
-def torch_path(h, w, b, target, **kwargs):
-    """The unfused head and loss (autocast's and O2's math)."""
+def torch_path(h, w, b, target, softcap: float | None = None, **kwargs):
+    """The unfused head and loss (autocast's and O2's math); a softcap computed in the logits'
+    dtype, as Hugging Face's Gemma2 writes it and O2 runs it."""
     logits = F.linear(h, w, b)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     logits = logits.to(torch.promote_types(logits.dtype, F32))  # float64 stays float64
     return F.cross_entropy(logits.view(-1, logits.shape[-1]), target.view(-1), **kwargs)
 
@@ -65,8 +70,13 @@ def assert_as_accurate_as_autocast(h, w, b, target, upstream: float = 1.0, **kwa
     exact_loss, exact_grads = run(torch_path, *exact, target, upstream, **chunk_kwargs)
     assert loss.dtype == F32
     rtol, atol = tolerances(F32)
-    # Against the same low-precision logits: float32 summation order only.
-    torch.testing.assert_close(loss, ref_loss, rtol=rtol * 10, atol=atol * 10)
+    if kwargs.get("softcap") is None:
+        # Against the same low-precision logits: float32 summation order only.
+        torch.testing.assert_close(loss, ref_loss, rtol=rtol * 10, atol=atol * 10)
+    else:  # the unfused path rounds the capped logits three times more: the dtype's tolerances
+        torch.testing.assert_close(
+            loss, ref_loss, **dict(zip(("rtol", "atol"), tolerances(dtype), strict=True))
+        )
     low_rtol, low_atol = tolerances(dtype)
     torch.testing.assert_close(loss.double(), exact_loss, rtol=low_rtol, atol=low_atol)
     grad_rtol, _ = grad_tolerances(dtype)
@@ -221,8 +231,60 @@ def test_the_op_registration_is_consistent():
         True,
         True,
     )
-    torch.library.opcheck(
-        chunked_linear_cross_entropy_sum, arguments, test_utils=("test_schema", "test_faketensor")
+    for softcap in (None, 4.0):
+        torch.library.opcheck(
+            chunked_linear_cross_entropy_sum,
+            (*arguments, softcap),
+            test_utils=("test_schema", "test_faketensor"),
+        )
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, F32])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("chunk_rows", [1, 7, 64], ids=lambda n: f"chunk{n}")
+def test_softcap_matches_float64_and_autocast(dtype, reduction, chunk_rows):
+    """Gemma2's final logit softcapping, c * tanh(logits / c), at a cap the logits reach (~3 of
+    scale against c = 5: tanh's derivative well below 1) and at Gemma2's 30; with a bias, an
+    unaligned vocabulary (padding classes: masked after the cap) and a short last chunk."""
+    h, w, b, target = make_problem(23, 16, 37, dtype, seed=11, bias=True)
+    for softcap in (5.0, 30.0):
+        assert_as_accurate_as_autocast(
+            h, w, b, target, reduction=reduction, chunk_rows=chunk_rows, softcap=softcap
+        )
+
+
+def test_softcap_no_grad_leading_dimensions_and_fallback():
+    h, w, b, target = make_problem(12, 8, 13, BF16, seed=12)
+    assert_as_accurate_as_autocast(h.view(3, 4, 8), w, b, target.view(3, 4), chunk_rows=5, softcap=2.0)
+    with torch.no_grad():
+        loss = chunked_linear_cross_entropy(h, w, b, target, chunk_rows=3, softcap=2.0)
+    expected = torch_path(h.double(), w.double(), None, target, softcap=2.0)
+    torch.testing.assert_close(
+        loss.double(), expected, **dict(zip(("rtol", "atol"), tolerances(BF16), strict=True))
+    )
+    # reduction="none" is torch's expression, the cap in float32.
+    none = chunked_linear_cross_entropy(h, w, b, target, reduction="none", softcap=2.0)
+    logits = torch.tanh(F.linear(h, w).float() / 2.0) * 2.0
+    assert torch.equal(none, F.cross_entropy(logits, target, reduction="none"))
+    for bad in (0.0, -1.0, float("inf"), True):
+        with pytest.raises(ValueError, match="softcap must be a positive finite number"):
+            chunked_linear_cross_entropy(h, w, b, target, softcap=bad)
+
+
+@given(
+    dtype=st.sampled_from([F16, BF16]),
+    rows=st.integers(1, 20),
+    classes=st.integers(2, 40),
+    chunk_rows=st.integers(1, 24),
+    reduction=st.sampled_from(["mean", "sum"]),
+    softcap=st.sampled_from([1.0, 3.0, 30.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_softcap_any_sizes(dtype, rows, classes, chunk_rows, reduction, softcap, seed):
+    h, w, b, target = make_problem(rows, 8, classes, dtype, seed, bias=seed % 2 == 0)
+    target[0] = min(classes - 1, 1)  # at least one row counted: a mean over none is NaN
+    assert_as_accurate_as_autocast(
+        h, w, b, target, reduction=reduction, chunk_rows=chunk_rows, softcap=softcap
     )
 
 
@@ -245,6 +307,7 @@ def test_triton_kernel_path(kernels, dtype):
     """The same through the Triton cross-entropy kernel (CPU under TRITON_INTERPRET=1)."""
     h, w, b, target = make_problem(10, 16, 33, dtype, seed=9)
     assert_as_accurate_as_autocast(h, w, b, target, chunk_rows=4)
+    assert_as_accurate_as_autocast(h, w, b, target, chunk_rows=3, softcap=2.0)
 
 
 @pytest.mark.gpu
@@ -256,3 +319,4 @@ def test_on_cuda(dtype):
     )
     assert_as_accurate_as_autocast(h, w, b, target, chunk_rows=128)
     assert_as_accurate_as_autocast(h, w, b, target, reduction="sum", chunk_rows=300)
+    assert_as_accurate_as_autocast(h, w, b, target, chunk_rows=128, softcap=30.0)
