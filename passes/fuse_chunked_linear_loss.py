@@ -7,6 +7,8 @@ so it serves the torch.export front end's ATen graphs and torch.fx graphs alike:
     logits = linear(h, W[, b])                  the head (W may be tied to the embedding)
     x      = to(logits, float32) | view | reshape | flatten | contiguous | alias   (any chain)
              | x * c | x / c                    (c a power of two <= 1: the call reads h * c)
+             | x / c, tanh, * c                 a softcap (any positive c, Gemma2's final logit
+                                                softcapping): the call's softcap=c
     rows   = view(x, [-1, V])                   (rows of V classes: a view, or recorded shapes)
     loss   = cross_entropy_loss(rows, target, ignore_index=i, reduction="mean" | "sum")
              (or nll_loss of the rows' log_softmax)
@@ -20,8 +22,10 @@ the graph's output (the model returning them).
 
 The head and loss become ``chunked_linear_cross_entropy(h, W, b, target, i, reduction)``
 (`amp_fx.ops.chunked_cross_entropy`): low-precision cuBLAS matmuls and the fused cross-entropy
-kernel per chunk of rows, gradients computed in the forward. Nodes replaced: the head's linear
-call, the chain of casts and views to the loss, the loss itself and size reads only they used.
+kernel per chunk of rows, gradients computed in the forward. A softcap is computed by the call in
+float32 (``softcap=c``), where the graph rounded after each of its steps at O2. Nodes replaced:
+the head's linear call, the chain of casts and views (and softcap) to the loss, the loss itself
+and size reads only they used.
 The call is recorded as the head module's op (its ``nn_module_stack``): under FSDP2 an untied
 head is a group of its own, gathered for its ops alone (`shard_regions`).
 
@@ -79,6 +83,8 @@ def _replace(gm: torch.fx.GraphModule, match: LinearLoss, output: torch.fx.Node)
         weight, bias = head_parameter_nodes(graph, match)
         input, bias = scaled_head_arguments(graph, match, bias)
         kwargs = {name: match.arguments[name] for name in ("ignore_index", "reduction")}
+        if match.softcap is not None:
+            kwargs["softcap"] = match.softcap
         fused = graph.call_function(
             chunked_linear_cross_entropy, (input, weight, bias, match.arguments["target"]), kwargs
         )

@@ -14,8 +14,9 @@ in training, as README shows. The fusions expected are derived from what the fam
   (at most 1.5x torch.autocast's error against the FP32 original);
 - a backward and one `FusedAdam` step change every parameter.
 
-Left out: Gemma 2 (its final logit softcap keeps head and loss apart) and BLOOM (its GELU is a
-torch.autograd.Function, so the model runs in autocast islands in training).
+Gemma 2's final logit softcap (``logits / c; tanh; * c``) is fused into the chunked head and loss
+(``softcap=c``). Left out: BLOOM (its GELU is a torch.autograd.Function, so the model runs in
+autocast islands in training).
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ FAMILIES = [
     Family("Qwen3", RMS_GATED, HEAD_DIM),  # RMSNorms of q and k too
     Family("Mistral", RMS_GATED),
     Family("Gemma", RMS_GATED, HEAD_DIM),  # (1 + w) norms, GeGLU
+    Family("Gemma2", RMS_GATED, HEAD_DIM),  # four norms a layer, final logit softcap 30
     Family("Phi3", RMS_GATED),  # one gate_up projection, chunked
     Family("Granite", RMS_GATED),  # logits / logits_scaling
     # written-out LayerNorm, interleaved rotary, logits * 0.0625
@@ -175,6 +177,15 @@ def test_family_gets_the_fusions(family: Family) -> None:
     assert type(output.loss) is torch.Tensor and torch.isfinite(output.loss)
     assert output.logits is None  # training with labels=: head and loss ran as one chunked call
     assert fused_steps(converted) == expected_steps(family, model)
+    # A final logit softcap (Gemma 2's) is computed by the chunked call; no other family has one.
+    heads = [
+        node
+        for gm in amp_fx.report(converted).graphs.values()
+        for node in gm.graph.nodes
+        if node.target is chunked_linear_cross_entropy
+    ]
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    assert [node.kwargs.get("softcap") for node in heads] == [cap] * len(heads)
 
     optimizer = amp_fx.optim.FusedAdam(converted.parameters(), lr=1e-2)
     before = {name: p.detach().clone() for name, p in converted.named_parameters()}

@@ -7,6 +7,9 @@ description serves torch.fx graphs and the torch.export front end's ATen graphs:
     logits = linear(h, W[, b])           a plain nn.Linear (no hooks), F.linear, aten.linear
     x      = to(float32) | view | reshape | flatten | contiguous | alias     (a chain, any order)
              | x * c | c * x | x / c         c a power of two <= 1 (1.0 included): a logit scale
+             | (x / c | x * (1/c)), tanh, * c   a softcap c (a positive number, the same twice;
+                                                casts of any float dtype between): once, after
+                                                any logit scale
     loss   = cross_entropy_loss(x, target, ...)        F.cross_entropy, fp32_cross_entropy (after
                                                        fuse_losses), aten.cross_entropy_loss
            | nll_loss(log_softmax(x, classes), target, ...)   the same loss written out: F.nll_loss,
@@ -31,6 +34,10 @@ It matches where the fused ops compute exactly what the graph does:
   (barring subnormals), so its logits are the graph's. Any other scale (one that rounds, one
   above 1, which could overflow fp16 hidden states the graph never scales, a tensor, or one of
   the log-probabilities) is left alone.
+- A softcap ("final logit softcapping": ``c * tanh(x / c)``) is recorded as `LinearLoss.softcap`:
+  a fused op computes it in float32 (`chunked_linear_cross_entropy`'s ``softcap``), where the graph
+  rounds after each of its three steps, so it fuses only where a pass takes that; a tanh without
+  those scales, or two different constants, is no softcap and no match.
 - The head's logits, their casts and views are read by nothing but the chain, size reads that only
   feed the chain's views, and the graph's output (`LinearLoss.returned`; whether a pass may drop
   returned logits is its own choice); log-probabilities only by the chain and the loss.
@@ -55,6 +62,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +121,7 @@ class LinearLoss:
     removed: list[torch.fx.Node]
     returned: bool  # the graph's output returns some of them
     scale: float = 1.0  # the logit scale of the chain: a power of two
+    softcap: float | None = None  # the chain's c * tanh(x / c), applied after the scale
 
     @property
     def replaced_names(self) -> str:
@@ -230,17 +239,26 @@ def _over_classes(gm: torch.fx.GraphModule, node: torch.fx.Node, rows: bool, num
 
 
 def _hands_on_rows(
-    gm: torch.fx.GraphModule, head: torch.fx.Node, path: list[torch.fx.Node], num_classes: int | None
+    gm: torch.fx.GraphModule,
+    head: torch.fx.Node,
+    path: list[torch.fx.Node],
+    num_classes: int | None,
+    softcap_steps: frozenset[torch.fx.Node] = frozenset(),
 ) -> bool:
     """Whether every step from the head keeps its rows of classes, and the last hands the loss
-    2-D rows of V classes."""
+    2-D rows of V classes. ``softcap_steps`` (elementwise, `_softcap_ending_at` checked them) are
+    taken as they are."""
     rows = _is_rows(_recorded_shape(head), num_classes)
     seen = {head}
     for step in path:
         op = node_info(step).op
-        if op in ("mul", "div") and any(node_info(s).op == "log_softmax" for s in seen):
-            return False  # a scale of log-probabilities, not of the logits
-        if op == "to":
+        if (op in ("mul", "div") or step in softcap_steps) and any(
+            node_info(s).op == "log_softmax" for s in seen
+        ):
+            return False  # a scale or cap of log-probabilities, not of the logits
+        if step in softcap_steps:
+            pass
+        elif op == "to":
             widening = node_info(step).out_dtype == torch.float32
             if not (widening and node_info(step.args[0]).out_dtype in _LOW_OR_FP32):
                 return False
@@ -265,9 +283,10 @@ def _hands_on_rows(
     return rows
 
 
-def _scale_factor(node: torch.fx.Node) -> float | None:
-    """The factor of a logit-scale step (``x * c``, ``c * x``, ``x / c``, c a Python number) when
-    it is a power of two; else None."""
+def _constant_factor(node: Any) -> float | None:
+    """The factor of ``x * c``, ``c * x`` or ``x / c`` (c a nonzero Python number), else None."""
+    if not isinstance(node, torch.fx.Node):
+        return None
     op = node_info(node).op
     if op not in ("mul", "div") or len(node.args) != 2 or node.kwargs or is_inplace_call(node):
         return None
@@ -276,8 +295,68 @@ def _scale_factor(node: torch.fx.Node) -> float | None:
         value, constant = constant, value
     if not isinstance(value, torch.fx.Node) or not is_number(constant) or constant == 0:
         return None
-    factor = 1.0 / constant if op == "div" else float(constant)
-    return factor if _is_power_of_two(factor) else None
+    return 1.0 / constant if op == "div" else float(constant)
+
+
+def _scale_factor(node: torch.fx.Node) -> float | None:
+    """The factor of a logit-scale step (``x * c``, ``c * x``, ``x / c``, c a Python number) when
+    it is a power of two; else None."""
+    factor = _constant_factor(node)
+    return factor if factor is not None and _is_power_of_two(factor) else None
+
+
+@dataclass
+class _Softcap:
+    """``c * tanh(x / c)`` in a graph: its constant, its steps (graph order) and its input x."""
+
+    cap: float
+    steps: list[torch.fx.Node]
+    input: torch.fx.Node
+
+
+def _through_float_casts(node: Any, steps: list[torch.fx.Node]) -> Any:
+    """The value ``node`` casts, through casts to float dtypes (appended to ``steps``)."""
+    while (
+        isinstance(node, torch.fx.Node)
+        and node_info(node).op == "to"
+        and _is_float(node_info(node).out_dtype)
+        and node.args
+        and isinstance(node.args[0], torch.fx.Node)
+    ):
+        steps.append(node)
+        node = node.args[0]
+    return node
+
+
+def _is_float(dtype: Any) -> bool:
+    return isinstance(dtype, torch.dtype) and dtype.is_floating_point
+
+
+def _softcap_ending_at(node: torch.fx.Node) -> _Softcap | None:
+    """The softcap whose ``* c`` is ``node``: ``x / c`` (or ``x * (1/c)``), tanh, ``* c`` with the
+    same positive c, casts to float dtypes between, each read by the next alone; else None."""
+    cap = _constant_factor(node)
+    if node_info(node).op != "mul" or cap is None or not 0 < cap < math.inf:
+        return None
+    steps = [node]
+    tanh = _through_float_casts(_logits_read(node), steps)
+    if not isinstance(tanh, torch.fx.Node) or node_info(tanh).op != "tanh":
+        return None
+    if len(tanh.args) != 1 or tanh.kwargs or not isinstance(tanh.args[0], torch.fx.Node):
+        return None
+    steps.append(tanh)
+    divide = _through_float_casts(tanh.args[0], steps)
+    factor = _constant_factor(divide)
+    # x * (1/c) holds 1/c rounded to a float: equal to c's reciprocal up to that rounding.
+    if factor is None or not math.isclose(factor * cap, 1.0, rel_tol=4 * sys.float_info.epsilon, abs_tol=0.0):
+        return None
+    steps.append(divide)
+    if not all(_is_float(node_info(step).out_dtype) for step in steps):
+        return None
+    # The steps before the last are read by the next alone: the call computes none of them.
+    if any(set(step.users) != {later} for later, step in zip(steps, steps[1:], strict=False)):
+        return None
+    return _Softcap(cap, steps[::-1], _logits_read(divide))
 
 
 def _is_power_of_two(factor: float) -> bool:
@@ -294,14 +373,23 @@ def _logits_read(node: torch.fx.Node) -> torch.fx.Node:
 
 def _chain_to_head(
     gm: torch.fx.GraphModule, value: Any
-) -> tuple[torch.fx.Node, list[torch.fx.Node], tuple[Any, Any, Any, int | None]] | None:
-    """(the head, the nodes from it to ``value`` in order, the head's arguments) when ``value`` is a
-    chain of casts, views and log_softmax of a head's logits."""
+) -> tuple[torch.fx.Node, list[torch.fx.Node], tuple[Any, Any, Any, int | None], _Softcap | None] | None:
+    """(the head, the nodes from it to ``value`` in order, the head's arguments, the softcap or
+    None) when ``value`` is a chain of casts, views, scales, a softcap and log_softmax of a head's
+    logits."""
     path: list[torch.fx.Node] = []
     node = value
+    softcap = None
     while (arguments := _head_arguments(gm, node)) is None:
         if not isinstance(node, torch.fx.Node):
             return None
+        if (found := _softcap_ending_at(node)) is not None:
+            if softcap is not None:
+                return None  # two caps: not the one the fused op computes
+            softcap = found
+            path.extend(reversed(found.steps))
+            node = found.input
+            continue
         if _scale_factor(node) is None and (
             node_info(node).op not in _CHAIN_OPS | {"log_softmax"}
             or not node.args
@@ -311,7 +399,7 @@ def _chain_to_head(
         path.append(node)
         node = _logits_read(node)
     path.reverse()
-    return node, path, arguments
+    return node, path, arguments, softcap
 
 
 def _removed_nodes(
@@ -380,23 +468,29 @@ def match_linear_loss(
     found = _chain_to_head(gm, arguments["input"])
     if found is None or not isinstance(arguments["target"], torch.fx.Node):
         return None
-    head, path, (input, weight, bias, num_classes) = found
+    head, path, (input, weight, bias, num_classes), softcap = found
+    softcap_steps = frozenset(softcap.steps if softcap is not None else ())
     log_softmaxes = [step for step in path if node_info(step).op == "log_softmax"]
     if len(log_softmaxes) != int(needs_log_softmax):
         return None
     if not _computes_in_fp32(log_softmaxes[0] if log_softmaxes else loss):
         return None
-    if not _hands_on_rows(gm, head, path, num_classes):
+    if not _hands_on_rows(gm, head, path, num_classes, softcap_steps):
         return None
     removed = _removed_nodes(head, path, loss, output)
     if removed is None:
         return None
     nodes, returned = removed
-    scale = math.prod(factor for step in path if (factor := _scale_factor(step)) is not None)
+    scales = [step for step in path if step not in softcap_steps and _scale_factor(step) is not None]
+    # The fused op scales the logits before the cap (it reads h * scale): none may follow it.
+    if softcap is not None and any(path.index(step) > path.index(softcap.steps[-1]) for step in scales):
+        return None
+    scale = math.prod(_scale_factor(step) for step in scales)
     # Scaling up could overflow the fp16 hidden states where the graph scales fp32 logits.
     if not _is_power_of_two(scale) or scale > 1.0:
         return None
-    return LinearLoss(loss, arguments, head, input, weight, bias, nodes, returned, scale)
+    cap = None if softcap is None else softcap.cap
+    return LinearLoss(loss, arguments, head, input, weight, bias, nodes, returned, scale, cap)
 
 
 def head_parameter_nodes(

@@ -233,6 +233,110 @@ def test_other_logit_scales_are_left_alone(scale):
     assert type(output["logits"]) is torch.Tensor
 
 
+class SoftcappedHeadAndLoss(nn.Module):
+    """Final logit softcapping (Gemma2's ``logits / c; tanh; * c``) between the head and the loss,
+    as ``variant`` writes it; the near misses use two different constants, a negative one, a tanh
+    without the scales, a logit scale after the cap (the call scales the logits before it), or
+    read the tanh elsewhere too."""
+
+    def __init__(self, variant: str) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.head = nn.Linear(16, VOCAB, bias=False)
+        self.variant = variant
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        # Logits of scale ~4 against a cap of 3: the cap's tanh bends them.
+        logits = self.head(4 * torch.tanh(self.embed(ids)))
+        extra = {}
+        if self.variant == "divided":
+            logits = logits / 3.0
+            logits = torch.tanh(logits)
+            logits = logits * 3.0
+        elif self.variant == "reciprocal":
+            logits = 3.0 * torch.tanh(logits * (1 / 3.0))
+        elif self.variant == "power_of_two_cap":  # its steps are no logit scales
+            logits = torch.tanh(logits / 2.0) * 2.0
+        elif self.variant == "tanh_in_float32":  # a cast between the steps
+            logits = 3.0 * torch.tanh((logits / 3.0).float())
+        elif self.variant == "scaled_first":
+            logits = torch.tanh(logits * 0.5 / 3.0) * 3.0
+        elif self.variant == "different_caps":
+            logits = torch.tanh(logits / 3.0) * 2.0
+        elif self.variant == "negative_cap":
+            logits = torch.tanh(logits / -3.0) * -3.0
+        elif self.variant == "tanh_only":
+            logits = torch.tanh(logits)
+        elif self.variant == "scaled_after":
+            logits = torch.tanh(logits / 3.0) * 3.0 * 0.5
+        elif self.variant == "tanh_read":
+            capped = torch.tanh(logits / 3.0)
+            extra["tanh"] = capped
+            logits = capped * 3.0
+        rows = logits.float().view(-1, VOCAB)
+        shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+        return {"loss": F.cross_entropy(rows, shifted.view(-1)), "logits": logits, **extra}
+
+
+@pytest.mark.parametrize(
+    "variant", ["divided", "reciprocal", "power_of_two_cap", "tanh_in_float32", "scaled_first"]
+)
+def test_a_softcap_fuses_and_trains_as_the_unfused_graph(variant):
+    """The call computes the cap in float32 (softcap=3), where the unfused O2 graph rounds after
+    each of its steps in bf16: loss and gradients within bf16's tolerances of it."""
+    torch.manual_seed(0)
+    model = SoftcappedHeadAndLoss(variant)
+    output, grads, converted = _loss_and_grads(model, preset("O2", BF16, "cpu"))
+    assert output["logits"] is None and type(output["loss"]) is torch.Tensor
+    (call,) = _chunked_calls(converted)
+    assert call.kwargs["softcap"] == (2.0 if variant == "power_of_two_cap" else 3.0)
+    assert node_info(call.args[0]).op == ("mul" if variant == "scaled_first" else "to")
+    unfused = preset("O2", BF16, "cpu", fused_chunked_linear_loss=False)
+    reference, expected, _ = _loss_and_grads(model, unfused)
+    assert type(reference["logits"]) is torch.Tensor
+    rtol, atol = tolerances(BF16)
+    torch.testing.assert_close(output["loss"], reference["loss"], rtol=rtol, atol=atol)
+    scale_of_grads = torch.cat([g.flatten() for g in expected.values()]).pow(2).mean().sqrt().item()
+    rtol, atol = grad_tolerances(BF16)
+    assert grads.keys() == expected.keys()
+    for name, grad in grads.items():
+        assert_close_normwise(grad, expected[name], rtol=rtol, atol=atol, scale=scale_of_grads, name=name)
+
+
+@pytest.mark.parametrize(
+    "variant", ["different_caps", "negative_cap", "tanh_only", "scaled_after", "tanh_read"]
+)
+def test_softcap_near_misses_are_left_alone(variant):
+    torch.manual_seed(0)
+    converted, output = _run(SoftcappedHeadAndLoss(variant))
+    assert not _chunked_calls(converted)
+    assert type(output["logits"]) is torch.Tensor
+
+
+def test_a_softcap_in_a_torch_fx_graph():
+    """The softcap as torch.fx records it (operator.truediv, torch.tanh, operator.mul) fuses alike."""
+    torch.manual_seed(0)
+    model = SoftcappedHeadAndLoss("divided")
+    policy = preset("O2", BF16, "cpu")
+    unknown = amp_fx.convert(copy.deepcopy(model), "O2", policy=policy, front_end="fx")
+    assert not any(n.target is chunked_linear_cross_entropy for n in unknown.graph.nodes)
+    gm = torch.fx.symbolic_trace(copy.deepcopy(model))
+    gm.meta[TRAINING_MODE_KEY] = True
+    rewrite_graph(gm, policy)
+    (call,) = [n for n in gm.graph.nodes if n.target is chunked_linear_cross_entropy]
+    assert call.kwargs["softcap"] == 3.0
+    ids = _ids()
+    output, expected = gm(ids, ids), unknown(ids, ids)
+    assert output["logits"] is None
+    rtol, atol = tolerances(BF16)
+    torch.testing.assert_close(output["loss"], expected["loss"], rtol=rtol, atol=atol)
+    output["loss"].backward()
+    expected["loss"].backward()
+    weight, reference = gm.get_parameter("head.weight").grad, unknown.get_parameter("head.weight").grad
+    rtol, atol = grad_tolerances(BF16)
+    assert_close_normwise(weight, reference, rtol=rtol, atol=atol, name="head.weight")
+
+
 class Classifier(nn.Module):
     """2-D logits read without a view (their rank is in the recorded shapes), the loss written as
     cross_entropy or as nll_loss of log_softmax."""

@@ -100,6 +100,16 @@ class ScaledLogits(LanguageModel):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
+class SoftcappedLogits(LanguageModel):
+    """Gemma2's final logit softcapping, ``c * tanh(logits / c)``: `linear_cross_entropy` computes
+    no cap, so it is left to the chunked pass (which runs only on graphs known to train)."""
+
+    def forward(self, ids, targets):
+        logits = self.head(torch.relu(self.fc(self.embed(ids))))
+        logits = torch.tanh(logits / 30.0) * 30.0
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
 class ClassDimensionLoss(LanguageModel):
     """The loss over (batch, classes, time): not a row view."""
 
@@ -216,8 +226,16 @@ def test_a_power_of_two_logit_scale_scales_the_head_input_and_bias():
         lambda: _seeded(ClassDimensionLoss),
         lambda: _seeded(label_smoothing=0.1),
         lambda: _seeded(ScaledLogits, divisor=3.0),
+        lambda: _seeded(SoftcappedLogits),
     ],
-    ids=["logits_returned", "sizes_read_elsewhere", "class_dimension", "label_smoothing", "rounding_scale"],
+    ids=[
+        "logits_returned",
+        "sizes_read_elsewhere",
+        "class_dimension",
+        "label_smoothing",
+        "rounding_scale",
+        "softcap",
+    ],
 )
 def test_left_alone_where_not_exact(make):
     gm = _convert(make(), F16, fused=True)
