@@ -277,29 +277,15 @@ def test_softcap_no_grad_leading_dimensions_and_fallback():
     classes=st.integers(2, 40),
     chunk_rows=st.integers(1, 24),
     reduction=st.sampled_from(["mean", "sum"]),
-    softcap=st.sampled_from([1.0, 3.0, 30.0]),
+    softcap=st.sampled_from([None, 1.0, 3.0, 30.0]),
     seed=st.integers(0, 2**16),
 )
-def test_softcap_any_sizes(dtype, rows, classes, chunk_rows, reduction, softcap, seed):
+def test_any_sizes(dtype, rows, classes, chunk_rows, reduction, softcap, seed):
     h, w, b, target = make_problem(rows, 8, classes, dtype, seed, bias=seed % 2 == 0)
     target[0] = min(classes - 1, 1)  # at least one row counted: a mean over none is NaN
     assert_as_accurate_as_autocast(
         h, w, b, target, reduction=reduction, chunk_rows=chunk_rows, softcap=softcap
     )
-
-
-@given(
-    dtype=st.sampled_from([F16, BF16]),
-    rows=st.integers(1, 20),
-    classes=st.integers(2, 40),
-    chunk_rows=st.integers(1, 24),
-    reduction=st.sampled_from(["mean", "sum"]),
-    seed=st.integers(0, 2**16),
-)
-def test_any_sizes(dtype, rows, classes, chunk_rows, reduction, seed):
-    h, w, b, target = make_problem(rows, 8, classes, dtype, seed, bias=seed % 2 == 0)
-    target[0] = min(classes - 1, 1)  # at least one row counted: a mean over none is NaN
-    assert_as_accurate_as_autocast(h, w, b, target, reduction=reduction, chunk_rows=chunk_rows)
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16])

@@ -198,6 +198,21 @@ def _loss_and_grads(model: nn.Module, policy) -> tuple[torch.Tensor, dict[str, t
     return output, grads, converted
 
 
+def assert_like_the_unfused_conversion(model: nn.Module, output, grads) -> None:
+    """The fused conversion's loss and gradients are within bf16's tolerances of the unfused O2
+    conversion's, which returns real logits."""
+    unfused = preset("O2", BF16, "cpu", fused_chunked_linear_loss=False)
+    reference, expected, _ = _loss_and_grads(model, unfused)
+    assert type(reference["logits"]) is torch.Tensor
+    rtol, atol = tolerances(BF16)
+    torch.testing.assert_close(output["loss"], reference["loss"], rtol=rtol, atol=atol)
+    scale_of_grads = torch.cat([g.flatten() for g in expected.values()]).pow(2).mean().sqrt().item()
+    rtol, atol = grad_tolerances(BF16)
+    assert grads.keys() == expected.keys()
+    for name, grad in grads.items():
+        assert_close_normwise(grad, expected[name], rtol=rtol, atol=atol, scale=scale_of_grads, name=name)
+
+
 @pytest.mark.parametrize("scale", ["divided", "multiplied", "identity", "twice"])
 def test_a_power_of_two_logit_scale_fuses_into_the_head_input(scale):
     """The call reads h * scale: its low-precision logits are the scaled ones, rounded alike, so
@@ -213,16 +228,7 @@ def test_a_power_of_two_logit_scale_fuses_into_the_head_input(scale):
         assert node_info(scaled).op != "mul"
     else:
         assert node_info(scaled).op == "mul" and scaled.args[1] == expected_scale
-    unfused = preset("O2", BF16, "cpu", fused_chunked_linear_loss=False)
-    reference, expected, _ = _loss_and_grads(model, unfused)
-    assert reference["logits"] is not None
-    rtol, atol = tolerances(BF16)
-    torch.testing.assert_close(output["loss"], reference["loss"], rtol=rtol, atol=atol)
-    scale_of_grads = torch.cat([g.flatten() for g in expected.values()]).pow(2).mean().sqrt().item()
-    rtol, atol = grad_tolerances(BF16)
-    assert grads.keys() == expected.keys()
-    for name, grad in grads.items():
-        assert_close_normwise(grad, expected[name], rtol=rtol, atol=atol, scale=scale_of_grads, name=name)
+    assert_like_the_unfused_conversion(model, output, grads)
 
 
 @pytest.mark.parametrize("scale", ["rounding", "enlarging", "tensor", "log_probs"])
@@ -291,16 +297,7 @@ def test_a_softcap_fuses_and_trains_as_the_unfused_graph(variant):
     (call,) = _chunked_calls(converted)
     assert call.kwargs["softcap"] == (2.0 if variant == "power_of_two_cap" else 3.0)
     assert node_info(call.args[0]).op == ("mul" if variant == "scaled_first" else "to")
-    unfused = preset("O2", BF16, "cpu", fused_chunked_linear_loss=False)
-    reference, expected, _ = _loss_and_grads(model, unfused)
-    assert type(reference["logits"]) is torch.Tensor
-    rtol, atol = tolerances(BF16)
-    torch.testing.assert_close(output["loss"], reference["loss"], rtol=rtol, atol=atol)
-    scale_of_grads = torch.cat([g.flatten() for g in expected.values()]).pow(2).mean().sqrt().item()
-    rtol, atol = grad_tolerances(BF16)
-    assert grads.keys() == expected.keys()
-    for name, grad in grads.items():
-        assert_close_normwise(grad, expected[name], rtol=rtol, atol=atol, scale=scale_of_grads, name=name)
+    assert_like_the_unfused_conversion(model, output, grads)
 
 
 @pytest.mark.parametrize(
