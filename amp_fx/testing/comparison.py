@@ -253,7 +253,8 @@ def forward_backward(
         for name, p in params.items():
             p.grad = saved_grads[name]
         # Only buffers the run changed: a copy bumps a buffer's version, and a graph the caller
-        # still holds (an output not yet backpropagated) may have saved it.
+        # still holds (an output not yet backpropagated) may have saved it. Compared by value, not
+        # by version: BatchNorm's kernels update running statistics without bumping theirs.
         with torch.no_grad():
             for name, b in model.named_buffers():
                 if not torch.equal(b, saved_buffers[name]):
