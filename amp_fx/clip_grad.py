@@ -1,8 +1,8 @@
-"""clip_grad_norm_: gradient clipping that works on the still-scaled grads of amp_fx optimizers.
+"""clip_grad_norm_: gradient clipping that never unscales the grads of amp_fx optimizers.
 
-For `amp_fx.optim.FusedAdam` / `FusedSGD` the grads are left scaled by `amp_fx.LossScaler.unscale_`
-(the unscale happens inside the optimizer's kernel), so ``torch.nn.utils.clip_grad_norm_`` would
-measure scaled grads. This function instead computes the norm of ``grad * pending multiplier`` in
+For `amp_fx.optim.FusedAdam` / `FusedSGD` the unscale can happen inside the optimizer's kernel: this
+function has the `amp_fx.LossScaler` check the grads and hand ``1 / scale`` to the optimizer
+(``defer_unscale_``, unless ``unscale_`` ran), computes the norm of ``grad * pending multiplier`` in
 one fused pass over all grads (fp32 accumulation), and folds the clip coefficient
 ``min(1, max_norm / (norm + 1e-6))`` into the pending multiplier: nothing is rewritten, nothing is
 read on the host (step 3 of the `amp_fx.optim.scaled_optimizer` handshake). Under FSDP2 (grads
@@ -15,8 +15,7 @@ Example:
     >>> w = torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))
     >>> opt, scaler = amp_fx.optim.FusedSGD([w], lr=1.0), amp_fx.LossScaler(init_scale=1024.0)
     >>> scaler.scale((w.float() * torch.tensor([3.0, 4.0])).sum()).backward()
-    >>> scaler.unscale_(opt)
-    >>> amp_fx.clip_grad_norm_(opt, max_norm=1.0)
+    >>> amp_fx.clip_grad_norm_(opt, max_norm=1.0)  # the grads stay scaled: no pass over them
     tensor(5.)
     >>> scaler.step(opt); scaler.update(); w.detach()
     tensor([-0.6001, -0.7998], dtype=torch.float16)
@@ -33,7 +32,9 @@ from torch import Tensor
 
 from amp_fx.distributed import shard_groups
 from amp_fx.kernels import implementation_for
+from amp_fx.loss_scaler import LossScaler, scaler_for
 from amp_fx.optim.scaled_optimizer import ScaledOptimizer
+from amp_fx.optim.wrappers import unwrap_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +45,22 @@ _NORM_EPS = 1e-6
 
 
 def clip_grad_norm_(
-    target: torch.optim.Optimizer | Tensor | Iterable[Tensor], max_norm: float, norm_type: float = 2.0
+    target: torch.optim.Optimizer | Tensor | Iterable[Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    scaler: LossScaler | None = None,
 ) -> Tensor:
     """Clip the total 2-norm of the gradients to ``max_norm``; return the norm before clipping (0-dim tensor).
 
-    ``target`` is an amp_fx optimizer (fused path: the norm of the unscaled grads, clip folded
-    into the pending grad multiplier, no host sync), another torch optimizer (its params' grads,
-    via torch.nn.utils.clip_grad_norm_) or parameters (torch.nn.utils.clip_grad_norm_).
-    Call it after ``scaler.unscale_(optimizer)`` and before ``scaler.step(optimizer)``.
+    ``target`` is an amp_fx optimizer (fused path: the norm of the true grads, clip folded into
+    the pending grad multiplier, no host sync, the grads themselves left as they are), another
+    torch optimizer (its params' grads, via torch.nn.utils.clip_grad_norm_) or parameters
+    (torch.nn.utils.clip_grad_norm_). An optimizer may sit in a wrapper that holds it at
+    ``.optimizer`` (accelerate's, Lightning's). Call it between ``backward`` and ``scaler.step``;
+    ``scaler.unscale_`` first is not needed: grads that were not unscaled are measured divided by
+    the scale of ``scaler`` (default: the `amp_fx.LossScaler` that scaled this iteration's loss,
+    `amp_fx.loss_scaler.scaler_for`), which also checks them for inf/NaN.
 
     An inf or NaN grad makes the norm inf or NaN, as in torch; under a LossScaler that step is
     skipped anyway.
@@ -67,16 +76,30 @@ def clip_grad_norm_(
     """
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
         raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}")
-    if not isinstance(target, ScaledOptimizer):
-        if isinstance(target, torch.optim.Optimizer):
-            target = [p for group in target.param_groups for p in group["params"]]
+    if scaler is not None and not isinstance(scaler, LossScaler):
+        raise TypeError(f"scaler must be an amp_fx.LossScaler, got {type(scaler).__name__}")
+    optimizer = unwrap_optimizer(target)
+    if not hasattr(optimizer, "param_groups"):
+        if scaler is not None:
+            raise TypeError(
+                "clip_grad_norm_(..., scaler=) needs the optimizer, whose grads the scaler checks; got "
+                f"{type(target).__name__}. Pass the optimizer, or call scaler.unscale_(optimizer) first"
+            )
+    elif scaler is None:
+        scaler = scaler_for(optimizer)
+    if scaler is not None:
+        # Checks the grads and makes 1/scale pending (torch.optim: unscales them in place), once.
+        scaler.defer_unscale_(optimizer)
+    if not isinstance(optimizer, ScaledOptimizer):
+        if isinstance(optimizer, torch.optim.Optimizer):
+            target = [p for group in optimizer.param_groups for p in group["params"]]
         return torch.nn.utils.clip_grad_norm_(target, max_norm, norm_type=norm_type)
     if float(norm_type) != 2.0:
         raise ValueError(
             f"clip_grad_norm_ on an amp_fx optimizer computes the 2-norm in its fused pass; got norm_type="
             f"{norm_type}. Use norm_type=2.0"
         )
-    return _clip_fused(target, float(max_norm))
+    return _clip_fused(optimizer, float(max_norm))
 
 
 def _clip_fused(optimizer: ScaledOptimizer, max_norm: float) -> Tensor:

@@ -7,12 +7,14 @@ with no host sync for amp_fx's fused optimizers.
 With `amp_fx.optim.FusedAdam` / `FusedSGD` (any `ScaledOptimizer`: `amp_fx.optim.scaled_optimizer`
 describes the handshake step by step):
 
-- ``unscale_(opt)`` does not rewrite the grads (an fp16 grad divided by 2^16 in place loses its
-  small values). It checks them for inf/NaN on the device and records ``1 / scale`` on the
-  optimizer as a pending grad multiplier; `amp_fx.clip_grad_norm_` folds its clip coefficient
-  into it; the optimizer's kernel applies it while it reads the grads. So clip with
-  ``amp_fx.clip_grad_norm_(opt, max_norm)``, not ``torch.nn.utils.clip_grad_norm_``, which would
-  see the still-scaled grads.
+- the fast path never unscales: ``amp_fx.clip_grad_norm_(opt, max_norm)`` (or ``step`` itself)
+  calls ``defer_unscale_(opt)``, which checks the grads for inf/NaN on the device and records
+  ``1 / scale`` on the optimizer as a pending grad multiplier; clip folds its coefficient into
+  it; the optimizer's kernel applies it while it reads the grads.
+- ``unscale_(opt)`` is torch's: afterwards the grads are the true ones (fp16/bf16 grads become
+  FP32 tensors, so that no small value is flushed to zero), what user code does to them
+  (``torch.nn.utils.clip_grad_norm_``) is what ``step`` applies, and ``step`` does not unscale
+  again.
 - ``step(opt)`` always launches the update; on overflow the kernel writes nothing and the step
   count stays, decided on the device. Nothing calls ``.item()``: scale, backward, step and update
   run under ``torch.cuda.set_sync_debug_mode("error")`` and can be captured in a CUDA graph.
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -53,7 +56,7 @@ from amp_fx.kernels import implementation_for
 from amp_fx.kernels.reference import reciprocal_scale_
 from amp_fx.loss_scaler_settings import check_number
 from amp_fx.loss_scaler_state_dict import LossScaleStateDict
-from amp_fx.optim.scaled_optimizer import ScaledOptimizer
+from amp_fx.optim.scaled_optimizer import ScaledOptimizer, next_tick
 from amp_fx.optim.torch_optimizer_scaling import (
     any_overflow_on_host,
     reads_found_inf,
@@ -61,16 +64,62 @@ from amp_fx.optim.torch_optimizer_scaling import (
     total_found_inf,
     unscale_grads_in_place_,
 )
+from amp_fx.optim.wrappers import unwrap_optimizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LossScaler"]
+__all__ = ["LossScaler", "scaler_for"]
 
 
 class _Stage(enum.Enum):
     READY = 0
-    UNSCALED = 1
-    STEPPED = 2
+    DEFERRED = 1  # checked for inf/NaN, 1/scale pending in the optimizer (the fast path)
+    UNSCALED = 2  # the grads hold the true gradients (unscale_)
+    STEPPED = 3
+
+
+# Scalers that scaled a loss since their last update, and the scaler that last stepped each
+# optimizer: how `amp_fx.clip_grad_norm_` finds the scale of grads that nobody unscaled (`scaler_for`).
+_ACTIVE_SCALERS: weakref.WeakSet[LossScaler] = weakref.WeakSet()
+_SCALER_OF_OPTIMIZER: weakref.WeakKeyDictionary[Any, LossScaler] = weakref.WeakKeyDictionary()
+
+
+def scaler_for(optimizer: Any) -> LossScaler | None:
+    """The LossScaler whose scale ``optimizer``'s grads carry now, or None (no scaler is in use).
+
+    That is the scaler that stepped ``optimizer`` last, if it has scaled a loss since its last
+    ``update``. Before its first such step, for an amp_fx optimizer, it is the scaler that scaled a
+    loss after the optimizer was created or last stepped and has not updated since; when several
+    did, none can be chosen and a RuntimeError says to pass ``scaler=``.
+
+    Example:
+        >>> import torch, amp_fx
+        >>> opt = amp_fx.optim.FusedSGD([torch.nn.Parameter(torch.ones(1))])
+        >>> scaler = LossScaler()
+        >>> _ = scaler.scale(torch.ones(()))
+        >>> scaler_for(opt) is scaler
+        True
+        >>> scaler.update(1024.0); scaler_for(opt) is None
+        True
+    """
+    optimizer = unwrap_optimizer(optimizer)
+    try:
+        last = _SCALER_OF_OPTIMIZER.get(optimizer)
+    except TypeError:  # not weak-referenceable: it was never stepped by a LossScaler
+        last = None
+    if last is not None and last in _ACTIVE_SCALERS:
+        return last
+    if not isinstance(optimizer, ScaledOptimizer):
+        return None
+    since = getattr(optimizer, "last_step_tick", 0)
+    candidates = [scaler for scaler in _ACTIVE_SCALERS if scaler._scaled_at > since]
+    if len(candidates) > 1:
+        raise RuntimeError(
+            f"{len(candidates)} LossScalers have scaled a loss since this optimizer was created or last "
+            "stepped, so which scale its gradients carry is unknown; pass the scaler: "
+            "amp_fx.clip_grad_norm_(optimizer, max_norm, scaler=scaler)"
+        )
+    return candidates[0] if candidates else None
 
 
 def _fresh_optimizer_state() -> dict[str, Any]:
@@ -149,6 +198,7 @@ class LossScaler(LossScaleStateDict):
         self._hysteresis_tracker: Tensor | None = None
         # 1 / scale, kept current by every write of the scale, so unscale_ launches nothing for it.
         self._inv_scale: Tensor | None = None
+        self._scaled_at = 0  # next_tick() at the last scale(): see scaler_for
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
 
     # ----------------------------------------------------------------------------------------
@@ -184,6 +234,8 @@ class LossScaler(LossScaleStateDict):
         """
         if not self._enabled:
             return outputs
+        _ACTIVE_SCALERS.add(self)
+        self._scaled_at = next_tick()
         copies: dict[torch.device, Tensor] = {}
 
         def apply(value: Any) -> Any:
@@ -202,27 +254,34 @@ class LossScaler(LossScaleStateDict):
         return apply(outputs)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Unscale ``optimizer``'s grads and check them for inf/NaN (optional; ``step`` does it otherwise).
+        """Divide ``optimizer``'s grads by the scale and check them for inf/NaN, as GradScaler does.
 
-        For amp_fx optimizers the grads stay as they are: ``1 / scale`` becomes a pending grad
-        multiplier on the optimizer (device tensor), applied by its next ``step`` and by
-        `amp_fx.clip_grad_norm_`; works for fp16 and bf16 grads, no host sync. For other
-        optimizers the grads are divided in place, as by torch.amp.GradScaler (fp16 grads refused).
-        Call it at most once per optimizer between ``update()`` calls.
+        Afterwards ``param.grad`` holds the true gradients: what user code does to them (torch's
+        ``clip_grad_norm_`` over ``model.parameters()``, logging) is what ``step`` applies, and
+        ``step`` does not unscale again. For amp_fx optimizers an fp16/bf16 grad becomes an FP32
+        tensor (divided in fp16 its small values would flush to zero; +2 bytes per parameter until
+        ``zero_grad``) and an overflow still skips the step on the device, with no host sync. For
+        other optimizers the grads are divided in place (fp16 grads refused, as by GradScaler).
+        Call it at most once per optimizer between ``update()`` calls. Faster, when all you need
+        is clipping: skip it and call ``amp_fx.clip_grad_norm_(optimizer, max_norm)``, which leaves
+        the grads scaled and folds ``1 / scale`` and the clip into the optimizer's kernel.
+
+        ``optimizer`` may be a wrapper holding it at ``.optimizer`` (accelerate's, Lightning's).
 
         Example:
             >>> import torch, amp_fx
             >>> w = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
             >>> opt, scaler = amp_fx.optim.FusedAdam([w]), amp_fx.LossScaler(init_scale=1024.0)
             >>> scaler.scale(w.float().sum()).backward(); scaler.unscale_(opt)
-            >>> w.grad  # left scaled: the optimizer applies 1 / 1024 when it reads it
-            tensor([1024., 1024.], dtype=torch.float16)
-            >>> amp_fx.clip_grad_norm_(opt, max_norm=1.0)
+            >>> w.grad  # the true gradient, in FP32
+            tensor([1., 1.])
+            >>> torch.nn.utils.clip_grad_norm_([w], max_norm=1.0)
             tensor(1.4142)
         """
         if not self._enabled:
             return
         self._require_state("unscale_")
+        optimizer = unwrap_optimizer(optimizer)
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is _Stage.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update()")
@@ -230,22 +289,58 @@ class LossScaler(LossScaleStateDict):
             raise RuntimeError(
                 "unscale_() is being called after step(); call it between backward() and step()"
             )
-        # GradScaler's fp64 reciprocal, written by the last update (or scale change); read-only here.
-        inv_scale = self._inv_scale
         if isinstance(optimizer, ScaledOptimizer):
-            found_infs = optimizer.unscale_grads_(inv_scale)
+            # Checked (and 1/scale made pending) unless amp_fx.clip_grad_norm_ did it already; the
+            # multiplier, with any clip folded into it, is then written into the grads.
+            self.defer_unscale_(optimizer)
+            optimizer.apply_grad_multiplier_()
         else:
-            found_infs = unscale_grads_in_place_(optimizer, inv_scale, allow_fp16=False)
+            # GradScaler's fp64 reciprocal, written by the last update (or scale change); read-only here.
+            found_infs = unscale_grads_in_place_(optimizer, self._inv_scale, allow_fp16=False)
+            agree_on_overflow_(found_infs, self._process_group)
+            state.update(found_inf_per_device=found_infs, optimizer=optimizer)
+        state["stage"] = _Stage.UNSCALED
+
+    def defer_unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Check ``optimizer``'s grads for inf/NaN and leave them scaled: ``1 / scale`` becomes a
+        pending multiplier that the optimizer's kernel applies (the fast path; no host sync).
+
+        `amp_fx.clip_grad_norm_` calls it; ``step`` calls it when nothing did. Does nothing once the
+        grads were checked this iteration. For an optimizer that is no amp_fx optimizer it is
+        ``unscale_`` (its grads are divided in place).
+
+        Example:
+            >>> import torch, amp_fx
+            >>> w = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+            >>> opt, scaler = amp_fx.optim.FusedSGD([w]), amp_fx.LossScaler(init_scale=1024.0)
+            >>> scaler.scale(w.float().sum()).backward(); scaler.defer_unscale_(opt)
+            >>> w.grad  # still scaled: the kernel multiplies by 1 / 1024 as it reads it
+            tensor([1024., 1024.], dtype=torch.float16)
+        """
+        if not self._enabled:
+            return
+        self._require_state("defer_unscale_")
+        optimizer = unwrap_optimizer(optimizer)
+        if not isinstance(optimizer, ScaledOptimizer):
+            if self._per_optimizer_states[id(optimizer)]["stage"] is _Stage.READY:
+                self.unscale_(optimizer)
+            return
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is not _Stage.READY:
+            return
+        found_infs = optimizer.unscale_grads_(self._inv_scale)
         agree_on_overflow_(found_infs, self._process_group)
-        state.update(stage=_Stage.UNSCALED, found_inf_per_device=found_infs, optimizer=optimizer)
+        state.update(stage=_Stage.DEFERRED, found_inf_per_device=found_infs, optimizer=optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless ``unscale_`` ran) and step ``optimizer``, skipping the update on inf/NaN grads.
 
         Returns what ``optimizer.step`` returns. For amp_fx optimizers the skip is decided on the
         device inside the kernel; for others it reads found_inf on the host, as GradScaler does.
-        Closures are not supported (as in GradScaler).
+        Closures are not supported (as in GradScaler). A wrapper (``.optimizer``) steps the
+        optimizer inside it.
         """
+        optimizer = unwrap_optimizer(optimizer)
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs or args:
@@ -257,10 +352,13 @@ class LossScaler(LossScaleStateDict):
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is _Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update()")
+        try:
+            _SCALER_OF_OPTIMIZER[optimizer] = self
+        except TypeError:
+            pass  # not weak-referenceable: amp_fx.clip_grad_norm_ then finds the scaler among the active
 
         if isinstance(optimizer, ScaledOptimizer):
-            if state["stage"] is _Stage.READY:
-                self.unscale_(optimizer)
+            self.defer_unscale_(optimizer)
             self._require_inf_checks(state)
             result = optimizer.step(**kwargs)
         elif reads_found_inf(optimizer):
@@ -340,6 +438,7 @@ class LossScaler(LossScaleStateDict):
             if isinstance(state["optimizer"], ScaledOptimizer):
                 state["optimizer"].finish_scaling(zeroed_found_infs=found_infs)
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+        _ACTIVE_SCALERS.discard(self)
 
     def _set_scale(self, new_scale: float | Tensor) -> None:
         if isinstance(new_scale, Tensor):
@@ -376,6 +475,7 @@ class LossScaler(LossScaleStateDict):
         if not self._enabled:
             return
         self._require_state("update_from_found_infs")
+        _ACTIVE_SCALERS.discard(self)
         flags = [found_infs] if isinstance(found_infs, Tensor) else found_infs
         implementation_for([self._scale]).update_loss_scale_(
             self._scale,
@@ -409,7 +509,7 @@ class LossScaler(LossScaleStateDict):
     _get_scale_async = scale_tensor
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Tensor]:
-        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        return self._per_optimizer_states[id(unwrap_optimizer(optimizer))]["found_inf_per_device"]
 
     def is_enabled(self) -> bool:
         """False when the scaler was created with ``enabled=False`` (a pass-through)."""
@@ -438,4 +538,5 @@ class LossScaler(LossScaleStateDict):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("_inv_scale", None)  # pickled by a version without it (no device state)
+        self.__dict__.setdefault("_scaled_at", 0)
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)

@@ -189,10 +189,14 @@ class CudaGraphStep:
         (loss if scaler is None else scaler.scale(loss)).backward()
         if self.max_grad_norm is not None:
             from amp_fx.clip_grad import clip_grad_norm_
+            from amp_fx.loss_scaler import LossScaler
 
-            if scaler is not None:
-                scaler.unscale_(optimizer)
-            clip_grad_norm_(optimizer, self.max_grad_norm)
+            if isinstance(scaler, LossScaler):  # the fast path: 1 / scale and the clip in the kernel
+                clip_grad_norm_(optimizer, self.max_grad_norm, scaler=scaler)
+            else:
+                if scaler is not None:
+                    scaler.unscale_(optimizer)
+                clip_grad_norm_(optimizer, self.max_grad_norm)
         if scaler is None:
             optimizer.step()
         else:

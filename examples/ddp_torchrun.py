@@ -11,8 +11,8 @@ The recipe, in the order that matters:
 3. ``amp_fx.optim.FusedAdam`` keeps the FP32 master weights; ``amp_fx.LossScaler`` scales the loss.
    DDP's all-reduce spreads an inf/NaN in any rank's gradients to every rank, so every rank
    skips the same overflowing steps and the replicas stay identical, with no extra communication.
-4. Clip with ``amp_fx.clip_grad_norm_(optimizer, ...)`` after ``scaler.unscale_`` (the grads are
-   still scaled; the optimizer unscales them in its kernel).
+4. Clip with ``amp_fx.clip_grad_norm_(optimizer, ...)``, without ``scaler.unscale_``: the grads stay
+   scaled, and the optimizer unscales and clips them in its kernel.
 
 The data is synthetic (a random teacher network labels random inputs), so the program runs
 anywhere; a ``DistributedSampler`` gives each rank its share of the global batch. Nothing in the
@@ -150,8 +150,7 @@ def main() -> None:
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(ddp_model(inputs), labels)
             scaler.scale(loss).backward()  # DDP all-reduces the (scaled, fp16) grads here
-            scaler.unscale_(optimizer)
-            amp_fx.clip_grad_norm_(optimizer, args.max_grad_norm)
+            amp_fx.clip_grad_norm_(optimizer, args.max_grad_norm)  # overflow checked, agreed by all ranks
             scaler.step(optimizer)  # skipped on the device, on every rank alike, after an overflow
             scaler.update()
             running_loss += loss.detach()

@@ -144,8 +144,8 @@ def main() -> None:
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(inputs), labels)
             scaler.scale(loss).backward()  # FSDP2 reduce-scatters the grads onto the FP32 shards
-            scaler.unscale_(optimizer)  # overflow flag all-reduced: one decision for all ranks
-            amp_fx.clip_grad_norm_(optimizer, args.max_grad_norm)  # the norm over all shards
+            # Overflow flag all-reduced (one decision for all ranks); the norm over all shards.
+            amp_fx.clip_grad_norm_(optimizer, args.max_grad_norm)
             scaler.step(optimizer)
             scaler.update()
             running_loss += loss.detach()

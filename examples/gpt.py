@@ -7,7 +7,7 @@ trained with amp_fx's native API, shaped like ``torch.amp``::
     gm = amp_fx.convert(model, "O2", dtype=torch.float16)
     opt = amp_fx.optim.FusedAdam(gm.parameters(), lr=3e-3)      # FP32 master weights
     scaler = amp_fx.LossScaler()
-    scaler.scale(loss).backward(); scaler.unscale_(opt); amp_fx.clip_grad_norm_(opt, 1.0)
+    scaler.scale(loss).backward(); amp_fx.clip_grad_norm_(opt, 1.0)
     scaler.step(opt); scaler.update()
 
 It prints the loss and the loss-scale history; ``--plot out.png`` draws both against the step
@@ -251,7 +251,6 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
         loss = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE).float(), y.reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
         amp_fx.clip_grad_norm_(optimizer, 1.0)
         scaler.step(optimizer)
         scaler.update()

@@ -423,7 +423,7 @@ def test_unscale_applies_the_inverse_of_the_current_scale_after_every_kind_of_ch
         change()
         scaler.scale(torch.zeros(()))
         params[0].grad = torch.ones_like(params[0])
-        scaler.unscale_(optimizer)
+        scaler.defer_unscale_(optimizer)
         assert _pending_multiplier(optimizer) == _exact_inverse(scaler.get_scale())
         scales.append(scaler.get_scale())
         scaler.step(optimizer)

@@ -27,6 +27,7 @@ from torch import Tensor
 
 import amp_fx
 from amp_fx.optim.scaled_optimizer import ScaledOptimizer
+from amp_fx.optim.wrappers import unwrap_optimizer
 
 SKIPPED_KEY = "skipped_steps"
 
@@ -44,8 +45,19 @@ class AcceleratorScaler:
         return self.loss_scaler.scale(outputs)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """`amp_fx.LossScaler.unscale_`, then this step's overflow counted on the device."""
+        """`amp_fx.LossScaler.unscale_` (the grads become the true ones, for accelerate's torch
+        clipping), then this step's overflow counted on the device."""
         self.loss_scaler.unscale_(optimizer)
+        self._count_overflow(optimizer)
+
+    def defer_unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """`amp_fx.LossScaler.defer_unscale_` (the fast path: the kernel unscales), then this step's
+        overflow counted on the device."""
+        self.loss_scaler.defer_unscale_(optimizer)
+        self._count_overflow(optimizer)
+
+    def _count_overflow(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer = unwrap_optimizer(optimizer)
         if not isinstance(optimizer, ScaledOptimizer):
             return
         flags = [

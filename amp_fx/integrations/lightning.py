@@ -16,7 +16,7 @@ What it does, in the order Lightning calls it:
   the children are put back.
 - backward: the loss is scaled by an `amp_fx.LossScaler` (fp16 at O1/O2; bf16, O0 and O3 need
   no scaling), for ``training_step``'s loss and for ``manual_backward`` alike.
-- ``optimizer_step``: the scaler's ``unscale_`` hands ``1 / scale`` to the optimizer's kernel
+- ``optimizer_step``: the scaler's ``defer_unscale_`` hands ``1 / scale`` to the optimizer's kernel
   (the grads stay scaled: an fp16 grad divided in place would lose its small values), then
   Lightning's hooks and clipping run, then the step, which the kernel skips on inf/NaN; the
   skip is counted on the device. The scale is updated once per iteration, before the next loss
@@ -330,7 +330,7 @@ class AmpPrecision(Precision):
             self._finish_iteration()  # a second step of one optimizer with no backward between
         if not optimizer.grads_by_device():
             return  # no backward ran (a training_step that returned None): nothing to unscale or step
-        self.loss_scaler.unscale_(optimizer)
+        self.loss_scaler.defer_unscale_(optimizer)
         self._unscaled.add(id(optimizer))
         flags = [optimizer.pending_scaling(device)[1] for device in optimizer.grads_by_device()]
         flags = [flag for flag in flags if flag is not None]

@@ -299,7 +299,7 @@ class AmpTrainerMixin:
         gradients to ``max_norm`` (None: measure only); returns their norm, on the device."""
         optimizer = _unwrapped(self.optimizer)
         if self._amp_scaler is not None:
-            self._amp_scaler.unscale_(optimizer)
+            self._amp_scaler.defer_unscale_(optimizer)
         return amp_fx.clip_grad_norm_(optimizer, max_norm if max_norm else float("inf"))
 
     # ------------------------------------------------------------------------------------------

@@ -28,8 +28,8 @@ stores the offsets; one saved before they existed loads with offset 0 (the group
 Loss scaling reaches the kernel as two device tensors and is never read on the host:
 
 - ``grad_multiplier`` multiplies every grad: ``1 / loss_scale``, times a clip coefficient when
-  `amp_fx.clip_grad_norm_` ran. `amp_fx.LossScaler.unscale_` records it here instead of rewriting
-  the fp16 grads in place (dividing an fp16 grad by 2^16 would flush its small values to zero),
+  `amp_fx.clip_grad_norm_` ran. `amp_fx.LossScaler.defer_unscale_` records it here instead of
+  rewriting the grads (`amp_fx.LossScaler.unscale_` then writes it into FP32 grads),
   through the `ScaledOptimizer` protocol (`amp_fx.optim.scaled_optimizer`), which
   `FusedOptimizer` implements.
 - ``found_inf`` > 0 makes the kernel write nothing (weights, masters, moments stay bit-identical)
@@ -66,7 +66,9 @@ from amp_fx.distributed import local_tensor
 from amp_fx.kernels import implementation_for
 from amp_fx.kernels.arguments import PARAM_DTYPES, is_dense
 from amp_fx.optim.model_loads import MASTER_KEY, track_params
+from amp_fx.optim.scaled_optimizer import next_tick
 from amp_fx.optim.state_dict_loading import STEP_KEY, STEP_OFFSET_KEY, StateDictLoading
+from amp_fx.optim.wrappers import unwrap_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +82,8 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
     """Yield, for each parameter of ``optimizer`` in param-group order, its FP32 master.
 
     A parameter without a master (an fp32 parameter, or any parameter of a group with
-    ``master_weights=False``) is yielded itself.
+    ``master_weights=False``) is yielded itself. ``optimizer`` may be a wrapper that holds the
+    optimizer at ``.optimizer`` (accelerate's ``AcceleratedOptimizer``, Lightning's).
 
     Example:
         >>> import torch
@@ -89,6 +92,7 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
         >>> [m.dtype for m in master_params(FusedAdam([w]))]
         [torch.float32]
     """
+    optimizer = unwrap_optimizer(optimizer)
     if not is_fused_optimizer(optimizer):
         raise TypeError(
             f"master_params needs an amp_fx.optim optimizer (FusedAdam, FusedSGD), got "
@@ -155,6 +159,8 @@ class FusedOptimizer(StateDictLoading, torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+        # When it was created or last stepped: a LossScaler that scaled a loss since may own its grads.
+        self.last_step_tick = next_tick()
         self._reset_pending()
         self._reset_found_inf_buffers()
         super().__init__(params, defaults)
@@ -169,6 +175,7 @@ class FusedOptimizer(StateDictLoading, torch.optim.Optimizer):
             self._reset_pending()
         if "_found_inf_buffers" not in self.__dict__:
             self._reset_found_inf_buffers()
+        self.__dict__.setdefault("last_step_tick", next_tick())
         # A copy (deepcopy, unpickling) holds new params: loads into their model must reach its masters.
         track_params(self, (p for group in self.param_groups for p in group["params"]))
         self._fill_missing_step_offsets()
@@ -371,6 +378,35 @@ class FusedOptimizer(StateDictLoading, torch.optim.Optimizer):
             current = self._pending_multipliers.get(device)
             self._pending_multipliers[device] = local if current is None else current * local
 
+    @torch.no_grad()
+    def apply_grad_multiplier_(self) -> None:
+        """Write ``grad * pending multiplier`` into the grads themselves and forget the multiplier
+        (the overflow flags stay pending: the step still skips on them).
+
+        An fp16/bf16 grad is replaced by an FP32 tensor (``param.grad_dtype`` set to None to allow it):
+        an fp16 grad divided by the loss scale in place would flush its small values to zero. FP32
+        grads are multiplied in place. Then ``param.grad`` holds what the step applies, and whatever
+        user code does to it (torch's clip_grad_norm_, logging) is what the step applies.
+        """
+        fp32_grads: dict[torch.device, list[Tensor]] = defaultdict(list)
+        for group in self.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if grad.dtype != torch.float32:
+                    grad = grad.to(torch.float32)
+                    # The grad's dtype must match param.grad_dtype unless it is None (torch's rule).
+                    param.grad_dtype = None
+                    param.grad = grad
+                local = local_tensor(grad)
+                fp32_grads[local.device].append(local)
+        for device, grads in fp32_grads.items():
+            multiplier = self._pending_multipliers.pop(device, None)
+            if multiplier is not None:
+                torch._foreach_mul_(grads, multiplier.reshape(()))
+        self._pending_multipliers.clear()
+
     def finish_scaling(self, zeroed_found_infs: Sequence[Tensor] = ()) -> None:
         """Forget the pending multiplier and found_inf; note which of this optimizer's flags are among
         ``zeroed_found_infs`` (set to 0 on the device by LossScaler.update)."""
@@ -475,4 +511,5 @@ class FusedOptimizer(StateDictLoading, torch.optim.Optimizer):
             # Params with moments but no grad do not take this step: their own counts stay.
             kernels.advance_step_(batch.idle_step_offsets, found_inf)
         self._reset_pending()
+        self.last_step_tick = next_tick()
         return loss

@@ -9,7 +9,8 @@ whole iteration runs under ``torch.cuda.set_sync_debug_mode("error")``.
 One iteration, step by step (who calls what; D = stays on the device, H = Python on the host):
 
 1. ``scaler.scale(loss).backward()``: the grads hold ``scale * grad`` (D).
-2. ``scaler.unscale_(opt)`` calls ``opt.unscale_grads_(inv_scale)`` with ``inv_scale = 1 / scale``,
+2. ``scaler.defer_unscale_(opt)`` (called by ``amp_fx.clip_grad_norm_``, or by ``scaler.step`` when
+   nothing did) calls ``opt.unscale_grads_(inv_scale)`` with ``inv_scale = 1 / scale``,
    a 0-dim float32 device tensor. The optimizer records it as its pending grad multiplier for
    every device with grads, checks those grads for inf/NaN (D, the grads are only read) and returns
    one overflow flag per device (float32, shape (1,), > 0 on overflow). The flags are the
@@ -19,6 +20,9 @@ One iteration, step by step (who calls what; D = stays on the device, H = Python
    ``opt.grads_by_device()`` (H: which tensors) it reads ``opt.pending_scaling(device)``
    (D: multiplier and flag), computes the norm of ``grad * multiplier`` and calls
    ``opt.fold_grad_multiplier_(clip_coefficient)`` (D: the multiplier becomes ``multiplier * coef``).
+   Or ``scaler.unscale_(opt)`` (torch's recipe): step 2, then ``opt.apply_grad_multiplier_()`` writes
+   ``grad * multiplier`` into the grads (fp16/bf16 grads become FP32 tensors) and forgets the
+   multiplier (D); user code then changes the grads themselves, and the step reads them.
 4. ``scaler.step(opt)`` calls ``opt.step()``: the kernel multiplies each grad by the pending
    multiplier and, where the flag is > 0, writes nothing (D: the skip is decided in the kernel).
    The step forgets the pending multiplier and flag (H: the dict entries).
@@ -50,13 +54,26 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-__all__ = ["ScaledOptimizer"]
+__all__ = ["ScaledOptimizer", "next_tick"]
+
+_TICKS = itertools.count(1)
+
+
+def next_tick() -> int:
+    """A process-wide counter that orders loss scalings and optimizer steps (`amp_fx.loss_scaler.scaler_for`
+    reads it: a scaler that scaled a loss after an optimizer's last step may have scaled its grads).
+
+    >>> next_tick() < next_tick()
+    True
+    """
+    return next(_TICKS)
 
 
 @runtime_checkable
@@ -87,6 +104,12 @@ class ScaledOptimizer(Protocol):
     def fold_grad_multiplier_(self, factor: Tensor) -> None:
         """Multiply the pending grad multiplier of each device with grads by ``factor`` (a device
         tensor; a device without a multiplier gets ``factor`` itself)."""
+        ...
+
+    def apply_grad_multiplier_(self) -> None:
+        """Write ``grad * pending multiplier`` into the grads (low-precision grads become FP32 tensors)
+        and forget the multiplier; the overflow flags stay pending. `amp_fx.LossScaler.unscale_`
+        calls it, so that user code then reads, and may change, the true gradients."""
         ...
 
     def finish_scaling(self, zeroed_found_infs: Sequence[Tensor] = ()) -> None:

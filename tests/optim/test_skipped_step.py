@@ -68,14 +68,15 @@ def test_overflow_in_one_group_skips_every_group(problem, optimizer_snapshot) ->
     assert [g["step"].item() for g in optimizer.param_groups] == [0, 0]
 
 
-def test_unscale_leaves_fp16_grads_untouched(problem, bits_equal_fn) -> None:
+def test_deferred_unscale_leaves_fp16_grads_untouched(problem, bits_equal_fn) -> None:
+    # The fast path (amp_fx.clip_grad_norm_ or step without unscale_): the kernel applies 1 / scale.
     case = problem(torch.float16, seed=37)
     optimizer = FusedAdam(case.params)
     scaler = LossScaler(init_scale=2.0**12)
     scaler.scale(torch.zeros(()))
     case.next_grads(scale=scaler.get_scale())
     grads = [p.grad.clone() for p in case.params]
-    scaler.unscale_(optimizer)
+    scaler.defer_unscale_(optimizer)
     for param, grad in zip(case.params, grads, strict=True):
         assert bits_equal_fn(param.grad, grad)
 

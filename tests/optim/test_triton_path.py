@@ -49,8 +49,9 @@ def _set_grads(params, copies, generator, scale: float) -> None:
         param.grad = (grad.float() * scale).to(param.dtype)
 
 
+@pytest.mark.parametrize("unscale", [False, True], ids=["fast_path", "unscale_"])
 @pytest.mark.parametrize("name", ["adam", "sgd"])
-def test_scaled_clipped_steps_match_torch_with_one_launch_per_step(triton_calls, device, name) -> None:
+def test_scaled_clipped_steps_match_torch_with_one_launch_per_step(triton_calls, device, name, unscale):
     params, copies, generator = _problem(device, seed=71)
     if name == "adam":
         optimizer = FusedAdam(params, lr=1e-2, weight_decay=0.01)
@@ -63,7 +64,8 @@ def test_scaled_clipped_steps_match_torch_with_one_launch_per_step(triton_calls,
     for _ in range(steps):
         scaler.scale(torch.zeros((), device=device))
         _set_grads(params, copies, generator, scale=256.0)
-        scaler.unscale_(optimizer)
+        if unscale:
+            scaler.unscale_(optimizer)
         norm = clip_grad_norm_(optimizer, max_norm=2.0)
         expected_norm = torch.nn.utils.clip_grad_norm_(copies, max_norm=2.0)
         scaler.step(optimizer)
@@ -74,7 +76,7 @@ def test_scaled_clipped_steps_match_torch_with_one_launch_per_step(triton_calls,
     for master, copy in zip(master_params(optimizer), copies, strict=True):
         torch.testing.assert_close(master.cpu(), copy.detach().cpu(), rtol=rtol, atol=atol)
     kernel = "adam_step_" if name == "adam" else "sgd_step_"
-    # One update call per step for all five params of three dtypes, plus unscale_'s check and clip's norm.
+    # One update call per step for all five params of three dtypes, plus the overflow check and clip's norm.
     assert triton_calls == {kernel: steps, "check_finite_and_norm_": 2 * steps}
 
 
