@@ -40,6 +40,7 @@ from amp_fx.core.opt_levels import check_opt_level
 from amp_fx.core.policy import Policy, preset
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.optim.model_loads import follow_model_loads
+from amp_fx.optimizer_checks import record_conversion
 from amp_fx.passes.trace import TraceError, trace
 from amp_fx.pipeline import rewrite_graph
 
@@ -324,7 +325,7 @@ def convert(
         gm = copy.deepcopy(model)
         gm.meta[PARAMETERS_STORED_KEY] = True
     elif front_end == "export":
-        return follow_model_loads(captured_model(model, resolved))
+        return record_conversion(model, follow_model_loads(captured_model(model, resolved)))
     else:
         try:
             gm = trace(model, leaf_modules=leaf_modules, concrete_args=concrete_args)
@@ -337,7 +338,7 @@ def convert(
                     "%s: leaf_modules are torch.fx's and the torch.export front end ignores them",
                     type(model).__name__,
                 )
-            return follow_model_loads(captured_model(model, resolved))
+            return record_conversion(model, follow_model_loads(captured_model(model, resolved)))
     _rewrite_each_mode(gm, resolved, examples)
     _capture_untraceable_children(gm, resolved)
     logger.info(
@@ -348,4 +349,4 @@ def convert(
         resolved.device_type,
         sum(1 for n in gm.graph.nodes if node_info(n).is_cast),
     )
-    return follow_model_loads(gm)
+    return record_conversion(model, follow_model_loads(gm))
