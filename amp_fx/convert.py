@@ -40,7 +40,7 @@ from amp_fx.core.opt_levels import check_opt_level
 from amp_fx.core.policy import Policy, preset
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.optim.model_loads import follow_model_loads
-from amp_fx.optimizer_checks import record_conversion
+from amp_fx.optim.step_checks import record_conversion
 from amp_fx.passes.trace import TraceError, trace
 from amp_fx.pipeline import rewrite_graph
 
