@@ -28,7 +28,7 @@ import torch.fx
 from torch import nn
 
 from amp_fx.captured_model import CapturedModel, capture_states, captured_model
-from amp_fx.core.dtypes import default_device_type, short_repr
+from amp_fx.core.dtypes import default_device_type, low_precision_dtype, short_repr
 from amp_fx.core.node_info import (
     OTHER_MODE_GRAPH_KEY,
     PARAMETERS_STORED_KEY,
@@ -99,7 +99,7 @@ def _check_example_inputs(example_inputs: Any) -> tuple[Any, ...] | None:
 
 def _resolve_policy(
     opt_level: str | None,
-    dtype: torch.dtype,
+    dtype: torch.dtype | str | None,
     device_type: str | None,
     keep_batchnorm_fp32: bool | str | None,
     cast_model_outputs: torch.dtype | None,
@@ -114,7 +114,7 @@ def _resolve_policy(
             )
         return preset(
             opt_level,
-            dtype=dtype,
+            dtype=torch.float16 if dtype is None else dtype,
             device_type=device_type if device_type is not None else default_device_type(model),
             keep_batchnorm_fp32=keep_batchnorm_fp32,
             cast_model_outputs=cast_model_outputs,
@@ -131,8 +131,8 @@ def _resolve_policy(
     conflicts = []
     if opt_level is not None and opt_level != policy.opt_level:
         conflicts.append(f"opt_level {opt_level!r} vs the policy's {policy.opt_level!r}")
-    if dtype != torch.float16 and dtype != policy.dtype:
-        conflicts.append(f"dtype {dtype} vs the policy's {policy.dtype}")
+    if dtype is not None and low_precision_dtype(dtype) != policy.dtype:
+        conflicts.append(f"dtype {low_precision_dtype(dtype)} vs the policy's {policy.dtype}")
     if device_type is not None and policy.device_type is not None and device_type != policy.device_type:
         conflicts.append(f"device_type {device_type!r} vs the policy's {policy.device_type!r}")
     if keep_batchnorm_fp32 is not None and keep_batchnorm_fp32 not in (
@@ -234,7 +234,7 @@ def convert(
     model: nn.Module,
     opt_level: str | None = None,
     *,
-    dtype: torch.dtype = torch.float16,
+    dtype: torch.dtype | str | None = None,
     device_type: str | None = None,
     keep_batchnorm_fp32: bool | str | None = None,
     cast_model_outputs: torch.dtype | None = None,
@@ -251,7 +251,9 @@ def convert(
         opt_level: "O0" (identity), "O1" (torch.autocast's op lists, fp32 weights), "O2" (low
             weights, FP32 islands, BatchNorm fp32), "O3" (pure low precision). May be left out
             when `policy` is given (the policy's opt level decides).
-        dtype: torch.float16 or torch.bfloat16.
+        dtype: torch.float16 (default) or torch.bfloat16, or a name of one ("fp16", "half",
+            "bf16", "bfloat16", ...: `amp_fx.core.dtypes.LOW_PRECISION_DTYPE_NAMES`). With a
+            `policy`, a dtype other than the policy's is refused.
         device_type: "cuda" or "cpu", selects autocast's op lists; default: the device of the
             model's parameters (cpu without any).
         keep_batchnorm_fp32, cast_model_outputs: Apex's overrides (default True at O2 /

@@ -47,6 +47,7 @@ from amp_fx.amp._properties import (
     resolve_properties,
 )
 from amp_fx.amp._state import AmpSession, set_current_session
+from amp_fx.core.dtypes import low_precision_dtype
 
 logger = logging.getLogger("amp_fx.amp")
 
@@ -110,8 +111,10 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
 def _check_dtype(dtype: Any, cast_model_type: Any) -> torch.dtype | None:
     if dtype is None:
         return None
-    if dtype not in LOW_PRECISION_DTYPES:
-        raise AmpConfigError(f"dtype must be torch.float16 or torch.bfloat16 (or None), got {dtype!r}")
+    try:
+        dtype = low_precision_dtype(dtype)
+    except ValueError as error:
+        raise AmpConfigError(str(error)) from None
     if cast_model_type in LOW_PRECISION_DTYPES and cast_model_type != dtype:
         raise AmpConfigError(
             f"dtype={dtype} and cast_model_type={cast_model_type} disagree; pass one of them"
@@ -163,15 +166,16 @@ def initialize(
     min_loss_scale: float | None = None,
     max_loss_scale: float = 2.0**24,
     *,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
 ) -> Any:
     """Convert model(s) and prepare optimizer(s) for mixed-precision training, as Apex's ``amp.initialize``.
 
     Every argument has Apex's meaning and default; property overrides that are not None are
     checked against the opt level as Apex did (an `AmpConfigError`, a ValueError and
     RuntimeError, names the problem and the fix). amp_fx adds one keyword, ``dtype``: the
-    low-precision type, torch.float16 (default) or torch.bfloat16, for every opt level (Apex only
-    had fp16; at O2/O3 ``cast_model_type=torch.bfloat16`` says the same).
+    low-precision type, torch.float16 (default) or torch.bfloat16 or a name of one ("fp16", "bf16",
+    "half", ...: as `amp_fx.convert`), for every opt level (Apex only had fp16; at O2/O3
+    ``cast_model_type=torch.bfloat16`` says the same).
 
     Returns the converted model(s) and the optimizer(s), shaped like the arguments: a model or
     a list, then an optimizer or a list (nothing when ``optimizers`` is None). With

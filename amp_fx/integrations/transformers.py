@@ -118,8 +118,9 @@ class AmpTrainerMixin:
 
     Args:
         opt_level: "O0" to "O3" (default "O2"); may be left out when ``policy`` is given.
-        dtype: torch.float16 or torch.bfloat16; default: from ``fp16=True`` / ``bf16=True``, else
-            torch.float16. A dtype contradicting those flags is refused.
+        dtype: torch.float16 or torch.bfloat16, or a name of one ("fp16", "bf16", "half", ...: as
+            `amp_fx.convert`); default: from ``fp16=True`` / ``bf16=True``, else torch.float16. A
+            dtype contradicting those flags is refused.
         policy: an `amp_fx.Policy` to convert with (it then decides opt level and dtype).
         loss_scaler: the `amp_fx.LossScaler` to scale with (its settings: init_scale, hysteresis,
             ...); default a dynamic one for fp16 at O1/O2, none otherwise.
@@ -129,7 +130,7 @@ class AmpTrainerMixin:
         self,
         *args: Any,
         opt_level: str | None = None,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         policy: amp_fx.Policy | None = None,
         loss_scaler: amp_fx.LossScaler | None = None,
         **kwargs: Any,
