@@ -14,6 +14,9 @@ What happens, in order, nothing changing before every check passed:
    master weights, at FP32 masters (`amp_fx.amp._master_weights`): any torch.optim optimizer works;
    amp_fx's fused optimizers keep their own masters.
 4. One loss scaler per loss (``num_losses``), dynamic or static (`amp_fx.amp._scaler`).
+5. At O1 (``patch_torch_functions``), torch's functions that autocast runs in FP32 run in FP32
+   outside the model too, as Apex patched them, until another ``initialize``
+   (`amp_fx.amp._fp32_functions`).
 
 Unlike Apex, ``initialize`` may be called again for other models and optimizers: each call keeps
 its own scalers, and the optimizers it returned keep using them.
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from amp_fx.amp import _fp32_functions as fp32_functions
 from amp_fx.amp._master_weights import (
     AmpOptimizer,
     OptimizerKind,
@@ -200,6 +204,7 @@ def initialize(
     optimizers_list, optimizers_was_list = _check_optimizers(optimizers)
     if not enabled:
         set_current_session(AmpSession(Properties(enabled=False), num_losses=0, verbosity=verbosity))
+        fp32_functions.restore()
         return models if optimizers is None else (models, optimizers)
 
     num_losses = _check_int("num_losses", num_losses, 1)
@@ -262,4 +267,8 @@ def initialize(
         install_fp32_state_dict(gm, session)
         install_disable_casts(gm)
     set_current_session(session)
+    if properties.patch_torch_functions:
+        fp32_functions.patch(session)  # Apex's O1: losses and softmaxes outside the model in FP32
+    else:
+        fp32_functions.restore()
     return _return(converted, models_was_list, optimizers_list, optimizers_was_list)
