@@ -314,12 +314,13 @@ def _original_forward(module: nn.Module) -> Any:
     return super(CapturedModel, module).forward
 
 
-def captured_model(model: nn.Module, policy: Policy) -> nn.Module:
+def captured_model(model: nn.Module, policy: Policy, *, in_place: bool = False) -> nn.Module:
     """A converted copy of ``model`` whose calls are captured by torch.export (module docstring).
 
-    The model passed in is never modified.
+    The model passed in is not modified, unless ``in_place``: then it is the converted model (its
+    class and the storage of its parameters change; the Parameter objects stay).
     """
-    converted = copy_model(model)
+    converted = model if in_place else copy_model(model)
     unstored = store_parameters(converted, policy) if policy.cast_parameters else []
     _make_captured(converted, policy, unstored)
     _make_descendants_captured(converted, policy, unstored)

@@ -12,7 +12,8 @@
 
 Two front ends capture the model (docs/DESIGN.md): torch.fx symbolic tracing (`amp_fx.passes.trace`)
 when it takes the forward whole, else torch.export call by call (`amp_fx.captured_model`). Either
-hands its graph to one pipeline of passes (`amp_fx.pipeline`). The input model is never modified.
+hands its graph to one pipeline of passes (`amp_fx.pipeline`). The input model is not modified,
+unless ``in_place=True`` asks for it to become the converted model (the torch.export front end).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch.fx
 from torch import nn
 
 from amp_fx.captured_model import CapturedModel, capture_states, captured_model
-from amp_fx.core.dtypes import default_device_type, short_repr
+from amp_fx.core.dtypes import default_device_type, low_precision_dtype, short_repr
 from amp_fx.core.node_info import (
     OTHER_MODE_GRAPH_KEY,
     PARAMETERS_STORED_KEY,
@@ -100,7 +101,7 @@ def _check_example_inputs(example_inputs: Any) -> tuple[Any, ...] | None:
 
 def _resolve_policy(
     opt_level: str | None,
-    dtype: torch.dtype,
+    dtype: torch.dtype | str | None,
     device_type: str | None,
     keep_batchnorm_fp32: bool | str | None,
     cast_model_outputs: torch.dtype | None,
@@ -115,7 +116,7 @@ def _resolve_policy(
             )
         return preset(
             opt_level,
-            dtype=dtype,
+            dtype=torch.float16 if dtype is None else dtype,
             device_type=device_type if device_type is not None else default_device_type(model),
             keep_batchnorm_fp32=keep_batchnorm_fp32,
             cast_model_outputs=cast_model_outputs,
@@ -132,8 +133,8 @@ def _resolve_policy(
     conflicts = []
     if opt_level is not None and opt_level != policy.opt_level:
         conflicts.append(f"opt_level {opt_level!r} vs the policy's {policy.opt_level!r}")
-    if dtype != torch.float16 and dtype != policy.dtype:
-        conflicts.append(f"dtype {dtype} vs the policy's {policy.dtype}")
+    if dtype is not None and low_precision_dtype(dtype) != policy.dtype:
+        conflicts.append(f"dtype {low_precision_dtype(dtype)} vs the policy's {policy.dtype}")
     if device_type is not None and policy.device_type is not None and device_type != policy.device_type:
         conflicts.append(f"device_type {device_type!r} vs the policy's {policy.device_type!r}")
     if keep_batchnorm_fp32 is not None and keep_batchnorm_fp32 not in (
@@ -235,7 +236,7 @@ def convert(
     model: nn.Module,
     opt_level: str | None = None,
     *,
-    dtype: torch.dtype = torch.float16,
+    dtype: torch.dtype | str | None = None,
     device_type: str | None = None,
     keep_batchnorm_fp32: bool | str | None = None,
     cast_model_outputs: torch.dtype | None = None,
@@ -244,15 +245,19 @@ def convert(
     leaf_modules: Sequence[type | str] = (),
     concrete_args: dict[str, Any] | None = None,
     front_end: str = "auto",
+    in_place: bool = False,
 ) -> nn.Module:
     """Convert `model` to mixed precision at an Apex opt level; returns a new GraphModule.
 
     Args:
-        model: the model (an nn.Module, not wrapped in DDP/DataParallel); never modified.
+        model: the model (an nn.Module, not wrapped in DDP/DataParallel); not modified, unless
+            `in_place`.
         opt_level: "O0" (identity), "O1" (torch.autocast's op lists, fp32 weights), "O2" (low
             weights, FP32 islands, BatchNorm fp32), "O3" (pure low precision). May be left out
             when `policy` is given (the policy's opt level decides).
-        dtype: torch.float16 or torch.bfloat16.
+        dtype: torch.float16 (default) or torch.bfloat16, or a name of one ("fp16", "half",
+            "bf16", "bfloat16", ...: `amp_fx.core.dtypes.LOW_PRECISION_DTYPE_NAMES`). With a
+            `policy`, a dtype other than the policy's is refused.
         device_type: "cuda" or "cpu", selects autocast's op lists; default: the device of the
             model's parameters (cpu without any).
         keep_batchnorm_fp32, cast_model_outputs: Apex's overrides (default True at O2 /
@@ -269,6 +274,12 @@ def convert(
             the model, of its class, that captures each new argument structure at its first call;
             see `amp_fx.captured_model`). "fx" or "export" forces one. `leaf_modules`,
             `concrete_args` and `example_inputs` are torch.fx's.
+        in_place: convert `model` itself, with the torch.export front end, and return it: the
+            object the caller holds (a Hugging Face model that later calls ``save_pretrained``, a
+            trainer's model) is the one that trains. Its class becomes the converted subclass of
+            its own, its Parameter objects stay (an optimizer built over them keeps training them)
+            and their storage takes the policy's dtypes; keep ``{id(p): p.data}`` before the call
+            for the FP32 values.
 
     Raises:
         TypeError: `model` is not an nn.Module, is wrapped in DDP/DataParallel or is a TorchScript
@@ -278,7 +289,7 @@ def convert(
         ValueError: `model` has tensors on the meta device; unknown opt level, dtype, device type;
             a policy naming an unknown op;
             arguments that contradict `policy`; `leaf_modules` or `concrete_args` with
-            ``front_end="export"``.
+            ``front_end="export"`` or `in_place`; `in_place` with ``front_end="fx"``.
 
     The result has every parameter and buffer of ``model`` under its name, also those the forward
     never reads (cast by the rule for the rest of their module), so state dicts load both ways strictly.
@@ -297,10 +308,17 @@ def convert(
         raise ValueError(
             f"front_end must be one of {', '.join(map(repr, FRONT_ENDS))}, got {short_repr(front_end)}"
         )
-    if front_end == "export" and (leaf_modules or concrete_args is not None):
+    if not isinstance(in_place, bool):
+        raise TypeError(f"in_place must be True or False, got {short_repr(in_place)}")
+    if in_place and front_end == "fx":
         raise ValueError(
-            "leaf_modules and concrete_args are torch.fx's: front_end='export' captures with torch.export, "
-            "which takes neither; leave them out, or use front_end='fx'"
+            "in_place=True converts the model object itself, which only the torch.export front end "
+            "does (torch.fx makes a new GraphModule): leave front_end out, or drop in_place"
+        )
+    if (front_end == "export" or in_place) and (leaf_modules or concrete_args is not None):
+        raise ValueError(
+            "leaf_modules and concrete_args are torch.fx's: front_end='export' and in_place=True capture "
+            "with torch.export, which takes neither; leave them out, or use front_end='fx'"
         )
     if isinstance(model, CapturedModel):
         raise TypeError(
@@ -308,6 +326,11 @@ def convert(
             "original model (its FP32 weights) instead, at the level and dtype you want"
         )
 
+    if _is_converted(model) and in_place:
+        raise ValueError(
+            "convert got a GraphModule amp_fx.convert already made, with in_place=True; it is converted "
+            "already: use it as it is, or convert the original model in place"
+        )
     if _is_converted(model):
         previous = model.meta[POLICY_KEY]
         if previous != resolved:
@@ -324,8 +347,9 @@ def convert(
         # parameters are stored already (fused calls read weights whose dtype no op decides).
         gm = copy.deepcopy(model)
         gm.meta[PARAMETERS_STORED_KEY] = True
-    elif front_end == "export":
-        return record_conversion(model, follow_model_loads(captured_model(model, resolved)))
+    elif front_end == "export" or in_place:
+        converted = captured_model(model, resolved, in_place=in_place)
+        return record_conversion(model, follow_model_loads(converted))
     else:
         try:
             gm = trace(model, leaf_modules=leaf_modules, concrete_args=concrete_args)

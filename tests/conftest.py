@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -81,6 +82,16 @@ def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setenv(FORCE_TRITON_ENV, "1" if request.param == "triton" else "0")
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def torch_functions_unpatched() -> Iterator[None]:
+    """amp.initialize at O1 patches torch's FP32 functions while its session is current, as Apex
+    did; a test's session ends with the test, so the next test starts with torch's own functions."""
+    yield
+    patches = sys.modules.get("amp_fx.amp._fp32_functions")
+    if patches is not None:
+        patches.restore()
 
 
 @pytest.fixture

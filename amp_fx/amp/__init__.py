@@ -17,10 +17,12 @@
 - `master_params`, `state_dict` / `load_state_dict` (Apex's format), `register_half_function`,
   `register_float_function`, `register_promote_function`, `disable_casts`.
 
-Differences from Apex, each deliberate: the casts live in the model's graph (nothing in torch is
-patched); model checkpoints are FP32 at every opt level and optimizer checkpoints include the FP32
-masters, so a resumed run continues bit for bit; a step that overflowed under a static loss scale is
-skipped too; ``disable_casts`` runs the converted models in FP32 (see `amp_fx.amp._model`).
+Differences from Apex, each deliberate: the casts live in the model's graph (at O1, as in Apex,
+torch's FP32 functions also run in FP32 outside the model while the session is current:
+`amp_fx.amp._fp32_functions`); model checkpoints are FP32 at every opt level and optimizer
+checkpoints include the FP32 masters, so a resumed run continues bit for bit; a step that
+overflowed under a static loss scale is skipped too; ``disable_casts`` runs the converted
+models in FP32 (see `amp_fx.amp._model`).
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ What happens, in order, nothing changing before every check passed:
    master weights, at FP32 masters (`amp_fx.amp._master_weights`): any torch.optim optimizer works;
    amp_fx's fused optimizers keep their own masters.
 4. One loss scaler per loss (``num_losses``), dynamic or static (`amp_fx.amp._scaler`).
+5. At O1 (``patch_torch_functions``), torch's functions that autocast runs in FP32 run in FP32
+   outside the model too, as Apex patched them, until another ``initialize``
+   (`amp_fx.amp._fp32_functions`).
 
 Unlike Apex, ``initialize`` may be called again for other models and optimizers: each call keeps
 its own scalers, and the optimizers it returned keep using them.
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from amp_fx.amp import _fp32_functions as fp32_functions
 from amp_fx.amp._master_weights import (
     AmpOptimizer,
     OptimizerKind,
@@ -47,6 +51,7 @@ from amp_fx.amp._properties import (
     resolve_properties,
 )
 from amp_fx.amp._state import AmpSession, set_current_session
+from amp_fx.core.dtypes import low_precision_dtype
 
 logger = logging.getLogger("amp_fx.amp")
 
@@ -110,8 +115,10 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
 def _check_dtype(dtype: Any, cast_model_type: Any) -> torch.dtype | None:
     if dtype is None:
         return None
-    if dtype not in LOW_PRECISION_DTYPES:
-        raise AmpConfigError(f"dtype must be torch.float16 or torch.bfloat16 (or None), got {dtype!r}")
+    try:
+        dtype = low_precision_dtype(dtype)
+    except ValueError as error:
+        raise AmpConfigError(str(error)) from None
     if cast_model_type in LOW_PRECISION_DTYPES and cast_model_type != dtype:
         raise AmpConfigError(
             f"dtype={dtype} and cast_model_type={cast_model_type} disagree; pass one of them"
@@ -163,15 +170,16 @@ def initialize(
     min_loss_scale: float | None = None,
     max_loss_scale: float = 2.0**24,
     *,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
 ) -> Any:
     """Convert model(s) and prepare optimizer(s) for mixed-precision training, as Apex's ``amp.initialize``.
 
     Every argument has Apex's meaning and default; property overrides that are not None are
     checked against the opt level as Apex did (an `AmpConfigError`, a ValueError and
     RuntimeError, names the problem and the fix). amp_fx adds one keyword, ``dtype``: the
-    low-precision type, torch.float16 (default) or torch.bfloat16, for every opt level (Apex only
-    had fp16; at O2/O3 ``cast_model_type=torch.bfloat16`` says the same).
+    low-precision type, torch.float16 (default) or torch.bfloat16 or a name of one ("fp16", "bf16",
+    "half", ...: as `amp_fx.convert`), for every opt level (Apex only had fp16; at O2/O3
+    ``cast_model_type=torch.bfloat16`` says the same).
 
     Returns the converted model(s) and the optimizer(s), shaped like the arguments: a model or
     a list, then an optimizer or a list (nothing when ``optimizers`` is None). With
@@ -196,6 +204,7 @@ def initialize(
     optimizers_list, optimizers_was_list = _check_optimizers(optimizers)
     if not enabled:
         set_current_session(AmpSession(Properties(enabled=False), num_losses=0, verbosity=verbosity))
+        fp32_functions.restore()
         return models if optimizers is None else (models, optimizers)
 
     num_losses = _check_int("num_losses", num_losses, 1)
@@ -258,4 +267,8 @@ def initialize(
         install_fp32_state_dict(gm, session)
         install_disable_casts(gm)
     set_current_session(session)
+    if properties.patch_torch_functions:
+        fp32_functions.patch(session)  # Apex's O1: losses and softmaxes outside the model in FP32
+    else:
+        fp32_functions.restore()
     return _return(converted, models_was_list, optimizers_list, optimizers_was_list)

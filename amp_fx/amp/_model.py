@@ -49,10 +49,9 @@ _casts_disabled = 0
 def disable_casts() -> Iterator[None]:
     """Run models returned by `amp.initialize` in FP32, without amp's casts, inside the block.
 
-    Apex's ``disable_casts`` switched off O1's patched torch functions. amp_fx never patches
-    torch: code outside a converted model is never cast, so it needs no switch. Inside the
-    block, each converted model computes as the original FP32 model would (see this module's
-    docstring); outside it, nothing changes::
+    Apex's ``disable_casts`` switched off O1's patched torch functions; here too, inside the block
+    O1's FP32 functions run as torch's own (`amp_fx.amp._fp32_functions`), and each converted
+    model computes as the original FP32 model would (see this module's docstring)::
 
         with amp.disable_casts():
             reference = model(inputs)   # FP32 compute, same weights

@@ -6,6 +6,8 @@ table, `amp_fx.core.opt_levels`.
     ('bfloat16', 'bf16')
     >>> len(short_repr("O" * 1_000_000)) < 100
     True
+    >>> low_precision_dtype("bf16"), low_precision_dtype("half")
+    (torch.bfloat16, torch.float16)
 """
 
 from __future__ import annotations
@@ -17,14 +19,26 @@ from torch import nn
 
 __all__ = [
     "LOW_PRECISION_DTYPES",
+    "LOW_PRECISION_DTYPE_NAMES",
     "default_device_type",
     "dtype_name",
+    "low_precision_dtype",
     "short_dtype_name",
     "short_repr",
 ]
 
 # The dtypes mixed precision lowers to.
 LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
+
+# Every spelling of a low-precision dtype that convert, preset, AmpTrainer, AmpPrecision and
+# amp.initialize accept (each also with a "torch." prefix, and as the torch.dtype itself).
+LOW_PRECISION_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 
 # An error echoes at most this many characters of a user's value: enough to recognise it, and a
 # megabyte string does not become a megabyte message.
@@ -76,6 +90,30 @@ def short_dtype_name(dtype: torch.dtype | None) -> str:
     if dtype is None:
         return "-"
     return _SHORT_DTYPE_NAMES.get(dtype, dtype_name(dtype))
+
+
+def low_precision_dtype(dtype: Any, what: str = "dtype") -> torch.dtype:
+    """torch.float16 or torch.bfloat16 from the dtype or any name in `LOW_PRECISION_DTYPE_NAMES`
+    (case-insensitive, with or without "torch."): the one parser of every entry point's ``dtype``.
+
+    >>> low_precision_dtype(torch.float16), low_precision_dtype("torch.bfloat16"), low_precision_dtype("FP16")
+    (torch.float16, torch.bfloat16, torch.float16)
+    >>> low_precision_dtype("float32")
+    Traceback (most recent call last):
+    ...
+    ValueError: dtype must be torch.float16 or torch.bfloat16 ...
+    """
+    if isinstance(dtype, str):
+        found = LOW_PRECISION_DTYPE_NAMES.get(dtype.strip().lower().removeprefix("torch."))
+        if found is not None:
+            return found
+    elif isinstance(dtype, torch.dtype) and dtype in LOW_PRECISION_DTYPES:
+        return dtype
+    names = ", ".join(repr(name) for name in LOW_PRECISION_DTYPE_NAMES)
+    raise ValueError(
+        f"{what} must be torch.float16 or torch.bfloat16 (or its name: {names}), got {short_repr(dtype)}; "
+        "for float32 training use opt_level 'O0'"
+    )
 
 
 def default_device_type(model: nn.Module) -> str:

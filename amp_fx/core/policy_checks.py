@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from amp_fx.core.dtypes import LOW_PRECISION_DTYPES, dtype_name, short_repr
+from amp_fx.core.dtypes import low_precision_dtype, short_repr
 from amp_fx.core.op_lists import DEVICE_TYPES, canonical_op_name, is_known_op, known_ops
 from amp_fx.core.rules import Rule
 
@@ -31,20 +31,10 @@ __all__ = [
 ]
 
 
-# "float16" -> torch.float16, "bfloat16" -> torch.bfloat16 (also spelt with "torch.").
-_LOW_PRECISION_BY_NAME = {dtype_name(dtype): dtype for dtype in LOW_PRECISION_DTYPES}
-
-
 def check_low_dtype(dtype: Any) -> torch.dtype:
-    """fp16 or bf16, also spelt as a string ("bfloat16", "torch.float16")."""
-    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _LOW_PRECISION_BY_NAME:
-        return _LOW_PRECISION_BY_NAME[dtype.removeprefix("torch.")]
-    if dtype not in LOW_PRECISION_DTYPES:
-        raise ValueError(
-            f"dtype must be torch.float16 or torch.bfloat16, got {short_repr(dtype)}; for float32 training "
-            "use opt_level 'O0'"
-        )
-    return dtype
+    """fp16 or bf16, also spelt as a string ("bfloat16", "bf16", "torch.float16", "half"):
+    `amp_fx.core.dtypes.low_precision_dtype`."""
+    return low_precision_dtype(dtype)
 
 
 def check_output_dtype(dtype: Any) -> torch.dtype | None:

@@ -21,9 +21,8 @@ from typing import Any
 import torch
 
 import amp_fx
+from amp_fx.core.dtypes import low_precision_dtype
 from amp_fx.core.opt_levels import lookup_opt_level
-
-LOW_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +54,7 @@ def _flag_dtype(args: Any) -> tuple[str | None, torch.dtype | None]:
     return None, None
 
 
-def resolve(args: Any, opt_level: str | None, dtype: torch.dtype | None, policy: Any) -> AmpSetup:
+def resolve(args: Any, opt_level: str | None, dtype: torch.dtype | str | None, policy: Any) -> AmpSetup:
     """Check AmpTrainer's ``opt_level``, ``dtype`` and ``policy`` against ``args`` (TrainingArguments
     or None) and return the setup; raise TypeError/ValueError naming the fix."""
     if policy is not None and not isinstance(policy, amp_fx.Policy):
@@ -63,8 +62,8 @@ def resolve(args: Any, opt_level: str | None, dtype: torch.dtype | None, policy:
             f"policy must be an amp_fx.Policy (e.g. amp_fx.preset('O2', torch.bfloat16).set_op(...)), got "
             f"{type(policy).__name__}"
         )
-    if dtype is not None and dtype not in LOW_DTYPES:
-        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype!r}")
+    if dtype is not None:
+        dtype = low_precision_dtype(dtype)
     flag, flag_dtype = _flag_dtype(args)
     if policy is not None:
         if opt_level is not None and opt_level != policy.opt_level:

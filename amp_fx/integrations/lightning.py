@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 import amp_fx
+from amp_fx.core.dtypes import low_precision_dtype
 from amp_fx.core.opt_levels import lookup_opt_level
 from amp_fx.integrations._fused_optimizers import fused_equivalent, retarget_schedulers, set_masters
 from amp_fx.integrations._lightning_convert import ConvertedChildren
@@ -81,7 +82,8 @@ class AmpPrecision(Precision):
 
     Args:
         opt_level: "O0" to "O3", as `amp_fx.convert` (may be left out when ``policy`` is given).
-        dtype: torch.float16 (default) or torch.bfloat16.
+        dtype: torch.float16 (default) or torch.bfloat16, or a name of one ("fp16", "bf16",
+            "half", ...: as `amp_fx.convert`).
         policy: an `amp_fx.Policy` (it then decides opt level and dtype; arguments that
             contradict it are refused).
         device_type: "cuda" or "cpu" for the policy's op lists; default: the Trainer's device,
@@ -104,7 +106,7 @@ class AmpPrecision(Precision):
         self,
         opt_level: str | None = None,
         *,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         policy: amp_fx.Policy | None = None,
         device_type: str | None = None,
         loss_scaler: amp_fx.LossScaler | None = None,
@@ -158,6 +160,8 @@ class AmpPrecision(Precision):
     def _check_arguments(
         opt_level: Any, dtype: Any, policy: Any, device_type: Any, loss_scaler: Any
     ) -> tuple[str, torch.dtype]:
+        if dtype is not None:
+            dtype = low_precision_dtype(dtype)
         if policy is not None:
             if not isinstance(policy, amp_fx.Policy):
                 raise TypeError(
@@ -181,7 +185,7 @@ class AmpPrecision(Precision):
                 "AmpPrecision needs an opt_level ('O0' to 'O3') or a policy: AmpPrecision('O2', dtype=...)"
             )
         dtype = torch.float16 if dtype is None else dtype
-        amp_fx.preset(opt_level, dtype=dtype)  # checks both, with the library's messages
+        amp_fx.preset(opt_level, dtype=dtype)  # checks the level, with the library's messages
         if device_type not in (None, "cpu", "cuda"):
             raise ValueError(
                 f"device_type must be 'cuda', 'cpu' or None (the Trainer's), got {device_type!r}"

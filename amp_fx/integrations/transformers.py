@@ -8,12 +8,14 @@
 ``dtype`` and ``policy``; ``fp16=True`` / ``bf16=True`` pick the dtype (a ``dtype=`` that
 contradicts them is refused). What it changes in the Trainer, each through the hook named:
 
-- the model: converted with `amp_fx.convert` when the Trainer's initialization ends (callback
-  ``on_init_end``), so a subclass's own preparation is converted (``SFTTrainer``'s PEFT model)
-  and its code after ``super().__init__`` sees the converted model (TRL's fused LM head). The
-  converted copy is moved to the device (``_move_model_to_device``); the model passed in is left
-  as it was, where it was: ``trainer.model`` is the model that trains (a PEFT model: a copy of
-  the wrapper around the converted model, `amp_fx.integrations._hf_model`).
+- the model: converted in place with `amp_fx.convert` when the Trainer's initialization ends
+  (callback ``on_init_end``), so a subclass's own preparation is converted (``SFTTrainer``'s PEFT
+  model) and its code after ``super().__init__`` sees the converted model (TRL's fused LM head).
+  As with the plain Trainer, ``trainer.model`` is the model passed in, and it trains: after
+  ``train()``, ``model.save_pretrained(out)`` writes the trained FP32 masters (a PEFT model: the
+  model it wraps is converted, `amp_fx.integrations._hf_model`). It is converted where it is and
+  then moved to the device (``_move_model_to_device``), so the FP32 values kept for the masters
+  stay off the device until the optimizer is built.
 - precision: accelerate's own mixed precision is off (``create_accelerator_and_postprocess``):
   no autocast, no GradScaler. For fp16 at O1/O2 an `amp_fx.LossScaler` takes the GradScaler's
   place (`amp_fx.integrations._hf_scaler`): the loss is scaled in ``accelerator.backward``, the
@@ -66,13 +68,7 @@ from amp_fx.integrations._fused_optimizers import (
     set_masters,
 )
 from amp_fx.integrations._hf_arguments import resolve
-from amp_fx.integrations._hf_model import (
-    ConvertedParams,
-    check_model,
-    convert_for_trainer,
-    restore_dtypes,
-    storage_dtypes,
-)
+from amp_fx.integrations._hf_model import check_model, convert_for_trainer, restore_dtypes, storage_dtypes
 from amp_fx.integrations._hf_optim import check_optim_name, check_optimizer, check_optimizer_class
 from amp_fx.integrations._hf_scaler import AcceleratorScaler
 from amp_fx.optim.scaled_optimizer import ScaledOptimizer
@@ -118,8 +114,9 @@ class AmpTrainerMixin:
 
     Args:
         opt_level: "O0" to "O3" (default "O2"); may be left out when ``policy`` is given.
-        dtype: torch.float16 or torch.bfloat16; default: from ``fp16=True`` / ``bf16=True``, else
-            torch.float16. A dtype contradicting those flags is refused.
+        dtype: torch.float16 or torch.bfloat16, or a name of one ("fp16", "bf16", "half", ...: as
+            `amp_fx.convert`); default: from ``fp16=True`` / ``bf16=True``, else torch.float16. A
+            dtype contradicting those flags is refused.
         policy: an `amp_fx.Policy` to convert with (it then decides opt level and dtype).
         loss_scaler: the `amp_fx.LossScaler` to scale with (its settings: init_scale, hysteresis,
             ...); default a dynamic one for fp16 at O1/O2, none otherwise.
@@ -129,7 +126,7 @@ class AmpTrainerMixin:
         self,
         *args: Any,
         opt_level: str | None = None,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         policy: amp_fx.Policy | None = None,
         loss_scaler: amp_fx.LossScaler | None = None,
         **kwargs: Any,
@@ -164,7 +161,8 @@ class AmpTrainerMixin:
             AcceleratorScaler(loss_scaler) if loss_scaler is not None and loss_scaler.is_enabled() else None
         )
         self._amp_model: nn.Module | None = None
-        self._amp_params: ConvertedParams | None = None
+        # id(parameter) -> its FP32 value before conversion, until the optimizer's masters take it.
+        self._amp_originals: dict[int, Tensor] | None = None
         self._amp_storage: dict[str, torch.dtype] = {}
         arguments["callbacks"] = [_ConvertAtInitEnd(self), *(arguments.get("callbacks") or [])]
         super().__init__(*bound.args, **bound.kwargs)
@@ -188,9 +186,9 @@ class AmpTrainerMixin:
             check_optim_name(args.optim if args is not None else "adamw_torch_fused")
 
     def _amp_convert(self, model: nn.Module) -> nn.Module:
-        converted, params = convert_for_trainer(model, self._amp_setup, self.args.device.type)
-        self._amp_model, self._amp_params = converted, params
-        self._amp_storage = storage_dtypes(converted)
+        self._amp_originals = convert_for_trainer(model, self._amp_setup, self.args.device.type)
+        self._amp_model = model
+        self._amp_storage = storage_dtypes(model)
         logger.info(
             "%s converted at %s (%s) for %s",
             type(model).__name__,
@@ -198,7 +196,7 @@ class AmpTrainerMixin:
             self._amp_setup.dtype,
             self.args.device,
         )
-        return converted
+        return model
 
     def _amp_convert_trainer_model(self) -> None:
         model = getattr(self, "model", None)
@@ -211,8 +209,8 @@ class AmpTrainerMixin:
         self.callback_handler.model = converted
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
-        # The Trainer's __init__ moves the model it was given; AmpTrainer moves the converted copy
-        # instead, once made (above), and leaves the model passed in where it is.
+        # The Trainer's __init__ moves the model it was given; AmpTrainer moves it once converted
+        # (above): its FP32 values kept for the masters stay where they were.
         if self._amp_model is not None:
             super()._move_model_to_device(model, device)
 
@@ -259,16 +257,14 @@ class AmpTrainerMixin:
         replaced by its fused equivalent, masters set from the FP32 weights before conversion."""
         super().create_optimizer(model)
         current = _unwrapped(self.optimizer)
-        params = self._amp_params
-        param_map = params.map_param if params is not None else (lambda p: p)
-        fused = fused_equivalent(current, self._amp_setup.master_weights, param_map)
+        fused = fused_equivalent(current, self._amp_setup.master_weights)
         if fused is not current:
             if self.lr_scheduler is not None:
                 retarget_schedulers([self.lr_scheduler], {id(current): fused})
             self.optimizer = fused
-        if params is not None:
-            set_masters(fused, params.originals)
-            self._amp_params = None  # the original model's tensors are not needed any more
+        if self._amp_originals is not None:
+            set_masters(fused, self._amp_originals)
+            self._amp_originals = None  # the FP32 values before conversion are not needed any more
         return self.optimizer
 
     def create_scheduler(

@@ -8,6 +8,7 @@ from torch import nn
 
 import amp_fx.amp._state as amp_state
 from amp_fx import amp
+from amp_fx.amp import _fp32_functions
 
 
 class TinyNet(nn.Module):
@@ -33,12 +34,15 @@ def batch(step: int, size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.fixture(autouse=True)
 def clean_amp_state():
-    """Each test starts with no amp session and no registered functions, and leaves none."""
+    """Each test starts with no amp session, no registered functions and torch's own functions
+    (O1 patches them), and leaves none."""
     amp_state._current = None
     amp.clear_registered_functions()
+    _fp32_functions.restore()
     yield
     amp_state._current = None
     amp.clear_registered_functions()
+    _fp32_functions.restore()
 
 
 @pytest.fixture

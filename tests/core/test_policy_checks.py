@@ -26,7 +26,7 @@ def test_unknown_opt_level(level: str) -> None:
         preset(2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int8, "half"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int8, "float", "f16"])
 def test_dtype_must_be_fp16_or_bf16(dtype: object) -> None:
     with pytest.raises(ValueError, match="torch.float16 or torch.bfloat16"):
         preset("O2", dtype=dtype)

@@ -199,10 +199,13 @@ def test_trains_a_converted_model_with_fp32_masters(fp16_run: dict[str, Any]) ->
     assert trainer.accelerator.mixed_precision == "no"  # no autocast, no GradScaler of accelerate's
 
 
-def test_the_model_passed_in_is_left_as_it_was(fp16_run: dict[str, Any]) -> None:
-    original = fp16_run["original"]
-    assert type(original) is transformers.LlamaForCausalLM
-    assert_equal_states(original.state_dict(), fp16_run["before"], "the original's state dict")
+def test_the_model_passed_in_is_the_model_that_trained(fp16_run: dict[str, Any]) -> None:
+    """As with transformers' Trainer: ``trainer.model is model``, converted in place, and trained."""
+    original, trainer = fp16_run["original"], fp16_run["trainer"]
+    assert trainer.model is original and isinstance(original, transformers.LlamaForCausalLM)
+    masters = amp_fx.master_state_dict(original)
+    moved = [k for k in fp16_run["before"] if not torch.equal(masters[k], fp16_run["before"][k])]
+    assert len(moved) == len(fp16_run["before"])  # every weight trained, none left initial
 
 
 def test_logs_loss_scale_and_skipped_steps(fp16_run: dict[str, Any]) -> None:
@@ -276,12 +279,12 @@ def test_evaluation_and_prediction_run_the_converted_model(fp16_run: dict[str, A
 
 def test_masters_are_the_weights_before_conversion(tmp_path: Path) -> None:
     original = tiny_llama()
+    originals = {n: p.detach().clone() for n, p in original.named_parameters()}
     trainer = AmpTrainer(
         model=original, args=training_args(tmp_path, bf16=True, weight_decay=0.1), train_dataset=sequences()
     )
     optimizer = trainer.create_optimizer()
     names = {id(p): n for n, p in trainer.model.named_parameters()}
-    originals = dict(original.named_parameters())
     rounded = 0
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for param, master in zip(params, master_params(optimizer), strict=True):
@@ -297,6 +300,7 @@ def test_masters_are_the_weights_before_conversion(tmp_path: Path) -> None:
 
 def test_a_torch_optimizer_passed_in_gets_masters_and_keeps_its_scheduler(tmp_path: Path) -> None:
     original = tiny_llama()
+    originals = {n: p.detach().clone() for n, p in original.named_parameters()}
     groups = [
         {"params": [p for n, p in original.named_parameters() if "norm" not in n], "weight_decay": 0.05},
         {"params": [p for n, p in original.named_parameters() if "norm" in n], "lr": 3e-3},
@@ -318,7 +322,7 @@ def test_a_torch_optimizer_passed_in_gets_masters_and_keeps_its_scheduler(tmp_pa
     assert fused.param_groups[0]["weight_decay"] == 0.05 and fused.param_groups[0]["nesterov"] is True
     converted = dict(trainer.model.named_parameters())
     assert {id(p) for g in fused.param_groups for p in g["params"]} == {id(p) for p in converted.values()}
-    originals, names = dict(original.named_parameters()), {id(p): n for n, p in converted.items()}
+    names = {id(p): n for n, p in converted.items()}
     params = [p for group in fused.param_groups for p in group["params"]]
     for param, master in zip(params, master_params(fused), strict=True):
         assert torch.equal(master, originals[names[id(param)]])  # FP32: the weights before conversion
