@@ -417,7 +417,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
-            return run_inspect(args)
+            status = run_inspect(args)
+            sys.stdout.flush()  # a closed pipe is found here, not in the interpreter's exit
+            return status
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, as the Python docs recommend (the note on
+        # SIGPIPE in the signal module): point stdout at devnull so that the flush at exit cannot
+        # fail again, and exit with 1.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     except ModelSpecError as error:
         print(f"amp-fx: error: {error}".splitlines()[0], file=sys.stderr)
         return 1

@@ -233,3 +233,23 @@ def test_inspect_a_traced_model_counts_its_call_when_given_an_input(model_file, 
     assert "torch.fx front end: 1 graph(s) traced at convert time; 100% of the parameters" in out
     assert main(["inspect", f"{model_file}:Attention", "--device-type", "cpu"]) == 0
     assert capsys.readouterr().out.startswith("ops and FLOPs in rewritten graphs: not counted")
+
+
+@pytest.mark.parametrize("extra", [[], ["--diff"]])
+def test_a_reader_that_closes_early_ends_it_quietly(model_file, extra):
+    """``python -m amp_fx inspect ... | head``: the reader is gone before the report is written
+    (closed at once, so every write meets a closed pipe); the command stops without a message or
+    a traceback and exits with 1, as the Python docs recommend for a broken pipe."""
+    command = [
+        sys.executable,
+        "-m",
+        "amp_fx",
+        "inspect",
+        f"{model_file}:Attention",
+        "--input-shape",
+        "1,4,16",
+    ]
+    process = subprocess.Popen([*command, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()
+    _, stderr = process.communicate(timeout=RUN["timeout"])
+    assert stderr.decode() == "" and process.returncode == 1

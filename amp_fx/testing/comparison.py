@@ -8,28 +8,38 @@ way each time (`forward_backward`), and the norm-wise comparison of two tensors 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+
+from amp_fx.core import containers
 
 __all__ = [
     "ForwardBackward",
     "Mismatch",
     "as_module",
     "assert_close_normwise",
+    "compared_runs",
     "compare_tensors",
     "forward_backward",
+    "leaf_names",
     "normwise_error",
     "root_mean_square",
+    "structure_difference",
 ]
 
 # The seed of the first batch's loss weights and dropout: both models see the same randomness.
 DEFAULT_SEED = 0
+
+# The entry of a mapping output (a Hugging Face ``ModelOutput``) that holds the model's loss: an
+# output the converted model leaves out (logits=None where O2 fuses the head into its loss) is
+# compared through it and the gradients.
+LOSS_ENTRY = "loss"
 
 
 @dataclass(frozen=True)
@@ -147,14 +157,20 @@ def root_mean_square(tensors: list[torch.Tensor]) -> float:
     return flat.square().mean().sqrt().item() if flat.numel() else 0.0
 
 
-def _copy_inputs(inputs: Sequence[Any]) -> tuple[Any, ...]:
+def _copy_inputs(inputs: Sequence[Any]) -> tuple[tuple[Any, ...], list[Any]]:
+    """Fresh copies of ``inputs`` and their leaves: tensors cloned (floating ones requiring grad),
+    containers rebuilt, caches too, so that a model that appends to a ``DynamicCache`` it is given
+    leaves the caller's (and the next model's) untouched."""
+    leaves, spec = containers.flatten(list(inputs))
+
     def copy(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             y = x.detach().clone()
             return y.requires_grad_(True) if y.is_floating_point() else y
         return x
 
-    return tuple(pytree.tree_map(copy, list(inputs)))
+    copies = [copy(leaf) for leaf in leaves]
+    return tuple(containers.unflatten(copies, spec)[0]), copies
 
 
 @functools.cache
@@ -189,12 +205,24 @@ def _loss_weights(outputs: list[Any], seed: int) -> list[torch.Tensor | None]:
 
 @dataclass
 class ForwardBackward:
-    """What `forward_backward` observed: flattened outputs, their structure, and the gradients."""
+    """What `forward_backward` observed: the output's leaves (`amp_fx.core.containers.flatten`:
+    tensors, and the ints a cache holds), the `containers.Spec` of everything else, and the
+    gradients. ``entries``: the names of a mapping output's entries that are not None (None for
+    other outputs); ``omitted``: the entries left out because the model compared with returns
+    none (see `forward_backward`'s ``entries``)."""
 
     outputs: list[Any]
     spec: Any
     input_grads: list[torch.Tensor | None]
     param_grads: dict[str, torch.Tensor]
+    entries: tuple[str, ...] | None = None
+    omitted: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> list[str]:
+        """A name per output leaf, where it sits: ``output[1]`` (a tuple's; ``output[0]`` a bare
+        tensor), ``output.past_key_values.layers[0].keys`` (a ``ModelOutput``'s cache)."""
+        return [f"output{path or '[0]'}" for path in leaf_names(self.spec)]
 
 
 def forward_backward(
@@ -204,13 +232,22 @@ def forward_backward(
     *,
     keyword_inputs: Mapping[str, Any] | None = None,
     seed: int = DEFAULT_SEED,
+    entries: Collection[str] | None = None,
 ) -> ForwardBackward:
     """Run ``model`` forward (and backward) the way `assert_equivalent` does, leaving it as it was.
 
     The inputs (positional ``inputs``, then ``keyword_inputs``) are copied (floating ones with
-    ``requires_grad``); the loss is Σ⟨output, W⟩ in FP32 with random W drawn from ``seed``, which
+    ``requires_grad``; containers such as a ``DynamicCache`` rebuilt, so a model that fills one
+    leaves the caller's as it was); the loss is Σ⟨output, W⟩ in FP32 over every floating tensor
+    of the output (inside caches and other objects too), with random W drawn from ``seed``, which
     also seeds dropout; the model's ``.grad`` fields and buffers are restored afterwards.
     ``input_grads`` lists the gradients of the positional inputs' leaves, then the keyword ones'.
+
+    A mapping output's entries that are None are left out, as a ``ModelOutput`` leaves them out.
+    ``entries`` (the `ForwardBackward.entries` of the model compared with) leaves out the entries
+    not named, where this model's loss (the ``"loss"`` entry) is computed from them: a head fused
+    with its loss returns logits=None in training, so both models are compared by the loss, what
+    else both return, and the gradients. Any other entry left out raises AssertionError.
 
         >>> run = forward_backward(torch.nn.Linear(3, 2), (torch.randn(4, 3),))
         >>> sorted(run.param_grads), run.input_grads[0].shape
@@ -221,14 +258,16 @@ def forward_backward(
     saved_buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     for p in params.values():
         p.grad = None
-    args = _copy_inputs(inputs)
-    kwargs = dict(zip(keyword_inputs or {}, _copy_inputs(list((keyword_inputs or {}).values())), strict=True))
+    args, arg_leaves = _copy_inputs(inputs)
+    kwarg_values, kwarg_leaves = _copy_inputs(list((keyword_inputs or {}).values()))
+    kwargs = dict(zip(keyword_inputs or {}, kwarg_values, strict=True))
     try:
         with torch.random.fork_rng(devices=[]):
             _manual_seed(seed)
             with torch.set_grad_enabled(check_grads):
                 out = model(*args, **kwargs)
-        outputs, spec = pytree.tree_flatten(out)
+        out, omitted = _leave_out(out, entries)
+        outputs, spec = containers.flatten(out)
         input_grads: list[torch.Tensor | None] = []
         param_grads: dict[str, torch.Tensor] = {}
         if check_grads:
@@ -239,7 +278,7 @@ def forward_backward(
             ]
             if terms:
                 torch.stack(terms).sum().backward()
-            leaves = pytree.tree_leaves([*args, *kwargs.values()])
+            leaves = [*arg_leaves, *kwarg_leaves]
             input_grads = [a.grad if isinstance(a, torch.Tensor) else None for a in leaves]
             param_grads = {name: p.grad for name, p in params.items() if p.grad is not None}
         return ForwardBackward(
@@ -247,6 +286,8 @@ def forward_backward(
             spec,
             input_grads,
             param_grads,
+            _entries(out),
+            omitted,
         )
     finally:
         # Leave the models as they were: gradients the caller had, running statistics.
@@ -259,6 +300,176 @@ def forward_backward(
             for name, b in model.named_buffers():
                 if not torch.equal(b, saved_buffers[name]):
                     b.copy_(saved_buffers[name])
+
+
+def compared_runs(
+    converted: torch.nn.Module,
+    others: Sequence[tuple[str, torch.nn.Module]],
+    inputs: Sequence[Any],
+    check_grads: bool = True,
+    *,
+    keyword_inputs: Mapping[str, Any] | None = None,
+    seed: int = DEFAULT_SEED,
+) -> tuple[ForwardBackward, list[ForwardBackward]]:
+    """`forward_backward` of ``converted``, then of each (description, model) of ``others`` with
+    the entries ``converted`` returns; AssertionError naming the first place where an output's
+    structure differs from the converted one's.
+
+        >>> linear = torch.nn.Linear(3, 2)
+        >>> actual, (expected,) = compared_runs(linear, [("original", linear)], (torch.randn(4, 3),))
+        >>> torch.equal(actual.outputs[0], expected.outputs[0])
+        True
+    """
+    actual = forward_backward(converted, inputs, check_grads, keyword_inputs=keyword_inputs, seed=seed)
+    runs = []
+    for who, model in others:
+        run = forward_backward(
+            model, inputs, check_grads, keyword_inputs=keyword_inputs, seed=seed, entries=actual.entries
+        )
+        if run.spec != actual.spec:
+            raise AssertionError(
+                f"output structure differs: {structure_difference(actual.spec, run.spec, who)}"
+            )
+        runs.append(run)
+    return actual, runs
+
+
+def structure_difference(actual: containers.Spec, expected: containers.Spec, who: str = "original") -> str:
+    """Where two output structures first differ, in words (the converted model's is ``actual``).
+
+    >>> spec = lambda value: containers.flatten(value)[1]
+    >>> structure_difference(spec({"a": torch.ones(1), "b": None}), spec({"a": torch.ones(1), "b": 1}))
+    "at ['b']: the converted model returns None, the original 1"
+    """
+    path = _first_difference(actual, expected, "", False)
+    where, a, e = path if path is not None else ("", actual, expected)
+    return f"at {where or 'the top'}: the converted model returns {_describe(a)}, the {who} {_describe(e)}"
+
+
+def _first_difference(
+    a: containers.Spec, e: containers.Spec, path: str, attributes: bool
+) -> tuple[str, containers.Spec, containers.Spec] | None:
+    if a == e:
+        return None
+    if a.kind != e.kind or a.kind not in ("node", "object") or len(a.children) != len(e.children):
+        return path, a, e
+    if a.kind == "object":
+        if a.value is not e.value:
+            return path, a, e
+        return _first_difference(a.children[0], e.children[0], path, True)
+    if a.value != e.value:  # another type, or other keys: say which keys
+        return path, a, e
+    steps = [step for step, _ in _child_steps(a, attributes)]
+    for step, a_child, e_child in zip(steps, a.children, e.children, strict=True):
+        if (found := _first_difference(a_child, e_child, path + step, False)) is not None:
+            return found
+    return path, a, e
+
+
+def _child_steps(spec: containers.Spec, attributes: bool) -> list[tuple[str, containers.Spec]]:
+    node_type, context = spec.value
+    keys = context.context
+    if not (isinstance(keys, (tuple, list)) and len(keys) == len(spec.children)):
+        keys = range(len(spec.children))
+    # Attributes and a ModelOutput's fields by name (".loss"), a dict's keys by index ("['a']").
+    by_name = attributes or dataclasses.is_dataclass(node_type) or not issubclass(node_type, dict)
+    return [
+        (f".{key}" if by_name and isinstance(key, str) else f"[{key!r}]", child)
+        for key, child in zip(keys, spec.children, strict=True)
+    ]
+
+
+def _describe(spec: containers.Spec) -> str:
+    if spec.kind == "leaf":
+        return "a tensor"
+    if spec.kind == "constant":
+        return repr(spec.value)
+    if spec.kind == "same":
+        return "one of its inputs"
+    if spec.kind == "object":
+        return f"a {spec.value.__name__}"
+    node_type, context = spec.value
+    keys = context.context
+    if isinstance(keys, (tuple, list)) and len(keys) == len(spec.children):
+        return f"a {node_type.__name__} of {', '.join(map(str, keys))}"
+    return f"a {node_type.__name__} of {len(spec.children)}"
+
+
+def _entries(out: Any) -> tuple[str, ...] | None:
+    return tuple(out) if isinstance(out, dict) else None
+
+
+def _leave_out(out: Any, entries: Collection[str] | None) -> tuple[Any, tuple[str, ...]]:
+    """``out`` without its None entries and, where ``entries`` is given, those it does not name
+    (each checked to be something the loss is computed from); and the names left out for that."""
+    if not isinstance(out, dict):
+        return out, ()
+    omitted = tuple(k for k, v in out.items() if v is not None and entries is not None and k not in entries)
+    if not omitted and all(v is not None for v in out.values()):
+        return out, ()
+    for name in omitted:
+        _check_feeds_the_loss(out, name)
+    kept = {k: v for k, v in out.items() if v is not None and k not in omitted}
+    # A ModelOutput is a dataclass built from its fields; a dict subclass from a dict.
+    rebuilt = type(out)(**kept) if dataclasses.is_dataclass(out) else type(out)(kept)
+    return rebuilt, omitted
+
+
+def _check_feeds_the_loss(out: dict, name: str) -> None:
+    loss, value = out.get(LOSS_ENTRY), out[name]
+    problem = None
+    if name == LOSS_ENTRY or type(loss) is not torch.Tensor:
+        problem = f"it returns no {LOSS_ENTRY!r} to compare by"
+    elif not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        problem = f"{name!r} is not a floating tensor here ({type(value).__name__})"
+    elif loss.grad_fn is None:
+        problem = "without gradients (check_grads=False) there is no graph to check it by"
+    elif not _computed_from(loss, value):
+        problem = f"the {LOSS_ENTRY!r} is not computed from {name!r}"
+    if problem is not None:
+        raise AssertionError(
+            f"output structure differs: the converted model returns no {name!r}; an output may "
+            f"be left out only where the model's {LOSS_ENTRY!r} is computed from it (a head "
+            f"fused with its loss returns logits=None in training), but {problem}"
+        )
+
+
+def _computed_from(loss: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether autograd recorded ``loss`` (which has a ``grad_fn``) as computed from ``value``."""
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node is value.grad_fn:
+            return True
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(child for child, _ in node.next_functions)
+    return False
+
+
+def leaf_names(spec: containers.Spec) -> list[str]:
+    """Where each leaf of ``spec`` sits, as attribute and index accesses ('' for a bare tensor).
+
+    >>> leaf_names(containers.flatten({"a": [torch.ones(1), 2, torch.ones(1)]})[1])
+    ["['a'][0]", "['a'][2]"]
+    """
+    names: list[str] = []
+    _name_leaves(spec, "", False, names)
+    return names
+
+
+def _name_leaves(spec: containers.Spec, path: str, attributes: bool, names: list[str]) -> None:
+    if spec.kind == "leaf":
+        names.append(path)
+        return
+    if spec.kind == "object":  # one child, the attribute dict
+        _name_leaves(spec.children[0], path, True, names)
+        return
+    if spec.kind != "node":
+        return
+    for step, child in _child_steps(spec, attributes):
+        _name_leaves(child, path + step, False, names)
 
 
 class _FunctionModule(torch.nn.Module):

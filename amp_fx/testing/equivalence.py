@@ -25,7 +25,7 @@ from amp_fx.testing.comparison import (
     Mismatch,
     as_module,
     compare_tensors,
-    forward_backward,
+    compared_runs,
     root_mean_square,
 )
 from amp_fx.testing.dtype_tolerances import RELATIVE_BOUND, grad_tolerances, tolerances
@@ -133,16 +133,12 @@ def _assert_within_tolerances(
     """The fixed-tolerance and the exact measures: one batch, each tensor against FP32's."""
     out_rtol, out_atol = (0.0, 0.0) if exact else tolerances(dtype)
     grad_rtol, grad_atol = (0.0, 0.0) if exact else grad_tolerances(dtype)
-    expected = forward_backward(as_module(original), inputs, check_grads, keyword_inputs=keyword_inputs)
-    actual = forward_backward(as_module(converted), inputs, check_grads, keyword_inputs=keyword_inputs)
-
+    actual, (expected,) = compared_runs(
+        as_module(converted), [("original", as_module(original))], inputs, check_grads,
+        keyword_inputs=keyword_inputs,
+    )  # fmt: skip
     mismatches: list[Mismatch] = []
-    if actual.spec != expected.spec:
-        raise AssertionError(
-            f"output structure differs: converted returns {actual.spec}, original {expected.spec}"
-        )
-    for i, (a, e) in enumerate(zip(actual.outputs, expected.outputs, strict=True)):
-        name = f"output[{i}]"
+    for name, a, e in zip(expected.names, actual.outputs, expected.outputs, strict=True):
         if isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor):
             mismatch = compare_tensors(a, e, rtol=out_rtol, atol=out_atol, name=name)
         elif a != e:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from amp_fx.testing.comparison import ForwardBackward, Mismatch, as_module, forward_backward, root_mean_square
+from amp_fx.testing.comparison import ForwardBackward, Mismatch, as_module, compared_runs, root_mean_square
 from amp_fx.testing.dtype_tolerances import RELATIVE_BOUND, relative_floor
 from amp_fx.testing.references import infer_dtype, reference_for
 
@@ -157,17 +157,14 @@ def error_ratio(
     measured: dict[str, list[tuple[float, float, float]]] = {}
     mismatches: dict[str, Mismatch] = {}
     for seed, (args, kwargs) in enumerate(seeded_batches(inputs, keyword_inputs, batches)):
-        runs = [
-            forward_backward(as_module(m), args, check_grads, keyword_inputs=kwargs, seed=seed)
-            for m in (original_module, reference_module, converted)
-        ]
-        expected, ref, actual = runs
-        for run, who in ((actual, "converted"), (ref, "reference")):
-            if run.spec != expected.spec:
-                raise AssertionError(
-                    f"output structure differs: the {who} model returns {run.spec}, "
-                    f"the original {expected.spec}"
-                )
+        actual, (expected, ref) = compared_runs(
+            as_module(converted),
+            [("original", original_module), ("reference", reference_module)],
+            args,
+            check_grads,
+            keyword_inputs=kwargs,
+            seed=seed,
+        )
         for name, a, r, e, scale in _tensor_triples(actual, ref, expected, converted, mismatches):
             errors = _ratio(a, r, e, floor, scale, name)
             if isinstance(errors, Mismatch):
@@ -198,8 +195,7 @@ def _tensor_triples(
     what cannot be compared as a ratio goes to ``mismatches``."""
     triples = []
     output_scale = root_mean_square([o for o in expected.outputs if isinstance(o, torch.Tensor)])
-    for i, (a, r, e) in enumerate(zip(actual.outputs, ref.outputs, expected.outputs, strict=True)):
-        name = f"output[{i}]"
+    for name, a, r, e in zip(expected.names, actual.outputs, ref.outputs, expected.outputs, strict=True):
         if isinstance(e, torch.Tensor) and e.is_floating_point() and isinstance(a, torch.Tensor):
             triples.append((name, a, r, e, output_scale))
         elif _differs(a, e) and not _differs(r, e):

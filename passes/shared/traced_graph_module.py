@@ -1,13 +1,16 @@
 """The GraphModule `amp_fx.passes.trace.trace` returns: called like the model it was traced from.
 
 Its forward has the model's signature, and where the model's forward reads ``self.training`` it
-holds a graph for each mode and runs the one of its own mode (`TracedGraphModule`).
+holds a graph for each mode and runs the one of its own mode (`TracedGraphModule`). A traced
+``nn.Sequential`` (``ModuleList``, ``ModuleDict``) indexes, iterates and counts its layers as the
+model did, and a converted one refuses a cast that would break the casts its graph holds.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -17,9 +20,19 @@ from torch import nn
 from amp_fx.core.node_info import (
     FORWARD_SIGNATURE_KEY,
     OTHER_MODE_GRAPH_KEY,
+    POLICY_KEY,
 )
 
-__all__ = ["TracedGraphModule", "rebuild_traced_graph_module"]
+__all__ = ["CONTAINER_KEY", "TracedGraphModule", "rebuild_traced_graph_module"]
+
+# gm.meta key: for a model that was an nn.Sequential, ModuleList or ModuleDict (or a subclass),
+# ``(kind, names)``: which of the three, and the names of its children in order.
+CONTAINER_KEY = "amp_fx_container"
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+# The casts nn.Module offers besides `to` and `type`, and the dtype each gives floating tensors.
+_CASTS = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class TracedGraphModule(torch.fx.GraphModule):
@@ -48,6 +61,64 @@ class TracedGraphModule(torch.fx.GraphModule):
         (tensor([1., 1.]), tensor([0., 0.]))
     """
 
+    def __init__(
+        self, root: nn.Module | dict[str, Any], graph: torch.fx.Graph, class_name: str = "GraphModule"
+    ):
+        super().__init__(root, graph, class_name)
+        container = next((kind for kind in _CONTAINERS if isinstance(root, kind)), None)
+        if container is not None:
+            self.meta[CONTAINER_KEY] = (container.__name__, list(root._modules))
+        elif isinstance(root, torch.fx.GraphModule) and CONTAINER_KEY in root.meta:
+            self.meta[CONTAINER_KEY] = root.meta[CONTAINER_KEY]  # a pass rebuilt it
+        _adopt_container_protocol(self)
+
+    # -- A converted model's dtypes: its graph's casts were chosen for them. --
+
+    def float(self) -> TracedGraphModule:
+        return self._cast("float", _CASTS["float"], super().float)
+
+    def double(self) -> TracedGraphModule:
+        return self._cast("double", _CASTS["double"], super().double)
+
+    def half(self) -> TracedGraphModule:
+        return self._cast("half", _CASTS["half"], super().half)
+
+    def bfloat16(self) -> TracedGraphModule:
+        return self._cast("bfloat16", _CASTS["bfloat16"], super().bfloat16)
+
+    def to(self, *args: Any, **kwargs: Any) -> TracedGraphModule:
+        _, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        return self._cast("to", dtype, lambda: super(TracedGraphModule, self).to(*args, **kwargs))
+
+    def type(self, dst_type: torch.dtype | str) -> TracedGraphModule:
+        dtype = dst_type if isinstance(dst_type, torch.dtype) else None
+        if dtype is None:
+            dtype = getattr(torch, str(dst_type).rsplit(".", 1)[-1].replace("Tensor", "").lower(), None)
+        return self._cast("type", dtype, lambda: super(TracedGraphModule, self).type(dst_type))
+
+    def _cast(self, method: str, dtype: torch.dtype | None, cast: Callable[[], Any]) -> Any:
+        """``cast()``, unless it would change the dtype of a floating tensor of a model whose graph
+        holds a conversion's casts: they were chosen for these dtypes, and the calls would fail
+        deep inside ("mat1 and mat2 must have the same dtype"). Refused before anything changes."""
+        policy = self.meta.get(POLICY_KEY)
+        if dtype is None or policy is None or not policy.level.lowers_precision:
+            return cast()
+        tensors = [*self.parameters(), *self.buffers()]
+        changed = sorted({str(t.dtype) for t in tensors if t.is_floating_point() and t.dtype != dtype})
+        if not changed:
+            return cast()  # nothing changes dtype: `.float()` on O1's FP32 parameters
+        if dtype in (torch.float32, torch.float64):
+            fix = f'amp_fx.convert(model, "O0") or the FP32 model itself for {dtype}'
+        else:
+            fix = f"amp_fx.convert(model, {policy.opt_level!r}, dtype={dtype})"
+        raise TypeError(
+            f"{type(self).__name__}.{method}() would cast the parameters of a model converted at "
+            f"{policy.opt_level} ({policy.dtype}) to {dtype} (now {', '.join(changed)}), but its graph's "
+            f"casts were chosen for the dtypes it has and its calls would fail. Convert the FP32 model "
+            f"again instead: {fix}; amp_fx.master_state_dict(converted) gives the trained FP32 weights "
+            f"to load into it. .to(device) works as before."
+        )
+
     def recompile(self) -> Any:
         python_code = super().recompile()
         cls = type(self)
@@ -59,10 +130,12 @@ class TracedGraphModule(torch.fx.GraphModule):
             by_mode = {training: _compiled_forward(other), not training: graph_forward}
         signature = meta.get(FORWARD_SIGNATURE_KEY)
         cls.forward = _drop_in_forward(graph_forward, by_mode, signature)
+        _adopt_container_protocol(self)  # after a deepcopy or a load, whose meta comes later
         return python_code
 
     def __deepcopy__(self, memo: dict[int, Any]) -> TracedGraphModule:
         copied = super().__deepcopy__(memo)
+        type(copied).__name__ = type(self).__name__  # fx's copy would be named "GraphModule"
         copied.recompile()  # its meta is set after GraphModule's own recompile
         return copied
 
@@ -78,6 +151,96 @@ class TracedGraphModule(torch.fx.GraphModule):
             code = graph.python_code(root_module="self")
             other = (training, code.src, _import_block(code.globals))
         return (rebuild_traced_graph_module, (body, import_block, meta, other))
+
+
+class _ContainerProtocol:
+    """What a `TracedGraphModule` of an nn.Sequential, ModuleList or ModuleDict adds: indexing,
+    ``len``, iteration and ``in`` as the model had them, over the layers the graph calls (shared,
+    not copied). Only such modules get its methods (`_adopt_container_protocol`), so ``bool(gm)``
+    and ``iter(gm)`` of any other model stay those of an ``nn.Module``."""
+
+    def _container(self: Any) -> tuple[str, list[str]]:
+        container = self.meta.get(CONTAINER_KEY)
+        if container is None:
+            raise TypeError(
+                f"'{type(self).__name__}' object is not subscriptable (its model was not a container)"
+            )
+        return container
+
+    def _layer(self: Any, name: str) -> nn.Module:
+        module = self._modules.get(name)
+        if module is None:
+            raise KeyError(
+                f"layer {name!r} of the {type(self).__name__} has no module of its own after tracing "
+                f"(its graph computes it without one: fused into a neighbour, or never called)"
+            )
+        return module
+
+    def __getitem__(self: Any, index: int | slice | str) -> Any:
+        kind, names = self._container()
+        if kind == "ModuleDict":
+            if not isinstance(index, str):
+                raise TypeError(f"a traced ModuleDict is indexed by name, got {type(index).__name__}")
+            if index not in names:
+                raise KeyError(index)
+            return self._layer(index)
+        if isinstance(index, slice):
+            policy = self.meta.get(POLICY_KEY)
+            if policy is not None and policy.level.lowers_precision:
+                raise TypeError(
+                    f"a slice of a {kind} converted at {policy.opt_level} would run its layers without "
+                    f"the casts of the graph between them; convert the slice of the FP32 model instead: "
+                    f"amp_fx.convert(model[{_show_slice(index)}], {policy.opt_level!r}, dtype={policy.dtype})"
+                )
+            layers = [(name, self._layer(name)) for name in names[index]]
+            return (
+                nn.Sequential(OrderedDict(layers))
+                if kind == "Sequential"
+                else nn.ModuleList(m for _, m in layers)
+            )
+        if not isinstance(index, int):
+            raise TypeError(f"{kind} indices must be integers or slices, not {type(index).__name__}")
+        if not -len(names) <= index < len(names):
+            raise IndexError(f"index {index} is out of range for a {kind} of {len(names)}")
+        return self._layer(names[index])
+
+    def __len__(self: Any) -> int:
+        return len(self._container()[1])
+
+    def __iter__(self: Any) -> Iterator[Any]:
+        kind, names = self._container()
+        if kind == "ModuleDict":
+            return iter(names)
+        return iter([self._layer(name) for name in names])
+
+    def __contains__(self: Any, key: object) -> bool:
+        kind, names = self._container()
+        if kind == "ModuleDict":
+            return key in names
+        return any(key is self._modules.get(name) for name in names)
+
+    def keys(self: Any) -> list[str]:
+        """A traced ModuleDict's keys, as its model's."""
+        kind, names = self._container()
+        if kind != "ModuleDict":
+            raise AttributeError(f"'{kind}' has no keys()")
+        return list(names)
+
+
+def _adopt_container_protocol(gm: TracedGraphModule) -> None:
+    # fx gives each GraphModule a class of its own (its `recompile` sets `forward` and `__call__`
+    # there), so a container's gets the protocol's methods there too; `recompile` adopts a deepcopy
+    # or a loaded pickle again, whose meta comes after GraphModule's own recompile.
+    cls = type(gm)
+    if CONTAINER_KEY in gm.__dict__.get("meta", {}) and "__getitem__" not in vars(cls):
+        for name, method in vars(_ContainerProtocol).items():
+            if callable(method):
+                setattr(cls, name, method)
+
+
+def _show_slice(index: slice) -> str:
+    parts = ["" if v is None else str(v) for v in (index.start, index.stop, index.step)]
+    return ":".join(parts[:2] if index.step is None else parts)
 
 
 def _import_block(globals_: dict[str, Any]) -> str:
