@@ -68,8 +68,8 @@ _FIXES = {
     ),
     "attribute": (
         "keep state that changes per call in a buffer updated in place (self.register_buffer("
-        "'step', torch.zeros((), dtype=torch.long)) and self.step += 1), or compute the value "
-        "outside forward"
+        "'{name}', torch.zeros(())) in __init__, then self.{name} += 1 or self.{name}.copy_(value)), "
+        "or compute the value outside forward"
     ),
 }
 
@@ -101,7 +101,7 @@ class Finding:
 
     @property
     def fix(self) -> str:
-        return _FIXES[self.kind]
+        return _FIXES[self.kind].format(name=self.what.rpartition(".")[2])
 
     def __str__(self) -> str:
         if self.kind == "attribute":
@@ -135,8 +135,10 @@ class _Watch:
         self.thread = threading.get_ident()
         self.modules = {id(m): m for m in modules}
         self.findings: list[Finding] = []
-        # (module id, attribute) -> where it was last assigned from code outside the libraries.
-        self.assigned: dict[tuple[int, str], tuple[str, str]] = {}
+        # (module id, attribute) assigned by code outside the libraries -> (module, value before),
+        # and -> (where, source line, value) of its last assignment.
+        self.assigned: dict[tuple[int, str], tuple[nn.Module, Any]] = {}
+        self.last: dict[tuple[int, str], tuple[str, str, Any]] = {}
         self.seen: set[tuple[str, str, str]] = set()
 
     def add(self, kind: str, what: str, where: str, source: str) -> None:
@@ -178,27 +180,19 @@ def _recording_setattr(original: Callable[..., None]) -> Callable[..., None]:
     def __setattr__(self: nn.Module, name: str, value: Any) -> None:
         watch = _WATCHES[-1] if _WATCHES else None
         if watch is not None and id(self) in watch.modules and watch.thread == threading.get_ident():
-            frame = _caller(1)
-            while frame is not None and frame.f_code.co_name == "__setattr__":  # a subclass's own
+            frame: types.FrameType | None = sys._getframe(1)
+            while frame is not None and frame.f_code.co_name == "__setattr__":  # subclasses', amp_fx's
                 frame = frame.f_back
-            if frame is not None and not is_library_file(frame.f_code.co_filename):
-                watch.assigned[(id(self), name)] = location(frame)
+            is_plain = name not in _BOOKKEEPING and not any(name in vars(self)[key] for key in _BOOKKEEPING)
+            if frame is not None and is_plain and not is_library_file(frame.f_code.co_filename):
+                watch.assigned.setdefault((id(self), name), (self, vars(self).get(name, _MISSING)))
+                watch.last[(id(self), name)] = (*location(frame), value)
         original(self, name, value)
 
     return __setattr__
 
 
 _BOOKKEEPING = ("_parameters", "_buffers", "_modules")
-
-
-def _snapshot(modules: list[nn.Module]) -> list[tuple[nn.Module, dict[str, Any]]]:
-    # A shallow copy of what each module holds: attributes, and which tensors and children.
-    return [
-        (module, {**vars(module), **{key: dict(vars(module)[key]) for key in _BOOKKEEPING}})
-        for module in modules
-    ]
-
-
 _MISSING = object()
 
 
@@ -209,28 +203,20 @@ def _unchanged(before: Any, after: Any) -> bool:
     return type(before) is type(after) and isinstance(before, plain) and before == after
 
 
-def _restore(watch: _Watch, snapshot: list[tuple[nn.Module, dict[str, Any]]]) -> None:
-    """Put back each plain attribute code outside the libraries assigned, and report it. Buffers,
-    parameters and submodules are the front ends' (a buffer assigned in forward is state the graph
-    updates); the bookkeeping dicts are only put back where their entries were rebound."""
-    for module, before in snapshot:
-        now = vars(module)
-        for key in _BOOKKEEPING:
-            if now[key] != before[key]:
-                now[key].clear()
-                now[key].update(before[key])
-        for name in set(now) | set(before):
-            if name in _BOOKKEEPING or (id(module), name) not in watch.assigned:
-                continue
-            old, new = before.get(name, _MISSING), now.get(name, _MISSING)
-            if _unchanged(old, new):
-                continue
-            where, source = watch.assigned[(id(module), name)]
-            watch.add("attribute", f"{type(module).__name__}.{name}", where, source)
-            if old is _MISSING:
-                del now[name]
-            else:
-                now[name] = old
+def _restore(watch: _Watch) -> None:
+    """Report each plain attribute code outside the libraries assigned a new value, and put its
+    value from before the capture back (also where torch.export put it back itself: the value a
+    call assigns is what is lost). Parameters, buffers and submodules are the front ends'."""
+    for key, (module, before) in watch.assigned.items():
+        where, source, value = watch.last[key]
+        name = key[1]
+        if _unchanged(before, value):
+            continue
+        watch.add("attribute", f"{type(module).__name__}.{name}", where, source)
+        if before is _MISSING:
+            vars(module).pop(name, None)
+        else:
+            vars(module)[name] = before
 
 
 @contextlib.contextmanager
@@ -245,7 +231,6 @@ def watching_python_state(model: nn.Module) -> Iterator[list[Finding]]:
     modules = list(model.modules())
     watch = _Watch(modules)
     patched = [(owner, name, getattr(owner, name)) for owner, name, _, _ in _patches()]
-    snapshot = _snapshot(modules)
     original_setattr = nn.Module.__setattr__
     try:
         for (owner, name, kind, what), (_, _, function) in zip(_patches(), patched, strict=True):
@@ -258,7 +243,7 @@ def watching_python_state(model: nn.Module) -> Iterator[list[Finding]]:
         nn.Module.__setattr__ = original_setattr  # type: ignore[method-assign]
         for owner, name, function in patched:
             setattr(owner, name, function)
-        _restore(watch, snapshot)
+        _restore(watch)
 
 
 # Per model, the lines reported already: each is reported once, not at every capture.

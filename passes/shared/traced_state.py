@@ -15,25 +15,22 @@ torch.fx reads a buffer as a constant and runs Python for real, so out of the bo
   `amp_fx.passes.export` inlines them: ``torch._C._set_grad_enabled(mode)`` and, at the end, the
   mode read with ``torch.is_grad_enabled()`` at the start.
 
-    >>> class Ema(nn.Module):
-    ...     def __init__(self):
-    ...         super().__init__()
-    ...         self.register_buffer("mean", torch.zeros(2))
+    >>> class Frozen(nn.Module):
     ...     def forward(self, x):
     ...         with torch.no_grad():
-    ...             self.mean.mul_(0.9).add_(0.1 * x)
-    ...         return x
+    ...             y = x * 2
+    ...         return x + y
     >>> tracer = torch.fx.Tracer()
-    >>> model = Ema()
     >>> with recording_grad_modes(tracer):
-    ...     graph = tracer.trace(model)
-    >>> [str(n.target).split(".")[-1] for n in graph.nodes if n.op != "placeholder"][:3]
-    ['is_grad_enabled', '_set_grad_enabled', 'mul']
+    ...     graph = tracer.trace(Frozen())
+    >>> [getattr(n.target, "__name__", n.target) for n in graph.nodes]
+    ['x', 'is_grad_enabled', '_set_grad_enabled', 'mul', '_set_grad_enabled', 'add', 'output']
 """
 
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Iterator
 from typing import Any
 
@@ -158,10 +155,18 @@ class StateUpdates:
             tracer.create_proxy("call_method", "copy_", (target, value), {})
 
         nn.Module.__setattr__ = __setattr__  # type: ignore[method-assign]
+        # torch.fx's Proxy takes no item assignment; ``buf[i] = v`` on a buffer read as a graph
+        # value is recorded as torch.fx records it on a constant: operator.setitem.
+        torch.fx.Proxy.__setitem__ = _record_setitem  # type: ignore[attr-defined]
         try:
             yield
         finally:
             nn.Module.__setattr__ = original  # type: ignore[method-assign]
+            del torch.fx.Proxy.__setitem__  # type: ignore[attr-defined]
+
+
+def _record_setitem(self: torch.fx.Proxy, key: Any, value: Any) -> None:
+    self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
 
 
 # The grad-mode context managers, and the methods of each that switch the mode.
