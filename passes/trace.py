@@ -90,6 +90,7 @@ from amp_fx.passes.shared.traced_state import (
     UnrecordedUpdate,
     drop_empty_grad_regions,
     recording_grad_modes,
+    recording_random_factories,
 )
 
 logger = logging.getLogger(__name__)
@@ -357,6 +358,7 @@ def _trace_graph(
                 intercepted_applies(recorded_in(tracer)),
                 updates.recording(tracer),
                 recording_grad_modes(tracer),
+                recording_random_factories(tracer),
             ):
                 graph = tracer.trace(root, concrete_args)
         except Exception as error:

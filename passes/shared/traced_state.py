@@ -10,6 +10,8 @@ torch.fx reads a buffer as a constant and runs Python for real, so out of the bo
   assignment ``self.buf = value`` becomes ``self.buf.copy_(value)`` (as torch.export records it).
   An update the graph cannot hold (a tensor attribute that is not a buffer, a buffer reached some
   other way than ``self.name``) raises `UnrecordedUpdate`, naming it and the fix.
+* `recording_random_factories` records ``torch.rand(())`` and torch's other random factories as
+  graph ops, also where no argument is traced (torch.fx would draw once, at trace time).
 * `recording_grad_modes` records ``torch.no_grad()``, ``torch.enable_grad()`` and
   ``torch.set_grad_enabled(mode)`` regions as torch.export's graphs hold them after
   `amp_fx.passes.export` inlines them: ``torch._C._set_grad_enabled(mode)`` and, at the end, the
@@ -39,7 +41,17 @@ import torch.fx
 from torch import nn
 from torch.autograd import grad_mode
 
-__all__ = ["StateUpdates", "UnrecordedUpdate", "recording_grad_modes", "drop_empty_grad_regions"]
+__all__ = [
+    "StateUpdates",
+    "UnrecordedUpdate",
+    "drop_empty_grad_regions",
+    "recording_grad_modes",
+    "recording_random_factories",
+]
+
+# torch's functions that draw random numbers from sizes alone: with no traced argument torch.fx
+# would run them once, at trace time, and every call would reuse that draw.
+_RANDOM_FACTORIES = ("rand", "randn", "randint", "randperm", "normal", "bernoulli", "multinomial", "poisson")
 
 
 class UnrecordedUpdate(TypeError):
@@ -253,3 +265,24 @@ def drop_empty_grad_regions(graph: torch.fx.Graph) -> None:
                 for each in (end, start, node):
                     graph.erase_node(each)
                 changed = True
+
+
+@contextlib.contextmanager
+def recording_random_factories(tracer: torch.fx.Tracer) -> Iterator[None]:
+    """While a trace runs, ``torch.rand(())`` and the other `_RANDOM_FACTORIES` are graph ops even
+    with no traced argument (a layer-drop draw), so each call draws anew, as eagerly."""
+    saved = {name: getattr(torch, name) for name in _RANDOM_FACTORIES}
+
+    def recorded(function: Any) -> Any:
+        def factory(*args: Any, **kwargs: Any) -> Any:
+            return tracer.create_proxy("call_function", function, args, kwargs)
+
+        return factory
+
+    try:
+        for name, function in saved.items():
+            setattr(torch, name, recorded(function))
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(torch, name, function)
