@@ -62,6 +62,7 @@ from amp_fx.passes.shared.call_signature import (
     in_capture_order,
     signature_of,
 )
+from amp_fx.passes.shared.python_state import report, watching_python_state
 from amp_fx.passes.shared.torch_source import TORCH_DIR as _TORCH_DIR
 
 logger = logging.getLogger(__name__)
@@ -327,7 +328,11 @@ def export_graph(
         on_leaves: Any = _forward_on_leaves(model, arguments, calls)
     else:
         on_leaves = contextlib.nullcontext()
-    with region, on_leaves:
+    # Python the graph cannot record (random, time, attributes assigned) is reported, and the
+    # attributes the capture assigned are put back: a capture leaves the module as it found it.
+    # Captured with grad on, so the forward's own no_grad() regions are in the graph even where
+    # the first call ran under the caller's no_grad() (the graph serves calls in either mode).
+    with watching_python_state(model) as findings, torch.enable_grad(), region, on_leaves:
         for sizes in (True, False) if dynamic else (False,):
             try:
                 with _torch_failure_output_to_debug_log():
@@ -342,6 +347,7 @@ def export_graph(
                 f"(stopped at {_stopping_line(error)})",
                 _failure_kind(error),
             ) from error
+    report(model, findings, "torch.export")
     if errors:
         logger.info("%s: dynamic sizes refused (%s); captured static sizes", type(model).__name__, errors[0])
     gm = _clean(program, type(model).__name__, kwargs)
@@ -363,10 +369,15 @@ def _clean(program: Any, name: str, keywords: dict[str, Any]) -> torch.fx.GraphM
     exported = program.module()
     graph = exported.graph
     _inline_grad_regions(exported)
+    # torch.export writes each buffer the forward updated back with copy_(buffer, new value), also
+    # where the new value is the buffer itself, updated in place (`self.count += 1`): that copy
+    # would only bump the buffer's version, and a backward that saved it would refuse to run.
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _CAPTURE_CHECKS:
             graph.erase_node(node)
         elif node.op == "call_module" and node.target == _GUARDS_MODULE:
+            graph.erase_node(node)
+        elif node.target is _COPY and _updated_in_place(node.args[1]) is node.args[0]:
             graph.erase_node(node)
     # A plain GraphModule: export's own one carries pre-hooks that check inputs (`accepts` does)
     # and a guards submodule the graph no longer calls.
@@ -377,6 +388,30 @@ def _clean(program: Any, name: str, keywords: dict[str, Any]) -> torch.fx.GraphM
     setattr(gm, KEYWORDS_ATTR, tuple(keywords))
     gm.recompile()
     return gm
+
+
+_COPY = torch.ops.aten.copy_.default
+
+
+def _updated_in_place(node: Any) -> Any:
+    """The tensor an in-place op (``add_(count, 1)``), or a chain of them, updated: a buffer a
+    forward updated in place is the same tensor as its new value."""
+    while isinstance(node, torch.fx.Node) and _writes_first_argument(node.target):
+        node = node.args[0]
+    return node
+
+
+def _writes_first_argument(target: Any) -> bool:
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    schema = target._schema
+    first = schema.arguments[0].alias_info if schema.arguments else None
+    return (
+        first is not None
+        and first.is_write
+        and bool(schema.returns)
+        and schema.returns[0].alias_info is not None
+    )
 
 
 def _inline_grad_regions(gm: torch.fx.GraphModule) -> None:

@@ -76,6 +76,7 @@ from amp_fx.core.node_info import (
 from amp_fx.passes.shared.autograd_functions import intercepted_applies, recorded_in
 from amp_fx.passes.shared.fx_wrap_registry import forget_unreachable_wraps
 from amp_fx.passes.shared.model_copy import copy_model
+from amp_fx.passes.shared.python_state import report, watching_python_state
 from amp_fx.passes.shared.torch_source import culprit_frame, frames_after_current, location
 from amp_fx.passes.shared.trace_leaves import (
     OPAQUE_TORCH_MODULES,
@@ -84,6 +85,13 @@ from amp_fx.passes.shared.trace_leaves import (
     validate_leaf_modules,
 )
 from amp_fx.passes.shared.traced_graph_module import TracedGraphModule, rebuild_traced_graph_module
+from amp_fx.passes.shared.traced_state import (
+    StateUpdates,
+    UnrecordedUpdate,
+    drop_empty_grad_regions,
+    recording_grad_modes,
+    recording_random_factories,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -122,11 +130,21 @@ class _PrimitiveLeafTracer(torch.fx.Tracer):
     exception are remembered in `failure` so that `trace` can make it opaque and retry.
     """
 
+    # Each node's stack trace names the model's source line (`amp_fx.report`, a capture's notices).
+    record_stack_traces = True
+
     # Defaults let torch.fx re-create the tracer when it unpickles a GraphModule (torch.load).
-    def __init__(self, opaque_types: tuple[type, ...] = (), opaque_names: set[str] | None = None) -> None:
+    def __init__(
+        self,
+        opaque_types: tuple[type, ...] = (),
+        opaque_names: set[str] | None = None,
+        stateful: dict[int, str] | None = None,
+    ) -> None:
         super().__init__(autowrap_modules=(math,))
         self.opaque_types = opaque_types
         self.opaque_names = set() if opaque_names is None else opaque_names
+        # id -> qualified name of the buffers forward updates: read as graph values, not constants.
+        self.stateful = {} if stateful is None else stateful
         # (qualified module name, exception, traceback frames inside that module) of the first failure.
         self.failure: tuple[str, BaseException, list[types.FrameType]] | None = None
 
@@ -137,6 +155,16 @@ class _PrimitiveLeafTracer(torch.fx.Tracer):
             or isinstance(m, OPAQUE_TORCH_MODULES)
             or is_primitive_module(m)
         )
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        # torch.fx reads buffers as constants: ops on them would run once, at trace time. Those
+        # forward updates are read from the module on every call instead (`_StateUpdates`).
+        name = self.stateful.get(id(attr_val)) if isinstance(attr_val, torch.Tensor) else None
+        if name is None:
+            return super().getattr(attr, attr_val, parameter_proxy_cache)
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
 
     def to_bool(self, obj: torch.fx.Proxy) -> bool:
         # `if x.is_nested:` guards torch.nn's nested-tensor paths; traced inputs are never nested.
@@ -267,15 +295,20 @@ def trace(
 
     root = copy_model(model)
     untraceable: dict[str, tuple[str, str]] = {}  # qualified name -> (opaque_reason, the error)
-    leaves = _Leaves(model, opaque_types, leaf_names, untraceable)
-    tracer, graph = _trace_graph(root, concrete_args, leaves)
-    # Code that reads `self.training` (F.dropout(x, p, self.training), `if self.training:`) is
-    # baked into a graph: trace the other mode too and keep its graph where the two differ.
-    with _training_set_to(root, not root.training):
-        known = len(untraceable)
-        _, other_graph = _trace_graph(root, concrete_args, leaves)
-    if len(untraceable) > known:  # the other mode stopped in more modules: opaque in both graphs
+    leaves = _Leaves(model, opaque_types, leaf_names, untraceable, StateUpdates(root, model))
+    # Python the graph cannot record (random, time, attributes assigned) is reported, and the
+    # attributes the traces assigned are put back: tracing leaves the copy as it found it.
+    with watching_python_state(root) as findings:
         tracer, graph = _trace_graph(root, concrete_args, leaves)
+        # Code that reads `self.training` (F.dropout(x, p, self.training), `if self.training:`) is
+        # baked into a graph: trace the other mode too and keep its graph where the two differ.
+        with _training_set_to(root, not root.training):
+            known = (len(untraceable), len(leaves.updates.stateful))
+            _, other_graph = _trace_graph(root, concrete_args, leaves)
+        # The other mode stopped in more modules (opaque in both graphs) or updated more buffers.
+        if (len(untraceable), len(leaves.updates.stateful)) != known:
+            tracer, graph = _trace_graph(root, concrete_args, leaves)
+    report(model, findings, "torch.fx")
 
     gm = TracedGraphModule(tracer.root, graph, type(model).__name__)
     gm.meta[FORWARD_SIGNATURE_KEY] = _forward_signature(model)
@@ -298,12 +331,14 @@ def trace(
 @dataclasses.dataclass
 class _Leaves:
     """What `_trace_graph` keeps as leaves: the user's ``leaf_modules`` and the submodules found
-    untraceable so far (``untraceable``, which `_trace_graph` adds to). ``model`` names errors."""
+    untraceable so far (``untraceable``, which `_trace_graph` adds to). ``model`` names errors;
+    ``updates`` holds the buffers forward updates, read as graph values (found as it goes too)."""
 
     model: nn.Module
     opaque_types: tuple[type, ...]
     leaf_names: set[str]
     untraceable: dict[str, tuple[str, str]]
+    updates: StateUpdates
 
 
 def _trace_graph(
@@ -313,12 +348,21 @@ def _trace_graph(
     ``leaves.untraceable`` and the trace retried. Raises `TraceError` for the top level's own."""
     model = leaves.model
     forget_unreachable_wraps()  # a trace patches every registered function: only those that can run
+    updates = leaves.updates
     while True:
-        tracer = _PrimitiveLeafTracer(leaves.opaque_types, leaves.leaf_names | set(leaves.untraceable))
+        opaque = leaves.leaf_names | set(leaves.untraceable)
+        tracer = _PrimitiveLeafTracer(leaves.opaque_types, opaque, updates.stateful)
         try:
-            with _mha_fast_path_disabled(), intercepted_applies(recorded_in(tracer)):
-                return tracer, tracer.trace(root, concrete_args)
+            with (
+                _mha_fast_path_disabled(),
+                intercepted_applies(recorded_in(tracer)),
+                updates.recording(tracer),
+                recording_grad_modes(tracer),
+                recording_random_factories(tracer),
+            ):
+                graph = tracer.trace(root, concrete_args)
         except Exception as error:
+            _check_updates(model, updates)
             failure = tracer.failure
             # A failure outside every traced-through submodule, or in a module that is already a
             # leaf (making it opaque would not help), is the top-level forward's own.
@@ -342,6 +386,18 @@ def _trace_graph(
                 where,
                 source,
             )
+            continue
+        # The trace updated buffers it read as constants: again, with them read as graph values.
+        if not _check_updates(model, updates):
+            drop_empty_grad_regions(graph)
+            return tracer, graph
+
+
+def _check_updates(model: nn.Module, updates: StateUpdates) -> bool:
+    try:
+        return updates.check()
+    except UnrecordedUpdate as error:
+        raise TraceError(f"amp_fx cannot trace {type(model).__name__}.forward: {error}") from error
 
 
 @contextlib.contextmanager
