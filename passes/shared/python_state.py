@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import logging
 import os
 import random
@@ -48,9 +49,20 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Finding", "watching_python_state", "report", "is_library_file"]
 
-_AMP_FX_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
-_LIBRARY_DIRS = tuple({TORCH_DIR, _AMP_FX_DIR, os.path.realpath(_AMP_FX_DIR) + os.sep})
+
+
+def _package_dirs(*names: str) -> set[str]:
+    """The folders of amp_fx's packages, as paths and resolved: an editable install maps
+    amp_fx.passes and amp_fx.kernels to folders beside amp_fx/, next to the user's own code."""
+    dirs = set()
+    for name in names:
+        for folder in importlib.util.find_spec(name).submodule_search_locations:
+            dirs |= {os.path.abspath(folder) + os.sep, os.path.realpath(folder) + os.sep}
+    return dirs
+
+
+_LIBRARY_DIRS = tuple({TORCH_DIR} | _package_dirs("amp_fx", "amp_fx.passes", "amp_fx.kernels"))
 _INSTALLED = ("site-packages", "dist-packages")
 # Code made at run time by Python's import system and by torch.fx (a GraphModule's forward); a
 # notebook's cell or a doctest ("<ipython-input-1-...>", "<doctest ...>") is the user's.
