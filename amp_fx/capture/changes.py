@@ -74,6 +74,11 @@ _IGNORED = frozenset(
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
 # Values held by identity that are not plain objects whose attributes forward reads.
 _NOT_OBJECTS = (
+    dict,
+    list,
+    tuple,
+    set,
+    frozenset,
     nn.Module,
     torch.Tensor,
     type,
