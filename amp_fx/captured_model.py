@@ -57,7 +57,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from amp_fx.capture.changes import same_model, take, unchanged
+from amp_fx.capture.changes import install, same_model, take, unchanged, watch_modules
 from amp_fx.capture.checkpointing import checkpointed_layers, checkpointing_off
 from amp_fx.capture.fit import fits, fits_containers, structure, traced_choice
 from amp_fx.capture.islands import called_children, log_islands
@@ -244,6 +244,7 @@ def _captured_base(cls: type) -> type:
 def _rebuild_captured(rebuild: Callable[..., Any], arguments: tuple[Any, ...]) -> nn.Module:
     module = rebuild(*arguments)
     module.__class__ = _captured_class(type(module))
+    install()  # its modules' __dict__, set after this, says they are watched
     return module
 
 
@@ -330,6 +331,9 @@ def captured_model(model: nn.Module, policy: Policy) -> nn.Module:
     unstored = store_parameters(converted, policy) if policy.cast_parameters else []
     _make_captured(converted, policy, unstored)
     _make_descendants_captured(converted, policy, unstored)
+    # From here on, a change to it counts (a hook registered before the first call and removed
+    # after it too).
+    watch_modules(converted)
     return converted
 
 

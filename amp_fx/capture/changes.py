@@ -46,7 +46,7 @@ from torch.utils.hooks import RemovableHandle
 
 from amp_fx.capture.state import STATE_ATTR
 
-__all__ = ["VERSION", "WATCHED_ATTR", "Watch", "take", "unchanged", "watch_modules"]
+__all__ = ["VERSION", "WATCHED_ATTR", "Watch", "install", "same_model", "take", "unchanged", "watch_modules"]
 
 # The key of a watched module's __dict__, and the count of changes made to watched modules.
 WATCHED_ATTR = "_amp_fx_watched"
@@ -171,7 +171,7 @@ def _on_registration(module: nn.Module, name: str, value: Any) -> None:
         _bump()
 
 
-def _install() -> None:
+def install() -> None:
     """Wrap what changes a module, once per process (see the module docstring)."""
     if _INSTALLED:
         return
@@ -200,7 +200,7 @@ def _install() -> None:
 
 def watch_modules(model: nn.Module) -> None:
     """Flag ``model`` and its descendants: a change to one of them counts in `VERSION`."""
-    _install()
+    install()
     for module in model.modules():
         module.__dict__[WATCHED_ATTR] = True
 
