@@ -23,6 +23,8 @@ Each call is run by a graph rewritten by the convert passes (`amp_fx.pipeline`):
   given a call's arguments, the share of its ATen ops and FLOPs that ran inside rewritten graphs.
 
 Moving the model (``.to``, ``.cuda``) drops its graphs; they are captured again at the next call.
+So does any other change made to it (a submodule, parameter, hook, attribute or config flag
+changed after a call, `amp_fx.capture.changes`): changes take effect as they do eagerly.
 
 Example::
 
