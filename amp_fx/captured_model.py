@@ -23,6 +23,8 @@ Each call is run by a graph rewritten by the convert passes (`amp_fx.pipeline`):
   given a call's arguments, the share of its ATen ops and FLOPs that ran inside rewritten graphs.
 
 Moving the model (``.to``, ``.cuda``) drops its graphs; they are captured again at the next call.
+So does any other change made to it (a submodule, parameter, hook, attribute or config flag
+changed after a call, `amp_fx.capture.changes`): changes take effect as they do eagerly.
 
 Example::
 
@@ -57,6 +59,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from amp_fx.capture.changes import install, same_model, take, unchanged, watch_modules
 from amp_fx.capture.checkpointing import checkpointed_layers, checkpointing_off
 from amp_fx.capture.fit import fits, fits_containers, structure, traced_choice
 from amp_fx.capture.islands import called_children, log_islands
@@ -71,7 +74,7 @@ from amp_fx.capture.state import (
     capture_states,
     record,
 )
-from amp_fx.capture.storage import store_parameters, storing_unstored
+from amp_fx.capture.storage import store_added, store_parameters, storing_unstored
 from amp_fx.core.containers import flatten
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.core.node_info import TRAINING_MODE_KEY
@@ -144,10 +147,15 @@ class CapturedModel(nn.Module):
         if _FP32_BLOCKS:
             return _run_original_in_fp32(self, args, kwargs)
         if torch.compiler.is_compiling():
-            graph = traced_choice(state, self.training, args, kwargs)
+            # The change check is traced too: Dynamo guards on what it reads, so a change made
+            # later recompiles, and this call then follows it eagerly (`_compiled_graph_for`).
+            graph = None
+            if state.watch is not None and unchanged(state.watch):
+                graph = traced_choice(state, self.training, args, kwargs)
             if graph is None:
                 graph = _compiled_graph_for(self, args, kwargs)
             return _run(self, state, graph, args, kwargs)
+        _follow_changes(self, state)
         journal = Journal()
         JOURNALS.append(journal)
         try:
@@ -158,6 +166,7 @@ class CapturedModel(nn.Module):
             journal.rollback()
             raise
         JOURNALS.pop()
+        _after_python_ran(self, state, graph is None or bool(journal.undo))
         if journal.undo and _on_fake_tensors(args, kwargs):
             journal.rollback()  # graphs captured on fake tensors would compute fake values later
         elif JOURNALS:
@@ -237,6 +246,7 @@ def _captured_base(cls: type) -> type:
 def _rebuild_captured(rebuild: Callable[..., Any], arguments: tuple[Any, ...]) -> nn.Module:
     module = rebuild(*arguments)
     module.__class__ = _captured_class(type(module))
+    install()  # its modules' __dict__, set after this, says they are watched
     return module
 
 
@@ -324,6 +334,9 @@ def captured_model(model: nn.Module, policy: Policy, *, in_place: bool = False) 
     unstored = store_parameters(converted, policy) if policy.cast_parameters else []
     _make_captured(converted, policy, unstored)
     _make_descendants_captured(converted, policy, unstored)
+    # From here on, a change to it counts (a hook registered before the first call and removed
+    # after it too).
+    watch_modules(converted)
     return converted
 
 
@@ -341,7 +354,45 @@ def _make_descendants_captured(module: nn.Module, policy: Policy, unstored: list
 @torch.compiler.disable
 def _compiled_graph_for(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     # Choosing (and capturing) a graph runs eagerly; torch.compile then traces the graph chosen.
-    return _select_or_capture(module, args, kwargs)[0]
+    state = _state(module)
+    _follow_changes(module, state)
+    graph = _select_or_capture(module, args, kwargs)[0]
+    _after_python_ran(module, state, True)
+    return graph
+
+
+def _follow_changes(module: nn.Module, state: CaptureState) -> None:
+    """Drop the graphs of a model changed since they were captured (`amp_fx.capture.changes`):
+    the next capture records the change. Parameters it added are stored as `convert` stores
+    them, and parts it added that hold parameters are converted, so a part called on its own
+    (a LoRA layer PEFT put in) runs a graph too."""
+    watch = state.watch
+    if watch is not None and unchanged(watch):
+        return
+    now = take(module)
+    if watch is None or same_model(watch, now):
+        state.watch = now
+        return
+    logger.info(
+        "%s changed since its graphs were captured (%s): capturing it again at this call",
+        type(module).__name__,
+        ", ".join(now.differences(watch)[:8]),
+    )
+    state.graphs.clear()
+    state.seconds.clear()
+    state.islands.clear()
+    if state.policy.cast_parameters:
+        store_added(module, state, watch.tensor_ids())
+    _make_descendants_captured(module, state.policy, state.unstored)
+    state.watch = take(module)
+
+
+def _after_python_ran(module: nn.Module, state: CaptureState, ran: bool) -> None:
+    # A capture or an island runs the model's own code, which may set attributes (the capture
+    # itself swaps classes and forwards): what the call's code changed is the state the graphs
+    # were captured in, not a change to follow at the next call.
+    if ran and (state.watch is None or not unchanged(state.watch)):
+        state.watch = take(module)
 
 
 def _select_or_capture(

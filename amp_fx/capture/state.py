@@ -46,6 +46,9 @@ class CaptureState:
     # The model's parameters not stored yet (`amp_fx.capture.storage`): one list, shared by the
     # states of a converted model and its captured parts.
     unstored: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    # The model as its graphs were captured (`amp_fx.capture.changes.Watch`); None until the first
+    # call. A call on a model changed since drops the graphs and captures again.
+    watch: Any = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CaptureState:
         # Graphs hold the model's tensors; a copy of the model captures its own. Through ``memo``

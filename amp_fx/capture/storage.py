@@ -32,7 +32,7 @@ all of it is undone if the call fails.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 
 import torch
 import torch.fx
@@ -44,19 +44,22 @@ from amp_fx.core.policy import Policy, Rule
 from amp_fx.optim.model_loads import masters_for_stored_low
 from amp_fx.passes.shared.decisions import decide_module
 
-__all__ = ["store_parameters", "storing_unstored"]
+__all__ = ["store_added", "store_parameters", "storing_unstored"]
 
 
 def _castable(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() and tensor.dtype != torch.float64
 
 
-def store_parameters(model: nn.Module, policy: Policy) -> list[torch.Tensor]:
+def store_parameters(
+    model: nn.Module, policy: Policy, only: Collection[int] | None = None
+) -> list[torch.Tensor]:
     """Store each module's parameters (and its floating buffers) in the dtype the policy decides
     for the op the module is; a tensor several modules hold is float32 if any of them wants it.
     Returns the parameters left unstored (module docstring): held only by modules with children
     or by modules with no forward of their own (with those modules' buffers), at a level that keeps
-    parameters no lowered op reads FP32."""
+    parameters no lowered op reads FP32. ``only``: the ids of the tensors to store (those a change
+    after conversion added, `amp_fx.captured_model`); the others are left as they are."""
     wanted: dict[int, torch.dtype] = {}
     tensors: dict[int, torch.Tensor] = {}
     unstored: dict[int, torch.Tensor] = {}
@@ -84,9 +87,11 @@ def store_parameters(model: nn.Module, policy: Policy) -> list[torch.Tensor]:
                 current = wanted.get(key)
                 dtype = decision.param_dtype
                 wanted[key] = torch.float32 if torch.float32 in (current, dtype) else dtype
+    left = [param for key, param in unstored.items() if key not in wanted and _castable(param)]
     for key, dtype in wanted.items():
-        tensors[key].data = tensors[key].data.to(dtype)
-    return [param for key, param in unstored.items() if key not in wanted and _castable(param)]
+        if only is None or key in only:
+            tensors[key].data = tensors[key].data.to(dtype)
+    return left if only is None else [param for param in left if id(param) in only]
 
 
 def _composes(module: nn.Module) -> bool:
@@ -99,6 +104,27 @@ def _computes(module: nn.Module) -> bool:
     shells of an exported program's module, ``ep.module()``, that held a LayerNorm's or a Linear's
     parameters) computes no op its type names: the code reading its parameters is its parent's."""
     return type(module).forward is not nn.Module.forward
+
+
+def store_added(module: nn.Module, state: CaptureState, known: Collection[int]) -> None:
+    """Store the parameters and buffers of ``module`` whose ids are not in ``known`` (a change after
+    conversion added them: a new head, PEFT's LoRA layers) as `store_parameters` stores a model's
+    at conversion; those it leaves join ``state.unstored``. Parameter objects are kept (an optimizer
+    may hold them already); a fused optimizer holding one now stored low keeps its FP32 value as
+    master."""
+    added = {
+        id(tensor): tensor
+        for tensor in (*module.parameters(), *module.buffers())
+        if id(tensor) not in known and tensor.is_floating_point()
+    }
+    if not added:
+        return
+    before = [(tensor, tensor.data) for tensor in added.values()]
+    unstored = store_parameters(module, state.policy, only=added.keys())
+    held = {id(param) for param in state.unstored}
+    state.unstored += [param for param in unstored if id(param) not in held]
+    lowered = [(tensor, data) for tensor, data in before if tensor.dtype != data.dtype]
+    masters_for_stored_low([(tensor, data) for tensor, data in lowered if isinstance(tensor, nn.Parameter)])
 
 
 @contextlib.contextmanager

@@ -1,0 +1,128 @@
+"""What checking for changes after conversion costs per call (issue 35), torch.export front end,
+on the CPU: a model of ``--blocks`` blocks of 5 modules (the block, its Linear, LayerNorm, GELU and
+Dropout; 100 blocks give 502 with the root and its ModuleList), each block holding a Hugging
+Face-like ``config`` of 60 attributes, as each layer of a transformers model does.
+
+It reports, as medians over ``--repeats`` rounds:
+
+- ``check``: the per-call check of a call with nothing changed (`_follow_changes`: one integer
+  compare, the config's ``__dict__`` against its copy, torch's global hooks), the cost every call
+  adds, over ``--calls`` checks a round;
+- ``call``: a whole call of the converted model with nothing changed (graph replay included), 10
+  a round, and how many graphs those calls captured (none must be);
+- ``walk``: one walk of the model after a change (`amp_fx.capture.changes.take`), paid once per
+  change (``model.train()`` on a model in eval mode, ``dropout.p = 0``) before a recapture.
+
+    python benchmarks/bench_change_check.py
+    python benchmarks/bench_change_check.py --blocks 250 --repeats 7 --markdown out.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import types
+
+import torch
+from torch import nn
+
+import amp_fx
+from amp_fx.capture.changes import take
+from amp_fx.captured_model import _follow_changes, capture_states
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from reporting import environment, publish  # noqa: E402
+
+WIDTH = 8
+_WHOLE_CALLS = 10
+
+
+class Block(nn.Module):
+    def __init__(self, config: types.SimpleNamespace) -> None:
+        super().__init__()
+        self.config = config
+        self.fc, self.norm = nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)
+        self.act, self.drop = nn.GELU(), nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.act(self.norm(self.fc(x))))
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks: int) -> None:
+        super().__init__()
+        self.config = types.SimpleNamespace(**{f"flag_{i}": i for i in range(60)})
+        self.blocks = nn.ModuleList(Block(self.config) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _median_us(samples: list[float], per: int) -> float:
+    return statistics.median(samples) / per * 1e6
+
+
+def bench(blocks: int, calls: int, repeats: int) -> dict[str, float]:
+    """Median microseconds of check, call and walk (module docstring); ``recaptures`` counts graphs
+    captured by the timed calls."""
+    torch.manual_seed(0)
+    model = amp_fx.convert(Stack(blocks).eval(), "O2", dtype=torch.bfloat16, front_end="export")
+    x = torch.randn(2, WIDTH)
+    with torch.no_grad():
+        model(x)
+    state = capture_states(model)[0][1]
+    captured = list(state.graphs)
+    check, call, walk = [], [], []
+    with torch.no_grad():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(calls):
+                _follow_changes(model, state)
+            check.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            for _ in range(_WHOLE_CALLS):
+                model(x)
+            call.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            take(model)
+            walk.append(time.perf_counter() - start)
+    return {
+        "modules": float(len(list(model.modules()))),
+        "check": _median_us(check, calls),
+        "call": _median_us(call, _WHOLE_CALLS),
+        "walk": _median_us(walk, 1),
+        "recaptures": float(sum(all(graph is not old for old in captured) for graph in state.graphs)),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--blocks", type=int, default=100)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--markdown", default=None, help="append the table to this file")
+    args = parser.parse_args(argv)
+    result = bench(args.blocks, args.calls, args.repeats)
+    lines = [
+        f"#### Change check per call, torch.export front end - {environment(torch.device('cpu'))}",
+        "",
+        f"Medians of {args.repeats} rounds ({args.calls} checks, {_WHOLE_CALLS} calls each), O2 bf16, "
+        "nothing changed between calls.",
+        "",
+        "| modules | check us/call | whole call us | walk after a change us | recaptures |",
+        "|---|---|---|---|---|",
+        f"| {result['modules']:.0f} | {result['check']:.1f} | {result['call']:.0f} | {result['walk']:.0f} "
+        f"| {result['recaptures']:.0f} |",
+    ]
+    publish("\n".join(lines), args.markdown)
+
+
+if __name__ == "__main__":
+    main()
