@@ -4,14 +4,17 @@ Models (``--models``, benchmarks/models.py): ``gpt`` (GPT-2 small written out by
 ``resnet50``, and three Hugging Face transformers causal LMs from configs, random weights:
 ``hf_gpt2`` (``GPT2LMHeadModel(GPT2Config())``, 124M, 16 x 1024 tokens), ``hf_llama`` (Llama
 architecture, 0.67B, 8 x 2048 tokens) and ``hf_llama_liger`` (the Llama of Liger-Kernel's
-comparison, 0.50B, 8 x 2048 tokens); ``--batch-size``/``--seq-len`` change the shape. The
+comparison, 0.50B, 8 x 2048 tokens), ``hf_mixtral`` (Mixtral architecture: hidden 1024, 8 layers,
+8 experts top 2, expert FFN 3584, 8 x 2048 tokens; issue 37); ``--batch-size``/``--seq-len``
+change the shape. The
 transformers models train on their own loss (``model(input_ids=..., labels=...).loss``); amp_fx
 converts them with its torch.export front end (`amp_fx.captured_model`), which captures a graph at
 the first call and another at the first call of a new shape. For those, after the eager timing, the
 first call of a freshly converted model and its first call at 3/4 of the sequence length are timed
 beside the same calls once captured, and printed under the table. Without ``--variants`` they run
 autocast_fp16 and o2_fp16 only (the comparison of issue 12); hf_llama_liger runs issue 25's in
-bf16: autocast_bf16 (the baseline of its ratios), pure_bf16, o2_bf16 and the two Liger variants.
+bf16: autocast_bf16 (the baseline of its ratios), pure_bf16, o2_bf16 and the two Liger variants;
+hf_mixtral runs autocast_bf16 (its baseline) and o2_bf16.
 
 One training step is forward, loss, (scaled) backward, optimizer step and scaler update. Every
 variant trains the same freshly seeded model on the same batch:

@@ -7,7 +7,9 @@ of the benchmark (torch.autocast, `.half()`, amp_fx O1-O3) trains the same plain
 ``hf_gpt2`` is transformers' ``GPT2LMHeadModel(GPT2Config())`` (124M), ``hf_llama`` a
 ``LlamaForCausalLM`` of 0.67B parameters (hidden 2048, 12 layers, 16 heads / 4 KV heads, vocab
 32000) and ``hf_llama_liger`` the Llama of Liger-Kernel's comparison (hidden 1536, intermediate
-4096, 16 layers, 12 heads / 4 KV heads, vocab 32000; 8 x 2048 tokens); they compute their own
+4096, 16 layers, 12 heads / 4 KV heads, vocab 32000; 8 x 2048 tokens), ``hf_mixtral`` a
+``MixtralForCausalLM`` (hidden 1024, 8 layers, 16 heads / 8 KV heads, 8 experts top 2, expert
+FFN 3584, vocab 32000; 8 x 2048 tokens); they compute their own
 loss from ``labels=`` and amp_fx converts them with its torch.export front end
 (`amp_fx.captured_model`). Each builder returns a `Workload`: the model, a batch on the device and
 a loss function (None: the model's own), at the full benchmark size or, with ``small=True``, at a
@@ -191,6 +193,7 @@ TOKEN_SHAPES: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
     "hf_gpt2": ((16, 1024), (2, 32)),
     "hf_llama": ((8, 2048), (2, 32)),
     "hf_llama_liger": ((8, 2048), (2, 32)),
+    "hf_mixtral": ((8, 2048), (2, 32)),
 }
 
 
@@ -272,10 +275,24 @@ LLAMA_SIZES: dict[str, dict[str, int]] = {
     },
 }  # fmt: skip
 
+# MixtralConfig sizes of hf_mixtral, the mixture-of-experts workload of issue 37: 8 experts, top 2,
+# expert FFN 3584, on transformers' default experts implementation (grouped_mm); "small": its CPU
+# size (16-byte aligned rows, which _grouped_mm's CPU kernel needs).
+MIXTRAL_SIZES: dict[str, dict[str, int]] = {
+    "hf_mixtral": {
+        "hidden_size": 1024, "intermediate_size": 3584, "num_hidden_layers": 8, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2,
+    },
+    "small": {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 512, "num_local_experts": 4, "num_experts_per_tok": 2,
+    },
+}  # fmt: skip
+
 
 def hf_config(name: str, small: bool, seq_len: int) -> Any:
-    """The transformers config of ``hf_gpt2``, ``hf_llama`` or ``hf_llama_liger``, with position
-    embeddings for at least ``seq_len`` tokens; ``use_cache`` is the config's default, as people
+    """The transformers config of ``hf_gpt2``, ``hf_llama``, ``hf_llama_liger`` or ``hf_mixtral``,
+    with position embeddings for at least ``seq_len`` tokens; ``use_cache`` is the config's default, as people
     train."""
     import transformers
 
@@ -286,6 +303,9 @@ def hf_config(name: str, small: bool, seq_len: int) -> Any:
                 bos_token_id=0, eos_token_id=0,  # GPT-2's 50256 is outside the tiny vocabulary
             )  # fmt: skip
         return transformers.GPT2Config(n_positions=max(1024, seq_len))
+    if name == "hf_mixtral":
+        sizes = MIXTRAL_SIZES["small" if small else name]
+        return transformers.MixtralConfig(**sizes, max_position_embeddings=max(2048, seq_len))
     sizes = LLAMA_SIZES["small" if small else name]
     return transformers.LlamaConfig(**sizes, max_position_embeddings=max(2048, seq_len))
 
@@ -294,6 +314,7 @@ HF_MODEL_CLASSES = {
     "hf_gpt2": "GPT2LMHeadModel",
     "hf_llama": "LlamaForCausalLM",
     "hf_llama_liger": "LlamaForCausalLM",
+    "hf_mixtral": "MixtralForCausalLM",
 }
 
 
@@ -351,6 +372,7 @@ BUILDERS: dict[str, Callable[..., Workload]] = {
     "hf_gpt2": lambda *args, **kwargs: build_hf("hf_gpt2", *args, **kwargs),
     "hf_llama": lambda *args, **kwargs: build_hf("hf_llama", *args, **kwargs),
     "hf_llama_liger": lambda *args, **kwargs: build_hf("hf_llama_liger", *args, **kwargs),
+    "hf_mixtral": lambda *args, **kwargs: build_hf("hf_mixtral", *args, **kwargs),
 }
 
 

@@ -109,16 +109,16 @@ LOW_PRECISION_RESIDUAL_OPS: dict[str, str] = {
     for op in ("embedding", "embedding_bag")
 }
 
-# Matrix products on no autocast list, which autocast therefore runs in FP32 on FP32 weights. A
-# level that keeps norms FP32 (O2) runs these in FP32 too (and where it decides storage from the
-# graph, on FP32 weights): lowering them made its error against FP32 larger than autocast's (issue
-# 25 measured 2.9x on a small MoE model, whose experts run through _grouped_mm), and O2 promises at
-# most autocast's.
-# Override the op to LOWER to trade that accuracy for the speed of low-precision experts.
+# Matrix products on no autocast list (`_grouped_mm`: the experts of a mixture-of-experts layer),
+# which autocast therefore runs in FP32. Levels that store weights low lower them, as every MoE
+# training stack (Megatron-Core, torchtitan, DeepSpeed-MoE) runs its grouped expert GEMMs in bf16 with
+# FP32 accumulation: the experts are most of an MoE model's FLOPs, and kept FP32 they left O2 close
+# to FP32's speed. O2's bound for these products is therefore autocast with the experts run low the
+# same way (`amp_fx.testing`'s relative oracle does so by default; docs/DESIGN.md, "O2 numerics").
+# Override the op to FP32 to keep autocast's numerics for the experts.
 _UNLISTED_MATMULS: dict[str, str] = {
-    op: "grouped matrix products (mixture-of-experts layers) are on no autocast list: "
-    "autocast runs them in FP32, so O2 does too, to stay at most as far from FP32 as autocast "
-    "(set_op('_grouped_mm', 'lower') to run experts low)"
+    op: "grouped matrix products (mixture-of-experts experts) run low with FP32 accumulation, as MoE "
+    "training stacks run them; autocast lists none, so set_op('_grouped_mm', 'fp32') keeps its numerics"
     for op in UNLISTED_MATMUL_OPS
 }
 
@@ -183,11 +183,13 @@ def low_weight_rules(level: OptLevel, keep_batchnorm_fp32: bool) -> dict[str, Op
         rules[op] = OpRule(Rule.LOWER, f"{name}: {op} is on autocast's lower_precision_fp list")
     for op in _MATMUL_COMPOSITES:
         rules[op] = OpRule(Rule.LOWER, f"{name}: {op} is a matrix product (lowered as autocast does)")
+    for op, why in _UNLISTED_MATMULS.items():
+        rules[op] = OpRule(Rule.LOWER, f"{name}: {why}")
     if level.keeps_fp32_islands:
         for op, why in FP32_ISLANDS.items():
             rules[op] = OpRule(Rule.FP32, f"{name} FP32 island: {why}")
     if level.keeps_norms_fp32:
-        for op, why in {**_FP32_PARAM_OPS, **_UNLISTED_MATMULS}.items():
+        for op, why in _FP32_PARAM_OPS.items():
             rules[op] = OpRule(Rule.FP32, f"{name}: {why}")
         for op in FUSED_NORM_OPS | FUSED_ADD_NORM_OPS:  # what fuse_norms puts in place of the above
             rules[op] = OpRule(

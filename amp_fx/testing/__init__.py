@@ -6,7 +6,8 @@
   (the same float32 math, each rounded once).
 - `assert_equivalent(original, converted, inputs)`: forward and backward through both models;
   by default every output's and input/parameter gradient's error against FP32 must be at most
-  `RELATIVE_BOUND` (1.5) times the reference's (torch.autocast; for O3 the model cast low),
+  `RELATIVE_BOUND` (1.5) times the reference's (torch.autocast, at O2 with mixture-of-experts
+  experts run low as O2 runs them, ``lowered_ops``; for O3 the model cast low),
   median over seeded batches (`error_ratio` measures it); ``measure="fixed"`` compares within
   the fixed tolerances instead, ``exact=True`` bit for bit.
 - `with_autocast(model, device_type, dtype)` and `low_precision_copy(model, dtype)`: the
@@ -52,7 +53,14 @@ from amp_fx.testing.dtype_tolerances import (
     tolerances,
 )
 from amp_fx.testing.equivalence import assert_equivalent
-from amp_fx.testing.references import infer_dtype, low_precision_copy, reference_for, with_autocast
+from amp_fx.testing.references import (
+    infer_dtype,
+    low_precision_copy,
+    lowered_unlisted_ops,
+    reference_for,
+    running_low,
+    with_autocast,
+)
 from amp_fx.testing.relative_error import ErrorRatio, TensorRatio, error_ratio, seeded_batches
 
 # The strategies need hypothesis (a test dependency); import them on first use so that
@@ -90,10 +98,12 @@ __all__ = [
     "grad_tolerances",
     "infer_dtype",
     "low_precision_copy",
+    "lowered_unlisted_ops",
     "normwise_error",
     "reference_for",
     "relative_floor",
     "rounding_tolerances",
+    "running_low",
     "seeded_batches",
     "tolerances",
     "with_autocast",

@@ -15,7 +15,7 @@ batches. ``measure="fixed"`` compares with FP32 within the dtype's fixed toleran
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -50,6 +50,7 @@ def assert_equivalent(
     reference: torch.nn.Module | Callable[..., Any] | None = None,
     bound: float = RELATIVE_BOUND,
     batches: int = DEFAULT_BATCHES,
+    lowered_ops: Collection[str] | None = None,
 ) -> None:
     """Assert that ``converted`` computes ``original``'s outputs and gradients as accurately as promised.
 
@@ -63,8 +64,9 @@ def assert_equivalent(
     ``measure="relative"`` (default): `error_ratio` over ``batches`` seeded batches; every output
     and gradient's error against FP32 must be at most ``bound`` times ``reference``'s (default:
     torch.autocast for O1/O2 and models of unknown origin, the model cast to ``dtype`` for O3;
-    see `reference_for`). ``measure="fixed"``: one batch, each tensor within the fixed
-    tolerances of ``dtype`` (`tolerances`, `grad_tolerances`, norm-wise as `compare_tensors`;
+    see `reference_for`; ``lowered_ops`` as in `error_ratio`: O2's mixture-of-experts experts are
+    judged against autocast with them run low too). ``measure="fixed"``: one batch, each tensor
+    within the fixed tolerances of ``dtype`` (`tolerances`, `grad_tolerances`, norm-wise as `compare_tensors`;
     for gradients with the RMS of all the original's gradients as ``scale``). ``exact=True``:
     one batch, bit-identical outputs and gradients (O0 against the original, O1 against
     `with_autocast`, O3 against `low_precision_copy`).
@@ -110,6 +112,7 @@ def assert_equivalent(
             dtype=dtype,
             check_grads=check_grads,
             batches=batches,
+            lowered_ops=lowered_ops,
         )
         if lines := measured.failures(bound):
             listing = "\n".join(f"  {line}" for line in lines)

@@ -4,7 +4,8 @@ A fixed tolerance cannot tell a correct bf16 conversion from a wrong one: bf16's
 moves outputs by 1-3%, so a tolerance that passes every correct model also passes a layer whose
 weights are 5% off, and a pure-bf16 (O3) model passes the check O2 does. What a conversion
 promises is relative: O1 computes what torch.autocast computes, O2 is at most as far from FP32 as
-autocast (O3: as the model cast to the low dtype). `error_ratio` measures that promise:
+autocast with the experts of mixture-of-experts layers (``_grouped_mm``, on no autocast list) run
+low as O2 runs them (O3: as the model cast to the low dtype). `error_ratio` measures that promise:
 
     for each tensor t (every floating output, the gradients of the inputs and of each parameter)
     and each of a few seeded batches:
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,11 +134,16 @@ def error_ratio(
     dtype: torch.dtype | None = None,
     check_grads: bool = True,
     batches: int = DEFAULT_BATCHES,
+    lowered_ops: Collection[str] | None = None,
 ) -> ErrorRatio:
     """Measure ``converted``'s error against the FP32 ``original``, relative to ``reference``'s.
 
     ``reference`` defaults to `reference_for` (torch.autocast for O1/O2, the model cast to the
-    low dtype for O3); ``dtype`` (the floor's precision) to `infer_dtype`. Outputs, and with
+    low dtype for O3); ``dtype`` (the floor's precision) to `infer_dtype`. ``lowered_ops``: the
+    ATen ops on no autocast list that the default reference runs in the low dtype too (default:
+    those the conversion's policy lowers, ``("_grouped_mm",)`` at O2, so mixture-of-experts
+    experts are judged against experts run low the same way; ``()``: plain autocast, as the
+    numerics of ``set_op("_grouped_mm", "fp32")`` promise). Outputs, and with
     ``check_grads`` the gradients of floating inputs and of parameters (matched by name), are
     measured as the module docstring says; raises AssertionError when the output structures differ.
 
@@ -149,8 +155,14 @@ def error_ratio(
     if dtype is None:
         dtype = infer_dtype(converted) if isinstance(converted, torch.nn.Module) else torch.float32
     original_module = as_module(original)
+    if reference is not None and lowered_ops is not None:
+        raise ValueError(
+            "lowered_ops shapes the default (autocast) reference; with a reference= of your own, "
+            "leave lowered_ops out"
+        )
     if reference is None:
-        reference_module, described = reference_for(original_module, converted, dtype)
+        ops = None if lowered_ops is None else tuple(lowered_ops)
+        reference_module, described = reference_for(original_module, converted, dtype, ops)
     else:
         reference_module, described = as_module(reference), "the given reference"
     floor = relative_floor(dtype)

@@ -1,0 +1,339 @@
+"""Mixture-of-experts at O2 (issue 37): experts compute in the low dtype, routers in FP32.
+
+O2 lowers grouped expert products (``aten._grouped_mm``, on no autocast list), batched experts
+(``bmm`` over the expert dimension) and looped experts (a Linear per expert), as MoE training
+stacks run them; softmax and top-k of the router stay FP32. Its error against FP32 is measured
+against autocast with the experts run low the same way (`amp_fx.testing.running_low`, the
+oracle's default for O2), and must be within `RELATIVE_BOUND` of it. O1 stays autocast bit for
+bit; ``set_op("_grouped_mm", "fp32")`` keeps autocast's numerics for the experts.
+
+The layouts are written here in plain torch (three expert layouts, four routers, a shared expert)
+and taken from transformers' MoE families on their default call, with each
+``experts_implementation`` the installed version offers.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import amp_fx
+from amp_fx.core.policy import Rule, preset
+from amp_fx.optim import FusedAdam
+from amp_fx.testing import (
+    RELATIVE_BOUND,
+    assert_equivalent,
+    error_ratio,
+    lowered_unlisted_ops,
+    running_low,
+    with_autocast,
+)
+
+BF16 = torch.bfloat16
+FP32 = torch.float32
+HIDDEN, FFN, EXPERTS, TOKENS = 16, 32, 4, 24  # 16-byte aligned rows: _grouped_mm's CPU kernel needs them
+
+_aten = torch.ops.aten
+_MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten._grouped_mm}
+_ROUTER_OPS = {_aten.topk, _aten._softmax, _aten.softmax, _aten.sigmoid}
+
+
+class OpDtypes(TorchDispatchMode):
+    """Counts, per (op, dtype it computed in), the output elements of matrix products and the
+    calls of router ops (softmax, sigmoid, top-k) by their input's dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.matmul_elements: Counter[tuple[str, torch.dtype]] = Counter()
+        self.router_calls: Counter[tuple[str, torch.dtype]] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        packet = func.overloadpacket
+        if packet in _MATMULS:
+            operand = next(a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2)
+            self.matmul_elements[(packet.__name__, operand.dtype)] += out.numel()
+        elif packet in _ROUTER_OPS:
+            self.router_calls[(packet.__name__, args[0].dtype)] += 1
+        return out
+
+    def low_share(self, ops: set[str] | None = None) -> float:
+        """The share of matrix-product output elements (of ``ops``, default all) computed in bf16."""
+        counted = {k: n for k, n in self.matmul_elements.items() if ops is None or k[0] in ops}
+        return sum(n for (_, dtype), n in counted.items() if dtype == BF16) / max(1, sum(counted.values()))
+
+
+def op_dtypes(model: Any, *args: Any, **kwargs: Any) -> OpDtypes:
+    with torch.no_grad(), OpDtypes() as counted:
+        model(*args, **kwargs)
+    return counted
+
+
+# ---- MoE layers in plain torch ----------------------------------------------------------------------
+def route(logits: torch.Tensor, router: str, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-choice routers: (weights (T, k) in FP32, expert ids (T, k))."""
+    logits = logits.float()
+    if router == "softmax_topk":  # Mixtral: softmax, top-k, renormalized
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+        return weights / weights.sum(-1, keepdim=True), ids
+    if router == "sigmoid_topk":  # DeepSeek-V3 style: sigmoid scores, top-k, normalized
+        scores = torch.sigmoid(logits)
+        weights, ids = torch.topk(scores, k, dim=-1)
+        return weights / (weights.sum(-1, keepdim=True) + 1e-20), ids
+    if router == "switch":  # Switch Transformer: top-1 of the softmax, unnormalized
+        return torch.topk(torch.softmax(logits, dim=-1), 1, dim=-1)
+    raise ValueError(router)
+
+
+class TokenChoiceMoE(nn.Module):
+    """A SwiGLU MoE layer whose experts run as ``layout`` says: ``grouped`` (``torch._grouped_mm``
+    on tokens sorted by expert), ``bmm`` (each token-expert pair's weights gathered, ``bmm``) or
+    ``loop`` (one Linear pair per expert, in a Python loop, gated densely); optionally with a
+    sigmoid-gated shared expert (Qwen2-MoE)."""
+
+    def __init__(self, layout: str, router: str, shared: bool = False) -> None:
+        super().__init__()
+        self.layout, self.router, self.k = layout, router, 1 if router == "switch" else 2
+        self.gate = nn.Linear(HIDDEN, EXPERTS, bias=False)
+        if layout == "loop":
+            self.up = nn.ModuleList(nn.Linear(HIDDEN, 2 * FFN, bias=False) for _ in range(EXPERTS))
+            self.down = nn.ModuleList(nn.Linear(FFN, HIDDEN, bias=False) for _ in range(EXPERTS))
+        else:
+            self.w_up = nn.Parameter(torch.randn(EXPERTS, HIDDEN, 2 * FFN) / HIDDEN**0.5)
+            self.w_down = nn.Parameter(torch.randn(EXPERTS, FFN, HIDDEN) / FFN**0.5)
+        self.shared = (
+            nn.Sequential(nn.Linear(HIDDEN, FFN), nn.SiLU(), nn.Linear(FFN, HIDDEN)) if shared else None
+        )
+        self.shared_gate = nn.Linear(HIDDEN, 1, bias=False) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.router, self.k)
+        if self.layout == "loop":
+            out = torch.zeros_like(x)
+            for e in range(EXPERTS):
+                gate = (weights * (ids == e)).sum(-1, keepdim=True)
+                g, u = self.up[e](x).chunk(2, dim=-1)
+                out = out + self.down[e](F.silu(g) * u) * gate
+        else:
+            flat = ids.reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            tokens = order // self.k
+            xs = x[tokens]
+            if self.layout == "grouped":
+                offs = F.one_hot(flat, EXPERTS).sum(0).cumsum(0).to(torch.int32)
+                # _grouped_mm is on no autocast list: its inputs are cast to the weights' dtype, as
+                # transformers casts them
+                g, u = torch._grouped_mm(xs.to(self.w_up.dtype), self.w_up, offs=offs).chunk(2, dim=-1)
+                ys = torch._grouped_mm((F.silu(g) * u).to(self.w_down.dtype), self.w_down, offs=offs)
+            else:
+                experts = flat[order]
+                g, u = torch.bmm(xs.unsqueeze(1), self.w_up[experts]).squeeze(1).chunk(2, dim=-1)
+                ys = torch.bmm((F.silu(g) * u).unsqueeze(1), self.w_down[experts]).squeeze(1)
+            ys = ys * weights.reshape(-1)[order].unsqueeze(-1)
+            out = ys.new_zeros(x.shape).index_add(0, tokens, ys)
+        if self.shared is not None:
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return out
+
+
+class ExpertChoiceMoE(nn.Module):
+    """Expert-choice routing (Zhou et al. 2022): each expert takes its top-``capacity`` tokens by
+    softmax score; the experts run as one ``bmm`` over the expert dimension."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.gate = nn.Linear(HIDDEN, EXPERTS, bias=False)
+        self.w_up = nn.Parameter(torch.randn(EXPERTS, HIDDEN, FFN) / HIDDEN**0.5)
+        self.w_down = nn.Parameter(torch.randn(EXPERTS, FFN, HIDDEN) / FFN**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.softmax(self.gate(x).float(), dim=-1)  # (T, E)
+        weights, tokens = torch.topk(scores.t(), self.capacity, dim=-1)  # (E, C): tokens per expert
+        h = F.gelu(torch.bmm(x[tokens], self.w_up))  # (E, C, FFN)
+        ys = torch.bmm(h, self.w_down) * weights.unsqueeze(-1)
+        return ys.new_zeros(x.shape).index_add(0, tokens.reshape(-1), ys.reshape(-1, HIDDEN))
+
+
+class Block(nn.Module):
+    """Embedding-free pre-norm residual block around a MoE layer, with a head: the MoE layer sits
+    in a network as in a transformer (FP32 residual stream at O2, a norm before it)."""
+
+    def __init__(self, moe: nn.Module) -> None:
+        super().__init__()
+        self.proj, self.norm, self.moe = nn.Linear(8, HIDDEN), nn.LayerNorm(HIDDEN), moe
+        self.head = nn.Linear(HIDDEN, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        h = h + self.moe(self.norm(h))
+        return self.head(h)
+
+
+PLAIN = {
+    "grouped_softmax": lambda: TokenChoiceMoE("grouped", "softmax_topk"),
+    "grouped_sigmoid_shared": lambda: TokenChoiceMoE("grouped", "sigmoid_topk", shared=True),
+    "grouped_switch": lambda: TokenChoiceMoE("grouped", "switch"),
+    "bmm_sigmoid": lambda: TokenChoiceMoE("bmm", "sigmoid_topk"),
+    "bmm_switch_shared": lambda: TokenChoiceMoE("bmm", "switch", shared=True),
+    "loop_softmax_shared": lambda: TokenChoiceMoE("loop", "softmax_topk", shared=True),
+    "loop_switch": lambda: TokenChoiceMoE("loop", "switch"),
+    "expert_choice": ExpertChoiceMoE,
+}
+
+
+def _plain(name: str) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return Block(PLAIN[name]()).eval(), torch.randn(TOKENS, 8)
+
+
+def _trains_every_parameter(converted: nn.Module, *args: Any, loss: Any, **kwargs: Any) -> None:
+    """One FusedAdam step on ``converted`` moves every parameter (experts and router included)."""
+    converted.train()
+    before = {name: p.detach().clone() for name, p in converted.named_parameters()}
+    optimizer = FusedAdam(converted.parameters(), lr=1e-2)
+    loss(converted(*args, **kwargs)).backward()
+    optimizer.step()
+    unmoved = [name for name, p in converted.named_parameters() if torch.equal(p, before[name])]
+    assert not unmoved, f"one step left these unchanged: {unmoved}"
+
+
+def _plain_case(name: str, front_end: str) -> Any:
+    # torch's meta kernel of _grouped_mm takes bf16/fp16 only, so torch.export cannot capture an FP32
+    # model's own _grouped_mm call (transformers switches to its custom op while compiling).
+    marks = (
+        [pytest.mark.skip(reason="torch.export refuses FP32 _grouped_mm")]
+        if (front_end == "export" and name.startswith("grouped"))
+        else []
+    )
+    return pytest.param(name, front_end, marks=marks)
+
+
+@pytest.mark.parametrize(("name", "front_end"), [_plain_case(n, f) for n in PLAIN for f in ("fx", "export")])
+def test_plain_moe_experts_run_low_at_o2(name: str, front_end: str) -> None:
+    model, x = _plain(name)
+    o2 = amp_fx.convert(model, "O2", dtype=BF16, device_type="cpu", front_end=front_end)
+    counted = op_dtypes(o2, x)
+    # Every matrix product (experts, router, shared expert, projections) computes in bf16.
+    assert counted.matmul_elements and counted.low_share() == 1.0, counted.matmul_elements
+    # The router's softmax/sigmoid and top-k read FP32.
+    topk = {dtype for (op, dtype) in counted.router_calls if op == "topk"}
+    assert topk == {FP32}, counted.router_calls
+    assert all(dtype == FP32 for (op, dtype) in counted.router_calls if op != "sigmoid"), counted.router_calls
+    # Within the oracle's bound of autocast with the experts run low the same way.
+    measured = error_ratio(model, o2, (x,))
+    assert "_grouped_mm in torch.bfloat16" in measured.reference
+    assert not measured.failures(RELATIVE_BOUND), measured.failures(RELATIVE_BOUND)
+    _trains_every_parameter(o2, x, loss=lambda out: out.float().square().mean())
+
+
+@pytest.mark.parametrize("name", ["grouped_sigmoid_shared", "bmm_switch_shared", "loop_softmax_shared"])
+def test_o1_stays_autocast_bit_for_bit_on_moe(name: str) -> None:
+    model, x = _plain(name)
+    o1 = amp_fx.convert(model, "O1", dtype=BF16, device_type="cpu")
+    assert_equivalent(with_autocast(model, "cpu", BF16), o1, (x,), exact=True)
+    assert lowered_unlisted_ops(amp_fx.testing.references.conversion_policy(o1)) == ()
+    if "grouped" in name:  # autocast lists no _grouped_mm: O1 keeps the experts FP32
+        assert op_dtypes(o1, x).low_share({"_grouped_mm"}) == 0.0
+
+
+def test_a_policy_rule_keeps_the_experts_fp32() -> None:
+    model, x = _plain("grouped_sigmoid_shared")
+    policy = preset("O2", BF16, "cpu").set_op("_grouped_mm", "fp32")
+    assert policy.decide("_grouped_mm").rule is Rule.FP32
+    o2 = amp_fx.convert(model, policy=policy)
+    counted = op_dtypes(o2, x)
+    assert counted.low_share({"_grouped_mm"}) == 0.0 and counted.low_share({"mm", "addmm"}) == 1.0
+    # Its reference is then plain autocast: the oracle holds it to autocast's FP32 experts.
+    measured = error_ratio(model, o2, (x,))
+    assert measured.reference == "torch.autocast(cpu, torch.bfloat16)"
+    assert not measured.failures(), measured.failures()
+    # The low experts of the default are measured against the low-expert reference, not plain autocast.
+    assert error_ratio(model, amp_fx.convert(model, "O2", dtype=BF16), (x,), lowered_ops=()).reference == (
+        "torch.autocast(cpu, torch.bfloat16)"
+    )
+
+
+def test_running_low_lowers_only_inside_and_autograd_sees_the_casts() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(8, HIDDEN, requires_grad=True)
+    w = torch.randn(2, HIDDEN, FFN, requires_grad=True)
+    offs = torch.tensor([3, 8], dtype=torch.int32)
+    with running_low(("_grouped_mm",), "cpu"), torch.autocast("cpu", dtype=BF16):
+        y = torch._grouped_mm(x, w, offs=offs)
+    assert y.dtype == BF16 and torch.equal(y, torch._grouped_mm(x.to(BF16), w.to(BF16), offs=offs))
+    y.float().sum().backward()
+    assert x.grad.dtype == FP32 and w.grad.dtype == FP32  # the casts are on the tape
+    with torch.autocast("cpu", dtype=BF16):
+        assert torch._grouped_mm(x, w, offs=offs).dtype == FP32  # removed again: autocast's own rule
+    with pytest.raises(ValueError, match="on no autocast cpu list.*got 'linear'"):
+        with running_low(("linear",), "cpu"):
+            pass
+    with pytest.raises(ValueError, match="got 'grouped_matmul'"):
+        with_autocast(nn.Linear(2, 2), "cpu", BF16, lowered_ops=("grouped_matmul",))
+    with pytest.raises(ValueError, match="leave lowered_ops out"):
+        error_ratio(
+            nn.Linear(2, 2), nn.Linear(2, 2), (torch.randn(1, 2),), reference=nn.Linear(2, 2), lowered_ops=()
+        )
+
+
+# ---- transformers' MoE families, each experts_implementation ---------------------------------------
+def _hf_moe(family: str, implementation: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    transformers = pytest.importorskip("transformers")
+    common = dict(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, experts_implementation=implementation,
+    )  # fmt: skip
+    configs = {
+        "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+            moe_intermediate_size=32, shared_expert_intermediate_size=64, intermediate_size=64, num_experts=4,
+            num_experts_per_tok=2)),
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+            moe_intermediate_size=32, intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+            head_dim=8)),
+        "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(
+            intermediate_size=32, num_experts=4, num_experts_per_tok=2)),
+    }  # fmt: skip
+    config_name, model_name, extra = configs[family]
+    if not hasattr(transformers, config_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**common, **extra)).eval()
+    if model.config._experts_implementation != implementation:
+        pytest.skip(f"{family} does not offer experts_implementation={implementation!r}")
+    ids = torch.randint(0, 64, (2, 12))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+_FAMILIES = ["qwen2_moe", "qwen3_moe", "olmoe"]
+_IMPLEMENTATIONS = ["grouped_mm", "batched_mm", "eager"]
+
+
+def _hf_case(family: str, implementation: str) -> Any:
+    fast = implementation == "grouped_mm" and family in ("qwen2_moe", "olmoe")
+    return pytest.param(family, implementation, marks=[] if fast else [pytest.mark.slow])
+
+
+@pytest.mark.parametrize(
+    ("family", "implementation"), [_hf_case(f, i) for f in _FAMILIES for i in _IMPLEMENTATIONS]
+)
+def test_hf_moe_experts_run_low_at_o2(family: str, implementation: str) -> None:
+    model, batch = _hf_moe(family, implementation)
+    o2 = amp_fx.convert(model, "O2", dtype=BF16)
+    counted = op_dtypes(o2, **batch)
+    expert_ops = {"grouped_mm": {"_grouped_mm"}, "batched_mm": {"bmm"}, "eager": {"mm", "addmm"}}[
+        implementation
+    ]
+    assert counted.low_share(expert_ops) == 1.0, counted.matmul_elements
+    assert counted.low_share() >= 0.99, counted.matmul_elements  # experts are most of the products
+    topk = {dtype for (op, dtype) in counted.router_calls if op == "topk"}
+    assert topk == {FP32}, counted.router_calls
+    measured = error_ratio(model, o2, (), keyword_inputs=batch)
+    assert not measured.failures(RELATIVE_BOUND), measured.failures(RELATIVE_BOUND)
+    _trains_every_parameter(o2, loss=lambda out: out.loss, **batch)
