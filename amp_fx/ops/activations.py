@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from amp_fx.ops.dispatch import compiler_fuses, is_eager, is_traced_backward
+from amp_fx.ops.outputs import reshaped_output
 
 __all__ = [
     "ACTIVATIONS",
@@ -64,7 +65,7 @@ def fused_gated_activation(gate: Tensor, up: Tensor, activation: str) -> Tensor:
     """``act(gate) * up`` in fp32, rounded once: gate and up of one shape, dtype and device; the
     output contiguous, in their dtype (the kernel contract of ``amp_fx.kernels.activations``)."""
     out = _kernels(gate).gated_activation_forward(_rows(gate), _rows(up), activation)
-    return out.view(gate.shape)
+    return reshaped_output(out, gate.shape)
 
 
 @fused_gated_activation.register_fake
@@ -93,7 +94,7 @@ def _gated_activation_backward_fake(
 @torch.library.custom_op("amp_fx::activation", mutates_args=())
 def fused_activation(input: Tensor, activation: str) -> Tensor:
     """``act(input)`` in fp32, rounded once; contiguous, in the input's dtype."""
-    return _kernels(input).activation_forward(_rows(input), activation).view(input.shape)
+    return reshaped_output(_kernels(input).activation_forward(_rows(input), activation), input.shape)
 
 
 @fused_activation.register_fake
@@ -173,9 +174,10 @@ class _FusedActivation(torch.autograd.Function):
     def forward(ctx, input: Tensor, up: Tensor | None, name: str, kernels: ModuleType) -> Tensor:
         ctx.activation, ctx.kernels = name, kernels
         ctx.save_for_backward(input, up)
+        # An output of its own, not a view: the next op may modify it in place.
         if up is None:
-            return kernels.activation_forward(_rows(input), name).view(input.shape)
-        return kernels.gated_activation_forward(_rows(input), _rows(up), name).view(input.shape)
+            return reshaped_output(kernels.activation_forward(_rows(input), name), input.shape)
+        return reshaped_output(kernels.gated_activation_forward(_rows(input), _rows(up), name), input.shape)
 
     @staticmethod
     @once_differentiable

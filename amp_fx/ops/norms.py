@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from amp_fx.ops.dispatch import compiler_fuses, is_traced_backward
+from amp_fx.ops.outputs import reshaped_output
 
 __all__ = [
     "add_layer_norm_fp32",
@@ -97,9 +98,11 @@ def fused_norm(
         weight_offset=weight_offset, mid_dtype=mid_dtype, product_dtype=product_dtype,
         out_dtype=out_dtype, sum_dtype=sum_dtype,
     )  # fmt: skip
+    # Outputs of their own, not views of the kernels' (rows, width) buffers: the next op may
+    # modify them in place.
     return (
-        out.reshape(x.shape),
-        _empty(x) if summed is None else summed.reshape(x.shape),
+        reshaped_output(out, x.shape),
+        _empty(x) if summed is None else reshaped_output(summed, x.shape),
         _empty(x) if mean is None else mean,
         rstd,
     )
