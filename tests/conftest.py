@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -64,6 +65,38 @@ def device(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+def spy_on_triton_ops(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Count the calls into ``amp_fx.kernels.triton_ops``, by kernel name: every op and optimizer
+    looks its kernel up on the module ``implementation_for`` returns at call time, so a call that
+    silently took the reference path leaves the count at zero. Skips the test without Triton."""
+    pytest.importorskip("triton")
+    from amp_fx.kernels import triton_ops
+
+    calls: Counter[str] = Counter()
+
+    def counting(name: str, kernel: Callable) -> Callable:
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return kernel(*args, **kwargs)
+
+        return counted
+
+    for name in triton_ops.__all__:
+        monkeypatch.setattr(triton_ops, name, counting(name, getattr(triton_ops, name)))
+    return calls
+
+
+@pytest.fixture
+def triton_calls(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Force the Triton kernels (AMP_FX_FORCE_TRITON=1, on CPU under TRITON_INTERPRET=1) and count
+    the calls of each (`spy_on_triton_ops`): a test named for the Triton path asserts on them."""
+    from amp_fx.kernels import FORCE_TRITON_ENV
+
+    calls = spy_on_triton_ops(monkeypatch)
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+    return calls
+
+
 @pytest.fixture(
     params=[
         "reference",
@@ -75,13 +108,26 @@ def device(request: pytest.FixtureRequest) -> str:
         ),
     ]
 )
-def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Runs the test once on the pure-torch reference kernels and once on the Triton kernels (on CPU
-    tensors, under TRITON_INTERPRET=1), chosen through AMP_FX_FORCE_TRITON; returns which."""
+    tensors, under TRITON_INTERPRET=1), chosen through AMP_FX_FORCE_TRITON; yields which. Each run
+    checks afterwards that it took the path it names: the Triton run called a Triton kernel, the
+    reference run none (counted by `spy_on_triton_ops`)."""
     from amp_fx.kernels import FORCE_TRITON_ENV
 
+    calls = spy_on_triton_ops(monkeypatch) if request.param == "triton" or _has_triton() else Counter()
     monkeypatch.setenv(FORCE_TRITON_ENV, "1" if request.param == "triton" else "0")
-    return request.param
+    yield request.param
+    if request.param == "triton":
+        assert calls, "the [triton] run called no Triton kernel: AMP_FX_FORCE_TRITON was not followed"
+    else:
+        assert not calls, f"the [reference] run called Triton kernels: {dict(calls)}"
+
+
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 @pytest.fixture(autouse=True)
@@ -111,7 +157,7 @@ def mkldnn_disabled():
 
 
 # Every way Python code reads a tensor's value on the host (each one a device synchronization on CUDA).
-HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
 
 
 @pytest.fixture
