@@ -7,10 +7,35 @@ import os
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _is_repo_root(entry: str) -> bool:
+    return Path(entry or os.getcwd()).resolve() == REPO_ROOT
+
+
+def _repo_root_last() -> None:
+    """Put the repository root behind every other entry of sys.path: ``python -m pytest`` (and
+    pytest-xdist's workers, also through PYTHONPATH) put it first, where its top-level ``kernels/``
+    (imported as ``amp_fx.kernels``) would hide Hugging Face's ``kernels`` package, which newer
+    transformers import. Last, it still serves ``tests.*`` (here and in spawned ranks, which inherit
+    sys.path) and nothing installed is shadowed; PYTHONPATH, which subprocesses read before their
+    site-packages, loses it."""
+    sys.path[:] = [entry for entry in sys.path if not _is_repo_root(entry)] + [str(REPO_ROOT)]
+    kept = [e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e and not _is_repo_root(e)]
+    if kept:
+        os.environ["PYTHONPATH"] = os.pathsep.join(kept)
+    else:
+        os.environ.pop("PYTHONPATH", None)
+
+
+_repo_root_last()
 
 # CI runs on 2 CPU cores with a 10-minute budget for the whole suite: bounded examples, no deadline
 # (the first call of a Triton kernel under the interpreter or of torch.fx tracing is slow).
