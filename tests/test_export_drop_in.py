@@ -89,10 +89,24 @@ def test_a_failed_call_changes_nothing_and_training_follows(mistake) -> None:
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_generate_then_train(opt_level: str) -> None:
-    converted = amp_fx.convert(_gpt2(), opt_level, dtype=BF16)
+    model = _gpt2().eval()  # generation without dropout, then training in train mode
+    converted = amp_fx.convert(model, opt_level, dtype=BF16)
     ids = _ids()
     tokens = converted.generate(ids, max_new_tokens=3, do_sample=False)
     assert type(tokens) is torch.Tensor and tokens.shape == (2, 11)
+    if opt_level == "O1":  # O1 computes what autocast does, bit for bit: the same tokens and logits
+        options = {
+            "max_new_tokens": 3,
+            "do_sample": False,
+            "return_dict_in_generate": True,
+            "output_logits": True,
+        }
+        ours = converted.generate(ids, **options)
+        with torch.autocast("cpu", dtype=BF16):
+            expected = model.generate(ids, **options)
+        assert torch.equal(tokens, expected.sequences) and torch.equal(ours.sequences, expected.sequences)
+        assert all(torch.equal(a, b) for a, b in zip(ours.logits, expected.logits, strict=True))
+    converted.train()
     _check_trains(converted, converted(input_ids=ids, labels=ids).loss)
 
 
