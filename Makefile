@@ -22,21 +22,23 @@ $(STAMP): requirements-dev.txt pyproject.toml
 	@touch $(STAMP)
 	@echo "done: $(VENV) is ready"
 
-# CPU-only machines run the Triton kernels in the interpreter; two workers use both cores of CI's
+# pytest's own script, not `python -m pytest`, which would put the repository root first on sys.path
+# (its kernels/ would hide Hugging Face's `kernels`; tests/conftest.py moves the root last anyway,
+# for xdist's workers and any other way of running). CPU-only machines run the Triton kernels in the interpreter; two workers use both cores of CI's
 # machine (every test is independent: seeded, in its own tmp_path, distributed ones on file stores).
 test: $(STAMP)
-	TRITON_INTERPRET=1 HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -n 2 -m "not slow and not gpu" tests
+	TRITON_INTERPRET=1 HYPOTHESIS_PROFILE=ci $(VENV)/bin/pytest -q -n 2 -m "not slow and not gpu" tests
 
 # The property tests (every test file that uses hypothesis) with the "thorough" profile: 20x CI's examples.
 thorough: $(STAMP)
-	TRITON_INTERPRET=1 HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q -m "not slow and not gpu" \
+	TRITON_INTERPRET=1 HYPOTHESIS_PROFILE=thorough $(VENV)/bin/pytest -q -m "not slow and not gpu" \
 		$$(grep -rl --include='test_*.py' -e '^from hypothesis' -e '^import hypothesis' tests)
 
 slow: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m slow tests
+	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q -m slow tests
 
 gpu-test: $(STAMP)
-	$(PY) -m pytest -q -m gpu tests
+	$(VENV)/bin/pytest -q -m gpu tests
 
 demo: $(STAMP)
 	$(PY) examples/demo.py

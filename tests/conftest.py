@@ -5,11 +5,37 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _is_repo_root(entry: str) -> bool:
+    return Path(entry or os.getcwd()).resolve() == REPO_ROOT
+
+
+def _repo_root_last() -> None:
+    """Put the repository root behind every other entry of sys.path: ``python -m pytest`` (and
+    pytest-xdist's workers, also through PYTHONPATH) put it first, where its top-level ``kernels/``
+    (imported as ``amp_fx.kernels``) would hide Hugging Face's ``kernels`` package, which newer
+    transformers import. Last, it still serves ``tests.*`` (here and in spawned ranks, which inherit
+    sys.path) and nothing installed is shadowed; PYTHONPATH, which subprocesses read before their
+    site-packages, loses it."""
+    sys.path[:] = [entry for entry in sys.path if not _is_repo_root(entry)] + [str(REPO_ROOT)]
+    kept = [e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e and not _is_repo_root(e)]
+    if kept:
+        os.environ["PYTHONPATH"] = os.pathsep.join(kept)
+    else:
+        os.environ.pop("PYTHONPATH", None)
+
+
+_repo_root_last()
 
 # CI runs on 2 CPU cores with a 10-minute budget for the whole suite: bounded examples, no deadline
 # (the first call of a Triton kernel under the interpreter or of torch.fx tracing is slow).
@@ -64,6 +90,38 @@ def device(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+def spy_on_triton_ops(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Count the calls into ``amp_fx.kernels.triton_ops``, by kernel name: every op and optimizer
+    looks its kernel up on the module ``implementation_for`` returns at call time, so a call that
+    silently took the reference path leaves the count at zero. Skips the test without Triton."""
+    pytest.importorskip("triton")
+    from amp_fx.kernels import triton_ops
+
+    calls: Counter[str] = Counter()
+
+    def counting(name: str, kernel: Callable) -> Callable:
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return kernel(*args, **kwargs)
+
+        return counted
+
+    for name in triton_ops.__all__:
+        monkeypatch.setattr(triton_ops, name, counting(name, getattr(triton_ops, name)))
+    return calls
+
+
+@pytest.fixture
+def triton_calls(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Force the Triton kernels (AMP_FX_FORCE_TRITON=1, on CPU under TRITON_INTERPRET=1) and count
+    the calls of each (`spy_on_triton_ops`): a test named for the Triton path asserts on them."""
+    from amp_fx.kernels import FORCE_TRITON_ENV
+
+    calls = spy_on_triton_ops(monkeypatch)
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+    return calls
+
+
 @pytest.fixture(
     params=[
         "reference",
@@ -75,13 +133,26 @@ def device(request: pytest.FixtureRequest) -> str:
         ),
     ]
 )
-def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Runs the test once on the pure-torch reference kernels and once on the Triton kernels (on CPU
-    tensors, under TRITON_INTERPRET=1), chosen through AMP_FX_FORCE_TRITON; returns which."""
+    tensors, under TRITON_INTERPRET=1), chosen through AMP_FX_FORCE_TRITON; yields which. Each run
+    checks afterwards that it took the path it names: the Triton run called a Triton kernel, the
+    reference run none (counted by `spy_on_triton_ops`)."""
     from amp_fx.kernels import FORCE_TRITON_ENV
 
+    calls = spy_on_triton_ops(monkeypatch) if request.param == "triton" or _has_triton() else Counter()
     monkeypatch.setenv(FORCE_TRITON_ENV, "1" if request.param == "triton" else "0")
-    return request.param
+    yield request.param
+    if request.param == "triton":
+        assert calls, "the [triton] run called no Triton kernel: AMP_FX_FORCE_TRITON was not followed"
+    else:
+        assert not calls, f"the [reference] run called Triton kernels: {dict(calls)}"
+
+
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 @pytest.fixture(autouse=True)
@@ -111,7 +182,7 @@ def mkldnn_disabled():
 
 
 # Every way Python code reads a tensor's value on the host (each one a device synchronization on CUDA).
-HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
 
 
 @pytest.fixture

@@ -19,6 +19,8 @@ from tests.models.hf import MODELS  # noqa: E402
 TINY_MODELS = ("gpt2", "llama")
 CASTS = "aten._to_copy.default"
 MODEL_PHASES = ("forward", "backward")
+# The project's goal: O2 writes (and casts) at most 90% of what the other recipes do, not merely less.
+RATIO = 0.90
 
 
 def model_part(counted: StepBytes) -> int:
@@ -73,14 +75,14 @@ def test_counts_are_positive_and_reproducible(name: str, step_bytes: dict) -> No
 def test_o2_casts_less_than_autocast(name: str, step_bytes: dict) -> None:
     """O2 keeps its weights low: no per-step cast of every weight, as autocast makes."""
     o2, autocast = step_bytes[(name, "O2")], step_bytes[(name, "autocast")]
-    assert o2.op_bytes(CASTS, MODEL_PHASES) < autocast.op_bytes(CASTS, MODEL_PHASES)
+    assert o2.op_bytes(CASTS, MODEL_PHASES) <= RATIO * autocast.op_bytes(CASTS, MODEL_PHASES)
 
 
 @pytest.mark.parametrize("name", TINY_MODELS)
 def test_o2_writes_less_than_autocast(name: str, step_bytes: dict) -> None:
-    assert model_part(step_bytes[(name, "O2")]) < model_part(step_bytes[(name, "autocast")])
+    assert model_part(step_bytes[(name, "O2")]) <= RATIO * model_part(step_bytes[(name, "autocast")])
 
 
 @pytest.mark.parametrize("name", TINY_MODELS)
 def test_o2_writes_less_than_pure_low_precision(name: str, step_bytes: dict) -> None:
-    assert model_part(step_bytes[(name, "O2")]) < model_part(step_bytes[(name, "low_precision")])
+    assert model_part(step_bytes[(name, "O2")]) <= RATIO * model_part(step_bytes[(name, "low_precision")])

@@ -89,10 +89,24 @@ def test_a_failed_call_changes_nothing_and_training_follows(mistake) -> None:
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_generate_then_train(opt_level: str) -> None:
-    converted = amp_fx.convert(_gpt2(), opt_level, dtype=BF16)
+    model = _gpt2().eval()  # generation without dropout, then training in train mode
+    converted = amp_fx.convert(model, opt_level, dtype=BF16)
     ids = _ids()
     tokens = converted.generate(ids, max_new_tokens=3, do_sample=False)
     assert type(tokens) is torch.Tensor and tokens.shape == (2, 11)
+    if opt_level == "O1":  # O1 computes what autocast does, bit for bit: the same tokens and logits
+        options = {
+            "max_new_tokens": 3,
+            "do_sample": False,
+            "return_dict_in_generate": True,
+            "output_logits": True,
+        }
+        ours = converted.generate(ids, **options)
+        with torch.autocast("cpu", dtype=BF16):
+            expected = model.generate(ids, **options)
+        assert torch.equal(tokens, expected.sequences) and torch.equal(ours.sequences, expected.sequences)
+        assert all(torch.equal(a, b) for a, b in zip(ours.logits, expected.logits, strict=True))
+    converted.train()
     _check_trains(converted, converted(input_ids=ids, labels=ids).loss)
 
 
@@ -302,15 +316,45 @@ def test_island_descendants_are_captured_at_any_depth(caplog) -> None:
     _check_trains(converted, converted(x).float().square().mean())  # an island trains too
 
 
+class _TwoIslands(nn.Module):
+    """Two data-dependent modules (islands) in one call, and an optional keyword argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, 4)
+        self.first, self.second = _Gated(), _Gated()
+
+    def forward(self, x, scale=None):
+        out = self.second(self.first(self.stem(x)))
+        return out if scale is None else out * scale
+
+
+def _island_notices(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "autocast islands" in r.getMessage()]
+
+
 def test_one_notice_per_model_and_call_structure(caplog) -> None:
+    torch.manual_seed(0)
+    converted = amp_fx.convert(_TwoIslands(), "O1", dtype=BF16, front_end="export")
+    x = torch.randn(3, 4)
+    with caplog.at_level(logging.WARNING, logger="amp_fx.captured_model"):
+        for _ in range(3):
+            converted(x)
+        (notice,) = _island_notices(caplog)  # both islands of the call, in one notice, once
+        assert "first (_Gated)" in notice and "second (_Gated)" in notice  # and the root, which calls them
+        for _ in range(2):
+            converted(x, scale=torch.full((1,), 2.0))  # another call structure: its own notice, once
+        assert len(_island_notices(caplog)) == 2
+
+
+def test_no_notice_without_islands(caplog) -> None:
     converted = amp_fx.convert(_gpt2(), "O2", dtype=BF16)
     ids = _ids()
     with caplog.at_level(logging.WARNING, logger="amp_fx.captured_model"):
         for _ in range(2):
             converted(input_ids=ids, labels=ids)
-    notices = [r.getMessage() for r in caplog.records if "autocast islands" in r.getMessage()]
-    islands = sum(len(state.islands) for _, state in capture_states(converted))
-    assert len(notices) <= 1 and (islands == 0) == (not notices)
+    assert not any(state.islands for _, state in capture_states(converted))
+    assert _island_notices(caplog) == []
 
 
 def test_lora_model_trains_only_its_adapters() -> None:

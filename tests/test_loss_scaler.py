@@ -122,7 +122,8 @@ def test_fused_path_never_reads_a_tensor_on_the_host(no_host_reads) -> None:
 
 def test_the_host_read_guard_catches_a_read(no_host_reads) -> None:
     # The guard above must be able to fail: each kind of read it forbids raises inside it.
-    reads = [lambda t: t.item(), lambda t: t.tolist(), bool, float, int, lambda t: [0, 1][t]]
+    reads = [lambda t: t.item(), lambda t: t.tolist(), lambda t: t.cpu(), lambda t: t.numpy()]
+    reads += [bool, float, int, lambda t: [0, 1][t]]
     for read in reads:
         with no_host_reads(), pytest.raises(AssertionError, match="read on the host"):
             read(torch.ones((), dtype=torch.int64))

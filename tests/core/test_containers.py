@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from amp_fx.core.containers import Spec, _hashable, flatten, unflatten
+from amp_fx.core.containers import Spec, _hashable, flatten, unflatten, write_back
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,3 +104,51 @@ def test_objects_are_rebuilt_with_their_attributes_set_as_vars_holds_them() -> N
     assert list(vars(obj)) == list(vars(original))
     assert obj.tensor is new[0] and obj.count == new[1]
     assert type(obj.inner) is Frozen and obj.inner.items == [new[2]]
+
+
+class Layer:
+    """A cache layer: tensors in lists, as Hugging Face's dynamic cache layers hold them."""
+
+    def __init__(self, keys: list[torch.Tensor]) -> None:
+        self.keys = keys
+        self.lengths = {"seen": len(keys)}
+
+
+class Cache:
+    def __init__(self, layers: list[Layer], offset: int) -> None:
+        self.layers = layers
+        self.offset = offset
+
+
+def test_write_back_fills_the_callers_nested_lists_and_objects_in_place() -> None:
+    # The caller keeps references into its object (a layer, a layer's list of keys): after the call
+    # they must show the callee's values, so write_back fills them instead of replacing them.
+    layer = Layer([torch.zeros(2)])
+    cache = Cache([layer], offset=0)
+    layers, keys, lengths = cache.layers, layer.keys, layer.lengths
+    copy = Cache([Layer([torch.ones(2), torch.full((2,), 2.0)]), Layer([torch.full((2,), 3.0)])], offset=3)
+    write_back([cache], [vars(copy)])
+    assert cache.layers is layers and cache.layers[0] is layer and layer.keys is keys
+    assert layer.lengths is lengths and lengths == {"seen": 2}
+    assert [k.tolist() for k in keys] == [[1.0, 1.0], [2.0, 2.0]]
+    assert len(layers) == 2 and type(layers[1]) is Layer and layers[1].keys[0].tolist() == [3.0, 3.0]
+    assert cache.offset == 3
+
+
+def test_write_back_deletes_what_the_callee_deleted_at_every_depth() -> None:
+    layer = Layer([torch.zeros(2)])
+    cache = Cache([layer], offset=0)
+    cache.extra = torch.ones(1)
+    copy = Cache([Layer([torch.ones(2)])], offset=1)  # no `extra`
+    del copy.layers[0].lengths
+    write_back([cache], [vars(copy)])
+    assert not hasattr(cache, "extra") and not hasattr(layer, "lengths")
+    assert list(vars(cache)) == ["layers", "offset"] and list(vars(layer)) == ["keys"]
+
+
+def test_write_back_replaces_what_changed_type() -> None:
+    # A list the callee replaced by a tuple (or an object of another class) is the callee's value.
+    cache = Cache([Layer([torch.zeros(2)])], offset=0)
+    replacement = (torch.ones(1),)
+    write_back([cache], [{"layers": replacement, "offset": 0}])
+    assert cache.layers is replacement

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -247,6 +248,33 @@ def test_resume_from_checkpoint_continues_bit_for_bit(fp16_run: dict[str, Any], 
     assert_equal_states(training_state(resumed), fp16_run["state"])
     # The resumed history: the checkpoint's first SAVE_EVERY logs, then the same losses, bit for bit.
     assert train_losses(resumed) == train_losses(fp16_run["trainer"])
+
+
+def test_resume_restores_a_nonzero_skipped_step_count(fp16_run: dict[str, Any], tmp_path: Path) -> None:
+    """The run's overflows come after its checkpoint (whose count is then 0, which a resume that
+    forgot the count would also give): here the checkpoint says 3 steps were skipped before it, and
+    the resumed run counts on from there, its own skips added."""
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(fp16_run["dir"] / f"checkpoint-{SAVE_EVERY}", checkpoint)
+    scaler_state = torch.load(checkpoint / "scaler.pt", weights_only=True)
+    earlier = 3
+    scaler_state["skipped_steps"] += earlier
+    torch.save(scaler_state, checkpoint / "scaler.pt")
+    resumed = AmpTrainer(
+        model=tiny_llama(seed=1),
+        args=training_args(tmp_path / "out", fp16=True, save_steps=SAVE_EVERY),
+        train_dataset=sequences(),
+        loss_scaler=amp_fx.LossScaler(growth_interval=2),
+    )
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+
+    def skipped_after_checkpoint(trainer: AmpTrainer) -> list[int]:
+        return [entry["skipped_steps"] for entry in trainer.state.log_history if "loss" in entry][SAVE_EVERY:]
+
+    original = skipped_after_checkpoint(fp16_run["trainer"])
+    assert len(original) == STEPS - SAVE_EVERY
+    assert skipped_after_checkpoint(resumed) == [count + earlier for count in original]
+    assert resumed.skipped_steps == fp16_run["trainer"].skipped_steps + earlier
 
 
 def test_checkpoints_and_save_model_hold_the_fp32_masters(fp16_run: dict[str, Any], tmp_path: Path) -> None:

@@ -10,28 +10,11 @@ import pytest
 import torch
 
 from amp_fx import LossScaler, clip_grad_norm_
-from amp_fx.kernels import FORCE_TRITON_ENV, triton_ops
 from amp_fx.optim import FusedAdam, FusedSGD, master_params
 from amp_fx.testing import tolerances
 
 SHAPES = ((33,), (5, 7), (1,), (4, 4), (17,))
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float16, torch.bfloat16)
-
-
-@pytest.fixture
-def triton_calls(monkeypatch):
-    """Force the Triton implementation on CPU and count the calls of each of its kernels."""
-    monkeypatch.setenv(FORCE_TRITON_ENV, "1")
-    calls: dict[str, int] = {}
-    for name in ("check_finite_and_norm_", "adam_step_", "sgd_step_"):
-        original = getattr(triton_ops, name)
-
-        def counted(*args, _name=name, _original=original, **kwargs):
-            calls[_name] = calls.get(_name, 0) + 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(triton_ops, name, counted)
-    return calls
 
 
 def _problem(device: str, seed: int):
@@ -76,8 +59,14 @@ def test_scaled_clipped_steps_match_torch_with_one_launch_per_step(triton_calls,
     for master, copy in zip(master_params(optimizer), copies, strict=True):
         torch.testing.assert_close(master.cpu(), copy.detach().cpu(), rtol=rtol, atol=atol)
     kernel = "adam_step_" if name == "adam" else "sgd_step_"
-    # One update call per step for all five params of three dtypes, plus the overflow check and clip's norm.
-    assert triton_calls == {kernel: steps, "check_finite_and_norm_": 2 * steps}
+    # One update call per step for all five params of three dtypes, plus the overflow check and clip's
+    # norm, and the scaler's one update of its scale per step.
+    assert triton_calls == {
+        kernel: steps,
+        "check_finite_and_norm_": 2 * steps,
+        "update_loss_scale_": steps,
+        "advance_step_": 2 * steps,
+    }
 
 
 def test_overflow_skips_bit_identically(triton_calls, optimizer_snapshot, device) -> None:
