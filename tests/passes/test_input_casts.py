@@ -213,3 +213,30 @@ def test_o1_and_o3_are_unchanged(level) -> None:
         assert all(node_info(u).is_cast for u in users)  # Apex's O3: the input cast at entry
     else:
         assert not [u for u in users if node_info(u).is_cast]  # the subtraction reads it as it is
+
+
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
+def test_the_report_says_where_each_input_was_cast_and_why(front_end) -> None:
+    model, inputs = _precise_cases()["regression_loss"]
+    converted = _convert(model, front_end)
+    converted(*inputs)
+    rep = amp_fx.report(converted)
+    by_name = {cast.name: cast for cast in rep.input_casts}
+    x, target = by_name["x"], by_name["target"]
+    assert "first lowered consumer" in x.reason and x.consumers and not x.read_as_is_by
+    assert not target.casts and target.reason.startswith("not cast: read as it is by sub, div")
+    assert "target: not cast" in str(rep)  # the summary lists inputs not simply cast at the entry
+    assert rep.to_dict()["summary"]["inputs"][1]["name"] == "target"
+
+    images = _convert(SmallConvNet(), front_end)
+    images(torch.randn(2, 3, 8, 8))
+    (cast,) = amp_fx.report(images).input_casts
+    assert cast.casts == ("images_to_bfloat16",) and "where its first lowered consumer" in cast.reason
+
+
+def test_the_report_names_the_entry_cast() -> None:
+    model, (x,) = _precise_cases()["centred_points"]
+    (cast,) = amp_fx.report(_convert(model, "fx", cast_inputs_at_entry=True)).input_casts
+    assert cast.reason.startswith("cast to bf16 at the graph's entry") and not cast.read_as_is_by
+    (delayed,) = amp_fx.report(_convert(model, "fx")).input_casts
+    assert delayed.read_as_is_by[:2] == ("mean", "sub") and "cast to bf16 where fc (linear)" in delayed.reason
