@@ -84,6 +84,13 @@ def format_summary(report: Report) -> str:
         for d, (n, numel) in sorted(report.params_by_dtype.items(), key=lambda item: str(item[0]))
     ]
     lines += _fill_items("parameters and buffers: ", params or ["none"])
+    inputs = [cast for cast in report.input_casts if cast.read_as_is_by or not cast.casts]
+    if inputs:
+        # Inputs not simply cast where they enter: where the cast went, and why.
+        lines.append("inputs:")
+        for cast in inputs:
+            where = f"[{cast.graph}] " if cast.graph else ""
+            lines += _wrap(f"{where}{cast.name}: {cast.reason}", REPORT_WIDTH, "  ", "    ")
     if report.fp32_ops:
         lines.append("stayed FP32:")
         for r in report.fp32_ops:

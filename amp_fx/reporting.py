@@ -61,11 +61,12 @@ import torch
 import torch.fx
 
 from amp_fx.captured_model import CapturedModel, capture_states
+from amp_fx.core.dtypes import short_dtype_name
 from amp_fx.core.node_info import META_KEY, ORIGINAL_CODE_KEY, POLICY_KEY, NodeInfo
 from amp_fx.dot import write_dot
 from amp_fx.report_text import REPORT_WIDTH, format_summary, format_table
 
-__all__ = ["REPORT_WIDTH", "NodeRow", "Report", "report"]
+__all__ = ["REPORT_WIDTH", "InputCast", "NodeRow", "Report", "report"]
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,32 @@ class NodeRow:
             "opaque_reason": self.opaque_reason,
             "notes": list(self.notes),
             "graph": self.graph,
+        }
+
+
+@dataclass(frozen=True)
+class InputCast:
+    """Where a floating model input was cast, and why (`Report.input_casts`)."""
+
+    # The graph's label ("" for the one graph of a torch.fx front-end model) and the input's node.
+    graph: str
+    name: str
+    # amp_fx's casts of the input or of values computed from it (names of cast nodes), and the
+    # nodes that read those casts.
+    casts: tuple[str, ...]
+    consumers: tuple[str, ...]
+    # The ops that read it first, uncast (statistics, subtraction, ...), in graph order.
+    read_as_is_by: tuple[str, ...]
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "graph": self.graph,
+            "name": self.name,
+            "casts": list(self.casts),
+            "consumers": list(self.consumers),
+            "read_as_is_by": list(self.read_as_is_by),
+            "reason": self.reason,
         }
 
 
@@ -194,6 +221,27 @@ class Report:
         return {dtype: (n, numel) for dtype, (n, numel) in table.items()}
 
     @property
+    def input_casts(self) -> list[InputCast]:
+        """Per floating model input: where amp_fx cast it (at the entry, or where the first op
+        that runs low reads it or a value computed from it) and why; inputs it never casts too.
+
+            >>> import torch, amp_fx
+            >>> class Standardise(torch.nn.Module):
+            ...     def __init__(self):
+            ...         super().__init__()
+            ...         self.fc = torch.nn.Linear(4, 2)
+            ...     def forward(self, x):
+            ...         return self.fc(x - x.mean(-1, keepdim=True))
+            >>> rep = amp_fx.report(amp_fx.convert(Standardise(), "O2", device_type="cpu"))
+            >>> cast = rep.input_casts[0]
+            >>> cast.name, cast.read_as_is_by, cast.casts, cast.consumers
+            ('x', ('mean', 'sub'), ('sub_to_float16',), ('fc',))
+            >>> print(cast.reason.split("; ")[1])
+            cast to fp16 where fc (linear) reads it
+        """
+        return [cast for label, gm in self.graphs.items() for cast in _input_casts(gm, label)]
+
+    @property
     def fp32_ops(self) -> list[NodeRow]:
         """Ops the policy keeps in FP32 (rule FP32), with the reason each one stayed there."""
         return [r for r in self.ops if r.rule == "fp32"]
@@ -243,6 +291,7 @@ class Report:
                     {"name": r.name, "target": r.target, "reason": r.opaque_reason, "graph": r.graph}
                     for r in self.opaque
                 ],
+                "inputs": [cast.to_dict() for cast in self.input_casts],
                 "graphs": list(self.graphs),
                 "islands": dict(self.islands),
             },
@@ -406,6 +455,77 @@ def _labelled_graphs(model: torch.nn.Module) -> dict[str, torch.fx.GraphModule]:
             label = name or "<model>"
             sections[label if index == 0 else f"{label} #{index + 1}"] = graph
     return sections
+
+
+def _input_casts(gm: torch.fx.GraphModule, label: str) -> list[InputCast]:
+    """`Report.input_casts` for one graph: from each floating (or unknown) input, follow the values
+    computed from it without a cast to the first casts of them."""
+    policy = gm.meta.get(POLICY_KEY)
+    found = []
+    for placeholder in gm.graph.find_nodes(op="placeholder"):
+        dtype = _info(placeholder).out_dtype
+        if dtype is not None and not dtype.is_floating_point:
+            continue
+        casts: dict[torch.fx.Node, None] = {}
+        readers: dict[torch.fx.Node, None] = {}
+        frontier, seen = list(placeholder.users), set()
+        while frontier:
+            node = frontier.pop()
+            if node in seen or node.op == "output":
+                continue
+            seen.add(node)
+            info = _info(node)
+            if info.is_cast:
+                casts[node] = None
+                continue
+            readers[node] = None
+            # A value still carrying the input's precision: float32 (or unknown) and floating.
+            if info.out_dtype is None or info.out_dtype == torch.float32:
+                frontier.extend(node.users)
+        if dtype is None and not casts:
+            continue  # an optional or non-tensor argument nothing casts
+        order = {node: index for index, node in enumerate(gm.graph.nodes)}
+        read = tuple(sorted(readers, key=order.__getitem__))
+        ordered = sorted(casts, key=order.__getitem__)
+        consumers = tuple(dict.fromkeys(user.name for cast in ordered for user in cast.users))
+        found.append(
+            InputCast(
+                graph=label,
+                name=placeholder.name,
+                casts=tuple(cast.name for cast in ordered),
+                consumers=consumers,
+                read_as_is_by=tuple(node.name for node in read),
+                reason=_input_cast_reason(placeholder, ordered, read, policy),
+            )
+        )
+    return found
+
+
+def _input_cast_reason(
+    placeholder: torch.fx.Node, casts: list[torch.fx.Node], read: tuple[torch.fx.Node, ...], policy: Any
+) -> str:
+    ops = ", ".join(dict.fromkeys(_info(n).op or n.name for n in read))
+    low = [c for c in casts if _info(c).out_dtype is not None and _info(c).out_dtype != torch.float32]
+    if not low:
+        if not read:
+            return "not cast: returned or unused"
+        return f"not cast: read as it is by {ops}, no op that runs in the low dtype reads it"
+    dtype = short_dtype_name(_info(low[0]).out_dtype)
+    readers = ", ".join(
+        dict.fromkeys(f"{user.name} ({_info(user).op or user.target})" for cast in low for user in cast.users)
+    )
+    if all(cast.args and cast.args[0] is placeholder for cast in low) and not read:
+        if policy is not None and policy.cast_inputs_at_entry and policy.entry_cast_dtype is not None:
+            return f"cast to {dtype} at the graph's entry (cast_inputs_at_entry, as Apex)"
+        return f"cast to {dtype} where its first lowered consumer, {readers}, reads it"
+    return (
+        f"read as it is by {ops} (ops that run in FP32 or pass their dtype through); "
+        f"cast to {dtype} where {readers} reads it"
+    )
+
+
+def _info(node: torch.fx.Node) -> NodeInfo:
+    return node.meta.get(META_KEY) or NodeInfo()
 
 
 def _graph_report(gm: torch.fx.GraphModule, label: str = "") -> Report:

@@ -28,8 +28,11 @@ Example (O1, CPU, bf16; model ``softmax(fc(x))``, ``fc`` LOWER, softmax PASSTHRO
     softmax  PASSTHROUGH  (bfloat16,)             bfloat16
     output   -            (bfloat16,)             -
 
-At O2/O3 a floating model input is seen in the low dtype by its users (the model-entry cast of
-Apex's O2), while the placeholder's own ``out_dtype`` stays the input's dtype.
+Where the policy casts inputs at the entry (O3, or ``cast_inputs_at_entry=True``: Apex's O2) a
+floating model input is seen in the low dtype by its users, while the placeholder's own
+``out_dtype`` stays the input's dtype. Otherwise (O2) its users see it as it is: ops that run in
+FP32 or pass their dtype through (``x.mean()``, ``x - mean``) read it in full precision, and the
+first op whose rule casts (LOWER, OPAQUE) casts it or the value computed from it.
 """
 
 from __future__ import annotations
@@ -157,9 +160,10 @@ class _Propagation:
                 self._note_input_dtype(node, raw)
                 info.in_dtypes = ()
                 info.out_dtype = self._dtype_of(raw)
-                # Users of a model input see it cast to the entry dtype (O2/O3); a cache's do not.
+                # Users of a model input see it cast to the entry dtype (cast_inputs_at_entry); a
+                # cache's do not. Otherwise the rule of each reader casts it (its first LOWER one).
                 kept = placeholder_index - 1 in self.gm.meta.get(KEEP_INPUT_DTYPE_KEY, ())
-                entry = None if kept else self.policy.cast_inputs_dtype
+                entry = None if kept else self.policy.entry_cast_dtype
                 self.env[node] = self.cast_value(raw, entry, not self.exact)
                 continue
             if node.op == "get_attr":

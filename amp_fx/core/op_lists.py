@@ -576,6 +576,8 @@ PASSTHROUGH_OPS = frozenset(
         "gather",
         "scatter",
         "masked_select",
+        "masked_scatter",
+        "index_add",
         "take",
         "take_along_dim",
         "movedim",

@@ -45,8 +45,11 @@ class OptLevel:
     # (Apex's patch_torch_functions).
     uses_autocast_op_lists: bool
     # Parameters and floating buffers are stored in the low dtype and floating model inputs are
-    # cast low at the entry.
+    # cast low (at the entry or at their first lowered consumer: `casts_inputs_at_entry`).
     stores_weights_low: bool
+    # The default of cast_inputs_at_entry: floating model inputs are cast low at the graph's entry
+    # (Apex), not where the first op that runs in the low dtype reads them.
+    casts_inputs_at_entry: bool
     # The ops of `amp_fx.core.preset_rules.FP32_ISLANDS` (softmax, losses, exp/log, sums) run in FP32.
     keeps_fp32_islands: bool
     # Norms (layer/group/RMS) and embedding tables run in FP32 on FP32 parameters, as under autocast.
@@ -72,6 +75,7 @@ _ROWS = (
         lowers_precision=False,
         uses_autocast_op_lists=False,
         stores_weights_low=False,
+        casts_inputs_at_entry=False,
         keeps_fp32_islands=False,
         keeps_norms_fp32=False,
         keeps_batchnorm_fp32=False,
@@ -87,6 +91,7 @@ _ROWS = (
         lowers_precision=True,
         uses_autocast_op_lists=True,
         stores_weights_low=False,
+        casts_inputs_at_entry=False,
         keeps_fp32_islands=False,
         keeps_norms_fp32=False,
         keeps_batchnorm_fp32=False,
@@ -102,6 +107,7 @@ _ROWS = (
         lowers_precision=True,
         uses_autocast_op_lists=False,
         stores_weights_low=True,
+        casts_inputs_at_entry=False,
         keeps_fp32_islands=True,
         keeps_norms_fp32=True,
         keeps_batchnorm_fp32=True,
@@ -117,6 +123,7 @@ _ROWS = (
         lowers_precision=True,
         uses_autocast_op_lists=False,
         stores_weights_low=True,
+        casts_inputs_at_entry=True,
         keeps_fp32_islands=False,
         keeps_norms_fp32=False,
         keeps_batchnorm_fp32=False,

@@ -82,12 +82,21 @@ class Policy:
       promote -> PROMOTE, the rest PASSTHROUGH); parameters untouched. Ops that autocast changes
       although no list names them (``einsum`` on CPU calls ``bmm``) and untraced code run in an
       autocast island (OPAQUE), so O1 on CPU matches ``torch.autocast("cpu")`` bit for bit.
-    - O2: parameters stored low, inputs cast low at the model entry, matmul/conv ops LOWER, promote
+    - O2: parameters stored low, floating inputs cast low where the first op that runs low reads
+      them (``cast_inputs_at_entry=True``: at the model entry, as Apex), matmul/conv ops LOWER, promote
       ops PROMOTE, the FP32 islands of `preset_rules.FP32_ISLANDS` (softmax, losses, exp/log/pow, sums, norms)
       FP32, everything else PASSTHROUGH. batch_norm (``keep_batchnorm_fp32``, default True) keeps
       fp32 params and runs on low input (mixed input works in cuDNN and on CPU), so it needs no
       casts; norms (layer/group/RMS) and embeddings run in FP32 on FP32 params, as under autocast.
-    - O3: parameters low (BatchNorm too unless ``keep_batchnorm_fp32=True``), no FP32 islands.
+    - O3: parameters low (BatchNorm too unless ``keep_batchnorm_fp32=True``), no FP32 islands,
+      inputs cast low at the model entry.
+
+    ``cast_inputs_at_entry`` (default True at O3 only; no effect at O0/O1): floating model inputs are
+    cast to the low dtype at the graph's entry, as Apex's O2 did. Off, an input is cast where the first
+    op that runs in the low dtype (a matmul, a convolution, untraced code) reads it, or a value computed
+    from it by ops that run in FP32 or pass their dtype through (statistics, norms, subtraction and
+    division by them, comparisons, losses): a series standardised by its own mean and std keeps its
+    signal. An input a matmul or convolution reads first is cast there, once, as at the entry.
 
     ``fused_losses`` (default True at O2 only): an FP32 cross_entropy whose input is a cast of
     low-precision logits reads them directly (`amp_fx.ops.cross_entropy.fp32_cross_entropy`): the same
@@ -144,6 +153,8 @@ class Policy:
     fused_norms: bool | None = _fusion_flag(cuda_only=False)
     # Training graphs keep the logits they return instead of fusing their head with the loss.
     keep_logits: bool = False
+    # Floating inputs cast low at the graph's entry (Apex); None: the opt level's default.
+    cast_inputs_at_entry: bool | None = None
     # Opt-in (O2): the residual stream in the low dtype (embedding tables stored low).
     low_precision_residual: bool = False
     op_rules: dict[str, OpRule] = field(default_factory=dict)
@@ -165,6 +176,11 @@ class Policy:
         for flag in _FUSION_FLAGS:
             setattr(self, flag.name, self._fusion_default(flag, getattr(self, flag.name)))
         self.keep_logits = check_flag("keep_logits", self.keep_logits)
+        self.cast_inputs_at_entry = (
+            self.level.casts_inputs_at_entry
+            if self.cast_inputs_at_entry is None
+            else check_flag("cast_inputs_at_entry", self.cast_inputs_at_entry)
+        )
         self.low_precision_residual = check_low_precision_residual(
             self.low_precision_residual, self.opt_level, self.level.keeps_norms_fp32
         )
@@ -256,8 +272,19 @@ class Policy:
 
     @property
     def cast_inputs_dtype(self) -> torch.dtype | None:
-        """The dtype floating model inputs are cast to at entry: low for O2/O3, None for O0/O1."""
+        """The dtype floating model inputs are cast to (at the entry where ``cast_inputs_at_entry``,
+        else where the first op that runs low reads them): low for O2/O3, None for O0/O1."""
         return self.dtype if self.cast_parameters else None
+
+    @property
+    def entry_cast_dtype(self) -> torch.dtype | None:
+        """The dtype floating model inputs are cast to at the graph's entry, or None where they are
+        not cast there (O0/O1, or O2 casting each where its first lowered consumer reads it).
+
+        >>> preset("O2").entry_cast_dtype, preset("O2", cast_inputs_at_entry=True).entry_cast_dtype
+        (None, torch.float16)
+        """
+        return self.cast_inputs_dtype if self.cast_inputs_at_entry else None
 
     @property
     def autocast_opaque(self) -> bool:
@@ -390,7 +417,8 @@ class Policy:
             f"Policy {self.opt_level} dtype={dtype_name(self.dtype)} device_type={self.device_type} "
             f"keep_batchnorm_fp32={self.keep_batchnorm_fp32} cast_model_outputs={outputs} "
             + " ".join(f"{flag}={getattr(self, flag)}" for flag in self.fusion_flags())
-            + f" keep_logits={self.keep_logits} low_precision_residual={self.low_precision_residual}",
+            + f" keep_logits={self.keep_logits} low_precision_residual={self.low_precision_residual}"
+            + f" cast_inputs_at_entry={self.cast_inputs_at_entry}",
             f"  cast_parameters={self.cast_parameters} cast_inputs_dtype="
             f"{None if self.cast_inputs_dtype is None else dtype_name(self.cast_inputs_dtype)} "
             f"autocast_opaque={self.autocast_opaque}",
@@ -445,6 +473,7 @@ def preset(
     cast_model_outputs: torch.dtype | None = None,
     keep_logits: bool = False,
     low_precision_residual: bool = False,
+    cast_inputs_at_entry: bool | None = None,
     **fusion_flags: bool | None,
 ) -> Policy:
     """The policy for an Apex opt level; see `Policy` for the table.
@@ -461,6 +490,8 @@ def preset(
     for O2, the others for O2 on CUDA only.
     `keep_logits` (default False) keeps the logits a training graph returns (see `Policy`);
     `low_precision_residual` (default False, O2 only) runs the residual stream low (see `Policy`).
+    `cast_inputs_at_entry` (default None: True at O3, False at O2) casts floating inputs low at the
+    graph's entry, as Apex, instead of at their first lowered consumer (see `Policy`).
 
     >>> p = preset("O2", dtype=torch.bfloat16)
     >>> p.cast_parameters, p.keep_batchnorm_fp32, p.cast_model_outputs, p.fused_losses
@@ -490,6 +521,7 @@ def preset(
         cast_model_outputs=outputs,
         keep_logits=keep_logits,
         low_precision_residual=low_precision_residual,
+        cast_inputs_at_entry=cast_inputs_at_entry,
         # None asks the policy for the opt level's (and device's) default.
         **{flag: fusion_flags.get(flag) for flag in Policy.fusion_flags()},
         op_rules=op_rules,

@@ -68,6 +68,7 @@ def policy_to_dict(policy: Policy) -> dict[str, Any]:
         **{flag: getattr(policy, flag) for flag in policy.fusion_flags()},
         "keep_logits": policy.keep_logits,
         "low_precision_residual": policy.low_precision_residual,
+        "cast_inputs_at_entry": policy.cast_inputs_at_entry,
         "global": policy.global_rule.value,
         "op_rules": {
             op: {"rule": e.rule.value, "reason": e.reason} for op, e in sorted(policy.op_rules.items())
@@ -99,6 +100,8 @@ def policy_fields_from_dict(data: dict[str, Any], fusion_flags: tuple[str, ...])
         **{flag: data.get(flag, False) for flag in fusion_flags},
         keep_logits=data.get("keep_logits", False),
         low_precision_residual=data.get("low_precision_residual", False),
+        # Absent from dicts written before the field existed: the opt level's default.
+        cast_inputs_at_entry=data.get("cast_inputs_at_entry"),
         op_rules={
             op: OpRule(check_rule(entry["rule"]), entry.get("reason", ""))
             for op, entry in data.get("op_rules", {}).items()

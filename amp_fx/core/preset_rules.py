@@ -127,6 +127,16 @@ _UNLISTED_MATMULS: dict[str, str] = {
 # autocast lists only lower them through the ops they call.
 _MATMUL_COMPOSITES = frozenset({"einsum", "tensordot", "linalg_multi_dot", "chain_matmul"})
 
+# Recurrent layers (aten lstm/gru/rnn_* with their Tensor[] states and weights): autocast runs them
+# low (through _cudnn_rnn, mkldnn_rnn_layer or linear), and their kernels refuse mixed dtypes, so
+# input, weights and states (zeros the module creates included) are all cast to the low dtype.
+_RECURRENT_COMPOSITES = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu"})
+
+# Ops on no autocast list whose kernels refuse floating arguments of two dtypes (found by the probe
+# of tests/core/test_mixed_dtype_kernels.py): where weights are stored low and inputs are not, they
+# promote as autocast's promote list does.
+_SAME_DTYPE_KERNELS = frozenset({"lerp", "scatter", "index_add", "masked_scatter"})
+
 
 def autocast_list_rules(level: OptLevel, lists: AutocastOpLists) -> dict[str, OpRule]:
     """The rules of torch.autocast's op lists for one device type, as O1 follows them.
@@ -179,12 +189,18 @@ def low_weight_rules(level: OptLevel, keep_batchnorm_fp32: bool) -> dict[str, Op
     rules: dict[str, OpRule] = {}
     for op in cuda.promote | cpu.promote:
         rules[op] = OpRule(Rule.PROMOTE, f"{name}: {op} is on autocast's promote list")
+    for op in _SAME_DTYPE_KERNELS:
+        rules[op] = OpRule(Rule.PROMOTE, f"{name}: {op}'s kernel takes one floating dtype: promoted")
     for op in cuda.lower_precision_fp | cpu.lower_precision_fp:
         rules[op] = OpRule(Rule.LOWER, f"{name}: {op} is on autocast's lower_precision_fp list")
     for op in _MATMUL_COMPOSITES:
         rules[op] = OpRule(Rule.LOWER, f"{name}: {op} is a matrix product (lowered as autocast does)")
     for op, why in _UNLISTED_MATMULS.items():
         rules[op] = OpRule(Rule.LOWER, f"{name}: {why}")
+    for op in _RECURRENT_COMPOSITES:
+        rules[op] = OpRule(
+            Rule.LOWER, f"{name}: {op} is a recurrent layer: input, weights and states run low (as autocast)"
+        )
     if level.keeps_fp32_islands:
         for op, why in FP32_ISLANDS.items():
             rules[op] = OpRule(Rule.FP32, f"{name} FP32 island: {why}")

@@ -179,6 +179,7 @@ class Branches(nn.Module):
         self.bn_twice, self.bn_tanh, self.bn_mixed = nn.BatchNorm2d(4), nn.BatchNorm2d(4), nn.BatchNorm2d(4)
 
     def forward(self, x):
+        x = x.half()  # low as a convolution's output (O2 casts a model input where it is lowered)
         a = self.bn_twice(x)
         b = torch.tanh(self.bn_tanh(x))
         c = F.relu(self.bn_mixed(x) + x.float().sum())

@@ -174,6 +174,9 @@ def fused_calls(model: nn.Module) -> list[torch.fx.Node]:
 
 
 def convert(model: nn.Module, level: str = "O2", front_end: str = "fx", **flags) -> nn.Module:
+    # These streams start at the model input: cast at the entry, as a transformer's stream leaves
+    # its embedding low (fx cannot fuse an add whose input's dtype it only assumes).
+    flags.setdefault("cast_inputs_at_entry", True)
     policy = amp_fx.preset(level, BF16, "cpu", **flags)
     return amp_fx.convert(copy.deepcopy(model), policy=policy, front_end=front_end)
 

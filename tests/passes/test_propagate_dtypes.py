@@ -158,9 +158,11 @@ def test_fp32_rule_respects_an_explicit_dtype():
     dtypes = _propagated(ExplicitDtype(), preset("O1", F16, "cuda"))
     assert dtypes["softmax"] == ((F32,), torch.float64)  # seen as produced, output as asked
     assert dtypes["softmax_1"] == ((F32,), F32)
+    entry = _propagated(ExplicitDtype(), preset("O2", F16, "cpu", cast_inputs_at_entry=True))
+    assert entry["softmax"] == ((F16,), torch.float64)  # the entry cast applies, no FP32 cast
+    assert entry["softmax_1"] == ((F32,), F32)
     o2 = _propagated(ExplicitDtype(), preset("O2", F16, "cpu"))
-    assert o2["softmax"] == ((F16,), torch.float64)  # the entry cast applies, no FP32 cast
-    assert o2["softmax_1"] == ((F32,), F32)
+    assert o2["softmax"] == ((F32,), torch.float64)  # the input as it is: no lowered op reads it first
 
 
 def test_rule_cast_dtype_and_eligibility():
