@@ -28,20 +28,23 @@ import torch
 import torch.fx
 from torch import nn
 
+from amp_fx.capture.changes import GraphFollower
 from amp_fx.captured_model import CapturedModel, capture_states, captured_model
 from amp_fx.core.dtypes import default_device_type, low_precision_dtype, short_repr
 from amp_fx.core.node_info import (
     OTHER_MODE_GRAPH_KEY,
     PARAMETERS_STORED_KEY,
     POLICY_KEY,
+    UNSTORED_PARAMETERS_KEY,
     UNTRACEABLE_MODULES_KEY,
     node_info,
 )
 from amp_fx.core.opt_levels import check_opt_level
 from amp_fx.core.policy import Policy, preset
 from amp_fx.ops.autocast_island import AutocastIsland
-from amp_fx.optim.model_loads import follow_model_loads
+from amp_fx.optim.model_loads import follow_model_loads, masters_for_stored_low
 from amp_fx.optim.step_checks import record_conversion
+from amp_fx.passes.shared.traced_graph_module import FOLLOWER_ATTR, copy_graph
 from amp_fx.passes.trace import TraceError, trace
 from amp_fx.pipeline import rewrite_graph
 
@@ -177,6 +180,46 @@ def _rewrite_each_mode(gm: torch.fx.GraphModule, policy: Policy, examples: tuple
     rewrite_graph(gm, policy, examples)
 
 
+def _traced_graphs(gm: torch.fx.GraphModule) -> list[torch.fx.Graph]:
+    """Copies of ``gm``'s graphs as traced (its own, then the other mode's where it has one)."""
+    graphs = [gm.graph]
+    if OTHER_MODE_GRAPH_KEY in gm.meta:
+        graphs.append(gm.meta[OTHER_MODE_GRAPH_KEY][1])
+    return [copy_graph(graph) for graph in graphs]
+
+
+def _rewrite_again(gm: torch.fx.GraphModule, added: frozenset[str]) -> None:
+    """Run the passes again on ``gm``'s graphs as traced (`GraphFollower` keeps them), with the
+    modules it holds now: a change made after conversion (a leaf replaced, a norm's ``eps``, a hook
+    on a module a pass fused) then runs. The tensors named in ``added`` are stored as conversion
+    stores them (their objects kept: an optimizer may hold them); the others keep their dtypes.
+    A rewrite that fails leaves ``gm`` as it was."""
+    follower = gm.__dict__[FOLLOWER_ATTR]
+    policy = gm.meta[POLICY_KEY]
+    saved_graph, saved_meta = gm.graph, dict(gm.meta)
+    tensors = dict([*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)])
+    before = [(tensors[name], tensors[name].data) for name in added]
+    sources = [copy_graph(graph) for graph in follower.sources]
+    try:
+        if len(sources) > 1:
+            gm.meta[OTHER_MODE_GRAPH_KEY] = (saved_meta[OTHER_MODE_GRAPH_KEY][0], sources[1])
+        gm.graph = sources[0]
+        gm.meta[UNSTORED_PARAMETERS_KEY] = added  # plan only these; the rest are stored already
+        _rewrite_each_mode(gm, policy, None)
+        _capture_untraceable_children(gm, policy)
+    except BaseException:
+        for tensor, data in before:
+            tensor.data = data
+        gm.meta.clear()
+        gm.meta.update(saved_meta)
+        gm.graph = saved_graph
+        raise
+    finally:
+        gm.meta.pop(UNSTORED_PARAMETERS_KEY, None)
+    lowered = [(t, data) for t, data in before if t.dtype != data.dtype and isinstance(t, nn.Parameter)]
+    masters_for_stored_low(lowered)
+
+
 def _capture_untraceable_children(gm: torch.fx.GraphModule, policy: Policy) -> None:
     """Each submodule torch.fx could not trace (not those named in ``leaf_modules``) becomes a
     torch.export-captured copy (`amp_fx.captured_model`) that the graph calls directly, in place of
@@ -211,6 +254,8 @@ def _capture_untraceable_children(gm: torch.fx.GraphModule, policy: Policy) -> N
     for name in untraceable:
         parent_name, _, attribute = name.rpartition(".")
         child = gm.get_submodule(name)
+        if isinstance(child, CapturedModel):
+            continue  # captured already: the graph was rewritten again (`_rewrite_again`)
         captured = captured_model(child, child_policy)
         _share_tensors(captured, child)
         capture_states(captured)[0][1].unstored.clear()  # the passes stored every one of them
@@ -347,6 +392,7 @@ def convert(
         # parameters are stored already (fused calls read weights whose dtype no op decides).
         gm = copy.deepcopy(model)
         gm.meta[PARAMETERS_STORED_KEY] = True
+        gm.__dict__.pop(FOLLOWER_ATTR, None)  # its graphs stay as they are now
     elif front_end == "export" or in_place:
         converted = captured_model(model, resolved, in_place=in_place)
         return record_conversion(model, follow_model_loads(converted))
@@ -363,6 +409,7 @@ def convert(
                     type(model).__name__,
                 )
             return record_conversion(model, follow_model_loads(captured_model(model, resolved)))
+    traced = None if PARAMETERS_STORED_KEY in gm.meta else _traced_graphs(gm)
     _rewrite_each_mode(gm, resolved, examples)
     _capture_untraceable_children(gm, resolved)
     logger.info(
@@ -373,4 +420,8 @@ def convert(
         resolved.device_type,
         sum(1 for n in gm.graph.nodes if node_info(n).is_cast),
     )
-    return record_conversion(model, follow_model_loads(gm))
+    converted = record_conversion(model, follow_model_loads(gm))
+    if traced is not None:
+        # Changes made to it from here on run (`amp_fx.capture.changes.GraphFollower`).
+        gm.__dict__[FOLLOWER_ATTR] = GraphFollower(gm, traced, _rewrite_again)
+    return converted

@@ -1,4 +1,4 @@
-"""What checking for changes after conversion costs per call (issue 35), torch.export front end,
+"""What checking for changes after conversion costs per call (issue 35), on both front ends,
 on the CPU: a model of ``--blocks`` blocks of 5 modules (the block, its Linear, LayerNorm, GELU and
 Dropout; 100 blocks give 502 with the root and its ModuleList), each block holding a Hugging
 Face-like ``config`` of 60 attributes, as each layer of a transformers model does.
@@ -6,8 +6,9 @@ Face-like ``config`` of 60 attributes, as each layer of a transformers model doe
 It reports, as medians over ``--repeats`` rounds:
 
 - ``check``: the per-call check of a call with nothing changed (`_follow_changes`: one integer
-  compare, the config's ``__dict__`` against its copy, torch's global hooks), the cost every call
-  adds, over ``--calls`` checks a round;
+  compare, the config's ``__dict__`` against its copy, torch's global hooks; on the torch.fx front
+  end its `GraphFollower`, which holds no config), the cost every call adds, over ``--calls``
+  checks a round;
 - ``call``: a whole call of the converted model with nothing changed (graph replay included), 10
   a round, and how many graphs those calls captured (none must be);
 - ``walk``: one walk of the model after a change (`amp_fx.capture.changes.take`), paid once per
@@ -32,6 +33,7 @@ from torch import nn
 import amp_fx
 from amp_fx.capture.changes import take
 from amp_fx.captured_model import _follow_changes, capture_states
+from amp_fx.passes.shared.traced_graph_module import FOLLOWER_ATTR
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from reporting import environment, publish  # noqa: E402
@@ -100,6 +102,39 @@ def bench(blocks: int, calls: int, repeats: int) -> dict[str, float]:
     }
 
 
+def bench_fx(blocks: int, calls: int, repeats: int) -> dict[str, float]:
+    """The same on the torch.fx front end: the check is its `GraphFollower`'s; ``recaptures``
+    counts rewrites of its graph by the timed calls."""
+    torch.manual_seed(0)
+    model = amp_fx.convert(Stack(blocks).eval(), "O2", dtype=torch.bfloat16, front_end="fx")
+    x = torch.randn(2, WIDTH)
+    with torch.no_grad():
+        model(x)
+    follower = model.__dict__[FOLLOWER_ATTR]
+    graph = model.graph
+    check, call, walk = [], [], []
+    with torch.no_grad():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(calls):
+                follower(model)
+            check.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            for _ in range(_WHOLE_CALLS):
+                model(x)
+            call.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            take(model)
+            walk.append(time.perf_counter() - start)
+    return {
+        "modules": float(len(list(model.modules()))),
+        "check": _median_us(check, calls),
+        "call": _median_us(call, _WHOLE_CALLS),
+        "walk": _median_us(walk, 1),
+        "recaptures": float(model.graph is not graph),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -109,17 +144,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--markdown", default=None, help="append the table to this file")
     args = parser.parse_args(argv)
-    result = bench(args.blocks, args.calls, args.repeats)
+    rows = [
+        ("torch.export", bench(args.blocks, args.calls, args.repeats)),
+        ("torch.fx", bench_fx(args.blocks, args.calls, args.repeats)),
+    ]
     lines = [
-        f"#### Change check per call, torch.export front end - {environment(torch.device('cpu'))}",
+        f"#### Change check per call - {environment(torch.device('cpu'))}",
         "",
         f"Medians of {args.repeats} rounds ({args.calls} checks, {_WHOLE_CALLS} calls each), O2 bf16, "
         "nothing changed between calls.",
         "",
-        "| modules | check us/call | whole call us | walk after a change us | recaptures |",
-        "|---|---|---|---|---|",
-        f"| {result['modules']:.0f} | {result['check']:.1f} | {result['call']:.0f} | {result['walk']:.0f} "
-        f"| {result['recaptures']:.0f} |",
+        "| front end | modules | check us/call | whole call us | walk after a change us | recaptures |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {name} | {r['modules']:.0f} | {r['check']:.1f} | {r['call']:.0f} | {r['walk']:.0f} "
+        f"| {r['recaptures']:.0f} |"
+        for name, r in rows
     ]
     publish("\n".join(lines), args.markdown)
 

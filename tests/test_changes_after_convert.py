@@ -9,6 +9,12 @@ hooks registered and removed (forward, forward pre, with kwargs); a submodule's 
 ``requires_grad``; Hugging Face config flags (``output_hidden_states``, ``output_attentions``,
 ``use_cache``, ``return_dict``), a classification head with more labels, a deleted decoder layer,
 an RMSNorm's eps, PEFT's LoRA put in after a first call; and under torch.compile.
+
+The torch.fx front end (`amp_fx.capture.changes.GraphFollower`): leaves replaced (a fused norm
+among them), parameters replaced, added to a leaf or set to None, eps, hooks on leaves (a fused
+norm's too), a leaf's mode, dropout ``p``, train/eval, deepcopies; and the changes its graph cannot
+follow (a module or parameter it uses deleted, one added to traced-through code, a hook on a
+traced-through module, a leaf replaced by a composite), refused at each call with the fix.
 """
 
 from __future__ import annotations
@@ -335,3 +341,186 @@ def test_peft_lora_after_first_call_takes_effect() -> None:
     lora = [param for name, param in converted_peft.named_parameters() if "lora_" in name]
     assert lora and all(param.grad is not None for param in lora)
     assert all(param.grad is None for name, param in converted_peft.named_parameters() if "lora_" not in name)
+
+
+# -- The torch.fx front end (`amp_fx.capture.changes.GraphFollower`). Its modules traced through
+# are plain holders, so changes reach layers by name (``getattr(m.blocks, "1")``), as on the eager
+# model.
+
+
+def _layer(model: nn.Module, index: int) -> nn.Module:
+    return getattr(model.blocks, str(index))
+
+
+FX_CHANGES: dict[str, Callable[[nn.Module], object]] = {
+    "replace head (more outputs)": lambda m: setattr(m, "head", nn.Linear(WIDTH, 7)),
+    "replace a block's Linear": lambda m: setattr(_layer(m, 1), "fc", nn.Linear(WIDTH, WIDTH)),
+    "replace a fused norm": lambda m: setattr(_layer(m, 2), "norm", nn.LayerNorm(WIDTH, eps=0.5)),
+    "parameter replaced": lambda m: setattr(m, "scale", nn.Parameter(torch.full((WIDTH,), -2.0))),
+    "bias set to None": lambda m: setattr(m.head, "bias", None),
+    "bias added": lambda m: setattr(_layer(m, 0).fc, "bias", nn.Parameter(torch.ones(WIDTH))),
+    "buffer replaced": lambda m: m.register_buffer("shift", torch.full((WIDTH,), 3.0)),
+    "norm eps": lambda m: [setattr(_layer(m, i).norm, "eps", 10.0) for i in range(3)],
+    "forward hook on a fused norm": lambda m: _layer(m, 0).norm.register_forward_hook(_double),
+    "forward pre-hook": lambda m: _layer(m, 2).fc.register_forward_pre_hook(_negate_input),
+    "forward hook with kwargs": lambda m: m.extras.a.register_forward_hook(_add_three, with_kwargs=True),
+    "forward hook removed": lambda m: m._handle.remove(),
+    "a block's norm in train mode": lambda m: _layer(m, 0).norm.train(),
+}
+
+
+def _with_leaf_hook(model: nn.Module) -> nn.Module:
+    model._handle = model.head.register_forward_hook(_double)
+    return model
+
+
+def _fx(model: nn.Module, opt_level: str = "O2") -> nn.Module:
+    return amp_fx.convert(model, opt_level, dtype=torch.bfloat16, front_end="fx")
+
+
+@pytest.mark.parametrize("name", list(FX_CHANGES))
+def test_fx_change_after_conversion_takes_effect(name: str) -> None:
+    eager = _net()
+    converted = _with_leaf_hook(_fx(eager))
+    _with_leaf_hook(eager)
+    x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(1))
+    _check(converted, eager, x)
+    for model in (eager, converted):
+        torch.manual_seed(2)  # new modules: the same weights in both
+        FX_CHANGES[name](model)
+    _check(converted, eager, x)
+
+
+FX_REFUSED: dict[str, tuple[Callable[[nn.Module], object], str]] = {
+    "parameter deleted": (lambda m: delattr(m, "scale"), "`scale`"),
+    "a called Linear deleted": (lambda m: delattr(_layer(m, 1), "fc"), "`blocks.1.fc`"),
+    "a block deleted": (lambda m: delattr(m.blocks, "2"), "`blocks.2."),
+    "a module added to traced code": (
+        lambda m: m.extras.add_module("b", nn.Linear(WIDTH, WIDTH)),
+        "`extras.b`",
+    ),
+    "a parameter added to traced code": (
+        lambda m: m.register_parameter("offset", nn.Parameter(torch.ones(WIDTH))),
+        "`offset`",
+    ),
+    "hook on a traced-through block": (lambda m: _layer(m, 0).register_forward_hook(_double), "`blocks.0`"),
+    "a leaf replaced by a composite": (
+        lambda m: setattr(m, "head", nn.Sequential(nn.Linear(WIDTH, 3), nn.ReLU())),
+        "`head`",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(FX_REFUSED))
+def test_fx_change_it_cannot_follow_is_refused_at_each_call(name: str) -> None:
+    """A change that needs the traced-through code the GraphModule does not keep: each call raises,
+    naming what changed and the fix, before any graph runs (a forward hook would count it)."""
+    change, named = FX_REFUSED[name]
+    converted = _fx(_net())
+    x = torch.randn(4, WIDTH)
+    converted(x)
+    runs = []
+    converted.head.register_forward_hook(lambda *_: runs.append(1))
+    converted(x)
+    change(converted)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="convert that again") as raised:
+            converted(x)
+        assert named in str(raised.value)
+    assert len(runs) == 1
+
+
+def test_fx_dropout_p_and_train_mode_take_effect() -> None:
+    eager = _net().train()
+    converted = _fx(eager).train()
+    x = torch.randn(4, WIDTH)
+    assert not torch.equal(converted(x), converted(x))  # dropout at p=0.5
+    for model in (eager, converted):
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.0
+    _check(converted, eager, x)
+    converted.eval()
+    eager.eval()
+    _check(converted, eager, x)
+
+
+def test_fx_new_parameters_are_stored_as_convert_stores_them() -> None:
+    """At O2 a new head's weights are stored low as conversion stores a Linear's, keeping the
+    parameter objects an optimizer holds; a new LayerNorm's stay FP32; nothing else changes."""
+    converted = _fx(_net())
+    x = torch.randn(4, WIDTH)
+    converted(x)
+    stored = {name: tensor.dtype for name, tensor in converted.state_dict().items()}
+    head, norm = nn.Linear(WIDTH, 5), nn.LayerNorm(WIDTH)
+    converted.head, _layer(converted, 0).norm = head, norm
+    weight = head.weight
+    optimizer = torch.optim.SGD(converted.parameters(), lr=0.1)
+    converted(x).float().sum().backward()
+    assert converted.head.weight is weight and weight.dtype == torch.bfloat16
+    assert norm.weight.dtype == torch.float32
+    assert weight.grad is not None and weight.grad.dtype == torch.bfloat16
+    optimizer.step()
+    after = {name: tensor.dtype for name, tensor in converted.state_dict().items()}
+    assert {k: v for k, v in after.items() if not k.startswith("head")} == {
+        k: v for k, v in stored.items() if not k.startswith("head")
+    }
+
+
+def test_fx_nothing_changed_no_rewrite() -> None:
+    """Calls with nothing changed, train/eval round trips and writes of the same value keep the
+    graph; a change rewrites it once."""
+    converted = _fx(_net()).train()
+    x = torch.randn(4, WIDTH)
+    converted(x)
+    graph = converted.graph
+    converted.eval()(x)
+    converted.train()(x)
+    converted.train()(x)
+    _layer(converted, 0).drop.p = _layer(converted, 0).drop.p
+    converted.head.weight = converted.head.weight
+    converted(x)
+    assert converted.graph is graph
+    _layer(converted, 1).norm.eps = 0.1
+    converted(x)
+    changed = converted.graph
+    assert changed is not graph
+    converted(x)
+    assert converted.graph is changed
+
+
+def test_fx_copy_follows_its_own_changes() -> None:
+    """A deepcopy of a converted GraphModule follows changes made to it, not to the original."""
+    import copy
+
+    eager = _net()
+    converted = _fx(eager)
+    x = torch.randn(4, WIDTH)
+    converted(x)
+    copied = copy.deepcopy(converted)
+    for model in (eager, copied):
+        torch.manual_seed(2)
+        model.head = nn.Linear(WIDTH, 6)
+    _check(copied, eager, x)
+    assert converted(x).shape == (4, 3)
+
+
+def test_export_mode_switch_needs_no_walk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Switching a whole model between train and eval compares modes, without a walk; a module
+    switched on its own is still seen."""
+    from amp_fx.capture import changes
+
+    converted = amp_fx.convert(_net(), "O2", dtype=torch.bfloat16, front_end="export")
+    x = torch.randn(4, WIDTH)
+    converted.train()(x)
+    converted.eval()(x)
+    walks = []
+    take = changes.take
+    monkeypatch.setattr("amp_fx.captured_model.take", lambda m: walks.append(1) or take(m))
+    for _ in range(2):
+        converted.train()(x)
+        converted.eval()(x)
+    assert not walks
+    converted.blocks[0].norm.train()
+    converted(x)
+    assert walks

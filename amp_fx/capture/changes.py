@@ -17,6 +17,14 @@ compares one integer, and the ``__dict__`` of each plain object the modules hold
 ``config``: writes to it are not seen, so it is compared, a C-level dict compare), and torch's global
 module hooks. Only where those differ is the model walked (`take`) and compared with the `Watch`.
 
+A switch of the whole model between train and eval (``training`` writes count in `MODES`, not
+`VERSION`) costs one compare of each module's mode with the root's, no walk: the graphs are per
+mode already, and a module left in another mode than the model's is still seen.
+
+The torch.fx front end's GraphModule holds a `GraphFollower`: the graphs as traced, rewritten by
+the passes again when the model changed, or a clear error where the change needs code the graph
+traced through and does not keep.
+
 Not seen: in-place changes of a container an attribute holds (``config.rope_scaling["factor"] = 2``,
 ``module._modules[name] = m``): assign the attribute instead.
 
@@ -32,25 +40,47 @@ Not seen: in-place changes of a container an attribute holds (``config.rope_scal
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import functools
+import logging
 import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.fx
 from torch import nn
 from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
 from amp_fx.capture.state import STATE_ATTR
+from amp_fx.passes.shared.traced_graph_module import FOLLOWER_ATTR
 
-__all__ = ["VERSION", "WATCHED_ATTR", "Watch", "install", "same_model", "take", "unchanged", "watch_modules"]
+logger = logging.getLogger(__name__)
 
-# The key of a watched module's __dict__, and the count of changes made to watched modules.
+__all__ = [
+    "FOLLOWER_ATTR",
+    "FollowError",
+    "GraphFollower",
+    "MODES",
+    "VERSION",
+    "WATCHED_ATTR",
+    "Watch",
+    "install",
+    "same_model",
+    "take",
+    "unchanged",
+    "watch_modules",
+]
+
+# The key of a watched module's __dict__, the count of changes made to watched modules, and the
+# count of train/eval switches of watched modules (kept apart: graphs are per mode already, so a
+# switch of the whole model only needs each module's mode compared with the root's, no walk).
 WATCHED_ATTR = "_amp_fx_watched"
 VERSION = [0]
+MODES = [0]
 
 _MISSING = object()
 _INSTALLED: list[bool] = []
@@ -61,6 +91,7 @@ _IGNORED = frozenset(
     {
         STATE_ATTR,
         WATCHED_ATTR,
+        FOLLOWER_ATTR,
         "training",
         "_state_dict_hooks",
         "_state_dict_pre_hooks",
@@ -69,6 +100,7 @@ _IGNORED = frozenset(
         "_non_persistent_buffers_set",
         "_amp_fx_master_sources",
         "_amp_fx_loaded_values",
+        "_is_torch_compile",  # torch.compile's mark on the module it wraps
     }
 )
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
@@ -122,13 +154,16 @@ def _current(module: nn.Module, name: str) -> Any:
 def _wrap_setattr(setattr_: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(setattr_)
     def __setattr__(self: nn.Module, name: str, value: Any) -> None:
-        if WATCHED_ATTR not in self.__dict__:
+        if WATCHED_ATTR not in self.__dict__ or (name in _IGNORED and name != "training"):
             return setattr_(self, name, value)
         before = _current(self, name)
         setattr_(self, name, value)
         # ``model.train()`` on a model in training mode, as Trainer does each step, changes nothing.
         if _current(self, name) is not before:
-            _bump()
+            if name == "training":
+                MODES[0] += 1
+            else:
+                _bump()
         return None
 
     return __setattr__
@@ -240,6 +275,21 @@ class Watch:
     objects: tuple[tuple[Any, dict[str, Any]], ...]
     global_hooks: tuple[tuple[dict[Any, Any], dict[Any, Any]], ...]
     held: list[Any]
+    # `MODES` when each module's mode last agreed with the root's as in ``agreement``; the
+    # modules in `named_modules` order (the root first).
+    modes: int = 0
+    ordered: tuple[nn.Module, ...] = ()
+    agreement: tuple[bool, ...] = ()
+
+    def modes_agree(self) -> bool:
+        """Whether each module's mode agrees with the root's as it did (``agreement``): after a
+        switch of the whole model (``model.eval()``) the graphs of the new mode apply, no walk."""
+        if self.modes == MODES[0]:
+            return True
+        if _agreement(self.ordered) != self.agreement:
+            return False
+        self.modes = MODES[0]
+        return True
 
     def tensor_ids(self) -> set[int]:
         """ids of the parameters and buffers the model held."""
@@ -298,20 +348,28 @@ def take(model: nn.Module) -> Watch:
         _plain_objects((value for key, value in module.__dict__.items() if key not in _IGNORED), found)
     objects = tuple((obj, dict(vars(obj))) for obj in found.values())
     global_hooks = tuple((hooks, dict(hooks)) for hooks in _GLOBAL_HOOKS)
-    return Watch(VERSION[0], tuple(entries), objects, global_hooks, held)
+    ordered = tuple(model.modules())
+    return Watch(
+        VERSION[0], tuple(entries), objects, global_hooks, held, MODES[0], ordered, _agreement(ordered)
+    )
+
+
+def _agreement(ordered: tuple[nn.Module, ...]) -> tuple[bool, ...]:
+    root = ordered[0].training if ordered else False
+    return tuple([module.training == root for module in ordered])
 
 
 def unchanged(watch: Watch) -> bool:
     """Whether nothing the graphs depend on can have changed since ``watch`` was taken: no change
     to a watched module since, and the same plain objects' attributes and global hooks. Plain
     Python (one int, a few C-level dict compares), which torch.compile traces and guards on."""
-    if watch.version != VERSION[0]:
+    if watch.version != VERSION[0] or not watch.modes_agree():
         return False
     for obj, snapshot in watch.objects:
         if not _same_dict(vars(obj), snapshot):
             return False
-    for hooks, copy in watch.global_hooks:
-        if hooks != copy:
+    for hooks, saved in watch.global_hooks:
+        if hooks != saved:
             return False
     return True
 
@@ -326,3 +384,205 @@ def same_model(watch: Watch, now: Watch) -> bool:
     ):
         return False
     return all(_same_dict(hooks, copy) for hooks, copy in watch.global_hooks)
+
+
+# -- The torch.fx front end: a `TracedGraphModule` follows changes by rewriting its traced graph. --
+
+_HOOK_KEYS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+class GraphFollower:
+    """What keeps a converted GraphModule (the torch.fx front end) in step with changes made to it
+    after conversion. ``sources`` are its graphs as traced, before any pass (one per mode the
+    forward reads); ``rewrite(gm, added)`` runs the passes on copies of them again with the modules
+    the model holds now, storing the tensors named in ``added`` as conversion stores them.
+
+    The graph calls leaf modules (``call_module``: their own forward runs, with their hooks and
+    attributes) and reads tensors; the code of the modules it traced through is not kept. So a
+    change to a leaf, or a tensor replaced, is followed by rewriting; a change that would need the
+    traced-through code (a module or tensor the graph uses deleted, a module or tensor added where
+    traced code would read it, a leaf replaced by a module with children, a hook on a traced-through
+    module) raises `FollowError` at each call, before anything runs."""
+
+    def __init__(
+        self,
+        gm: nn.Module,
+        sources: list[torch.fx.Graph],
+        rewrite: Callable[[nn.Module, frozenset[str]], None],
+    ) -> None:
+        self.sources = sources
+        self.rewrite = rewrite
+        self.calls, self.reads, self.opaque = set(), set(), set()
+        for graph in sources:
+            for node in graph.nodes:
+                if node.op == "call_module":
+                    self.calls.add(node.target)
+                    if _is_opaque(node):
+                        self.opaque.add(node.target)
+                elif node.op == "get_attr":
+                    self.reads.add(node.target)
+        # torch.fx makes the modules it traced through anew, in training mode: give them the
+        # model's, so that a module later set to another mode than the model's is seen.
+        for name, module in gm.named_modules():
+            if not self.in_leaf(name):
+                module.__dict__["training"] = gm.training
+        self.owner = id(gm)
+        self.watch = take(gm)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GraphFollower:
+        # A deepcopy of the GraphModule (``memo`` maps each object's id to its copy): the copy's
+        # follower watches the copied modules, as they were when copied.
+        def mapped(value: Any) -> Any:
+            return memo.get(id(value), value)
+
+        def mapped_id(key: int) -> int:
+            return id(memo[key]) if key in memo else key
+
+        def remap(described: Any) -> Any:
+            if isinstance(described, tuple):
+                if len(described) == 2 and described[0] == "object" and isinstance(described[1], int):
+                    return ("object", mapped_id(described[1]))
+                return tuple(remap(item) for item in described)
+            return described
+
+        new = copy.copy(self)
+        watch = self.watch
+        new.owner = mapped_id(self.owner)
+        new.watch = dataclasses.replace(
+            watch,
+            modules=tuple(
+                (name, mapped_id(key), kind, agree, remap(attributes))
+                for name, key, kind, agree, attributes in watch.modules
+            ),
+            objects=tuple(
+                (mapped(obj), {k: mapped(v) for k, v in snapshot.items()}) for obj, snapshot in watch.objects
+            ),
+            held=[mapped(value) for value in watch.held],
+            ordered=tuple(mapped(module) for module in watch.ordered),
+        )
+        return new
+
+    def in_leaf(self, name: str) -> bool:
+        """Whether the module ``name`` is one the graph calls, or inside one."""
+        return any(name == leaf or name.startswith(leaf + ".") for leaf in self.calls)
+
+    def __call__(self, gm: nn.Module) -> bool:
+        """Follow changes made to ``gm`` since the last call; True if its graphs were rewritten."""
+        # Plain Python, which torch.compile traces and guards on, as `unchanged`'s.
+        if unchanged(self.watch):
+            return False
+        return self._follow(gm)
+
+    @torch.compiler.disable
+    def _follow(self, gm: nn.Module) -> bool:
+        now = take(gm)
+        if self.owner != id(gm):  # a copy (deepcopy) holds the graphs of its own modules
+            self.owner, self.watch = id(gm), now
+            return False
+        if same_model(self.watch, now):
+            self.watch = now
+            return False
+        problems = self.problems(gm, now)
+        if problems:
+            policy = getattr(gm, "meta", {}).get("amp_fx_policy")
+            level = f"{policy.opt_level!r}, dtype={policy.dtype}" if policy is not None else "..."
+            raise FollowError(
+                f"{type(gm).__name__} (converted with front_end='fx') was changed after conversion in a "
+                f"way its graph cannot follow: {'; '.join(problems[:6])}. Its graph was traced from the "
+                "model's forward, whose code it does not keep, so it cannot run this change. Make the "
+                "change on the original model and convert that again: amp_fx.convert(model, "
+                f"{level}, front_end='fx'), or convert with front_end='export', which captures a "
+                "changed model again."
+            )
+        known = self.watch.tensor_ids()
+        added = frozenset(
+            name
+            for name, tensor in [
+                *gm.named_parameters(remove_duplicate=False),
+                *gm.named_buffers(remove_duplicate=False),
+            ]
+            if id(tensor) not in known
+        )
+        logger.info(
+            "%s changed since conversion (%s): rewriting its traced graph",
+            type(gm).__name__,
+            ", ".join(now.differences(self.watch)[:8]),
+        )
+        self.rewrite(gm, added)
+        self.watch = take(gm)
+        return True
+
+    def problems(self, gm: nn.Module, now: Watch) -> list[str]:
+        """What changed that the graph cannot follow (the class docstring), one phrase each."""
+        calls, reads, opaque = self.calls, self.reads, self.opaque
+        problems = []
+        for target in sorted(calls):
+            if _resolve(gm, target) is None:
+                problems.append(f"`{target}`, a module the graph calls, was deleted")
+        for target in sorted(reads):
+            if _resolve(gm, target) is None:
+                problems.append(f"`{target}`, which the graph reads, was deleted or set to None")
+        old = {entry[0]: entry for entry in self.watch.modules}
+        new = {entry[0]: entry for entry in now.modules}
+        for target in sorted(calls - opaque):
+            before, after = old.get(target), new.get(target)
+            if before is None or after is None or before[1] == after[1] or before[2] is after[2]:
+                continue
+            if any(True for _ in gm.get_submodule(target).children()):
+                problems.append(
+                    f"`{target}` was replaced by a {after[2].__module__}.{after[2].__qualname__}, a "
+                    "module with submodules the "
+                    "graph would have to trace through"
+                )
+        mode_graphs = len(self.sources) > 1
+        for name, entry in new.items():
+            if self.in_leaf(name):
+                continue
+            shown = name or "the model"
+            before = old.get(name)
+            if before is None:
+                problems.append(f"`{name}` was added where the graph's traced code would call it")
+                continue
+            if before[1] != entry[1]:
+                continue  # a module the graph does not call, replaced (held for its state)
+            if mode_graphs and before[3] != entry[3]:
+                problems.append(f"{shown}'s train/eval mode differs from the model's (a graph per mode)")
+            attributes, previous = dict(entry[4]), dict(before[4])
+            for key in _HOOK_KEYS:
+                if attributes.get(key) != previous.get(key) and getattr(gm.get_submodule(name), key, None):
+                    problems.append(f"a hook was registered on `{shown}`, which the graph traced through")
+            for key in ("_parameters", "_buffers"):
+                added = _keys(attributes.get(key)) - _keys(previous.get(key))
+                problems += [
+                    f"`{name + '.' if name else ''}{attribute}` was added where traced code would read it"
+                    for attribute in sorted(added)
+                    if getattr(gm.get_submodule(name), attribute, None) is not None
+                ]
+        return problems
+
+
+class FollowError(RuntimeError):
+    """A change made to a converted GraphModule that its traced graph cannot follow."""
+
+
+def _keys(described: Any) -> set[str]:
+    # A dict as `_describe` gives it: (type, ((key, value), ...)).
+    if not isinstance(described, tuple) or len(described) != 2 or not isinstance(described[1], tuple):
+        return set()
+    return {key for key, _ in described[1]}
+
+
+def _resolve(gm: nn.Module, target: str) -> Any:
+    owner: Any = gm
+    for part in target.split("."):
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return None
+    return owner
+
+
+def _is_opaque(node: torch.fx.Node) -> bool:
+    from amp_fx.core.node_info import node_info
+    from amp_fx.core.policy import Rule
+
+    return node_info(node).rule is Rule.OPAQUE

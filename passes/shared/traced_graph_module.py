@@ -8,6 +8,7 @@ model did, and a converted one refuses a cast that would break the casts its gra
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -19,11 +20,17 @@ from torch import nn
 
 from amp_fx.core.node_info import (
     FORWARD_SIGNATURE_KEY,
+    META_KEY,
     OTHER_MODE_GRAPH_KEY,
     POLICY_KEY,
 )
 
-__all__ = ["CONTAINER_KEY", "TracedGraphModule", "rebuild_traced_graph_module"]
+__all__ = ["CONTAINER_KEY", "FOLLOWER_ATTR", "TracedGraphModule", "copy_graph", "rebuild_traced_graph_module"]
+
+# The key of a converted GraphModule's ``__dict__`` holding what follows changes made to it after
+# conversion (`amp_fx.capture.changes.GraphFollower`): each call first calls it with the module,
+# and where it rewrote the graphs (it returns True) the call runs the new ones.
+FOLLOWER_ATTR = "_amp_fx_follow_changes"
 
 # gm.meta key: for a model that was an nn.Sequential, ModuleList or ModuleDict (or a subclass),
 # ``(kind, names)``: which of the three, and the names of its children in order.
@@ -136,6 +143,9 @@ class TracedGraphModule(torch.fx.GraphModule):
     def __deepcopy__(self, memo: dict[int, Any]) -> TracedGraphModule:
         copied = super().__deepcopy__(memo)
         type(copied).__name__ = type(self).__name__  # fx's copy would be named "GraphModule"
+        follower = self.__dict__.get(FOLLOWER_ATTR)
+        if follower is not None:  # fx's copy keeps only the attributes it knows
+            copied.__dict__[FOLLOWER_ATTR] = copy.deepcopy(follower, memo)
         copied.recompile()  # its meta is set after GraphModule's own recompile
         return copied
 
@@ -144,7 +154,9 @@ class TracedGraphModule(torch.fx.GraphModule):
         # the signature, the other mode's code and the meta with it.
         _, (body, import_block) = super().__reduce__()
         meta = {k: v for k, v in self.meta.items() if k != OTHER_MODE_GRAPH_KEY}
-        body = {**body, "meta": meta}  # a Graph does not pickle
+        # A Graph does not pickle, nor do the traced graphs the follower keeps: a loaded model
+        # runs its graphs as they are.
+        body = {**{k: v for k, v in body.items() if k != FOLLOWER_ATTR}, "meta": meta}
         other = None
         if OTHER_MODE_GRAPH_KEY in self.meta:
             training, graph = self.meta[OTHER_MODE_GRAPH_KEY]
@@ -269,6 +281,16 @@ def rebuild_traced_graph_module(
     return gm
 
 
+def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of ``graph`` whose nodes' `NodeInfo` are copies too (a pass rewriting one of the two
+    leaves the other as it was)."""
+    copied = copy.deepcopy(graph)
+    for node in copied.nodes:
+        if META_KEY in node.meta:
+            node.meta[META_KEY] = copy.deepcopy(node.meta[META_KEY])
+    return copied
+
+
 def _compiled_forward(graph: torch.fx.Graph) -> Callable[..., Any]:
     from torch.fx.graph_module import _forward_from_src
 
@@ -286,6 +308,9 @@ def _drop_in_forward(
     to_graph_arguments = _argument_mapping(signature, inspect.signature(graph_forward))
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        follow = self.__dict__.get(FOLLOWER_ATTR)
+        if follow is not None and follow(self):
+            return type(self).forward(self, *args, **kwargs)  # the graphs were rewritten
         if to_graph_arguments is not None:
             args, kwargs = to_graph_arguments(args, kwargs)
         run = graph_forward if by_mode is None else by_mode[self.training]
