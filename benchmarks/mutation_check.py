@@ -108,6 +108,38 @@ MUTATIONS = [
         select="host",
     ),
     Mutation(
+        "sliding_window_count_baked_in",
+        "amp_fx/core/containers.py",
+        "    if isinstance(value, _LEAF_TYPES) or (within and type(value) is int):",
+        "    if isinstance(value, _LEAF_TYPES):",
+        ("tests/test_export_drop_in.py::test_generate_on_a_sliding_window_cache_gives_autocasts_tokens",),
+    ),
+    Mutation(
+        "sliding_window_taken_for_causal",
+        "passes/shared/affine_masks.py",
+        "    if b is True or a == b:\n        return a\n    return None\n\n\ndef _or(",
+        "    if b is True or a == b or a == CAUSAL:\n        return a\n    return None\n\n\ndef _or(",
+        # Not caught by the generate test: generate passes a padding mask, which keeps the mask whole.
+        ("tests/passes/test_simplify_attention.py",),
+    ),
+    Mutation(
+        "found_inf_not_agreed_across_ranks",
+        "amp_fx/distributed.py",
+        "        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)",
+        "        pass",
+        ("tests/test_fsdp_export.py::test_an_inf_in_one_ranks_shard_skips_the_step_on_all_ranks",),
+        select="gpt2",
+    ),
+    Mutation(
+        # Turning simplify_casts off is no mutation here: it removes no cast from the tiny GPT-2's
+        # and Llama's O2 graphs (their bytes are the same with and without it).
+        "norms_not_fused",
+        "amp_fx/pipeline.py",
+        "    Pass(fuse_norms),\n",
+        "",
+        ("tests/test_bytes_written.py",),
+    ),
+    Mutation(
         "matmul_fp32_without_out_dtype",
         "amp_fx/ops/head_matmuls.py",
         "        return torch.mm(a, b, out_dtype=torch.float32)",

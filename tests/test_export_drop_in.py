@@ -87,6 +87,19 @@ def test_a_failed_call_changes_nothing_and_training_follows(mistake) -> None:
     _check_trains(converted, converted(input_ids=ids, labels=ids).loss)
 
 
+def _generates_autocasts_tokens(
+    model: nn.Module, converted: nn.Module, ids: torch.Tensor, **options
+) -> torch.Tensor:
+    """Greedy `generate` of `converted` (O1) gives autocast's tokens and logits bit for bit; the tokens."""
+    options = {**options, "do_sample": False, "return_dict_in_generate": True, "output_logits": True}
+    ours = converted.generate(ids, **options)
+    with torch.autocast("cpu", dtype=BF16):
+        expected = model.generate(ids, **options)
+    assert type(ours.sequences) is torch.Tensor and torch.equal(ours.sequences, expected.sequences)
+    assert all(bits_equal(a, b) for a, b in zip(ours.logits, expected.logits, strict=True))
+    return ours.sequences
+
+
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_generate_then_train(opt_level: str) -> None:
     model = _gpt2().eval()  # generation without dropout, then training in train mode
@@ -95,19 +108,33 @@ def test_generate_then_train(opt_level: str) -> None:
     tokens = converted.generate(ids, max_new_tokens=3, do_sample=False)
     assert type(tokens) is torch.Tensor and tokens.shape == (2, 11)
     if opt_level == "O1":  # O1 computes what autocast does, bit for bit: the same tokens and logits
-        options = {
-            "max_new_tokens": 3,
-            "do_sample": False,
-            "return_dict_in_generate": True,
-            "output_logits": True,
-        }
-        ours = converted.generate(ids, **options)
-        with torch.autocast("cpu", dtype=BF16):
-            expected = model.generate(ids, **options)
-        assert torch.equal(tokens, expected.sequences) and torch.equal(ours.sequences, expected.sequences)
-        assert all(torch.equal(a, b) for a, b in zip(ours.logits, expected.logits, strict=True))
+        assert torch.equal(tokens, _generates_autocasts_tokens(model, converted, ids, max_new_tokens=3))
     converted.train()
     _check_trains(converted, converted(input_ids=ids, labels=ids).loss)
+
+
+def test_generate_on_a_sliding_window_cache_gives_autocasts_tokens() -> None:
+    """A sliding-window cache (a Mistral with a window shorter than prompt and answer) drops the
+    keys that leave the window and counts its tokens in an int: O1 still gives autocast's tokens
+    and logits bit for bit, and the count does not make each new token a new capture."""
+    torch.manual_seed(0)
+    window = 4
+    config = transformers.MistralConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=window,
+    )  # fmt: skip
+    model = transformers.MistralForCausalLM(config).eval()
+    ids = _ids(batch=2, length=window + 2)
+    options = {"attention_mask": torch.ones_like(ids), "max_new_tokens": window + 1}
+    converted = amp_fx.convert(model, "O1", dtype=BF16)
+    tokens = _generates_autocasts_tokens(model, converted, ids, **options)
+    assert tokens.shape == (2, 2 * window + 3)
+    # The prompt, then every decoding step in one graph: not one per token.
+    assert sum(len(state.graphs) for _, state in capture_states(converted)) == 2
+    # The window decides these tokens: without it autocast gives others.
+    model.config.sliding_window = None
+    with torch.autocast("cpu", dtype=BF16):
+        assert not torch.equal(tokens, model.generate(ids, do_sample=False, **options))
 
 
 def test_a_call_on_fake_tensors_keeps_no_graph() -> None:
