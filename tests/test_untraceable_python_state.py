@@ -213,3 +213,26 @@ def test_random_outside_a_capture_is_not_touched() -> None:
         np.random.rand,
         nn.Module.__setattr__,
     ) == functions
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_librarys_one_time_setup_is_kept_and_not_reported(
+    level: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """transformers installs its output-capturing hooks at a model's first call and marks the model
+    (``_output_capturing_hooks_installed``). Putting that mark back after the capture would install
+    the hooks again at the next call and every hidden state would be recorded twice."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=16, output_hidden_states=True
+    )
+    eager = transformers.GPT2LMHeadModel(config).eval()
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    converted = amp_fx.convert(eager, level, dtype=torch.bfloat16, device_type="cpu")
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        expected = len(eager(input_ids=ids).hidden_states)
+        counts = [len(converted(input_ids=ids).hidden_states) for _ in range(3)]
+    assert counts == [expected] * 3
+    assert _warnings(caplog) == []

@@ -4,11 +4,12 @@ A graph records tensor ops. What a forward does in plain Python runs once, while
 torch.export captures, and its result is frozen into the graph: a layer-drop decided with
 ``random.random()``, a value read from ``time``, an attribute assigned in forward
 (``self.step = self.step + 1`` on an int, ``self.last = x.shape[0]``). `watching_python_state`
-is entered around a capture: it records each such call and assignment made by code outside torch,
-amp_fx and Python's own library (so torch's timing of itself or ``logging``'s time stamps are not
-counted), with the source line, and on exit puts every attribute the capture assigned back as it
-was, so a capture leaves the model as it found it. `report` logs the findings of a model once, each
-with its line and its fix.
+is entered around a capture: it records each such call made by code outside torch, amp_fx and
+Python's own library (so torch's timing of itself or ``logging``'s time stamps are not counted),
+and each such assignment made by the model's own code, not an installed package's (a library's
+one-time setup is not a frozen decision), with the source line; on exit it puts every attribute
+it recorded back as it was, so a capture leaves the model as it found it. `report` logs the
+findings of a model once, each with its line and its fix.
 
     >>> import random
     >>> class Drop(nn.Module):
@@ -132,6 +133,14 @@ def is_library_file(filename: str) -> bool:
     return filename.startswith(_STDLIB_DIR) and not any(part in filename for part in _INSTALLED)
 
 
+def _is_model_code(filename: str) -> bool:
+    """True for code whose attribute writes are the model's own: not a library's, and not an
+    installed package's. An installed library's forward sets up state once on purpose
+    (transformers marks the output-capturing hooks it installed): putting that back would undo
+    the setup, so the next call would install the hooks again."""
+    return not is_library_file(filename) and not any(part in filename for part in _INSTALLED)
+
+
 def _caller(depth: int) -> types.FrameType | None:
     """The frame that called the code ``depth`` frames up, or None where it is library code."""
     frame: types.FrameType | None = sys._getframe(depth + 1)
@@ -196,7 +205,7 @@ def _recording_setattr(original: Callable[..., None]) -> Callable[..., None]:
             while frame is not None and frame.f_code.co_name == "__setattr__":  # subclasses', amp_fx's
                 frame = frame.f_back
             is_plain = name not in _BOOKKEEPING and not any(name in vars(self)[key] for key in _BOOKKEEPING)
-            if frame is not None and is_plain and not is_library_file(frame.f_code.co_filename):
+            if frame is not None and is_plain and _is_model_code(frame.f_code.co_filename):
                 watch.assigned.setdefault((id(self), name), (self, vars(self).get(name, _MISSING)))
                 watch.last[(id(self), name)] = (*location(frame), value)
         original(self, name, value)
