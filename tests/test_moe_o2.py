@@ -52,6 +52,8 @@ class OpDtypes(TorchDispatchMode):
         super().__init__()
         self.matmul_elements: Counter[tuple[str, torch.dtype]] = Counter()
         self.router_calls: Counter[tuple[str, torch.dtype]] = Counter()
+        self.chosen: list[torch.Tensor] = []  # the indices of each top-k call
+        self.fp32_widths: set[int] = set()  # the last dimension of each FP32 product's output
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -59,9 +61,16 @@ class OpDtypes(TorchDispatchMode):
         if packet in _MATMULS:
             operand = next(a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2)
             self.matmul_elements[(packet.__name__, operand.dtype)] += out.numel()
+            if operand.dtype == FP32:
+                self.fp32_widths.add(out.shape[-1])
         elif packet in _ROUTER_OPS:
             self.router_calls[(packet.__name__, args[0].dtype)] += 1
+            if packet is _aten.topk:
+                self.chosen.append(out[1])
         return out
+
+    def fp32_elements(self) -> int:
+        return sum(n for (_, dtype), n in self.matmul_elements.items() if dtype == FP32)
 
     def low_share(self, ops: set[str] | None = None) -> float:
         """The share of matrix-product output elements (of ``ops``, default all) computed in bf16."""
@@ -219,9 +228,16 @@ def _plain_case(name: str, front_end: str) -> Any:
 def test_plain_moe_experts_run_low_at_o2(name: str, front_end: str) -> None:
     model, x = _plain(name)
     o2 = amp_fx.convert(model, "O2", dtype=BF16, device_type="cpu", front_end=front_end)
+    o2(x)  # the export front end captures at its first call
     counted = op_dtypes(o2, x)
-    # Every matrix product (experts, router, shared expert, projections) computes in bf16.
-    assert counted.matmul_elements and counted.low_share() == 1.0, counted.matmul_elements
+    # Every matrix product (experts, shared expert, projections) computes in bf16 but the router's
+    # logits: FP32, TOKENS x EXPERTS of them.
+    assert counted.fp32_elements() == TOKENS * EXPERTS, counted.matmul_elements
+    assert counted.matmul_elements and counted.low_share() == 1 - TOKENS * EXPERTS / sum(
+        counted.matmul_elements.values()
+    ), counted.matmul_elements
+    if front_end == "fx":  # the fx front end stores the router's weight FP32 (export: see the report)
+        assert o2.get_submodule("moe.gate").weight.dtype == FP32
     # The router's softmax/sigmoid and top-k read FP32.
     topk = {dtype for (op, dtype) in counted.router_calls if op == "topk"}
     assert topk == {FP32}, counted.router_calls
@@ -231,6 +247,48 @@ def test_plain_moe_experts_run_low_at_o2(name: str, front_end: str) -> None:
     assert "_grouped_mm in torch.bfloat16" in measured.reference
     assert not measured.failures(RELATIVE_BOUND), measured.failures(RELATIVE_BOUND)
     _trains_every_parameter(o2, x, loss=lambda out: out.float().square().mean())
+
+
+def _router_choices(policy_or_level: Any, moe: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The experts (sorted, per token) a converted ``moe`` layer's top-k picks on ``x``."""
+    if policy_or_level == "autocast":
+        converted = with_autocast(moe, "cpu", BF16)
+    elif isinstance(policy_or_level, str):
+        converted = amp_fx.convert(moe, policy_or_level, dtype=BF16, device_type="cpu")
+    else:
+        converted = amp_fx.convert(moe, policy=policy_or_level)
+    (chosen,) = op_dtypes(converted, x).chosen
+    return chosen.sort(-1).values
+
+
+@pytest.mark.parametrize("router", ["softmax_topk", "sigmoid_topk", "switch"])
+def test_o2_router_picks_the_experts_of_a_float64_router(router: str) -> None:
+    # Many tokens, inputs that bf16 holds exactly (O2 casts its inputs low): the router's logits
+    # alone decide whether O2 picks the float64 router's experts (softmax and sigmoid are monotone).
+    torch.manual_seed(0)
+    moe = TokenChoiceMoE("bmm", router).eval()
+    x = torch.randn(4096, HIDDEN).to(BF16).float()
+    reference = F.linear(x.double(), moe.gate.weight.double()).topk(moe.k, dim=-1).indices.sort(-1).values
+    assert torch.equal(_router_choices("O2", moe, x), reference)
+    # autocast's bf16 router picks other experts for some tokens (ties and near-ties), as does O2
+    # with the rule set back to autocast's.
+    assert not torch.equal(_router_choices("autocast", moe, x), reference)
+    lowered = preset("O2", BF16, "cpu").set_op("moe_router", "lower")
+    assert lowered.decide("moe_router").rule is Rule.LOWER
+    assert not torch.equal(_router_choices(lowered, moe, x), reference)
+
+
+def test_o2_reports_why_the_router_is_fp32() -> None:
+    model, _ = _plain("loop_softmax_shared")
+    o2 = amp_fx.convert(model, "O2", dtype=BF16, device_type="cpu")
+    reasons = {
+        n.target: amp_fx.core.node_info.node_info(n).reason for n in o2.graph.nodes if n.op == "call_module"
+    }
+    assert "MoE router logits" in reasons["moe.gate"] and "top-k" in reasons["moe.gate"]
+    # Products that feed no top-k (the shared expert's gate feeds a sigmoid only) stay low.
+    assert "lower_precision_fp" in reasons["moe.shared_gate"] and "lower_precision_fp" in reasons["head"]
+    # O3 has no FP32 islands: its router is lowered like every product.
+    assert "moe_router" not in preset("O3", BF16, "cpu").op_rules
 
 
 @pytest.mark.parametrize("name", ["grouped_sigmoid_shared", "bmm_switch_shared", "loop_softmax_shared"])
@@ -249,7 +307,8 @@ def test_a_policy_rule_keeps_the_experts_fp32() -> None:
     assert policy.decide("_grouped_mm").rule is Rule.FP32
     o2 = amp_fx.convert(model, policy=policy)
     counted = op_dtypes(o2, x)
-    assert counted.low_share({"_grouped_mm"}) == 0.0 and counted.low_share({"mm", "addmm"}) == 1.0
+    assert counted.low_share({"_grouped_mm"}) == 0.0 and counted.low_share({"addmm"}) == 1.0
+    assert counted.matmul_elements[("mm", FP32)] == TOKENS * EXPERTS  # only the router's logits
     # Its reference is then plain autocast: the oracle holds it to autocast's FP32 experts.
     measured = error_ratio(model, o2, (x,))
     assert measured.reference == "torch.autocast(cpu, torch.bfloat16)"
@@ -330,7 +389,13 @@ def test_hf_moe_experts_run_low_at_o2(family: str, implementation: str) -> None:
     expert_ops = {"grouped_mm": {"_grouped_mm"}, "batched_mm": {"bmm"}, "eager": {"mm", "addmm"}}[
         implementation
     ]
-    assert counted.low_share(expert_ops) == 1.0, counted.matmul_elements
+    # The routers' logits (width: the experts) are the only FP32 products.
+    assert counted.fp32_widths == {4} and counted.fp32_elements() % (batch["input_ids"].numel() * 4) == 0
+    assert counted.fp32_elements() == counted.matmul_elements[("mm", FP32)], counted.matmul_elements
+    experts: Counter[torch.dtype] = Counter()
+    for (op, dtype), n in counted.matmul_elements.items():
+        experts[dtype] += n if op in expert_ops else 0
+    assert experts[BF16] > 0 and experts[FP32] == (counted.fp32_elements() if "mm" in expert_ops else 0)
     assert counted.low_share() >= 0.99, counted.matmul_elements  # experts are most of the products
     topk = {dtype for (op, dtype) in counted.router_calls if op == "topk"}
     assert topk == {FP32}, counted.router_calls

@@ -669,9 +669,16 @@ OP_ALIASES: dict[str, str] = {
 # as O1 does; `amp_fx.core.preset_rules` decides them at the levels that store weights low.
 UNLISTED_MATMUL_OPS = frozenset({"_grouped_mm"})
 
+# Not an op but a role: a matrix product computing a mixture-of-experts router's logits (its
+# output reaches a ``topk`` through score ops only; `amp_fx.passes.shared.decisions`). The policy
+# decides it under this name, so ``set_op("moe_router", ...)`` overrides it.
+ROUTER_OP = "moe_router"
+
 KNOWN_OPS: frozenset[str] = frozenset(
     PASSTHROUGH_OPS.union(
-        *(lists.all_ops() for lists in AUTOCAST_OP_LISTS.values()), UNLISTED_MATMUL_OPS, {OPAQUE_OP}
+        *(lists.all_ops() for lists in AUTOCAST_OP_LISTS.values()),
+        UNLISTED_MATMUL_OPS,
+        {OPAQUE_OP, ROUTER_OP},
     )
 )
 

@@ -14,7 +14,13 @@ its row keeps them. `Policy` and `preset` (`amp_fx.core.policy`) read `preset_op
 from __future__ import annotations
 
 from amp_fx.core.op_facts import FUSED_ADD_NORM_OPS, FUSED_NORM_OPS
-from amp_fx.core.op_lists import OPAQUE_OP, UNLISTED_MATMUL_OPS, AutocastOpLists, autocast_op_lists
+from amp_fx.core.op_lists import (
+    OPAQUE_OP,
+    ROUTER_OP,
+    UNLISTED_MATMUL_OPS,
+    AutocastOpLists,
+    autocast_op_lists,
+)
 from amp_fx.core.opt_levels import OptLevel
 from amp_fx.core.rules import OpRule, Rule
 
@@ -22,6 +28,7 @@ __all__ = [
     "BATCH_NORM_OPS",
     "FP32_ISLANDS",
     "LOW_PRECISION_RESIDUAL_OPS",
+    "ROUTER_REASON",
     "autocast_list_rules",
     "low_weight_rules",
     "preset_op_rules",
@@ -122,6 +129,17 @@ _UNLISTED_MATMULS: dict[str, str] = {
     for op in UNLISTED_MATMUL_OPS
 }
 
+# A mixture-of-experts router's logits (`ROUTER_OP`: a matrix product whose output reaches a top-k
+# through score ops only) at levels with FP32 islands: computed in FP32 with an FP32 weight, as
+# Megatron-Core (``moe_router_dtype``) and torchtitan compute them. The top-k picks experts by
+# comparing logits, and bf16 logits (8 bits) tie or swap near-ties, sending tokens to other experts;
+# the router is hidden x n_experts, so this costs next to nothing.
+ROUTER_REASON = (
+    "MoE router logits: this matrix product feeds the top-k that picks experts, and bf16 logits "
+    "tie or swap near-ties (other experts chosen), so it runs in FP32 with an FP32 weight, as "
+    "Megatron-Core and torchtitan run routers (set_op('moe_router', 'lower') runs it as autocast does)"
+)
+
 # Ops that are matrix products in disguise: levels that store weights low lower them on every
 # device, although the CPU
 # autocast lists only lower them through the ops they call.
@@ -204,6 +222,7 @@ def low_weight_rules(level: OptLevel, keep_batchnorm_fp32: bool) -> dict[str, Op
     if level.keeps_fp32_islands:
         for op, why in FP32_ISLANDS.items():
             rules[op] = OpRule(Rule.FP32, f"{name} FP32 island: {why}")
+        rules[ROUTER_OP] = OpRule(Rule.FP32, f"{name} FP32 island: {ROUTER_REASON}")
     if level.keeps_norms_fp32:
         for op, why in _FP32_PARAM_OPS.items():
             rules[op] = OpRule(Rule.FP32, f"{name}: {why}")

@@ -23,7 +23,7 @@ from amp_fx.core.node_info import (
     node_info,
 )
 from amp_fx.core.op_facts import NORM_OPS, VALUE_MOVING_OPS
-from amp_fx.core.op_lists import OPAQUE_OP
+from amp_fx.core.op_lists import OPAQUE_OP, ROUTER_OP
 from amp_fx.core.policy import Decision, Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.ops.batch_norm import FusedBatchNormAct
@@ -72,10 +72,55 @@ def decide_node(node: torch.fx.Node, gm: torch.fx.GraphModule, policy: Policy) -
     # `normalize_ops` names untraced code OPAQUE_OP; a call it did not name is asked by its
     # target's name (the policy's global rule then applies).
     op = info.op or getattr(node.target, "__name__", str(node.target))
+    if op in _ROUTER_MATMUL_OPS and _decides_routers(policy) and computes_router_logits(node):
+        decision = policy.decide(ROUTER_OP, module_name=module_name, module_type=module_type)
+        return Decision(decision.rule, f"{decision.reason} [{op}]", decision.param_dtype)
     decision = policy.decide(op, module_name=module_name, module_type=module_type)
     if op == OPAQUE_OP and info.opaque_reason:
         return Decision(decision.rule, f"{decision.reason} ({info.opaque_reason})", decision.param_dtype)
     return decision
+
+
+# The matrix products a router computes its logits with, and the ops that may stand between its
+# logits and the top-k picking experts (scores, a bias, a temperature) besides those that only move
+# or cast values. A norm, an activation or another matrix product on the way means the product is
+# not a router's (a residual stream reaches a router through a norm and the router's own product).
+_ROUTER_MATMUL_OPS = frozenset({"linear", "matmul", "mm", "addmm", "einsum"})
+_ROUTER_SCORE_OPS = frozenset({"softmax", "log_softmax", "sigmoid", "add", "sub", "mul", "div", "neg"})
+
+
+def _decides_routers(policy: Policy) -> bool:
+    # Levels without the rule (O1 follows autocast's lists; O3 has no FP32 islands) decide a
+    # router's product as the product it is.
+    return ROUTER_OP in policy.op_rules or ROUTER_OP in policy.op_overrides
+
+
+def computes_router_logits(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s value reaches a ``topk`` through score ops only (softmax, sigmoid,
+    arithmetic, views, casts): a mixture-of-experts router's logits, which the policy decides as
+    ``ROUTER_OP`` (O2 keeps them FP32; `amp_fx.core.preset_rules.ROUTER_REASON`).
+
+    >>> from amp_fx.passes.normalize_ops import normalize_ops
+    >>> from amp_fx.passes.trace import trace
+    >>> class Router(nn.Linear):
+    ...     def forward(self, x):
+    ...         return torch.topk(torch.softmax(super().forward(x).float(), -1), 2).indices
+    >>> gm = normalize_ops(trace(nn.Sequential(nn.Linear(4, 4), Router(4, 3))))
+    >>> [computes_router_logits(n) for n in gm.graph.nodes if node_info(n).op == "linear"]
+    [False, True]
+    """
+    pending, seen = [node], {node}
+    while pending:
+        for user in pending.pop().users:
+            info = node_info(user)
+            if info.op == "topk" and user.args and user.args[0] in seen:
+                return True
+            if user not in seen and (
+                info.is_cast or info.op in VALUE_MOVING_OPS or info.op in _ROUTER_SCORE_OPS
+            ):
+                seen.add(user)
+                pending.append(user)
+    return False
 
 
 # The op a parameter that no call decides about is asked under (the policy's global rule applies,
