@@ -34,6 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from amp_fx.capture.changes import instrument_hooks
 from amp_fx.captured_model import CapturedModel, capture_states, captured_model  # noqa: F401  (doctests)
 from amp_fx.core.node_info import META_KEY, OTHER_MODE_GRAPH_KEY, POLICY_KEY
 from amp_fx.core.policy import Rule
@@ -425,7 +426,8 @@ class _WorkCounter(TorchDispatchMode):
         enter = torch.nn.modules.module.register_module_forward_pre_hook(self._enter)
         leave = torch.nn.modules.module.register_module_forward_hook(self._leave, always_call=True)
         try:
-            yield
+            with instrument_hooks(enter, leave):
+                yield
         finally:
             enter.remove()
             leave.remove()

@@ -40,13 +40,14 @@ Not seen: in-place changes of a container an attribute holds (``config.rope_scal
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import enum
 import functools
 import logging
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -132,6 +133,35 @@ _GLOBAL_HOOKS = tuple(
     )
     if hasattr(torch_module, name)
 )
+
+# Handle ids of global hooks amp_fx's own instruments hold for one call (`capture_summary`): they
+# are not the user's, so they change no model.
+_INSTRUMENT_HOOK_IDS: set[int] = set()
+
+
+def _model_hooks(hooks: dict[Any, Any]) -> dict[Any, Any]:
+    if not _INSTRUMENT_HOOK_IDS:
+        return hooks
+    return {key: value for key, value in hooks.items() if key not in _INSTRUMENT_HOOK_IDS}
+
+
+@contextlib.contextmanager
+def instrument_hooks(*handles: RemovableHandle) -> Iterator[None]:
+    """While open, the global module hooks of ``handles`` (amp_fx's own instruments, registered
+    for one call) are no change of any model: no graph is dropped or captured for them.
+
+    >>> handle = torch_module.register_module_forward_hook(lambda *_: None)
+    >>> with instrument_hooks(handle):
+    ...     handle.id in _model_hooks(torch_module._global_forward_hooks)
+    False
+    >>> handle.remove()
+    """
+    ids = {handle.id for handle in handles}
+    _INSTRUMENT_HOOK_IDS.update(ids)
+    try:
+        yield
+    finally:
+        _INSTRUMENT_HOOK_IDS.difference_update(ids)
 
 
 def _bump() -> None:
@@ -319,7 +349,7 @@ class Watch:
         for obj, snapshot in self.objects:
             if not _same_dict(snapshot, old_objects.get(id(obj), {})):
                 changed.append(f"a {type(obj).__name__}'s attributes")
-        if any(not _same_dict(hooks, copy) for hooks, copy in before.global_hooks):
+        if any(not _same_dict(_model_hooks(hooks), copy) for hooks, copy in before.global_hooks):
             changed.append("torch's global module hooks")
         return changed
 
@@ -347,7 +377,7 @@ def take(model: nn.Module) -> Watch:
     for module in model.modules():
         _plain_objects((value for key, value in module.__dict__.items() if key not in _IGNORED), found)
     objects = tuple((obj, dict(vars(obj))) for obj in found.values())
-    global_hooks = tuple((hooks, dict(hooks)) for hooks in _GLOBAL_HOOKS)
+    global_hooks = tuple((hooks, dict(_model_hooks(hooks))) for hooks in _GLOBAL_HOOKS)
     ordered = tuple(model.modules())
     return Watch(
         VERSION[0], tuple(entries), objects, global_hooks, held, MODES[0], ordered, _agreement(ordered)
@@ -369,7 +399,7 @@ def unchanged(watch: Watch) -> bool:
         if not _same_dict(vars(obj), snapshot):
             return False
     for hooks, saved in watch.global_hooks:
-        if hooks != saved:
+        if _model_hooks(hooks) != saved:
             return False
     return True
 
@@ -383,7 +413,7 @@ def same_model(watch: Watch, now: Watch) -> bool:
         for (before, old), (after, new) in zip(watch.objects, now.objects, strict=True)
     ):
         return False
-    return all(_same_dict(hooks, copy) for hooks, copy in watch.global_hooks)
+    return all(_same_dict(_model_hooks(hooks), copy) for hooks, copy in watch.global_hooks)
 
 
 # -- The torch.fx front end: a `TracedGraphModule` follows changes by rewriting its traced graph. --
