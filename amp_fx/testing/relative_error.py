@@ -22,7 +22,7 @@ at most `RELATIVE_BOUND` (1.5).
     >>> o2 = amp_fx.convert(model, "O2", dtype=torch.bfloat16, device_type="cpu")
     >>> measured = error_ratio(model, o2, (torch.randn(4, 8),))
     >>> measured.reference, measured.ratio <= RELATIVE_BOUND
-    ('torch.autocast(cpu, torch.bfloat16)', True)
+    ('torch.autocast(cpu, torch.bfloat16) with _grouped_mm in torch.bfloat16', True)
 
 The batches: the first is ``inputs`` as given; each further one has every floating input's entries
 shuffled by a seeded permutation (the same values in other places, so magnitudes and ranges stay
