@@ -238,7 +238,7 @@ def reference_for(
         o1_policy = preset("O1", dtype, device_type)
         for op in lowered_ops:
             o1_policy.set_op(op, Rule.LOWER)
-        o1 = amp_fx.convert(original, policy=o1_policy)
+        o1 = amp_fx.convert(original, policy=o1_policy, device_type=device_type)
         return o1, f"autocast's {device_type} op lists ({dtype}){low} applied by amp_fx O1 on {device}"
     reference = with_autocast(original, device_type, dtype, lowered_ops)
     return reference, f"torch.autocast({device_type}, {dtype}){low}"
