@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 import types
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -79,12 +80,21 @@ def bench(blocks: int, calls: int, repeats: int) -> dict[str, float]:
         model(x)
     state = capture_states(model)[0][1]
     captured = list(state.graphs)
+    timed = _timed_rounds(model, x, lambda: _follow_changes(model, state), calls, repeats)
+    recaptures = sum(all(graph is not old for old in captured) for graph in state.graphs)
+    return {**timed, "recaptures": float(recaptures)}
+
+
+def _timed_rounds(
+    model: nn.Module, x: torch.Tensor, check_once: Callable[[], object], calls: int, repeats: int
+) -> dict[str, float]:
+    """Medians over ``repeats`` rounds of the check alone, a whole call, and one walk."""
     check, call, walk = [], [], []
     with torch.no_grad():
         for _ in range(repeats):
             start = time.perf_counter()
             for _ in range(calls):
-                _follow_changes(model, state)
+                check_once()
             check.append(time.perf_counter() - start)
             start = time.perf_counter()
             for _ in range(_WHOLE_CALLS):
@@ -98,7 +108,6 @@ def bench(blocks: int, calls: int, repeats: int) -> dict[str, float]:
         "check": _median_us(check, calls),
         "call": _median_us(call, _WHOLE_CALLS),
         "walk": _median_us(walk, 1),
-        "recaptures": float(sum(all(graph is not old for old in captured) for graph in state.graphs)),
     }
 
 
@@ -112,27 +121,8 @@ def bench_fx(blocks: int, calls: int, repeats: int) -> dict[str, float]:
         model(x)
     follower = model.__dict__[FOLLOWER_ATTR]
     graph = model.graph
-    check, call, walk = [], [], []
-    with torch.no_grad():
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for _ in range(calls):
-                follower(model)
-            check.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            for _ in range(_WHOLE_CALLS):
-                model(x)
-            call.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            take(model)
-            walk.append(time.perf_counter() - start)
-    return {
-        "modules": float(len(list(model.modules()))),
-        "check": _median_us(check, calls),
-        "call": _median_us(call, _WHOLE_CALLS),
-        "walk": _median_us(walk, 1),
-        "recaptures": float(model.graph is not graph),
-    }
+    timed = _timed_rounds(model, x, lambda: follower(model), calls, repeats)
+    return {**timed, "recaptures": float(model.graph is not graph)}
 
 
 def main(argv: list[str] | None = None) -> None:
