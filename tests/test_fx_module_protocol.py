@@ -122,8 +122,119 @@ def test_a_slice_is_the_layers_where_the_graph_holds_no_casts() -> None:
     assert type(head) is nn.Sequential and list(head) == list(converted)[:2]
     x = torch.randn(2, 4)
     assert torch.equal(head(x), model[:2](x))
+    stack = _convert(Stack([nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)]), "O2")
     with pytest.raises(TypeError, match=r"amp_fx\.convert\(model\[:2\], 'O2'"):
-        _convert(model, "O2")[:2]
+        stack[:2]  # a ModuleList's slice is no chain to cut from the graph
+
+
+class Scale(nn.Module):
+    """A layer the tracer goes into (its ops carry the layer's nn_module_stack)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * self.weight)
+
+
+class Noisy(nn.Module):
+    """A layer whose graph differs by mode (it reads self.training)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(x, 1.0, self.training)
+
+
+def _chain() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 8), nn.GELU(), Scale(8), nn.LayerNorm(8), nn.Linear(8, 8), nn.SiLU(), Scale(8)
+    )
+
+
+def _intermediates(model: nn.Module, x: torch.Tensor) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """Each layer's output in one call of ``model`` (forward hooks), where the graph calls the layer
+    as a module (O1 computes a Linear without calling it; a hook on a layer traced through is
+    refused), and the model's output."""
+    outputs: dict[int, torch.Tensor] = {}
+    called = {node.target for node in model.graph.nodes if node.op == "call_module"}
+    hooks = [
+        layer.register_forward_hook(lambda _m, _i, out, i=i: outputs.__setitem__(i, out))
+        for i, layer in enumerate(model)
+        if str(i) in called
+    ]
+    try:
+        return outputs, model(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+SLICES = [slice(0, 2), slice(1, 3), slice(2, 4), slice(2, None), slice(-4, -1), slice(5, 7), slice(None)]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("index", SLICES, ids=str)
+def test_a_slice_runs_its_part_of_the_converted_graph(level: str, index: slice) -> None:
+    from amp_fx.testing.dtype_tolerances import RELATIVE_BOUND
+    from amp_fx.testing.relative_error import error_ratio
+
+    model = _chain().eval()
+    converted = _convert(model, level).eval()
+    start, stop, _ = index.indices(len(model))
+    x = torch.randn(6, 8)
+    seen, output = _intermediates(converted, x)
+    part = converted[index]
+    assert type(part).__name__ == "Sequential" and len(part) == stop - start
+    assert list(part) == list(converted)[index]  # the same layers, not copies
+    assert {id(p) for p in part.parameters()} <= {id(p) for p in converted.parameters()}
+    # The pieces before, of and after the slice compose to the whole model, bit for bit ...
+    value = part(converted[:start](x))
+    assert torch.equal(converted[stop:](value), output)
+    # ... and the slice hands on what the whole model's layer computes (where a hook sees it).
+    if stop - 1 in seen and (start == 0 or start - 1 in seen):
+        expected = output if stop == len(model) else seen[stop - 1]  # the output casts at the end
+        assert torch.equal(part(x if start == 0 else seen[start - 1]), expected)
+    # Against eager FP32 and torch.autocast, from the FP32 model's own intermediate value.
+    fp32_input = x if start == 0 else model[:start](x)
+    measured = error_ratio(model[index], part, (fp32_input,))
+    assert measured.ratio <= RELATIVE_BOUND, measured
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("index", [slice(None, None, 2), slice(None, None, -1), slice(5, 0, -2)], ids=str)
+def test_a_stepped_slice_chains_the_converted_layers(level: str, index: slice) -> None:
+    from amp_fx.testing.dtype_tolerances import RELATIVE_BOUND
+    from amp_fx.testing.relative_error import error_ratio
+
+    model = _chain().eval()
+    converted = _convert(model, level).eval()
+    part = converted[index]
+    assert list(part) == list(converted)[index]
+    measured = error_ratio(model[index], part, (torch.randn(6, 8),))
+    assert measured.ratio <= RELATIVE_BOUND, measured
+
+
+def test_a_slice_runs_the_graph_of_its_mode() -> None:
+    torch.manual_seed(0)
+    converted = _convert(nn.Sequential(nn.Linear(4, 4), Noisy(), nn.Linear(4, 4)), "O2").eval()
+    part = converted[1:]
+    x = torch.randn(2, 4)
+    assert torch.equal(part(x), converted[2](x.to(BF16)))
+    assert torch.equal(part.train()(x), converted[2](torch.zeros(2, 4, dtype=BF16)))
+
+
+def test_a_slice_that_would_split_fused_layers_is_refused() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 1), nn.ReLU(), nn.Flatten()
+    )
+    # O2 for CUDA runs the BatchNorm and its ReLU as one call (fuse_batch_norm).
+    converted = amp_fx.convert(model, "O2", dtype=torch.float16, front_end="fx", device_type="cuda")
+    for index, shown in [(slice(2, None), "2:"), (slice(0, 2), "0:2"), (slice(3, 5), "3:5")]:
+        with pytest.raises(TypeError, match=rf"fused it with.*amp_fx\.convert\(model\[{shown}\], 'O2'"):
+            converted[index]
+    assert len(converted[4:]) == 2  # away from the fused layers
 
 
 @pytest.mark.parametrize("level", ["O0", "O2"])
@@ -143,3 +254,18 @@ def test_a_model_that_was_no_container_is_none() -> None:
     assert bool(converted) and not hasattr(converted, "__len__")
     with pytest.raises(TypeError, match="not subscriptable"):
         converted[0]
+
+
+class Same(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_a_layer_that_computes_nothing_is_cut_around(level: str) -> None:
+    torch.manual_seed(0)
+    converted = _convert(nn.Sequential(nn.Linear(4, 4), Same(), nn.Linear(4, 4)), level)
+    x = torch.randn(2, 4)
+    for cut in (1, 2):
+        assert torch.equal(converted[cut:](converted[:cut](x)), converted(x))
+    assert len(converted[1:2]) == 1

@@ -6,7 +6,8 @@ scales the loss with it, the prepared optimizer's ``step`` calls ``scaler.step(o
 checkpoint. `AmpTrainer` puts this adapter there instead (with accelerate's own mixed precision
 off), so the Trainer's fp16 path runs with amp_fx's scaler: the optimizer's kernel unscales and
 skips an overflowing step on the device, no host read per step, and the skipped steps are counted
-on the device as well, read only when logged or saved.
+on the device as well (in ``step``: once per step, whatever unscaled before), read only when
+logged or saved.
 
     >>> import torch, amp_fx
     >>> w = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
@@ -45,16 +46,23 @@ class AcceleratorScaler:
         return self.loss_scaler.scale(outputs)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """`amp_fx.LossScaler.unscale_` (the grads become the true ones, for accelerate's torch
-        clipping), then this step's overflow counted on the device."""
+        """`amp_fx.LossScaler.unscale_`: the grads become the true ones, for accelerate's torch clipping."""
         self.loss_scaler.unscale_(optimizer)
-        self._count_overflow(optimizer)
 
     def defer_unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """`amp_fx.LossScaler.defer_unscale_` (the fast path: the kernel unscales), then this step's
-        overflow counted on the device."""
+        """`amp_fx.LossScaler.defer_unscale_`: the fast path, the kernel unscales."""
         self.loss_scaler.defer_unscale_(optimizer)
-        self._count_overflow(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
+        """`amp_fx.LossScaler.step`, this step's overflow counted on the device first: once per step,
+        whichever of ``unscale_`` / ``defer_unscale_`` ran before, if any."""
+        # accelerate passes its closure positionally; LossScaler.step, as GradScaler's, takes none.
+        if closure is not None:
+            raise RuntimeError("a loss-scaled step takes no closure (nor does torch.amp.GradScaler's)")
+        if self.loss_scaler.is_enabled():
+            self.loss_scaler.defer_unscale_(optimizer)  # the check, unless an unscale ran: nothing twice
+            self._count_overflow(optimizer)
+        return self.loss_scaler.step(optimizer)
 
     def _count_overflow(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer = unwrap_optimizer(optimizer)
@@ -72,12 +80,6 @@ class AcceleratorScaler:
         if self._skipped is None:
             self._skipped = torch.full((), self._skipped_loaded, dtype=torch.int64, device=home)
         self._skipped.add_(overflow.to(self._skipped.device, non_blocking=True))
-
-    def step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
-        # accelerate passes its closure positionally; LossScaler.step, as GradScaler's, takes none.
-        if closure is not None:
-            raise RuntimeError("a loss-scaled step takes no closure (nor does torch.amp.GradScaler's)")
-        return self.loss_scaler.step(optimizer)
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
         self.loss_scaler.update(new_scale)

@@ -17,7 +17,10 @@ What it does, in the order Lightning calls it:
 - backward: the loss is scaled by an `amp_fx.LossScaler` (fp16 at O1/O2; bf16, O0 and O3 need
   no scaling), for ``training_step``'s loss and for ``manual_backward`` alike.
 - ``optimizer_step``: the scaler's ``defer_unscale_`` hands ``1 / scale`` to the optimizer's kernel
-  (the grads stay scaled: an fp16 grad divided in place would lose its small values), then
+  (the fast path: the grads stay scaled); where user code sees the grads before the step (the
+  module or a callback overrides ``on_before_optimizer_step``, or the module
+  ``configure_gradient_clipping``) its ``unscale_`` instead writes the true grads (FP32), as
+  ``"16-mixed"`` does, and what the hooks do to them is what the step applies. Then
   Lightning's hooks and clipping run, then the step, which the kernel skips on inf/NaN; the
   skip is counted on the device. The scale is updated once per iteration, before the next loss
   is scaled, so optimizers stepped on one backward share a scale. Schedulers step as Lightning
@@ -34,7 +37,8 @@ Under Fabric the same class converts the module and scales, unscales and steps; 
 precision plugin no way to replace an optimizer, so build amp_fx's fused optimizer after the
 module is set up: ``model = fabric.setup_module(model)``, then
 ``optimizer = fabric.setup_optimizers(amp_fx.optim.FusedAdam(model.parameters(), lr=...))``.
-Clip with ``plugin.clip_gradients(optimizer, max_norm)``; log ``plugin.skipped_steps``.
+Clip with ``plugin.clip_gradients(optimizer, max_norm)`` (the fast path), or with
+``fabric.clip_gradients`` (unscales the grads first, then torch's clip); log ``plugin.skipped_steps``.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ from typing import Any
 
 import torch
 from lightning.fabric.wrappers import _FabricOptimizer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.core import LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -69,6 +75,24 @@ __all__ = ["AmpPrecision"]
 def _trainer_of(module: Any) -> Any:
     """The pytorch Trainer running ``module`` (None under Fabric or for a plain module)."""
     return getattr(module, "_trainer", None)
+
+
+def _overrides(obj: Any, base: type, name: str) -> bool:
+    """Whether ``obj``'s ``name`` (its class's, or set on it as LambdaCallback does) is not ``base``'s."""
+    method = getattr(obj, name, None)
+    return getattr(method, "__func__", method) is not getattr(base, name)
+
+
+def _reads_grads_in_hooks(module: Any) -> bool:
+    """Whether user code sees the grads between backward and the step: ``module`` or a callback
+    overrides ``on_before_optimizer_step``, or ``module`` overrides ``configure_gradient_clipping``."""
+    hook = "on_before_optimizer_step"
+    if _overrides(module, LightningModule, hook) or _overrides(
+        module, LightningModule, "configure_gradient_clipping"
+    ):
+        return True
+    trainer = _trainer_of(module)
+    return trainer is not None and any(_overrides(cb, Callback, hook) for cb in trainer.callbacks)
 
 
 def _unwrapped(optimizer: Any) -> Any:
@@ -134,7 +158,9 @@ class AmpPrecision(Precision):
         # and the optimizers checked against them.
         self._replaced_params = WeakIdKeyDictionary()
         self._checked_optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._unscaled: set[int] = set()
+        # Optimizers unscaled this step (ids): True where the grads hold the true values (unscale_),
+        # False where 1 / scale waits in the kernel (defer_unscale_).
+        self._unscaled: dict[int, bool] = {}
         # Optimizers stepped since the last scale update (ids).
         self._stepped: set[int] = set()
         self._grad_norm: Tensor | None = None
@@ -326,16 +352,29 @@ class AmpPrecision(Precision):
         self._checked_optimizers.add(optimizer)
         return optimizer
 
-    def _unscale_once(self, optimizer: Any) -> None:
-        """Hand ``1 / scale`` to the optimizer (once per step) and count the step if it will be skipped."""
-        if id(optimizer) in self._unscaled or not self.loss_scaler.is_enabled():
+    def _unscale_once(self, optimizer: Any, true_grads: bool = False) -> None:
+        """Unscale once per step and count the step if it will be skipped: ``1 / scale`` handed to the
+        optimizer's kernel (``defer_unscale_``), or with ``true_grads`` written into the grads
+        (``unscale_``, also after a deferral: the multiplier, any clip folded in, is applied)."""
+        if not self.loss_scaler.is_enabled():
             return
-        if id(optimizer) in self._stepped:
-            self._finish_iteration()  # a second step of one optimizer with no backward between
-        if not optimizer.grads_by_device():
-            return  # no backward ran (a training_step that returned None): nothing to unscale or step
-        self.loss_scaler.defer_unscale_(optimizer)
-        self._unscaled.add(id(optimizer))
+        done = self._unscaled.get(id(optimizer))
+        if done is not None and (done or not true_grads):
+            return
+        if done is None:
+            if id(optimizer) in self._stepped:
+                self._finish_iteration()  # a second step of one optimizer with no backward between
+            if not optimizer.grads_by_device():
+                return  # no backward ran (a training_step that returned None): nothing to unscale or step
+        if true_grads:
+            self.loss_scaler.unscale_(optimizer)
+        else:
+            self.loss_scaler.defer_unscale_(optimizer)
+        self._unscaled[id(optimizer)] = true_grads
+        if done is None:
+            self._count_overflow(optimizer)
+
+    def _count_overflow(self, optimizer: Any) -> None:
         flags = [optimizer.pending_scaling(device)[1] for device in optimizer.grads_by_device()]
         flags = [flag for flag in flags if flag is not None]
         if flags:
@@ -361,7 +400,8 @@ class AmpPrecision(Precision):
         # A training_step that returned None ran no backward: nothing to step (as under "16-mixed").
         skip = closure_result is None and model.automatic_optimization
         if not skip:
-            self._unscale_once(optimizer)
+            # User code in the hooks reads the true grads, as under "16-mixed"; else the fast path.
+            self._unscale_once(optimizer, true_grads=_reads_grads_in_hooks(model))
         self._after_closure(model, optimizer)
         if skip:
             return closure_result
@@ -371,7 +411,7 @@ class AmpPrecision(Precision):
 
     def _step(self, optimizer: Any, kwargs: dict[str, Any]) -> Any:
         self._unscale_once(optimizer)
-        self._unscaled.discard(id(optimizer))
+        self._unscaled.pop(id(optimizer), None)
         result = self.loss_scaler.step(optimizer, **kwargs)
         if self.loss_scaler.is_enabled():
             self._stepped.add(id(optimizer))  # the scale is updated before the next loss is scaled
@@ -399,15 +439,23 @@ class AmpPrecision(Precision):
         """Clip the unscaled grads' total norm to ``clip_val`` (`amp_fx.clip_grad_norm_`, no host read).
 
         Returns the norm before clipping (a device tensor); Fabric's users call this themselves.
+        Clipping by value needs the true grads: it runs where they are (bf16, or after ``unscale_``,
+        as when the module overrides ``configure_gradient_clipping``).
         """
         if clip_val is None or clip_val <= 0:
             return None
-        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
-            raise ValueError(
-                "AmpPrecision clips by norm only (the grads stay scaled until the optimizer's kernel): use "
-                "gradient_clip_algorithm='norm'"
-            )
         optimizer = self._fused(optimizer)
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            if self.loss_scaler.is_enabled() and not self._unscaled.get(id(optimizer), False):
+                raise ValueError(
+                    "AmpPrecision clips by norm only while the grads stay scaled until the optimizer's "
+                    "kernel: use gradient_clip_algorithm='norm', or clip by value where the grads are "
+                    "unscaled first: in your module's configure_gradient_clipping, or with "
+                    "fabric.clip_gradients"
+                )
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_value_(params, clip_val)
+            return None
         if not optimizer.grads_by_device():
             return None
         self._unscale_once(optimizer)
@@ -415,11 +463,9 @@ class AmpPrecision(Precision):
         return self._grad_norm
 
     def unscale_gradients(self, optimizer: Any) -> None:
-        """Fabric's ``clip_gradients`` would next clip the still-scaled grads with torch: refused."""
-        raise RuntimeError(
-            "fabric.clip_gradients clips with torch.nn.utils, which would see amp_fx's still-scaled "
-            "gradients; call clip_gradients(optimizer, max_norm) on your AmpPrecision instead"
-        )
+        """Fabric's ``clip_gradients``: the grads become the true ones (``LossScaler.unscale_``), for
+        torch's clipping, which the step then applies."""
+        self._unscale_once(self._fused(optimizer), true_grads=True)
 
     def teardown(self) -> None:
         """The end of a Trainer run: the last step's scale update."""

@@ -291,7 +291,7 @@ class AmpTrainerMixin:
         return self._amp_unscale_and_clip(None) if grad_norm is None else grad_norm
 
     def _amp_unscale_and_clip(self, max_norm: float | None) -> Tensor:
-        """Hand the scale to the optimizer's kernel, count an overflow, and clip the unscaled
+        """Hand the scale to the optimizer's kernel (the step counts an overflow) and clip the unscaled
         gradients to ``max_norm`` (None: measure only); returns their norm, on the device."""
         optimizer = _unwrapped(self.optimizer)
         if self._amp_scaler is not None:

@@ -231,14 +231,16 @@ def test_the_fused_equivalent_does_torchs_maths_on_the_same_groups_and_schedule(
         torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
 
 
-def test_fp16_backward_is_scaled_and_clipping_sees_the_unscaled_norm(tmp_path):
+def test_fp16_hooks_see_the_true_grads_and_clipping_the_unscaled_norm(tmp_path):
     seen: dict[str, float] = {}
 
     class ReadGrads(Callback):
         def on_before_optimizer_step(self, trainer, module, optimizer):
+            # As under "16-mixed": the hook's grads are unscaled (FP32, not the loss's times the scale).
+            assert all(p.grad.dtype == torch.float32 for p in module.parameters())
             grads = torch.cat([p.grad.double().flatten() for p in module.parameters()])
             seen["scale"] = plugin.loss_scaler.get_scale()
-            seen["true_norm"] = grads.norm().item() / seen["scale"]
+            seen["true_norm"] = grads.norm().item()
             seen["masters"] = [m.detach().clone() for m in master_params(optimizer)]
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
@@ -256,7 +258,7 @@ def test_fp16_backward_is_scaled_and_clipping_sees_the_unscaled_norm(tmp_path):
     module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=1.0)
     clip = 1e-3
     fit(module, tmp_path, plugin, max_steps=1, gradient_clip_val=clip, callbacks=[ReadGrads()])
-    assert seen["scale"] == INIT_SCALE  # the grads the hook read were the loss's times the scale
+    assert seen["scale"] == INIT_SCALE  # the loss was scaled, and its grads unscaled before the hook
     torch.testing.assert_close(seen["logged_norm"], seen["true_norm"], rtol=1e-3, atol=0.0)
     assert seen["true_norm"] > 10 * clip
     # SGD with lr 1 moves the masters by the clipped unscaled gradient: a norm of `clip`.

@@ -56,7 +56,9 @@ def set_up(accelerator: str = "cpu") -> tuple[lf.Fabric, AmpPrecision, nn.Module
     return fabric, plugin, model, optimizer
 
 
-def train(model, optimizer, fabric, plugin, steps: int, inf_at: int = -1) -> list[float]:
+def train(
+    model, optimizer, fabric, plugin, steps: int, inf_at: int = -1, fabric_clip: bool = False
+) -> list[float]:
     x, y = fabric.to_device(data())
     losses = []
     for step in range(steps):
@@ -64,7 +66,10 @@ def train(model, optimizer, fabric, plugin, steps: int, inf_at: int = -1) -> lis
         loss = nn.functional.mse_loss(model(x), y)
         losses.append(loss.item())
         fabric.backward(loss * float("inf") if step == inf_at else loss)
-        plugin.clip_gradients(optimizer, 1.0)
+        if fabric_clip:  # Fabric's: the plugin unscales, torch clips (an inf norm raises, as in torch)
+            fabric.clip_gradients(model, optimizer, max_norm=1.0, error_if_nonfinite=False)
+        else:
+            plugin.clip_gradients(optimizer, 1.0)
         optimizer.step()
     return losses
 
@@ -80,6 +85,29 @@ def test_fabric_trains_a_converted_module_with_masters_and_skips_overflows(accel
     assert plugin.skipped_steps.item() == 1
     assert plugin.loss_scaler.get_scale() == INIT_SCALE / 2
     assert {v.dtype for v in model.state_dict().values()} == {torch.float32}
+
+
+def test_fabric_clip_gradients_unscales_then_clips_as_the_fast_path_does():
+    runs = []
+    for fabric_clip in (False, True):
+        fabric, plugin, model, optimizer = set_up()
+        losses = train(model, optimizer, fabric, plugin, STEPS, inf_at=1, fabric_clip=fabric_clip)
+        runs.append((losses, [m.detach().clone() for m in master_params(optimizer.optimizer)]))
+        assert plugin.skipped_steps.item() == 1 and plugin.loss_scaler.get_scale() == INIT_SCALE / 2
+    (fast_losses, fast_masters), (losses, masters) = runs
+    torch.testing.assert_close(losses, fast_losses, rtol=1e-4, atol=1e-6)
+    for actual, expected in zip(masters, fast_masters, strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_fabric_clip_gradients_by_value_clips_the_true_grads():
+    fabric, plugin, model, optimizer = set_up()
+    x, y = fabric.to_device(data())
+    fabric.backward(nn.functional.mse_loss(model(x), y))
+    fabric.clip_gradients(model, optimizer, clip_val=1e-3)
+    grads = [p.grad for p in model.parameters()]
+    assert all(g.dtype == torch.float32 for g in grads)  # unscaled, in FP32
+    assert max(g.abs().max().item() for g in grads) == pytest.approx(1e-3)
 
 
 def test_fabric_save_and_load_resume_bit_for_bit(tmp_path: Path):
@@ -115,7 +143,7 @@ def test_fabric_refuses_an_optimizer_without_masters_naming_the_fix():
     torch_optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
     with pytest.raises(TypeError, match=r"steps amp_fx's fused optimizers, got AdamW.*FusedAdam\(model"):
         torch_optimizer.step()
-    with pytest.raises(RuntimeError, match="call clip_gradients"):
+    with pytest.raises(TypeError, match=r"steps amp_fx's fused optimizers, got AdamW"):
         fabric.clip_gradients(model, torch_optimizer, max_norm=1.0)
 
 
