@@ -198,7 +198,7 @@ def _unexpand_combined_mask(node: torch.fx.Node) -> bool:
         and mask_kind(source.args[0]) == kind
     ):
         source = source.args[0]
-    if source is mask:
+    if source is mask or any("val" not in n.meta for n in [source, *combined.all_input_nodes]):
         return False
     combined.replace_input_with(mask, source)
     for changed in [combined, *reversed(chain)]:
