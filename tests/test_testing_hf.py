@@ -2,7 +2,8 @@
 
 - The default call (``use_cache`` from the config) returns a ``DynamicCache`` (an
   ``EncoderDecoderCache`` for encoder-decoders): a model against itself, and O1 against
-  torch.autocast, pass bit for bit, outputs, cache and gradients.
+  torch.autocast, pass bit for bit, outputs, cache and gradients (T5's relative position bias
+  too, with a padding mask and without).
 - The documented O2 training call (``labels=``, train mode) returns logits=None: it is compared by
   the loss, the cache and the gradients, passes, and a final norm 2% off fails (on logits as sharp
   as a trained model's: at random init the loss hardly depends on them).
@@ -51,14 +52,7 @@ def test_a_default_call_against_itself_is_exact(name: str) -> None:
     assert_equivalent(model, copy.deepcopy(model), (), keyword_inputs=inputs, exact=True)
 
 
-# T5's decoder: outputs and cache are autocast's bits, but the gradient of the decoder's
-# relative_attention_bias differs (norm-wise 0.24%), found by this test; reported in issue 36.
-T5_BIAS_GRADIENT = pytest.mark.xfail(
-    strict=True, reason="O1's gradient of T5's decoder relative_attention_bias is not autocast's bits"
-)
-
-
-@pytest.mark.parametrize("name", ["gpt2", "llama", pytest.param("t5", marks=T5_BIAS_GRADIENT), "bert"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "t5", "bert"])
 def test_o1_on_a_default_call_is_autocast_bit_for_bit(name: str) -> None:
     """The README's claim, checked with the API it documents: outputs, the cache (where the
     model returns one) and every gradient."""
@@ -72,6 +66,27 @@ def test_o1_on_a_default_call_is_autocast_bit_for_bit(name: str) -> None:
     wrong = amp_fx.convert(model, "O1", dtype=torch.float16)  # autocast at another dtype
     with pytest.raises(AssertionError, match="bit-identical"):
         assert_equivalent(reference, wrong, (), keyword_inputs=inputs, exact=True)
+
+
+def _umt5() -> nn.Module:
+    config = transformers.UMT5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        decoder_start_token_id=0,
+    )  # fmt: skip
+    return transformers.UMT5ForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("name", ["t5", "umt5"])
+def test_o1_of_a_position_bias_without_padding_is_autocast_bit_for_bit(name: str) -> None:
+    """A relative position bias folded into the attention mask: traced, its mask (all True in the
+    encoder, causal in the decoder) is expanded over the batch; autocast's is not, and the bias's
+    gradient is summed over the batch where autocast sums it. UMT5 has a bias in every layer."""
+    torch.manual_seed(0)
+    model = (_umt5() if name == "umt5" else MODELS[name]()[0]).eval()
+    ids = torch.randint(3, VOCAB, (2, 8))
+    inputs = {"input_ids": ids, "decoder_input_ids": ids[:, :4]}
+    converted = amp_fx.convert(model, "O1", dtype=BF16)
+    assert_equivalent(with_autocast(model, "cpu", BF16), converted, (), keyword_inputs=inputs, exact=True)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])

@@ -227,3 +227,63 @@ def test_repeated_key_value_heads_become_enable_gqa(name, causal_mask, dynamic):
     for i, expected in zip(inputs, before, strict=True):
         got = torch.autograd.functional.vjp(gm, i, torch.ones(2, 4, i[0].shape[2], 8))
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+class BiasedAttention(nn.Module):
+    """A learned (heads, q, kv) bias folded into the mask as transformers'
+    ``create_position_bias_mask`` does: ``where(mask, bias, min)``, the mask expanded over the
+    batch as traced transformers builds it, or not (``expand=False``) as eager code does."""
+
+    def __init__(self, make_mask, expand: bool = True) -> None:
+        super().__init__()
+        self.make_mask, self.expand = make_mask, expand
+        self.bias = nn.Parameter(torch.randn(1, 2, 1, 1) * torch.randn(9, 9))
+
+    def forward(self, q: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        mask = self.make_mask(q, keep)
+        if self.expand:
+            mask = mask.expand(q.shape[0], 1, -1, -1)
+        n = q.shape[-2]
+        combined = torch.where(mask, self.bias[:, :, :n, :n], torch.finfo(torch.bfloat16).min)
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=combined.contiguous())
+
+
+def _biased_inputs(length: int):
+    keep = torch.ones(4, length, dtype=torch.bool)
+    keep[1, 2] = False
+    return torch.randn(4, 2, length, 8, requires_grad=True), keep
+
+
+def _bias_gradient(model: nn.Module, q: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", torch.bfloat16):
+        out = model(q, keep)
+    (grad,) = torch.autograd.grad(out.float().sin().sum(), [p for p in model.parameters()])
+    return grad
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize(
+    "name, unexpanded",
+    [("kv <= q", True), ("not (kv > q)", True), ("arange >= 0", True), ("padding", False)],
+)
+def test_a_bias_folded_into_a_proved_mask_gets_it_unexpanded(name, unexpanded, dynamic):
+    # Under autocast the bias's gradient is summed over the batch by SDPA's backward when the mask
+    # is not expanded (eager), by the where's backward after a rounding when it is (traced): the
+    # graph gets eager's mask and autocast's bits; a mask that reads an input stays.
+    make_mask = {**CAUSAL, **ALL_TRUE, **KEPT}[name]
+    torch.manual_seed(0)
+    eager = BiasedAttention(make_mask, expand=False)
+    traced = BiasedAttention(make_mask)
+    traced.load_state_dict(eager.state_dict())
+    shapes = None
+    if dynamic:
+        length = torch.export.Dim("length", min=2, max=8)
+        shapes = ({2: length}, {1: length})
+    gm = torch.export.export(traced, _biased_inputs(5), dynamic_shapes=shapes, strict=False).module()
+    simplify_attention(gm)
+    (where,) = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.where.ScalarOther)
+    assert (where.meta["val"].shape[0] == 1) == unexpanded
+    for length in (5, 3, 7) if dynamic else (5,):
+        q, keep = _biased_inputs(length)
+        expected = _bias_gradient(eager if unexpanded else traced, q, keep)
+        assert torch.equal(_bias_gradient(gm, q, keep), expected)
