@@ -213,18 +213,7 @@ def _trains_every_parameter(converted: nn.Module, *args: Any, loss: Any, **kwarg
     assert not unmoved, f"one step left these unchanged: {unmoved}"
 
 
-def _plain_case(name: str, front_end: str) -> Any:
-    # torch's meta kernel of _grouped_mm takes bf16/fp16 only, so torch.export cannot capture an FP32
-    # model's own _grouped_mm call (transformers switches to its custom op while compiling).
-    marks = (
-        [pytest.mark.skip(reason="torch.export refuses FP32 _grouped_mm")]
-        if (front_end == "export" and name.startswith("grouped"))
-        else []
-    )
-    return pytest.param(name, front_end, marks=marks)
-
-
-@pytest.mark.parametrize(("name", "front_end"), [_plain_case(n, f) for n in PLAIN for f in ("fx", "export")])
+@pytest.mark.parametrize(("name", "front_end"), [(n, f) for n in PLAIN for f in ("fx", "export")])
 def test_plain_moe_experts_run_low_at_o2(name: str, front_end: str) -> None:
     model, x = _plain(name)
     o2 = amp_fx.convert(model, "O2", dtype=BF16, device_type="cpu", front_end=front_end)
@@ -402,3 +391,28 @@ def test_hf_moe_experts_run_low_at_o2(family: str, implementation: str) -> None:
     measured = error_ratio(model, o2, (), keyword_inputs=batch)
     assert not measured.failures(RELATIVE_BOUND), measured.failures(RELATIVE_BOUND)
     _trains_every_parameter(o2, loss=lambda out: out.loss, **batch)
+
+
+@pytest.mark.parametrize(
+    ("a_shape", "b_shape", "offs"),
+    [((12, 16), (3, 16, 8), [4, 8, 12]), ((3, 4, 16), (3, 16, 8), None), ((8, 24), (24, 16), [8, 16, 24])],
+)
+def test_capture_kernel_gives_fp32_grouped_mm_the_real_kernels_shape(
+    a_shape: tuple[int, ...], b_shape: tuple[int, ...], offs: list[int] | None
+) -> None:
+    from torch._dispatch.python import enable_python_dispatcher
+
+    from amp_fx.passes.shared.capture_kernels import fp32_grouped_mm
+
+    torch.manual_seed(0)
+    a, b = torch.randn(a_shape), torch.randn(b_shape)
+    offsets = None if offs is None else torch.tensor(offs, dtype=torch.int32)
+    real = torch._grouped_mm(a, b, offs=offsets)  # the CPU kernel runs FP32
+    mode = torch._subclasses.FakeTensorMode()
+    fakes = [None if t is None else mode.from_tensor(t) for t in (a, b, offsets)]
+    with enable_python_dispatcher(), fp32_grouped_mm(), mode:  # torch.export's dispatch
+        fake = torch._grouped_mm(*fakes[:2], offs=fakes[2])
+        low = torch._grouped_mm(fakes[0].to(BF16), fakes[1].to(BF16), offs=fakes[2])
+    assert (fake.shape, fake.dtype) == (real.shape, FP32) and low.dtype == BF16  # bf16 as torch gives it
+    with pytest.raises(RuntimeError, match="Expected mat_a to be BFloat16"), enable_python_dispatcher(), mode:
+        torch._grouped_mm(*fakes[:2], offs=fakes[2])  # torch's own kernel again after the block
