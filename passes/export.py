@@ -62,6 +62,7 @@ from amp_fx.passes.shared.call_signature import (
     in_capture_order,
     signature_of,
 )
+from amp_fx.passes.shared.capture_kernels import fp32_grouped_mm
 from amp_fx.passes.shared.python_state import report, watching_python_state
 from amp_fx.passes.shared.torch_source import TORCH_DIR as _TORCH_DIR
 
@@ -210,7 +211,8 @@ def _export(
     model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic: bool, containers: bool
 ) -> Any:
     shapes = _dynamic_shapes(model, args, kwargs, ints=containers) if dynamic else None
-    with intercepted_applies(_refuse_custom_backward):
+    # An FP32 model's grouped expert products capture too (torch's meta kernel takes bf16/fp16 only).
+    with intercepted_applies(_refuse_custom_backward), fp32_grouped_mm():
         return torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
 
 

@@ -213,18 +213,7 @@ def _trains_every_parameter(converted: nn.Module, *args: Any, loss: Any, **kwarg
     assert not unmoved, f"one step left these unchanged: {unmoved}"
 
 
-def _plain_case(name: str, front_end: str) -> Any:
-    # torch's meta kernel of _grouped_mm takes bf16/fp16 only, so torch.export cannot capture an FP32
-    # model's own _grouped_mm call (transformers switches to its custom op while compiling).
-    marks = (
-        [pytest.mark.skip(reason="torch.export refuses FP32 _grouped_mm")]
-        if (front_end == "export" and name.startswith("grouped"))
-        else []
-    )
-    return pytest.param(name, front_end, marks=marks)
-
-
-@pytest.mark.parametrize(("name", "front_end"), [_plain_case(n, f) for n in PLAIN for f in ("fx", "export")])
+@pytest.mark.parametrize(("name", "front_end"), [(n, f) for n in PLAIN for f in ("fx", "export")])
 def test_plain_moe_experts_run_low_at_o2(name: str, front_end: str) -> None:
     model, x = _plain(name)
     o2 = amp_fx.convert(model, "O2", dtype=BF16, device_type="cpu", front_end=front_end)
@@ -236,8 +225,7 @@ def test_plain_moe_experts_run_low_at_o2(name: str, front_end: str) -> None:
     assert counted.matmul_elements and counted.low_share() == 1 - TOKENS * EXPERTS / sum(
         counted.matmul_elements.values()
     ), counted.matmul_elements
-    if front_end == "fx":  # the fx front end stores the router's weight FP32 (export: see the report)
-        assert o2.get_submodule("moe.gate").weight.dtype == FP32
+    assert o2.get_submodule("moe.gate").weight.dtype == FP32  # export: stored so at its first graph
     # The router's softmax/sigmoid and top-k read FP32.
     topk = {dtype for (op, dtype) in counted.router_calls if op == "topk"}
     assert topk == {FP32}, counted.router_calls
@@ -399,6 +387,134 @@ def test_hf_moe_experts_run_low_at_o2(family: str, implementation: str) -> None:
     assert counted.low_share() >= 0.99, counted.matmul_elements  # experts are most of the products
     topk = {dtype for (op, dtype) in counted.router_calls if op == "topk"}
     assert topk == {FP32}, counted.router_calls
+    routers = _gate_weights(o2)  # stored FP32 at the first graph (the export front end)
+    assert len(routers) == 2 and all(p.dtype == FP32 for p in routers.values()), routers.keys()
     measured = error_ratio(model, o2, (), keyword_inputs=batch)
     assert not measured.failures(RELATIVE_BOUND), measured.failures(RELATIVE_BOUND)
     _trains_every_parameter(o2, loss=lambda out: out.loss, **batch)
+
+
+@pytest.mark.parametrize(
+    ("a_shape", "b_shape", "offs"),
+    [((12, 16), (3, 16, 8), [4, 8, 12]), ((3, 4, 16), (3, 16, 8), None), ((8, 24), (24, 16), [8, 16, 24])],
+)
+def test_capture_kernel_gives_fp32_grouped_mm_the_real_kernels_shape(
+    a_shape: tuple[int, ...], b_shape: tuple[int, ...], offs: list[int] | None
+) -> None:
+    from torch._dispatch.python import enable_python_dispatcher
+
+    from amp_fx.passes.shared.capture_kernels import fp32_grouped_mm
+
+    torch.manual_seed(0)
+    a, b = torch.randn(a_shape), torch.randn(b_shape)
+    offsets = None if offs is None else torch.tensor(offs, dtype=torch.int32)
+    real = torch._grouped_mm(a, b, offs=offsets)  # the CPU kernel runs FP32
+    mode = torch._subclasses.FakeTensorMode()
+    fakes = [None if t is None else mode.from_tensor(t) for t in (a, b, offsets)]
+    with enable_python_dispatcher(), fp32_grouped_mm(), mode:  # torch.export's dispatch
+        fake = torch._grouped_mm(*fakes[:2], offs=fakes[2])
+        low = torch._grouped_mm(fakes[0].to(BF16), fakes[1].to(BF16), offs=fakes[2])
+    assert (fake.shape, fake.dtype) == (real.shape, FP32) and low.dtype == BF16  # bf16 as torch gives it
+    with pytest.raises(RuntimeError, match="Expected mat_a to be BFloat16"), enable_python_dispatcher(), mode:
+        torch._grouped_mm(*fakes[:2], offs=fakes[2])  # torch's own kernel again after the block
+
+
+# ---- the router's weight is stored FP32 on the export front end too -----------------------------
+def _gate_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if n.endswith("gate.weight") and "shared" not in n}
+
+
+@pytest.mark.parametrize(
+    "name", ["grouped_sigmoid_shared", "bmm_switch_shared", "loop_switch", "expert_choice"]
+)
+def test_export_stores_the_router_weight_fp32_at_its_first_graph(name: str) -> None:
+    model, x = _plain(name)
+    o2 = amp_fx.convert(model, "O2", dtype=BF16, device_type="cpu", front_end="export")
+    gate = o2.get_submodule("moe.gate").weight
+    assert gate.dtype == BF16  # stored at convert by its module, before any graph shows the router
+    o2(x)
+    assert o2.get_submodule("moe.gate").weight is gate and gate.dtype == FP32
+    # Only the router's: the other Linears' weights stay low.
+    linears = {n: m for n, m in o2.named_modules() if isinstance(m, nn.Linear)}
+    assert {n for n, m in linears.items() if m.weight.dtype == FP32} == {"moe.gate"}
+
+
+def _train(
+    converted: nn.Module, x: torch.Tensor, make_optimizer: Any, steps: int = 3
+) -> tuple[list[float], Any]:
+    converted.train()
+    optimizer = make_optimizer(converted.parameters())
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = converted(x).float().square().mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, optimizer
+
+
+@pytest.mark.filterwarnings("ignore:AdamW steps")  # bf16 weights in a torch optimizer, as meant here
+@pytest.mark.parametrize("optimizer", ["FusedAdam", "AdamW"])
+def test_export_router_trains_fp32_with_an_optimizer_built_at_convert(optimizer: str) -> None:
+    make = {
+        "FusedAdam": lambda params: FusedAdam(params, lr=1e-2),
+        "AdamW": lambda params: torch.optim.AdamW(params, lr=1e-2),
+    }[optimizer]
+    model, x = _plain("grouped_softmax")
+    runs = {}
+    for front_end in ("fx", "export"):
+        o2 = amp_fx.convert(model, "O2", dtype=BF16, device_type="cpu", front_end=front_end)
+        gate = o2.get_submodule("moe.gate").weight
+        start = gate.detach().float().clone()
+        runs[front_end] = (*_train(o2, x, make), gate, start)
+    (fx_losses, _, fx_gate, _), (losses, trained_by, gate, start) = runs["fx"], runs["export"]
+    assert gate.dtype == FP32 and not torch.equal(gate, start)  # the router moved, in FP32
+    assert "master_param" not in trained_by.state[gate]  # its own master (FusedAdam; AdamW keeps none)
+    # The same training as the fx front end, whose router weight was FP32 from convert on (the
+    # export one's was rounded once at convert: no master held its exact value).
+    assert losses == pytest.approx(fx_losses, rel=2e-2)
+    assert torch.allclose(gate, fx_gate, atol=2e-2)
+
+
+def test_export_router_takes_its_exact_value_from_a_master() -> None:
+    # A checkpoint loaded before the first call: the FusedAdam master holds the saved FP32 value,
+    # so the router weight stored FP32 at the first call is that value, not its rounding.
+    model, x = _plain("bmm_sigmoid")
+    trained = amp_fx.convert(model, "O2", dtype=BF16, device_type="cpu", front_end="export")
+    _train(trained, x, lambda params: FusedAdam(params, lr=1e-2))
+    saved = {k: v.clone() for k, v in trained.state_dict().items()}
+    assert saved["moe.gate.weight"].dtype == FP32
+    fresh = amp_fx.convert(model, "O2", dtype=BF16, device_type="cpu", front_end="export")
+    optimizer = FusedAdam(fresh.parameters(), lr=1e-2)
+    fresh.load_state_dict(saved)
+    gate = fresh.get_submodule("moe.gate").weight
+    assert gate.dtype == BF16 and not torch.equal(gate.float(), saved["moe.gate.weight"])  # rounded
+    fresh.eval()(x)
+    assert gate.dtype == FP32 and torch.equal(gate, saved["moe.gate.weight"])
+    assert "master_param" not in optimizer.state[gate]  # its own master from now on
+    assert {k: v.dtype for k, v in fresh.state_dict().items()} == {k: v.dtype for k, v in saved.items()}
+    trained.eval()
+    torch.testing.assert_close(fresh(x), trained(x), rtol=0, atol=0)
+
+
+@pytest.mark.slow  # a Hugging Face capture: amp's front end is torch.fx for plain-torch models
+def test_amp_initialize_router_takes_back_its_exact_fp32_value() -> None:
+    # amp's torch.optim optimizer at O2 keeps FP32 masters from the model's own weights: the router
+    # weight, stored low at conversion, is stored FP32 at the first call with its original value.
+    from amp_fx import amp
+
+    model, batch = _hf_moe("qwen2_moe", "grouped_mm")
+    originals = {n: p.detach().clone() for n, p in _gate_weights(model).items()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    o2, optimizer = amp.initialize(model, optimizer, opt_level="O2", dtype=BF16, verbosity=0)
+    o2.train()
+    loss = o2(**batch).loss
+    routers = _gate_weights(o2)
+    assert all(torch.equal(routers[n], originals[n]) for n in originals)  # exact, FP32
+    with amp.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    assert all(p.dtype == FP32 and not torch.equal(p, originals[n]) for n, p in routers.items())
+    masters = {id(m) for m in amp.master_params(optimizer)}
+    assert all(id(p) in masters for p in routers.values())  # their own masters now

@@ -95,6 +95,34 @@ class MasterWeightsAmpOptimizer(DirectAmpOptimizer):
 
         return undo
 
+    def release_master(self, param: Tensor) -> tuple[Tensor, Callable[[], None]] | None:
+        """Step ``param`` itself, stored FP32 from now on (the torch.export front end's first graph
+        decided so), in place of its master, which it takes the value, optimizer state and grad of
+        (the caller sets the value); returns the master and what takes it back, None where
+        ``param`` has no master here (`amp_fx.optim.model_loads.masters_for_stored_fp32`)."""
+        index = next((i for i, (p, target) in enumerate(self.pairs) if p is param and target is not p), None)
+        if index is None:
+            return None
+        master = self.pairs[index][1]
+        group = next(g for g in self.optimizer.param_groups if any(p is master for p in g["params"]))
+        position = next(i for i, p in enumerate(group["params"]) if p is master)
+        state, grad = self.optimizer.state, param.grad
+        if master.grad is not None:
+            param.grad = master.grad
+        if master in state:
+            state[param] = state.pop(master)
+        group["params"][position] = param
+        self.pairs[index] = (param, param)
+
+        def undo() -> None:
+            if param in state:
+                state[master] = state.pop(param)
+            group["params"][position] = master
+            self.pairs[index] = (param, master)
+            param.grad = grad
+
+        return master, undo
+
     def _master_pairs(self) -> list[tuple[Tensor, Tensor]]:
         return [(p, target) for p, target in self.pairs if target is not p]
 

@@ -14,8 +14,12 @@ level keeps parameters no lowered op reads FP32 (O2) it stays FP32 at convert, a
 graph that reads it decides (`storing_unstored`): the convert passes plan it as on
 the fx front end (`planned_parameter_dtypes`), so a logit scale that only ``exp`` reads stays FP32
 and is never rounded, and a bias concatenated into a projection's is stored low. A fused optimizer
-already holding a parameter stored low then is given its FP32 master (the exact value it had);
-all of it is undone if the call fails.
+already holding a parameter stored low then is given its FP32 master (the exact value it had).
+A parameter stored low at convert is planned again by the first graph that reads it, in the same
+plan: one the graph keeps FP32 (a mixture-of-experts router's weight, read by the FP32 router
+product, which no module type names) is stored FP32 then, with its exact value from an FP32
+master where a keeper holds one, and is its own master from then on. All of it is undone if the
+call fails.
 
     >>> from amp_fx.core.policy import preset
     >>> class Scaled(nn.Module):
@@ -24,7 +28,7 @@ all of it is undone if the call fails.
     ...         self.fc, self.scale = nn.Linear(2, 2), nn.Parameter(torch.ones(()))
     >>> model = Scaled()
     >>> [p is model.scale for p in store_parameters(model, preset("O2", torch.bfloat16, "cpu"))]
-    [True]
+    [True, False, False]
     >>> model.fc.weight.dtype, model.scale.dtype
     (torch.bfloat16, torch.float32)
 """
@@ -41,7 +45,7 @@ from torch import nn
 from amp_fx.capture.state import CaptureState, record
 from amp_fx.core.node_info import UNSTORED_PARAMETERS_KEY
 from amp_fx.core.policy import Policy, Rule
-from amp_fx.optim.model_loads import masters_for_stored_low
+from amp_fx.optim.model_loads import masters_for_stored_fp32, masters_for_stored_low
 from amp_fx.passes.shared.decisions import decide_module
 
 __all__ = ["store_added", "store_parameters", "storing_unstored"]
@@ -56,9 +60,10 @@ def store_parameters(
 ) -> list[torch.Tensor]:
     """Store each module's parameters (and its floating buffers) in the dtype the policy decides
     for the op the module is; a tensor several modules hold is float32 if any of them wants it.
-    Returns the parameters left unstored (module docstring): held only by modules with children
-    or by modules with no forward of their own (with those modules' buffers), at a level that keeps
-    parameters no lowered op reads FP32. ``only``: the ids of the tensors to store (those a change
+    Returns the parameters the first graph reading them decides (module docstring), at a level
+    that keeps parameters no lowered op reads FP32: those left unstored, held only by modules with
+    children or by modules with no forward of their own (with those modules' buffers), and those
+    stored low, which that graph may keep FP32. ``only``: the ids of the tensors to store (those a change
     after conversion added, `amp_fx.captured_model`); the others are left as they are."""
     wanted: dict[int, torch.dtype] = {}
     tensors: dict[int, torch.Tensor] = {}
@@ -91,6 +96,12 @@ def store_parameters(
     for key, dtype in wanted.items():
         if only is None or key in only:
             tensors[key].data = tensors[key].data.to(dtype)
+            if (
+                dtype != torch.float32
+                and policy.level.keeps_norms_fp32
+                and isinstance(tensors[key], nn.Parameter)
+            ):
+                left.append(tensors[key])  # stored low: its first graph may keep it FP32 after all
     return left if only is None else [param for param in left if id(param) in only]
 
 
@@ -134,7 +145,9 @@ def storing_unstored(
     """Around the convert passes' rewrite of ``graph``, a capture of ``module``: the parameters
     left unstored that the graph reads are planned and stored by the passes (``decide`` False: none,
     for a capture on fake tensors or of a model FSDP2 shards). Afterwards they count as stored, and
-    fused optimizers holding one now stored low keep its FP32 value as master. A rewrite that
+    fused optimizers holding one now stored low keep its FP32 value as master; one stored low at
+    convert that the passes store FP32 takes its master's exact value and is its own master
+    (`masters_for_stored_fp32`). A rewrite that
     raises restores them; a call that fails later undoes all of it (the capture journal)."""
     reads = {node.target for node in graph.graph.nodes if node.op == "get_attr"}
     unstored = {id(param) for param in state.unstored} if decide else set()
@@ -147,13 +160,17 @@ def storing_unstored(
     except BaseException:
         _restore(before.values())
         raise
-    lowered = [(param, data) for param, data, _ in before.values() if param.dtype != data.dtype]
-    undo_masters = masters_for_stored_low(lowered)
+    lowered = [
+        (param, data) for param, data, _ in before.values() if param.dtype.itemsize < data.dtype.itemsize
+    ]
+    raised = [param for param, data, _ in before.values() if param.dtype.itemsize > data.dtype.itemsize]
+    undo_lowered, undo_raised = masters_for_stored_low(lowered), masters_for_stored_fp32(raised)
     previous = list(state.unstored)
     state.unstored[:] = [param for param in previous if id(param) not in before]
 
     def undo() -> None:
-        undo_masters()
+        undo_raised()
+        undo_lowered()
         _restore(before.values())
         state.unstored[:] = previous
 

@@ -297,6 +297,20 @@ class FusedOptimizer(StateDictLoading, torch.optim.Optimizer):
             self.state[param][MASTER_KEY] = value.detach().to(torch.float32, copy=True)
         return lambda: self.state[param].pop(MASTER_KEY, None)
 
+    def release_master(self, param: Tensor) -> tuple[Tensor, Callable[[], None]] | None:
+        """Stop keeping the FP32 master of ``param``, now stored FP32 (its own master); returns the
+        master and what puts it back, None if it has none (`MasterKeeper`;
+        `amp_fx.optim.model_loads.masters_for_stored_fp32` calls it, the example is there)."""
+        state = self.state.get(param, {})
+        master = state.pop(MASTER_KEY, None)
+        if master is None:
+            return None
+
+        def undo() -> None:
+            self.state[param][MASTER_KEY] = master
+
+        return master, undo
+
     def _init_moments(self, param: Tensor, group: dict[str, Any]) -> None:
         """Create the zeroed FP32 state tensors ``param`` lacks (its first step, or momentum 0 -> 0.9),
         and with them its step offset: the group's count now, so that this is its step t = 1.

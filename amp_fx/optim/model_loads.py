@@ -57,6 +57,11 @@ class MasterKeeper(Protocol):
         """Give ``param``, held FP32 and now stored low, the FP32 master ``value`` where this keeper
         keeps masters and it has none; returns what takes it back (None if none was given)."""
 
+    def release_master(self, param: Tensor) -> tuple[Tensor, Callable[[], None]] | None:
+        """``param``, stored low until now, is stored FP32 from here on and is its own master: stop
+        keeping a master for it and return that master (its exact value) with what takes the
+        change back; None where this keeper keeps no master for it."""
+
 
 def track_params(keeper: MasterKeeper, params: Iterable[Tensor]) -> None:
     """Note that ``keeper`` keeps, or may come to keep, masters for some of ``params``."""
@@ -108,6 +113,50 @@ def masters_for_stored_low(stored: Iterable[tuple[Tensor, Tensor]]) -> Callable[
             undo_one()
 
     return undo
+
+
+def masters_for_stored_fp32(stored: Iterable[Tensor]) -> Callable[[], None]:
+    """Each of ``stored`` was stored low and is now stored FP32 (the torch.export front end's first
+    graph reading it decided so: a router's weight, `amp_fx.capture.storage`): it takes its exact
+    value from a keeper's FP32 master where one exists (the rounded value it holds is the master's
+    rounding) and is its own master from then on, as a keeper built after the store would have it;
+    the same parameter object, so a torch optimizer holding it keeps stepping it. Returns what
+    takes it back (masters and values).
+
+    Example:
+        >>> from amp_fx.optim import FusedSGD
+        >>> w = torch.nn.Parameter(torch.full((2,), 1 / 3).half())
+        >>> opt = FusedSGD([w], lr=0.1)
+        >>> opt.state[w][MASTER_KEY].fill_(1 / 3)  # the master holds the exact value
+        tensor([0.3333, 0.3333])
+        >>> w.data = w.data.float()
+        >>> _ = masters_for_stored_fp32([w])
+        >>> w.dtype, torch.equal(w, torch.full((2,), 1 / 3)), MASTER_KEY in opt.state[w]
+        (torch.float32, True, False)
+    """
+    undos: list[Callable[[], None]] = []
+    for param in stored:
+        for keeper in list(_keepers_by_param.get(param, ())):
+            released = keeper.release_master(param)
+            if released is None:
+                continue
+            master, undo_release = released
+            data = param.data
+            param.data = master.detach().to(device=data.device, dtype=data.dtype)
+
+            def undo(
+                param: Tensor = param, data: Tensor = data, undo_release: Callable[[], None] = undo_release
+            ) -> None:
+                param.data = data
+                undo_release()
+
+            undos.append(undo)
+
+    def undo_all() -> None:
+        for undo_one in reversed(undos):
+            undo_one()
+
+    return undo_all
 
 
 def masters_of(module: nn.Module) -> dict[int, list[Tensor]]:

@@ -25,5 +25,6 @@ by one pass only stays in that pass.
 - `traced_graph_module`: the GraphModule the torch.fx front end returns, called like the model;
 - `trace_leaves`: what the torch.fx front end keeps whole (primitive leaves, opaque nodes and
   their reasons), apart from `trace` for its size;
-- `torch_source`: where torch's own files are (a frame there is not the user's).
+- `torch_source`: where torch's own files are (a frame there is not the user's);
+- `capture_kernels`: shape kernels torch.export captures with (an FP32 model's `_grouped_mm`).
 """
