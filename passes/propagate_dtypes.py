@@ -58,6 +58,7 @@ from amp_fx.passes.shared.dtype_rules import (
     UNKNOWN,
     abstract_structure,
     abstract_value,
+    input_cast_dtypes,
     is_eligible,
     low_parameter_dtype,
     rule_cast_dtype,
@@ -185,7 +186,8 @@ class _Propagation:
                 target = rule_cast_dtype(rule, self.policy, [*values, *params.values()], node)
                 if target is None and rule is Rule.PASSTHROUGH:
                     target = low_parameter_dtype(node, values, params)
-            info.in_dtypes = tuple(seen_dtype(v, target) for v in values)
+            targets = (target,) * len(values) if returned else input_cast_dtypes(node, target, values)
+            info.in_dtypes = tuple(seen_dtype(v, t) for v, t in zip(values, targets, strict=True))
             if node.op == "output":
                 kept = _outputs_keeping_dtype(self.gm, node)
                 info.in_dtypes = tuple(
@@ -194,7 +196,9 @@ class _Propagation:
                 info.out_dtype = None
                 continue
             if not static:
-                seen = {a: self.cast_value(self.env[a], target, False) for a in inputs}
+                seen = {
+                    a: self.cast_value(self.env[a], t, False) for a, t in zip(inputs, targets, strict=True)
+                }
                 try:
                     out = (
                         self._run_returned(node, seen)
@@ -213,7 +217,9 @@ class _Propagation:
                     )
                     static = True
             if static:
-                seen = {a: self.cast_value(v, target, True) for a, v in zip(inputs, values, strict=True)}
+                seen = {
+                    a: self.cast_value(v, t, True) for a, v, t in zip(inputs, values, targets, strict=True)
+                }
                 if returned:
                     try:
                         out = abstract_structure(self._run_returned(node, seen))

@@ -24,6 +24,7 @@ __all__ = [
     "RESHAPE_OPS",
     "INPLACE_OPERATORS",
     "OUTPUT_NOT_SAVED_OPS",
+    "SAME_DTYPE_IN_PLACE_OPS",
     "SHAPE_METHODS",
     "METADATA_ATTRIBUTES",
     "NON_TENSOR_METHODS",
@@ -84,6 +85,16 @@ INPLACE_OPERATORS = frozenset(
         operator.setitem,
     }
 )
+# In-place ops (canonical names) whose kernels refuse a source of another floating dtype than the
+# destination (``fp32.index_add_(0, i, bf16)``), found by tests/core/test_mixed_dtype_kernels.py's
+# probe. The in-place op keeps the destination's dtype, so the passes cast its sources to it, as
+# eager's matching dtypes would have them; ``x[i] = y`` (setitem) is ``index_put_``.
+SAME_DTYPE_IN_PLACE_OPS = frozenset(
+    {
+        "index_add", "index_copy", "index_put", "setitem", "scatter", "scatter_add", "masked_scatter",
+        "lerp", "addmm", "addmv", "addbmm", "baddbmm",
+    }
+)  # fmt: skip
 # Ops whose autograd backward reads their inputs, never their output: the output may be overwritten
 # once nothing else reads it.
 OUTPUT_NOT_SAVED_OPS = frozenset({"linear", "matmul", "mm", "bmm", "addmm"})

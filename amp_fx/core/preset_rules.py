@@ -150,10 +150,23 @@ _MATMUL_COMPOSITES = frozenset({"einsum", "tensordot", "linalg_multi_dot", "chai
 # input, weights and states (zeros the module creates included) are all cast to the low dtype.
 _RECURRENT_COMPOSITES = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu"})
 
-# Ops on no autocast list whose kernels refuse floating arguments of two dtypes (found by the probe
-# of tests/core/test_mixed_dtype_kernels.py): where weights are stored low and inputs are not, they
-# promote as autocast's promote list does.
-_SAME_DTYPE_KERNELS = frozenset({"lerp", "scatter", "index_add", "masked_scatter"})
+# Ops whose kernels refuse floating arguments of two dtypes and that no rule of these levels casts
+# otherwise (found by the probe of tests/core/test_mixed_dtype_kernels.py over every op the tables
+# know): where weights are stored low and inputs are not, they promote as autocast's promote list
+# does. Some are on CPU autocast's fp32 list (grid samplers, losses with a weight), which these
+# levels leave to FP32 islands, none at O3; O2's islands and FP32 norms still override them.
+_SAME_DTYPE_KERNELS = frozenset(
+    {
+        "lerp", "scatter", "scatter_add", "index_add", "index_copy", "index_put", "masked_scatter",
+        "grid_sampler", "grid_sampler_2d", "grid_sampler_3d", "native_layer_norm", "nll_loss",
+        "binary_cross_entropy", "embedding_bag",
+    }
+)  # fmt: skip
+
+# Composites whose kernels refuse mixed dtypes and that compute matrix products inside
+# (``F.multi_head_attention_forward``): an autocast island where the level runs untraced code in
+# one (O2: the module form already runs so), lowered where it does not (O3).
+_ISLAND_COMPOSITES = frozenset({"multi_head_attention_forward"})
 
 
 def autocast_list_rules(level: OptLevel, lists: AutocastOpLists) -> dict[str, OpRule]:
@@ -215,6 +228,10 @@ def low_weight_rules(level: OptLevel, keep_batchnorm_fp32: bool) -> dict[str, Op
         rules[op] = OpRule(Rule.LOWER, f"{name}: {op} is a matrix product (lowered as autocast does)")
     for op, why in _UNLISTED_MATMULS.items():
         rules[op] = OpRule(Rule.LOWER, f"{name}: {why}")
+    for op in _ISLAND_COMPOSITES:
+        rule = Rule.OPAQUE if level.autocast_opaque else Rule.LOWER
+        why = f"{name}: {op} computes matrix products and its kernel takes one dtype"
+        rules[op] = OpRule(rule, f"{why} ({'autocast island' if rule is Rule.OPAQUE else 'lowered'})")
     for op in _RECURRENT_COMPOSITES:
         rules[op] = OpRule(
             Rule.LOWER, f"{name}: {op} is a recurrent layer: input, weights and states run low (as autocast)"

@@ -38,6 +38,7 @@ from amp_fx.core.op_facts import (
     NORM_OPS,
     PAIR_OPS,
     SAME_DTYPE_ATTRIBUTES,
+    SAME_DTYPE_IN_PLACE_OPS,
     SPLIT_OPS,
     TENSOR_TYPE_DTYPES,
     VALUES_INDICES_OPS,
@@ -45,6 +46,7 @@ from amp_fx.core.op_facts import (
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.ops.casts import cast_if_floating
+from amp_fx.passes.shared.calls import is_inplace_call
 
 __all__ = [
     "UNKNOWN",
@@ -52,6 +54,7 @@ __all__ = [
     "is_eligible",
     "rule_cast_dtype",
     "low_parameter_dtype",
+    "input_cast_dtypes",
     "abstract_value",
     "abstract_structure",
     "seen_dtype",
@@ -163,6 +166,37 @@ def low_parameter_dtype(
         return None
     low = {d for d in weights if is_eligible(d) and d != torch.float32}
     return low.pop() if len(low) == 1 else None
+
+
+def input_cast_dtypes(
+    node: torch.fx.Node, target: torch.dtype | None, values: Sequence[Any]
+) -> tuple[torch.dtype | None, ...]:
+    """The dtype each input of `node` (``all_input_nodes``, static `values`) is cast to: `target`,
+    the rule's, for every input; for an in-place op whose kernel takes one floating dtype
+    (`SAME_DTYPE_IN_PLACE_OPS`), none for the destination and its dtype for the sources.
+
+    O2 makes mixes eager would not (a bf16 product written into an FP32 buffer by ``index_add_``);
+    the in-place op keeps its destination's dtype, so casting the sources to it is what eager does
+    where the dtypes match. The destination is never cast: the update would land on a copy.
+
+    >>> gm = torch.fx.symbolic_trace(lambda out, i, y: out.index_add_(0, i, y))
+    >>> node = [n for n in gm.graph.nodes if n.op == "call_method"][0]
+    >>> node_info(node).op = "index_add"
+    >>> input_cast_dtypes(node, None, [torch.float32, torch.int64, torch.bfloat16])
+    (None, torch.float32, torch.float32)
+    """
+    destination = values[0] if values else None
+    if (
+        target is None
+        and node.args
+        and node.args[0] is (node.all_input_nodes or [None])[0]
+        and (node_info(node).op or "") in SAME_DTYPE_IN_PLACE_OPS
+        and is_inplace_call(node)
+        and isinstance(destination, torch.dtype)
+        and is_eligible(destination)
+    ):
+        return (None, *(destination for _ in values[1:]))
+    return tuple(target for _ in values)
 
 
 def _flat_values(value: Any) -> Iterator[Any]:
@@ -327,6 +361,8 @@ def _static_passthrough(
         return (_promote(args[:2]), out) if op in FUSED_ADD_NORM_OPS else out
     if isinstance(kwargs.get("dtype"), torch.dtype):
         return kwargs["dtype"]
+    if is_inplace_call(node) and node.target is not operator.setitem and args:
+        return _first(args)  # an in-place op returns its destination, in its dtype
     if node.op == "call_module":
         if op in ("embedding", "embedding_bag"):
             return params.get("weight", UNKNOWN)

@@ -93,6 +93,19 @@ def _dtype(node: torch.fx.Node) -> torch.dtype | None:
     return dtype if dtype in _FLOATS else None
 
 
+def _operand_dtype(node: torch.fx.Node) -> torch.dtype | None:
+    """An operand's dtype for the fused norm and residual add: `_dtype`, or a floating model input's
+    assumed one. The fused call reads its operands as they are (FP32 math) and sums them in their
+    promoted dtype at run time, as the add did, so a raw input on the residual stream (no longer
+    cast at the entry) need not have the dtype assumed for it; an optional input's (maybe None)
+    is still unknown."""
+    notes = set(node_info(node).notes)
+    if ASSUMED_DTYPE_NOTE in notes and UNKNOWN_INPUT_DTYPE_NOTE not in notes:
+        dtype = node_info(node).out_dtype
+        return dtype if dtype in _FLOATS else None
+    return _dtype(node)
+
+
 def _dtype_argument(value: object) -> torch.dtype | None:
     """A dtype given as a constant, or as ``other.dtype`` (a getattr node) of a known dtype."""
     if isinstance(value, torch.dtype):
@@ -495,7 +508,7 @@ def _norm_call(node: torch.fx.Node, gm: torch.fx.GraphModule, form: _CallForm) -
 
 def _match_norm_call(node: torch.fx.Node, gm: torch.fx.GraphModule, form: _CallForm) -> NormChain | None:
     norm = _norm_call(node, gm, form)
-    if norm is None or not isinstance(norm.x, torch.fx.Node) or _dtype(norm.x) != torch.float32:
+    if norm is None or not isinstance(norm.x, torch.fx.Node) or _operand_dtype(norm.x) != torch.float32:
         return None
     chain = _Chain()
     chain.take(node)
@@ -558,9 +571,9 @@ def _residual_add(norm: NormChain, chain: _Chain) -> None:
     if len(add.args) != 2 or add.kwargs or add.args[0] is add.args[1]:
         return
     a, b = add.args
-    if not all(isinstance(v, torch.fx.Node) and _dtype(v) is not None for v in (a, b)):
+    if not all(isinstance(v, torch.fx.Node) and _operand_dtype(v) is not None for v in (a, b)):
         return
-    if _dtype(add) != torch.promote_types(_dtype(a), _dtype(b)):
+    if _dtype(add) != torch.promote_types(_operand_dtype(a), _operand_dtype(b)):
         return
     norm.x, norm.residual, norm.sum_node = a, b, chain.take(add)
 
@@ -574,7 +587,7 @@ def _finish(
             chain.take(cast)
     norm.output = last
     _take_output_casts(norm, last, chain)
-    if _dtype(norm.x) is None:
+    if _operand_dtype(norm.x) is None:
         return None
     _residual_add(norm, chain)
     if not chain.closed((norm.sum_node, last, *norm.retyped, *norm.output_casts)):
