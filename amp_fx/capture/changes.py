@@ -57,6 +57,7 @@ from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
 from amp_fx.capture.state import STATE_ATTR
+from amp_fx.core.node_info import OTHER_MODE_GRAPH_KEY
 from amp_fx.passes.shared.traced_graph_module import FOLLOWER_ATTR
 
 logger = logging.getLogger(__name__)
@@ -406,7 +407,12 @@ def unchanged(watch: Watch) -> bool:
 
 def same_model(watch: Watch, now: Watch) -> bool:
     """Whether ``now`` (a later `take`) shows the model ``watch`` was taken of."""
-    if watch.modules != now.modules or len(watch.objects) != len(now.objects):
+    return watch.modules == now.modules and _same_objects_and_hooks(watch, now)
+
+
+def _same_objects_and_hooks(watch: Watch, now: Watch) -> bool:
+    """Whether the plain objects the modules hold and torch's global hooks are as in ``watch``."""
+    if len(watch.objects) != len(now.objects):
         return False
     if any(
         before is not after or not _same_dict(old, new)
@@ -494,7 +500,7 @@ class GraphFollower:
 
     def in_leaf(self, name: str) -> bool:
         """Whether the module ``name`` is one the graph calls, or inside one."""
-        return any(name == leaf or name.startswith(leaf + ".") for leaf in self.calls)
+        return _inside(name, self.calls)
 
     def __call__(self, gm: nn.Module) -> bool:
         """Follow changes made to ``gm`` since the last call; True if its graphs were rewritten."""
@@ -509,7 +515,9 @@ class GraphFollower:
         if self.owner != id(gm):  # a copy (deepcopy) holds the graphs of its own modules
             self.owner, self.watch = id(gm), now
             return False
-        if same_model(self.watch, now):
+        if same_model(self.watch, now) or self._only_hooks_on_called_modules(gm, now):
+            # A hook on a module the graphs call fires as it is: nothing to rewrite (a rewrite
+            # would make the modules a pass put in anew, without the hook).
             self.watch = now
             return False
         problems = self.problems(gm, now)
@@ -540,6 +548,23 @@ class GraphFollower:
         )
         self.rewrite(gm, added)
         self.watch = take(gm)
+        return True
+
+    def _only_hooks_on_called_modules(self, gm: nn.Module, now: Watch) -> bool:
+        old = {entry[0]: entry for entry in self.watch.modules}
+        if len(old) != len(now.modules) or not _same_objects_and_hooks(self.watch, now):
+            return False
+        called = _called_modules(gm)
+        for entry in now.modules:
+            before = old.get(entry[0])
+            if before is None or before[1:4] != entry[1:4]:
+                return False
+            attributes, previous = dict(entry[4]), dict(before[4])
+            changed = {
+                key for key in attributes.keys() | previous.keys() if attributes.get(key) != previous.get(key)
+            }
+            if changed and (not changed <= set(_HOOK_KEYS) or not _inside(entry[0], called)):
+                return False
         return True
 
     def problems(self, gm: nn.Module, now: Watch) -> list[str]:
@@ -589,6 +614,19 @@ class GraphFollower:
                     if getattr(gm.get_submodule(name), attribute, None) is not None
                 ]
         return problems
+
+
+def _inside(name: str, leaves: set[str]) -> bool:
+    return any(name == leaf or name.startswith(leaf + ".") for leaf in leaves)
+
+
+def _called_modules(gm: nn.Module) -> set[str]:
+    """The modules the rewritten graphs (each mode's) call by ``call_module``."""
+    graphs = [gm.graph]
+    other = gm.meta.get(OTHER_MODE_GRAPH_KEY)
+    if other is not None:
+        graphs.append(other[1])
+    return {node.target for graph in graphs for node in graph.nodes if node.op == "call_module"}
 
 
 class FollowError(RuntimeError):
