@@ -72,6 +72,7 @@ from amp_fx.core.node_info import POLICY_KEY, node_info
 from amp_fx.fsdp_groups import shard_groups, shard_units
 from amp_fx.loss_scaler import LossScaler
 from amp_fx.optim.fused_optimizer import is_fused_optimizer
+from amp_fx.passes.shared.traced_graph_module import FOLLOWER_ATTR
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +237,8 @@ def fully_shard_converted(
         for _, state in capture_states(gm):
             state.graphs.clear()  # they read the parameters FSDP2 has just replaced by shards
             state.unstored.clear()  # FP32 shards now, in groups gathered in FP32: they stay FP32
+    elif FOLLOWER_ATTR in gm.__dict__:
+        gm.__dict__[FOLLOWER_ATTR].accept(gm)  # the graph reads the shards as it read the parameters
     logger.info(
         "sharded %d FSDP2 groups over %d ranks: %s",
         len(units),

@@ -509,3 +509,18 @@ def test_export_mode_switch_needs_no_walk(monkeypatch: pytest.MonkeyPatch) -> No
     converted.blocks[0].norm.train()
     converted(x)
     assert walks
+
+
+def test_fx_hooks_on_the_model_itself_fire_without_a_rewrite() -> None:
+    """A hook on the converted GraphModule itself (as FSDP2 and DDP helpers put there) runs when the
+    model is called, whatever its graph traced: no rewrite, no refusal."""
+    eager = _net()
+    converted = _fx(eager)
+    x = torch.randn(4, WIDTH)
+    converted(x)
+    graph = converted.graph
+    for model in (eager, converted):
+        model.register_forward_hook(lambda module, args, output: output * 3)
+        model.register_forward_pre_hook(lambda module, args: (args[0] + 1,))
+    _check(converted, eager, x)
+    assert converted.graph is graph

@@ -554,10 +554,13 @@ class GraphFollower:
         old = {entry[0]: entry for entry in self.watch.modules}
         if len(old) != len(now.modules) or not _same_objects_and_hooks(self.watch, now):
             return False
-        called = _called_modules(gm)
+        called = _called_modules(gm) | {""}  # hooks on the model itself fire when it is called
         for entry in now.modules:
             before = old.get(entry[0])
-            if before is None or before[1:4] != entry[1:4]:
+            if before is None or before[1] != entry[1] or before[3] != entry[3]:
+                return False
+            # A wrapper that subclasses the model in place (FSDP2's fully_shard) keeps its forward.
+            if before[2] is not entry[2] and not (entry[0] == "" and issubclass(entry[2], before[2])):
                 return False
             attributes, previous = dict(entry[4]), dict(before[4])
             changed = {
@@ -566,6 +569,12 @@ class GraphFollower:
             if changed and (not changed <= set(_HOOK_KEYS) or not _inside(entry[0], called)):
                 return False
         return True
+
+    def accept(self, gm: nn.Module) -> None:
+        """Take ``gm`` as it is now as the state its graphs follow, for a change amp_fx made
+        knowing the graphs stay right (`amp_fx.fsdp.fully_shard_converted` shards the parameters
+        the graphs read and hooks the modules they call)."""
+        self.owner, self.watch = id(gm), take(gm)
 
     def problems(self, gm: nn.Module, now: Watch) -> list[str]:
         """What changed that the graph cannot follow (the class docstring), one phrase each."""
