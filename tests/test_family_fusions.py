@@ -1,4 +1,4 @@
-"""O2's pattern fusions reach Hugging Face causal-LM families that no issue names (issue 25).
+"""O2's pattern fusions reach Hugging Face causal-LM families that no issue names (issues 25, 37).
 
 The fusions are found by what a graph computes, never by a model's name, so a family nobody wrote
 a test for must get them as Llama and GPT-2 do. Each family here is built from a tiny seeded
@@ -55,6 +55,10 @@ def _norm_modules(model: nn.Module) -> int:
     return sum(type(m).__name__.endswith("Norm") for m in model.modules())
 
 
+def _has_shared_expert(model: nn.Module) -> bool:
+    return bool(getattr(model.config, "shared_expert_intermediate_size", 0))
+
+
 @dataclass(frozen=True)
 class Fusion:
     """What a property of a family's computation becomes at O2: ``calls`` maps each fused function
@@ -69,7 +73,8 @@ FUSIONS: dict[str, Fusion] = {
     "LayerNorm": Fusion({layer_norm_fp32: 1, add_layer_norm_fp32: 1}, _norm_modules),
     # q and k of each layer; a pair rotates both in one call.
     "rotary": Fusion({rotary_embedding: 1, rotary_embedding_pair: 2}, lambda m: 2 * LAYERS),
-    "gated MLP": Fusion({fp32_gated_activation: 1}, lambda m: LAYERS),
+    # One per layer, and one more where a shared expert runs beside the routed ones.
+    "gated MLP": Fusion({fp32_gated_activation: 1}, lambda m: LAYERS * (1 + _has_shared_expert(m))),
     "tanh-GELU MLP": Fusion({fp32_activation: 1}, lambda m: LAYERS),
     "causal-LM loss": Fusion({chunked_linear_cross_entropy: 1}, lambda m: 1),
 }
@@ -117,7 +122,17 @@ OPT = {
     "vocab_size": VOCAB, "hidden_size": HIDDEN, "ffn_dim": 2 * HIDDEN, "num_hidden_layers": LAYERS,
     "num_attention_heads": HEADS, "max_position_embeddings": 64, "word_embed_proj_dim": HIDDEN,
 }  # fmt: skip
+# Mixture-of-experts families (issue 37): the dense parts' fusions apply, and the experts' gated
+# activation (written out over all experts at once) is fused as a dense MLP's is.
+MOE = {**LLAMA_LIKE, "num_experts_per_tok": 2}
 FAMILIES = [
+    Family("Mixtral", RMS_GATED, {**MOE, "num_local_experts": 4}),
+    Family("Olmoe", RMS_GATED, {**MOE, "num_experts": 4}),  # RMSNorms of q and k too
+    Family(
+        "Qwen2Moe",
+        RMS_GATED,
+        {**MOE, "num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64},
+    ),
     Family("Qwen2", RMS_GATED),
     Family("Qwen3", RMS_GATED, HEAD_DIM),  # RMSNorms of q and k too
     Family("Mistral", RMS_GATED),
