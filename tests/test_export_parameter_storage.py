@@ -164,3 +164,32 @@ def test_a_rewrite_that_raises_leaves_the_parameters_unstored(monkeypatch: pytes
     monkeypatch.undo()
     converted(x)
     assert converted.attention.q_bias.dtype == BF16
+
+
+class _MatmulLinear(nn.Linear):
+    """A Linear whose forward writes its product out (Falcon's FalconLinear does)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T + self.bias
+
+
+class _WrittenOutLinears(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = _MatmulLinear(8, 16), _MatmulLinear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert x.shape[-1] == 8  # keeps torch.fx out: the torch.export front end converts it
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_weights_stored_low_at_convert_stay_low_at_the_first_graph() -> None:
+    """A weight stored low at convert (its module is a Linear) is not raised to FP32 by its first
+    graph, whatever spelling the product takes there; only a router's weight is (test_moe_o2)."""
+    torch.manual_seed(0)
+    model = _WrittenOutLinears()
+    converted = amp_fx.convert(model, "O2", dtype=torch.bfloat16, front_end="export")
+    stored = {name: p.dtype for name, p in converted.named_parameters()}
+    assert set(stored.values()) == {torch.bfloat16}
+    converted(torch.randn(4, 8)).sum().backward()
+    assert {name: p.dtype for name, p in converted.named_parameters()} == stored

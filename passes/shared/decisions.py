@@ -15,6 +15,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.core.module_ops import module_op
 from amp_fx.core.node_info import (
     PARAMETER_PLAN_KEY,
@@ -193,6 +194,8 @@ def planned_parameter_dtypes(gm: torch.fx.GraphModule, policy: Policy) -> dict[s
     unlowered_reads: list[torch.fx.Node] = []
     by_tensor: dict[int, torch.dtype] = {}
     names: dict[int, list[str]] = {}
+    stored_low: set[int] = set()  # export front end: stored low at convert, kept so unless...
+    router_read: set[int] = set()  # ... a router's FP32 product reads it
 
     def want(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> None:
         if dtype is None or not _castable(tensor):
@@ -224,10 +227,14 @@ def planned_parameter_dtypes(gm: torch.fx.GraphModule, policy: Policy) -> dict[s
             tensor = _tensor_at(gm, node.target)
             if tensor is None:
                 continue
+            if unstored is not None and tensor.dtype in LOW_PRECISION_DTYPES:
+                stored_low.add(id(tensor))
             for user in _effective_users(node):
                 decision = decide_node(user, gm, policy)
                 if decision is not None:
                     want(node.target, tensor, decision.param_dtype)
+                if node_info(user).op in _ROUTER_MATMUL_OPS and computes_router_logits(user):
+                    router_read.add(id(tensor))
             unlowered = policy.level.keeps_norms_fp32 and not _read_by_lowered_op(node, gm, policy)
             if unlowered and _castable(tensor):
                 want(node.target, tensor, torch.float32)
@@ -241,11 +248,14 @@ def planned_parameter_dtypes(gm: torch.fx.GraphModule, policy: Policy) -> dict[s
                 want(name, tensor, policy.decide(_UNCALLED_OP, module_name=path or None).param_dtype)
             elif id(tensor) in names and name not in names[id(tensor)]:
                 names[id(tensor)].append(name)
+    # A tensor stored low at convert (by its module's op) stays low unless a router reads it: the
+    # static rules of a graph can miss a product its module's op names (Falcon's `x @ weight.T`).
+    kept = stored_low - router_read
     plan = {
         name: by_tensor[key]
         for key, aliases in names.items()
         for name in aliases
-        if unstored is None or name in unstored
+        if unstored is None or (name in unstored and key not in kept)
     }
     _note_unlowered(gm, unlowered_reads, plan)
     return plan
