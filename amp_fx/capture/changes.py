@@ -12,13 +12,15 @@ model's modules (a key in their ``__dict__``), and one-time wraps of ``nn.Module
 ``__delattr__``, torch's global module, parameter and buffer registration hooks, the hook
 registration methods (and the handles they return) and the container methods that write
 ``_modules`` directly (``ModuleDict.__delitem__``/``clear``, ``ModuleList.insert``,
-``Sequential.insert``) add one to `VERSION` when they change a flagged module. A call then
-compares one integer, and the ``__dict__`` of each plain object the modules hold (a Hugging Face
-``config``: writes to it are not seen, so it is compared, a C-level dict compare), and torch's global
-module hooks. Only where those differ is the model walked (`take`) and compared with the `Watch`.
+``Sequential.insert``) add one to the change count of each model that watches a module they change
+(its counters, kept per model: a change to one model never invalidates another's graphs, compiled
+ones included). A call then compares one integer, and the ``__dict__`` of each plain object the
+modules hold (a Hugging Face ``config``: writes to it are not seen, so it is compared, a C-level
+dict compare), and torch's global module hooks. Only where those differ is the model walked
+(`take`) and compared with the `Watch`.
 
-A switch of the whole model between train and eval (``training`` writes count in `MODES`, not
-`VERSION`) costs one compare of each module's mode with the root's, no walk: the graphs are per
+A switch of the whole model between train and eval (``training`` writes count apart, in the
+model's second counter) costs one compare of each module's mode with the root's, no walk: the graphs are per
 mode already, and a module left in another mode than the model's is still seen.
 
 The torch.fx front end's GraphModule holds a `GraphFollower`: the graphs as traced, rewritten by
@@ -66,8 +68,7 @@ __all__ = [
     "FOLLOWER_ATTR",
     "FollowError",
     "GraphFollower",
-    "MODES",
-    "VERSION",
+    "COUNTERS_ATTR",
     "WATCHED_ATTR",
     "Watch",
     "install",
@@ -77,12 +78,32 @@ __all__ = [
     "watch_modules",
 ]
 
-# The key of a watched module's __dict__, the count of changes made to watched modules, and the
-# count of train/eval switches of watched modules (kept apart: graphs are per mode already, so a
-# switch of the whole model only needs each module's mode compared with the root's, no walk).
+# The key of a watched module's __dict__ (the `Counters` of each model watching it), and the key
+# under which a model keeps its own.
 WATCHED_ATTR = "_amp_fx_watched"
-VERSION = [0]
-MODES = [0]
+COUNTERS_ATTR = "_amp_fx_change_counters"
+
+
+class Counters:
+    """A model's count of changes and of train/eval switches (kept apart: graphs are per mode
+    already, so a switch of the whole model only needs each module's mode compared with the
+    root's, no walk). Objects, not lists: torch.export rebuilds the containers a module's
+    ``__dict__`` holds after a capture, which would part a module from its model's counts."""
+
+    __slots__ = ("changes", "switches")
+
+    def __init__(self) -> None:
+        self.changes = 0
+        self.switches = 0
+
+
+class _Watchers:
+    """The `Counters` of each model watching a module (an object, for the reason above)."""
+
+    __slots__ = ("counters",)
+
+    def __init__(self) -> None:
+        self.counters: list[Counters] = []
 
 _MISSING = object()
 _INSTALLED: list[bool] = []
@@ -93,6 +114,7 @@ _IGNORED = frozenset(
     {
         STATE_ATTR,
         WATCHED_ATTR,
+        COUNTERS_ATTR,
         FOLLOWER_ATTR,
         "training",
         "_state_dict_hooks",
@@ -165,8 +187,13 @@ def instrument_hooks(*handles: RemovableHandle) -> Iterator[None]:
         _INSTRUMENT_HOOK_IDS.difference_update(ids)
 
 
-def _bump() -> None:
-    VERSION[0] += 1
+def _bump(module: nn.Module, switch: bool = False) -> None:
+    """Count a change (or a train/eval switch) of ``module`` for each model watching it."""
+    for counters in module.__dict__[WATCHED_ATTR].counters:
+        if switch:
+            counters.switches += 1
+        else:
+            counters.changes += 1
 
 
 def _watched(module: Any) -> bool:
@@ -191,10 +218,7 @@ def _wrap_setattr(setattr_: Callable[..., None]) -> Callable[..., None]:
         setattr_(self, name, value)
         # ``model.train()`` on a model in training mode, as Trainer does each step, changes nothing.
         if _current(self, name) is not before:
-            if name == "training":
-                MODES[0] += 1
-            else:
-                _bump()
+            _bump(self, switch=name == "training")
         return None
 
     return __setattr__
@@ -205,7 +229,7 @@ def _wrap_after(method: Callable[..., Any]) -> Callable[..., Any]:
     def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         result = method(self, *args, **kwargs)
         if WATCHED_ATTR in self.__dict__:
-            _bump()
+            _bump(self)
         return result
 
     return wrapped
@@ -214,9 +238,11 @@ def _wrap_after(method: Callable[..., Any]) -> Callable[..., Any]:
 class _WatchedHandle(RemovableHandle):
     """The handle of a hook registered on a watched module: removing the hook is a change."""
 
+    module: nn.Module
+
     def remove(self) -> None:
         super().remove()
-        _bump()
+        _bump(self.module)
 
 
 def _wrap_hook_registration(method: Callable[..., RemovableHandle]) -> Callable[..., RemovableHandle]:
@@ -224,9 +250,10 @@ def _wrap_hook_registration(method: Callable[..., RemovableHandle]) -> Callable[
     def register(self: nn.Module, *args: Any, **kwargs: Any) -> RemovableHandle:
         handle = method(self, *args, **kwargs)
         if WATCHED_ATTR in self.__dict__:
-            _bump()
+            _bump(self)
             if type(handle) is RemovableHandle:
                 handle.__class__ = _WatchedHandle
+                handle.module = self
         return handle
 
     return register
@@ -234,7 +261,7 @@ def _wrap_hook_registration(method: Callable[..., RemovableHandle]) -> Callable[
 
 def _on_registration(module: nn.Module, name: str, value: Any) -> None:
     if WATCHED_ATTR in module.__dict__:
-        _bump()
+        _bump(module)
 
 
 def install() -> None:
@@ -264,11 +291,16 @@ def install() -> None:
     torch_module.register_module_buffer_registration_hook(_on_registration)
 
 
-def watch_modules(model: nn.Module) -> None:
-    """Flag ``model`` and its descendants: a change to one of them counts in `VERSION`."""
+def watch_modules(model: nn.Module) -> Counters:
+    """Flag ``model`` and its descendants: a change to one of them counts in ``model``'s
+    `Counters`, which it returns."""
     install()
+    counters = model.__dict__.setdefault(COUNTERS_ATTR, Counters())
     for module in model.modules():
-        module.__dict__[WATCHED_ATTR] = True
+        watchers = module.__dict__.setdefault(WATCHED_ATTR, _Watchers()).counters
+        if not any(watcher is counters for watcher in watchers):
+            watchers.append(counters)
+    return counters
 
 
 def _describe(value: Any, held: list[Any], depth: int = 0) -> Any:
@@ -298,15 +330,17 @@ def _plain_objects(values: Any, found: dict[int, Any], depth: int = 0) -> None:
 
 @dataclasses.dataclass
 class Watch:
-    """A model as its graphs were captured: `VERSION` then, each module's state (`take`), and a
-    copy of the ``__dict__`` of each plain object the modules hold and of torch's global hooks."""
+    """A model as its graphs were captured: its change count then (of ``counters``, the model's
+    own, `watch_modules`), each module's state (`take`), and a copy of the ``__dict__`` of each
+    plain object the modules hold and of torch's global hooks."""
 
+    counters: Counters
     version: int
     modules: tuple[Any, ...]
     objects: tuple[tuple[Any, dict[str, Any]], ...]
     global_hooks: tuple[tuple[dict[Any, Any], dict[Any, Any]], ...]
     held: list[Any]
-    # `MODES` when each module's mode last agreed with the root's as in ``agreement``; the
+    # The switch count when each module's mode last agreed with the root's as in ``agreement``; the
     # modules in `named_modules` order (the root first).
     modes: int = 0
     ordered: tuple[nn.Module, ...] = ()
@@ -315,11 +349,11 @@ class Watch:
     def modes_agree(self) -> bool:
         """Whether each module's mode agrees with the root's as it did (``agreement``): after a
         switch of the whole model (``model.eval()``) the graphs of the new mode apply, no walk."""
-        if self.modes == MODES[0]:
+        if self.modes == self.counters.switches:
             return True
         if _agreement(self.ordered) != self.agreement:
             return False
-        self.modes = MODES[0]
+        self.modes = self.counters.switches
         return True
 
     def tensor_ids(self) -> set[int]:
@@ -365,7 +399,7 @@ def _same_dict(a: dict[Any, Any], b: dict[Any, Any]) -> bool:
 
 def take(model: nn.Module) -> Watch:
     """The state of ``model`` a graph depends on (see `Watch`); flags its modules (`watch_modules`)."""
-    watch_modules(model)
+    counters = watch_modules(model)
     held: list[Any] = []
     entries = []
     for name, module in model.named_modules():
@@ -381,7 +415,15 @@ def take(model: nn.Module) -> Watch:
     global_hooks = tuple((hooks, dict(_model_hooks(hooks))) for hooks in _GLOBAL_HOOKS)
     ordered = tuple(model.modules())
     return Watch(
-        VERSION[0], tuple(entries), objects, global_hooks, held, MODES[0], ordered, _agreement(ordered)
+        counters,
+        counters.changes,
+        tuple(entries),
+        objects,
+        global_hooks,
+        held,
+        counters.switches,
+        ordered,
+        _agreement(ordered),
     )
 
 
@@ -394,7 +436,7 @@ def unchanged(watch: Watch) -> bool:
     """Whether nothing the graphs depend on can have changed since ``watch`` was taken: no change
     to a watched module since, and the same plain objects' attributes and global hooks. Plain
     Python (one int, a few C-level dict compares), which torch.compile traces and guards on."""
-    if watch.version != VERSION[0] or not watch.modes_agree():
+    if watch.version != watch.counters.changes or not watch.modes_agree():
         return False
     for obj, snapshot in watch.objects:
         if not _same_dict(vars(obj), snapshot):
@@ -486,6 +528,7 @@ class GraphFollower:
         new.owner = mapped_id(self.owner)
         new.watch = dataclasses.replace(
             watch,
+            counters=mapped(watch.counters),
             modules=tuple(
                 (name, mapped_id(key), kind, agree, remap(attributes))
                 for name, key, kind, agree, attributes in watch.modules
