@@ -105,6 +105,7 @@ class _Watchers:
     def __init__(self) -> None:
         self.counters: list[Counters] = []
 
+
 _MISSING = object()
 _INSTALLED: list[bool] = []
 
@@ -125,6 +126,7 @@ _IGNORED = frozenset(
         "_amp_fx_master_sources",
         "_amp_fx_loaded_values",
         "_is_torch_compile",  # torch.compile's mark on the module it wraps
+        "_compile_kwargs",  # Lightning's record of the torch.compile call on the module it wraps
     }
 )
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
@@ -143,6 +145,11 @@ _NOT_OBJECTS = (
     types.MethodType,
     types.ModuleType,
     functools.partial,
+    # A GraphModule's own graph (its nodes, namespace, code generator): the follower's business,
+    # and comparing them on every call would trace torch.fx's internals into a compiled call.
+    torch.fx.Graph,
+    torch.fx.Node,
+    torch.fx.graph.CodeGen,
 )
 # torch's global module hooks: each fires for every module.
 _GLOBAL_HOOKS = tuple(
@@ -528,7 +535,7 @@ class GraphFollower:
         new.owner = mapped_id(self.owner)
         new.watch = dataclasses.replace(
             watch,
-            counters=mapped(watch.counters),
+            counters=copy.deepcopy(watch.counters, memo),  # the copied modules count in this one
             modules=tuple(
                 (name, mapped_id(key), kind, agree, remap(attributes))
                 for name, key, kind, agree, attributes in watch.modules
