@@ -145,9 +145,11 @@ class TracedGraphModule(torch.fx.GraphModule):
     def __deepcopy__(self, memo: dict[int, Any]) -> TracedGraphModule:
         copied = super().__deepcopy__(memo)
         type(copied).__name__ = type(self).__name__  # fx's copy would be named "GraphModule"
-        follower = self.__dict__.get(FOLLOWER_ATTR)
-        if follower is not None:  # fx's copy keeps only the attributes it knows
-            copied.__dict__[FOLLOWER_ATTR] = copy.deepcopy(follower, memo)
+        # fx's copy keeps only the attributes it knows; a module's deepcopy copies them all (the
+        # change follower and the marks of the models watching it included).
+        for key, value in self.__dict__.items():
+            if key not in copied.__dict__:
+                copied.__dict__[key] = copy.deepcopy(value, memo)
         copied.recompile()  # its meta is set after GraphModule's own recompile
         return copied
 
