@@ -72,8 +72,14 @@ def _is_probed(tensor: Any) -> bool:
 @functools.cache
 def _op_db_entries() -> dict[str, Any]:
     """Canonical op name -> the OpInfo whose samples it is probed with (exact names first)."""
+    frozen = torch.backends.flags_frozen()
     from torch.testing._internal.common_methods_invocations import op_db
 
+    # Importing torch's test utilities freezes torch.backends' flags for the whole process
+    # (disable_global_flags): other tests set them afterwards (the mkldnn switch of
+    # test_torchvision_models), so they are left as they were.
+    if not frozen:
+        torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
     entries: dict[str, Any] = {}
     for spelling in (
         lambda info: info.name,
