@@ -250,7 +250,7 @@ def _llama() -> nn.Module:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(config)
 
