@@ -22,26 +22,18 @@ from amp_fx.captured_model import capture_states
 from amp_fx.core.containers import flatten
 from amp_fx.testing import with_autocast
 from tests.bit_equality import bits_equal
-from tests.models.hf import MODELS, VOCAB
+from tests.models.hf import MODELS, VOCAB, bart
 
 transformers = pytest.importorskip("transformers")
 
 BF16 = torch.bfloat16
 
 
-def _bart() -> nn.Module:
-    config = transformers.BartConfig(
-        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
-    )  # fmt: skip
-    return transformers.BartForConditionalGeneration(config)
-
-
 def _model(name: str) -> tuple[nn.Module, dict]:
     torch.manual_seed(0)
     if name == "bart":
         ids = torch.randint(3, VOCAB, (2, 8))
-        return _bart(), {"input_ids": ids, "labels": ids.clone()}
+        return bart(), {"input_ids": ids, "labels": ids.clone()}
     model, make_inputs = MODELS[name]()
     return model, make_inputs(2, 8)
 

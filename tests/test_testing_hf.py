@@ -19,26 +19,18 @@ from torch import nn
 
 import amp_fx
 from amp_fx.testing import assert_equivalent, forward_backward, with_autocast
-from tests.models.hf import MODELS, VOCAB, causal_lm_without_dropout
+from tests.models.hf import MODELS, VOCAB, bart, causal_lm_without_dropout
 
 transformers = pytest.importorskip("transformers")
 
 BF16 = torch.bfloat16
 
 
-def _bart() -> nn.Module:
-    config = transformers.BartConfig(
-        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
-    )  # fmt: skip
-    return transformers.BartForConditionalGeneration(config)
-
-
 def _default_call(name: str) -> tuple[nn.Module, dict]:
     """The model in eval mode and the inputs of its default call: no labels, no ``use_cache``."""
     torch.manual_seed(0)
     if name == "bart":
-        return _bart().eval(), {"input_ids": torch.randint(3, VOCAB, (2, 8))}
+        return bart().eval(), {"input_ids": torch.randint(3, VOCAB, (2, 8))}
     model, make_inputs = MODELS[name]()
     inputs = {k: v for k, v in make_inputs(2, 8).items() if k != "labels"}
     if model.config.is_encoder_decoder:

@@ -177,3 +177,14 @@ def causal_lm_without_dropout(name: str, tied: bool) -> torch.nn.Module:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=tied,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(config)
+
+
+def bart() -> torch.nn.Module:
+    """A one-layer BART encoder-decoder (its default call holds an ``EncoderDecoderCache``)."""
+    import transformers
+
+    config = transformers.BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+    )  # fmt: skip
+    return transformers.BartForConditionalGeneration(config)
