@@ -74,24 +74,37 @@ class MasterWeightsAmpOptimizer(DirectAmpOptimizer):
         index = next((i for i, (p, target) in enumerate(self.pairs) if p is param and target is p), None)
         if index is None or param.dtype not in LOW_PRECISION_DTYPES:
             return None
-        group = next(g for g in self.optimizer.param_groups if any(p is param for p in g["params"]))
-        position = next(i for i, p in enumerate(group["params"]) if p is param)
-        state, grad = self.optimizer.state, param.grad
+        grad = param.grad
         with torch.no_grad():
             master = new_master(param, value)
         if grad is not None:  # a direct param's grad is unscaled already: the master's from now on
             master.grad, param.grad = grad.to(torch.float32), None
-        if param in state:
-            state[master] = state.pop(param)
-        group["params"][position] = master
-        self.pairs[index] = (param, master)
+        take_back = self._step_instead(index, param, param, master)
 
         def undo() -> None:
-            if master in state:
-                state[param] = state.pop(master)
-            group["params"][position] = param
-            self.pairs[index] = (param, param)
+            take_back()
             param.grad = grad
+
+        return undo
+
+    def _step_instead(
+        self, index: int, param: Tensor, stepped: Tensor, instead: Tensor
+    ) -> Callable[[], None]:
+        """Have the optimizer step ``instead`` where it steps ``stepped`` (its slot in its group and
+        its state), paired with ``param`` at ``self.pairs[index]``; returns what takes it back."""
+        group = next(g for g in self.optimizer.param_groups if any(p is stepped for p in g["params"]))
+        position = next(i for i, p in enumerate(group["params"]) if p is stepped)
+        state = self.optimizer.state
+        if stepped in state:
+            state[instead] = state.pop(stepped)
+        group["params"][position] = instead
+        self.pairs[index] = (param, instead)
+
+        def undo() -> None:
+            if instead in state:
+                state[stepped] = state.pop(instead)
+            group["params"][position] = stepped
+            self.pairs[index] = (param, stepped)
 
         return undo
 
@@ -103,22 +116,13 @@ class MasterWeightsAmpOptimizer(DirectAmpOptimizer):
         index = next((i for i, (p, target) in enumerate(self.pairs) if p is param and target is not p), None)
         if index is None:
             return None
-        master = self.pairs[index][1]
-        group = next(g for g in self.optimizer.param_groups if any(p is master for p in g["params"]))
-        position = next(i for i, p in enumerate(group["params"]) if p is master)
-        state, grad = self.optimizer.state, param.grad
+        master, grad = self.pairs[index][1], param.grad
         if master.grad is not None:
             param.grad = master.grad
-        if master in state:
-            state[param] = state.pop(master)
-        group["params"][position] = param
-        self.pairs[index] = (param, param)
+        take_back = self._step_instead(index, param, master, param)
 
         def undo() -> None:
-            if param in state:
-                state[master] = state.pop(param)
-            group["params"][position] = master
-            self.pairs[index] = (param, master)
+            take_back()
             param.grad = grad
 
         return master, undo
