@@ -22,19 +22,22 @@ __version__ = "0.1.0"
 # Triton kernels load only when an optimizer is used.
 _EXPORTS = {
     "convert": "amp_fx.convert",
-    "report": "amp_fx.reporting",
-    "Report": "amp_fx.reporting",
-    "capture_summary": "amp_fx.summary",
-    "captured_graphs": "amp_fx.summary",
+    "report": "amp_fx.inspect.report",
+    "Report": "amp_fx.inspect.report",
+    "capture_summary": "amp_fx.inspect.capture_summary",
+    "captured_graphs": "amp_fx.inspect.capture_summary",
     "Policy": "amp_fx.core.policy",
     "Rule": "amp_fx.core.policy",
     "preset": "amp_fx.core.policy",
-    "LossScaler": "amp_fx.loss_scaler",
-    "clip_grad_norm_": "amp_fx.clip_grad",
+    "LossScaler": "amp_fx.training.loss_scaler",
+    "clip_grad_norm_": "amp_fx.training.clip_grad",
     "fp32_cross_entropy": "amp_fx.ops.cross_entropy",
-    "master_state_dict": "amp_fx.saving",
+    "master_state_dict": "amp_fx.training.saving",
+    "CudaGraphStep": "amp_fx.training.cuda_graph_step",
 }
-_SUBMODULES = {"optim", "testing", "amp", "passes", "kernels", "core", "ops", "training_step"}
+_SUBMODULES = {
+    "optim", "testing", "amp", "passes", "kernels", "core", "ops", "capture", "training", "inspect"
+}
 
 __all__ = [*_EXPORTS, *_SUBMODULES]
 

@@ -1,5 +1,5 @@
-"""``python -m amp_fx inspect MODEL ...``: see `amp_fx.cli`."""
+"""``python -m amp_fx inspect MODEL ...``: see `amp_fx.inspect.cli`."""
 
-from amp_fx.cli import main
+from amp_fx.inspect.cli import main
 
 raise SystemExit(main())

@@ -10,8 +10,8 @@
     ['input_1_to_bfloat16', '_0_weight_to_bfloat16', '_0_bias_to_bfloat16',
      '_2_weight_to_bfloat16', '_2_bias_to_bfloat16']
 
-Two front ends capture the model (docs/DESIGN.md): torch.fx symbolic tracing (`amp_fx.passes.trace`)
-when it takes the forward whole, else torch.export call by call (`amp_fx.captured_model`). Either
+Two front ends capture the model (docs/DESIGN.md): torch.fx symbolic tracing (`amp_fx.capture.fx`)
+when it takes the forward whole, else torch.export call by call (`amp_fx.capture.captured_model`). Either
 hands its graph to one pipeline of passes (`amp_fx.pipeline`). The input model is not modified,
 unless ``in_place=True`` asks for it to become the converted model (the torch.export front end).
 """
@@ -28,8 +28,10 @@ import torch
 import torch.fx
 from torch import nn
 
+from amp_fx.capture.captured_model import CapturedModel, capture_states, captured_model
 from amp_fx.capture.changes import GraphFollower
-from amp_fx.captured_model import CapturedModel, capture_states, captured_model
+from amp_fx.capture.fx import TraceError, trace
+from amp_fx.capture.traced_graph_module import FOLLOWER_ATTR, copy_graph
 from amp_fx.core.dtypes import default_device_type, low_precision_dtype, short_repr
 from amp_fx.core.node_info import (
     OTHER_MODE_GRAPH_KEY,
@@ -44,8 +46,6 @@ from amp_fx.core.policy import Policy, preset
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.optim.model_loads import follow_model_loads, masters_for_stored_low
 from amp_fx.optim.step_checks import record_conversion
-from amp_fx.passes.shared.traced_graph_module import FOLLOWER_ATTR, copy_graph
-from amp_fx.passes.trace import TraceError, trace
 from amp_fx.pipeline import rewrite_graph
 
 logger = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ def _is_converted(model: nn.Module) -> bool:
 
 def _rewrite_each_mode(gm: torch.fx.GraphModule, policy: Policy, examples: tuple[Any, ...] | None) -> None:
     """Rewrite ``gm.graph`` and, where the forward reads ``self.training``, the other mode's graph
-    (`amp_fx.passes.shared.traced_graph_module.TracedGraphModule`), each by the whole pipeline on
+    (`amp_fx.capture.traced_graph_module.TracedGraphModule`), each by the whole pipeline on
     the one module."""
     if OTHER_MODE_GRAPH_KEY in gm.meta:
         training, other = gm.meta[OTHER_MODE_GRAPH_KEY]
@@ -222,7 +222,7 @@ def _rewrite_again(gm: torch.fx.GraphModule, added: frozenset[str]) -> None:
 
 def _capture_untraceable_children(gm: torch.fx.GraphModule, policy: Policy) -> None:
     """Each submodule torch.fx could not trace (not those named in ``leaf_modules``) becomes a
-    torch.export-captured copy (`amp_fx.captured_model`) that the graph calls directly, in place of
+    torch.export-captured copy (`amp_fx.capture.captured_model`) that the graph calls directly, in place of
     the autocast island the passes made for it: its code then runs in rewritten graphs too.
 
     The passes already stored its parameters as for an island (each module's op decides, as
@@ -317,7 +317,7 @@ def convert(
         front_end: "auto" (default): torch.fx symbolic tracing when it takes the top-level forward
             (the result is a GraphModule), else the torch.export front end (the result is a copy of
             the model, of its class, that captures each new argument structure at its first call;
-            see `amp_fx.captured_model`). "fx" or "export" forces one. `leaf_modules`,
+            see `amp_fx.capture.captured_model`). "fx" or "export" forces one. `leaf_modules`,
             `concrete_args` and `example_inputs` are torch.fx's.
         in_place: convert `model` itself, with the torch.export front end, and return it: the
             object the caller holds (a Hugging Face model that later calls ``save_pretrained``, a

@@ -1,14 +1,14 @@
 """The convert passes in order, on a captured graph: one pipeline for every front end.
 
-`amp_fx.convert` captures a model with `amp_fx.passes.trace` (torch.fx) or, call by call, with
-`amp_fx.passes.export` (torch.export); both hand their GraphModule to `rewrite_graph`, which runs
+`amp_fx.convert` captures a model with `amp_fx.capture.fx` (torch.fx) or, call by call, with
+`amp_fx.capture.export` (torch.export); both hand their GraphModule to `rewrite_graph`, which runs
 `PASSES`. That tuple is the one place the order is written: docstrings and docs/DESIGN.md name
 passes, never their positions.
 
     >>> [step.name for step in PASSES][:4]
     ['drop_empty_concats', 'simplify_attention', 'normalize_ops', 'classify']
     >>> from amp_fx.core.policy import preset
-    >>> from amp_fx.passes.trace import trace
+    >>> from amp_fx.capture.fx import trace
     >>> gm = rewrite_graph(trace(torch.nn.Linear(4, 2)), preset("O1", torch.bfloat16, "cpu"))
     >>> gm(torch.randn(3, 4)).dtype
     torch.bfloat16

@@ -32,9 +32,9 @@ import torch
 from torch import nn
 
 import amp_fx
+from amp_fx.capture.captured_model import _follow_changes, capture_states
 from amp_fx.capture.changes import take
-from amp_fx.captured_model import _follow_changes, capture_states
-from amp_fx.passes.shared.traced_graph_module import FOLLOWER_ATTR
+from amp_fx.capture.traced_graph_module import FOLLOWER_ATTR
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from reporting import environment, publish  # noqa: E402

@@ -10,7 +10,7 @@ The target (issue 2) is under 1 s for each. Models:
 
 For each model and opt level it converts ``--repeats`` times (after one warm-up conversion) and
 prints the median and the minimum wall time, with ``--example-inputs`` also the time with exact
-dtype propagation (fake tensors). Trace alone (`amp_fx.passes.trace.trace`: a deep copy of the
+dtype propagation (fake tensors). Trace alone (`amp_fx.capture.fx.trace`: a deep copy of the
 model plus torch.fx tracing) is shown as a baseline: every conversion includes it.
 
     python benchmarks/bench_convert.py
@@ -32,7 +32,7 @@ import torchvision
 from torch import nn
 
 import amp_fx
-from amp_fx.passes.trace import trace
+from amp_fx.capture.fx import trace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import GPT, GPT2_SMALL  # noqa: E402

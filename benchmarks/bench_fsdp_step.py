@@ -1,6 +1,6 @@
 """Benchmark: the fused optimizer step on FSDP2's local shards against the unsharded fused step.
 
-Under `amp_fx.fsdp.fully_shard_converted` the parameters are FP32 ``DTensor`` shards and the fused
+Under `amp_fx.training.fsdp.fully_shard_converted` the parameters are FP32 ``DTensor`` shards and the fused
 optimizers update their local tensors in place (one kernel launch per dtype group, as unsharded).
 This times ``optimizer.step()`` on this rank's shards and on plain FP32 tensors of the same
 shapes (the same number of elements, the same kernel), interleaved in one run, and prints the
@@ -10,7 +10,7 @@ more bytes per element.
 
 With ``--model hf_gpt2`` or ``--model hf_llama`` it times whole training steps of a Hugging Face
 model (benchmarks/models.py, random weights) converted at O2 (bf16) and sharded by
-`amp_fx.fsdp.fully_shard_converted` (one FSDP2 group per block), called as Hugging Face documents
+`amp_fx.training.fsdp.fully_shard_converted` (one FSDP2 group per block), called as Hugging Face documents
 (``model(input_ids=ids, labels=ids).loss``), against one process training the unsharded converted
 model on the whole global batch (FusedAdam with FP32 masters): time per step, optimizer state per
 rank and the peak of the gathered parameter bytes in the forward (read at every group's pre-hook,
@@ -53,8 +53,8 @@ from torch.profiler import DeviceType, ProfilerActivity, profile
 
 import amp_fx
 from amp_fx.capture.sharding import sharded_modules
-from amp_fx.distributed import local_tensor
-from amp_fx.fsdp import fully_shard_converted, gathered_parameter_bytes
+from amp_fx.training.distributed import local_tensor
+from amp_fx.training.fsdp import fully_shard_converted, gathered_parameter_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import build_hf  # noqa: E402

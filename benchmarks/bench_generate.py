@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import hf_config, hf_model  # noqa: E402
 
 import amp_fx  # noqa: E402
-from amp_fx.captured_model import capture_states  # noqa: E402
+from amp_fx.capture.captured_model import capture_states  # noqa: E402
 
 
 def _synchronize(device: torch.device) -> None:

@@ -8,7 +8,7 @@ comparison, 0.50B, 8 x 2048 tokens), ``hf_mixtral`` (Mixtral architecture: hidde
 8 experts top 2, expert FFN 3584, 8 x 2048 tokens; issue 37); ``--batch-size``/``--seq-len``
 change the shape. The
 transformers models train on their own loss (``model(input_ids=..., labels=...).loss``); amp_fx
-converts them with its torch.export front end (`amp_fx.captured_model`), which captures a graph at
+converts them with its torch.export front end (`amp_fx.capture.captured_model`), which captures a graph at
 the first call and another at the first call of a new shape. For those, after the eager timing, the
 first call of a freshly converted model and its first call at 3/4 of the sequence length are timed
 beside the same calls once captured, and printed under the table. Without ``--variants`` they run
@@ -40,7 +40,7 @@ variant trains the same freshly seeded model on the same batch:
                      bf16 and for O3, whose loss scale is 1.0 as in Apex)
     o2_fp16_cuda_graph
                      o2_fp16 with the whole step captured in one CUDA graph and replayed
-                     (amp_fx.training_step.CudaGraphStep; eager mode, CUDA only)
+                     (amp_fx.CudaGraphStep; eager mode, CUDA only)
     o2_fp16_loss_outside
                      o2_fp16 with the loss computed outside the converted model, on its float32
                      outputs (cast_model_outputs), as a training loop written for Apex does

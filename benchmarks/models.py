@@ -11,7 +11,7 @@ of the benchmark (torch.autocast, `.half()`, amp_fx O1-O3) trains the same plain
 ``MixtralForCausalLM`` (hidden 1024, 8 layers, 16 heads / 8 KV heads, 8 experts top 2, expert
 FFN 3584, vocab 32000; 8 x 2048 tokens); they compute their own
 loss from ``labels=`` and amp_fx converts them with its torch.export front end
-(`amp_fx.captured_model`). Each builder returns a `Workload`: the model, a batch on the device and
+(`amp_fx.capture.captured_model`). Each builder returns a `Workload`: the model, a batch on the device and
 a loss function (None: the model's own), at the full benchmark size or, with ``small=True``, at a
 size that trains in milliseconds on a CPU::
 

@@ -92,19 +92,19 @@ MUTATIONS = [
     ),
     Mutation(
         "captured_output_off_by_25_percent",
-        "amp_fx/captured_model.py",
+        "amp_fx/capture/captured_model.py",
         "            log_islands(self, journal.islands)\n        return output\n",
         "            log_islands(self, journal.islands)\n"
         "        return output * 1.25 if isinstance(output, torch.Tensor) else output\n",
-        ("tests/test_fx_drop_in.py::test_o2_with_captured_children_trains_every_parameter",),
+        ("tests/capture/test_fx_drop_in.py::test_o2_with_captured_children_trains_every_parameter",),
     ),
     Mutation(
         "host_read_in_unscale",
-        "amp_fx/loss_scaler.py",
+        "amp_fx/training/loss_scaler.py",
         "            self.defer_unscale_(optimizer)\n            optimizer.apply_grad_multiplier_()\n",
         "            self.defer_unscale_(optimizer)\n            optimizer.apply_grad_multiplier_()\n"
         "            self._scale.cpu().numpy()\n",
-        ("tests/test_loss_scaler.py",),
+        ("tests/training/test_loss_scaler.py",),
         select="host",
     ),
     Mutation(
@@ -112,7 +112,7 @@ MUTATIONS = [
         "amp_fx/core/containers.py",
         "    if isinstance(value, _LEAF_TYPES) or (within and type(value) is int):",
         "    if isinstance(value, _LEAF_TYPES):",
-        ("tests/test_export_drop_in.py::test_generate_on_a_sliding_window_cache_gives_autocasts_tokens",),
+        ("tests/capture/test_export_drop_in.py::test_generate_on_a_sliding_window_cache_gives_autocasts_tokens",),
     ),
     Mutation(
         "sliding_window_taken_for_causal",
@@ -124,10 +124,10 @@ MUTATIONS = [
     ),
     Mutation(
         "found_inf_not_agreed_across_ranks",
-        "amp_fx/distributed.py",
+        "amp_fx/training/distributed.py",
         "        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)",
         "        pass",
-        ("tests/test_fsdp_export.py::test_an_inf_in_one_ranks_shard_skips_the_step_on_all_ranks",),
+        ("tests/training/test_fsdp_export.py::test_an_inf_in_one_ranks_shard_skips_the_step_on_all_ranks",),
         select="gpt2",
     ),
     Mutation(

@@ -5,9 +5,10 @@ bit equal to ``torch.autocast`` on CPU (bf16)?
 Each class registered in transformers' auto mappings (``causal``: MODEL_FOR_CAUSAL_LM_MAPPING_NAMES;
 ``seq2seq``: MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES; ``vlm``:
 MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES) is built offline from a tiny config (the CLI's
-`amp_fx.cli._small_config`, plus smaller expert counts, with the config's own ``use_cache``),
+`amp_fx.inspect.cli._small_config`, plus smaller expert counts, with the config's own ``use_cache``),
 seeded, put in eval mode and called with its default inputs: ``input_ids``, ``attention_mask`` and
-``labels``, and whatever else its forward needs (images, audio features; `amp_fx.cli.transformers_inputs`).
+``labels``, and whatever else its forward needs (images, audio features;
+`amp_fx.inspect.cli.transformers_inputs`).
 ``use_cache`` is never passed: the call is the one people write.
 
 Per class it records: whether it builds (and runs under autocast), whether it converts and runs
@@ -148,11 +149,11 @@ def _smaller(values: dict[str, Any], config_class: type) -> None:
 
 
 def _small_values(config_class: type) -> dict[str, Any]:
-    """As `amp_fx.cli._small_config`, for a config whose sub-configs are AutoConfig: each gets the
+    """As `amp_fx.inspect.cli._small_config`, for a config whose sub-configs are AutoConfig: each gets the
     small sizes of the class its default is (with its model_type, for AutoConfig to resolve)."""
     from transformers import PretrainedConfig
 
-    from amp_fx.cli import _SMALL_TRANSFORMERS_SIZES
+    from amp_fx.inspect.cli import _SMALL_TRANSFORMERS_SIZES
 
     default = config_class()
     values = default.to_dict()
@@ -179,7 +180,7 @@ def _layer_kinds(config_class: type) -> list[str]:
 
 def tiny_config(config_class: type) -> Any:
     """The CLI's small config for ``config_class``, with fewer experts and the default ``use_cache``."""
-    from amp_fx.cli import _small_config
+    from amp_fx.inspect.cli import _small_config
 
     try:
         values = _small_config(config_class).to_dict()
@@ -221,9 +222,9 @@ def _vocab_size(config: Any) -> int:
 def default_inputs(model: nn.Module, group: str, with_media: bool = True) -> dict[str, torch.Tensor]:
     """The default call's keyword arguments: token ids, their attention mask and labels (decoder
     labels for seq2seq, from which the model makes its decoder inputs), and the images or audio
-    features `amp_fx.cli.transformers_inputs` makes for a forward that takes them (unless
+    features `amp_fx.inspect.cli.transformers_inputs` makes for a forward that takes them (unless
     ``with_media`` is False: a text-only call). Never ``use_cache``."""
-    from amp_fx.cli import transformers_inputs
+    from amp_fx.inspect.cli import transformers_inputs
 
     if not with_media:
         inputs = _text_inputs(model)
@@ -359,7 +360,7 @@ def _build(name: str, group: str, row: Row) -> tuple[nn.Module, dict[str, torch.
 def check(name: str, group: str = "causal", timeout: float | None = 120.0) -> Row:
     """Run the default-call check on ``transformers.<name>`` (see the module docstring)."""
     import amp_fx
-    from amp_fx.captured_model import capture_states
+    from amp_fx.capture.captured_model import capture_states
     from amp_fx.testing import with_autocast
 
     row = Row(name, group)

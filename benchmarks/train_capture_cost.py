@@ -61,8 +61,8 @@ def measure_capture_cost(
 ) -> CaptureCost | None:
     """Time a freshly converted model's first calls (module docstring); None where ``variant``
     converts ``model_name`` with torch.fx (the graph is made at conversion, not at a call)."""
-    from amp_fx.captured_model import CapturedModel
-    from amp_fx.summary import capture_summary
+    from amp_fx.capture.captured_model import CapturedModel
+    from amp_fx.inspect.capture_summary import capture_summary
 
     work = make_workload(model_name, args, device)
     model = prepare_model(variant, work)

@@ -113,7 +113,7 @@ def build_step(
     targets = work.targets
 
     if variant.cuda_graph:
-        from amp_fx.training_step import CudaGraphStep
+        from amp_fx.training.cuda_graph_step import CudaGraphStep
 
         graph_step = CudaGraphStep(forward_loss, optimizer, scaler, warmup_steps=GRAPH_WARMUP_STEPS)
         return lambda: graph_step(inputs, targets)

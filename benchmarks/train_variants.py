@@ -27,7 +27,7 @@ class Variant:
     dtype: torch.dtype = torch.float32
     autocast: bool = False
     opt_level: str | None = None
-    # The whole step captured once with amp_fx.training_step.CudaGraphStep and replayed (eager only).
+    # The whole step captured once with amp_fx.CudaGraphStep and replayed (eager only).
     cuda_graph: bool = False
     # amp_fx converts the model alone; the loss runs on its float32 outputs.
     loss_outside: bool = False

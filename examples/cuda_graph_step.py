@@ -2,7 +2,7 @@
 
 A small model's training step is hundreds of short kernels; the host spends longer launching
 them than the GPU spends running them. amp_fx's step never syncs with the host (the loss scaler
-and the fused optimizer decide about overflows on the device), so `amp_fx.training_step.CudaGraphStep`
+and the fused optimizer decide about overflows on the device), so `amp_fx.CudaGraphStep`
 can capture the whole step once and replay it with one launch per step::
 
     step = CudaGraphStep(loss_fn, optimizer, scaler, max_grad_norm=1.0, enabled=args.cuda_graph)
@@ -29,7 +29,7 @@ from gpt import GPT, VOCAB_SIZE, Batches, stdlib_corpus  # examples/gpt.py, besi
 
 import amp_fx
 from amp_fx.optim import master_params
-from amp_fx.training_step import CudaGraphStep
+from amp_fx.training.cuda_graph_step import CudaGraphStep
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -10,14 +10,14 @@ command: each process needs RANK, WORLD_SIZE and a rendezvous address, which tor
 The recipe, in the order that matters (docs/DESIGN.md, "FSDP2"):
 
 1. ``amp_fx.convert`` the plain model on the rank's device, at O1 or O2.
-2. ``amp_fx.fsdp.fully_shard_converted(model)``: each rank keeps 1/world_size of every parameter,
+2. ``amp_fx.training.fsdp.fully_shard_converted(model)``: each rank keeps 1/world_size of every parameter,
    in FP32. These shards are the master weights. FSDP2 all-gathers them in the dtype the graph
    reads (fp16/bf16 for matmuls, FP32 for the norms O2 keeps FP32), and reduce-scatters the
    gradients in FP32.
 3. ``amp_fx.optim.FusedAdam`` updates the FP32 shards in place (no second FP32 copy);
    ``amp_fx.LossScaler`` scales the loss and all-reduces its overflow flag, so every rank skips
    the same steps; ``amp_fx.clip_grad_norm_`` clips by the norm over all shards.
-4. ``amp_fx.fsdp.save_checkpoint`` / ``load_checkpoint`` write and read the sharded state with
+4. ``amp_fx.training.fsdp.save_checkpoint`` / ``load_checkpoint`` write and read the sharded state with
    torch.distributed.checkpoint; a checkpoint resumes on any number of ranks.
 
 The data is synthetic (a random teacher labels random inputs), so the program runs anywhere.
@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import amp_fx
-from amp_fx.fsdp import fully_shard_converted, load_checkpoint, save_checkpoint
+from amp_fx.training.fsdp import fully_shard_converted, load_checkpoint, save_checkpoint
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 

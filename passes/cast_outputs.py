@@ -86,7 +86,7 @@ def cast_outputs(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModu
         >>> from amp_fx.passes.classify import classify
         >>> from amp_fx.passes.normalize_ops import normalize_ops
         >>> from amp_fx.passes.propagate_dtypes import propagate_dtypes
-        >>> from amp_fx.passes.trace import trace
+        >>> from amp_fx.capture.fx import trace
         >>> policy = preset("O2", torch.float16, "cpu")
         >>> gm = propagate_dtypes(classify(normalize_ops(trace(torch.nn.Linear(4, 2))), policy), policy)
         >>> [n.name for n in cast_outputs(gm, policy).graph.nodes if node_info(n).is_cast]

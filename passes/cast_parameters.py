@@ -44,7 +44,7 @@ def cast_parameters(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphM
         >>> from amp_fx.core.policy import preset
         >>> from amp_fx.passes.classify import classify
         >>> from amp_fx.passes.normalize_ops import normalize_ops
-        >>> from amp_fx.passes.trace import trace
+        >>> from amp_fx.capture.fx import trace
         >>> policy = preset("O2", torch.float16, "cpu")
         >>> gm = classify(normalize_ops(trace(nn.Sequential(nn.Linear(2, 2)))), policy)
         >>> cast_parameters(gm, policy).get_parameter("0.weight").dtype

@@ -44,7 +44,7 @@ def checkpoint_regions(
 
     >>> from functools import partial
     >>> from torch.utils.checkpoint import checkpoint
-    >>> from amp_fx.passes.export import export_graph
+    >>> from amp_fx.capture.export import export_graph
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     >>> gm = export_graph(model, (torch.randn(3, 4),), {})
     >>> gm = checkpoint_regions(gm, {"1": partial(checkpoint, use_reentrant=False)})

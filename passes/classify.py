@@ -53,7 +53,7 @@ def classify(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
         >>> from torch import nn
         >>> from amp_fx.core.policy import preset
         >>> from amp_fx.passes.normalize_ops import normalize_ops
-        >>> from amp_fx.passes.trace import trace
+        >>> from amp_fx.capture.fx import trace
         >>> gm = classify(normalize_ops(trace(nn.Sequential(nn.Linear(2, 2), nn.Softmax(-1)))),
         ...               preset("O2", dtype=torch.bfloat16, device_type="cpu"))
         >>> [(node_info(n).op, node_info(n).rule) for n in gm.graph.nodes if n.op == "call_module"]

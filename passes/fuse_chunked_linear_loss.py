@@ -116,7 +116,7 @@ def fuse_chunked_linear_loss(gm: torch.fx.GraphModule, policy: Policy) -> torch.
         >>> import torch.nn.functional as F
         >>> from torch import nn
         >>> import amp_fx
-        >>> from amp_fx.captured_model import capture_states
+        >>> from amp_fx.capture.captured_model import capture_states
         >>> class TinyLm(nn.Module):
         ...     def __init__(self):
         ...         super().__init__()

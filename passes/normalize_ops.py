@@ -17,7 +17,7 @@ Example::
     ...         x = self.fc(x)
     ...         x += 1
     ...         return F.softmax(x, -1) @ self.act(x).mT
-    >>> from amp_fx.passes.trace import trace
+    >>> from amp_fx.capture.fx import trace
     >>> gm = normalize_ops(trace(Net()))
     >>> for n in gm.graph.nodes:                          # before: op None everywhere
     ...     if n.op.startswith("call"):
@@ -263,7 +263,7 @@ def normalize_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
     Example::
 
-        >>> from amp_fx.passes.trace import trace
+        >>> from amp_fx.capture.fx import trace
         >>> gm = normalize_ops(trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU())))
         >>> [node_info(n).op for n in gm.graph.nodes]
         [None, 'linear', 'relu', None]

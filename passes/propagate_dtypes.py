@@ -433,7 +433,7 @@ def propagate_dtypes(
         >>> from amp_fx.core.policy import preset
         >>> from amp_fx.passes.classify import classify
         >>> from amp_fx.passes.normalize_ops import normalize_ops
-        >>> from amp_fx.passes.trace import trace
+        >>> from amp_fx.capture.fx import trace
         >>> policy = preset("O1", torch.bfloat16, "cpu")
         >>> gm = classify(normalize_ops(trace(nn.Sequential(nn.Linear(4, 2)))), policy)
         >>> gm = propagate_dtypes(gm, policy)

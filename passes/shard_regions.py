@@ -117,7 +117,7 @@ def shard_regions(
     Raises:
         SharedParameterError: a region reads a parameter of a sharded module it is not inside.
 
-    >>> from amp_fx.passes.export import export_graph
+    >>> from amp_fx.capture.export import export_graph
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     >>> gm = shard_regions(export_graph(model, (torch.randn(3, 4),), {}), model, {"2": model[2]})
     >>> [type(m).__name__ for m in gm.children()]

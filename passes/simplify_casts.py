@@ -89,7 +89,7 @@ def simplify_casts(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphMo
         >>> from amp_fx.passes.normalize_ops import normalize_ops
         >>> from amp_fx.passes.propagate_dtypes import propagate_dtypes
         >>> from amp_fx.passes.shared.casts import make_cast
-        >>> from amp_fx.passes.trace import trace
+        >>> from amp_fx.capture.fx import trace
         >>> policy = preset("O1", torch.bfloat16, "cpu")
         >>> gm = trace(torch.nn.Linear(4, 2))
         >>> gm = insert_casts(propagate_dtypes(classify(normalize_ops(gm), policy), policy), policy)

@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_fx
+from amp_fx.capture.fx import TraceError
 from amp_fx.convert import convert
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Rule, preset
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.ops.cross_entropy import fp32_cross_entropy, linear_cross_entropy
-from amp_fx.passes.trace import TraceError
 from amp_fx.testing import assert_equivalent, rounding_tolerances, tolerances
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -259,7 +259,7 @@ class Untraceable(nn.Module):
 
 
 def test_untraceable_top_level_forward_names_the_line_and_concrete_args():
-    # The torch.fx front end alone; "auto" turns to torch.export (tests/test_export_front_end.py).
+    # The torch.fx front end alone; "auto" turns to torch.export (tests/capture/test_export_front_end.py).
     with pytest.raises(TraceError, match="concrete_args") as error:
         convert(Untraceable(), "O1", front_end="fx")
     assert "if x.sum() > 0" in str(error.value)
@@ -333,7 +333,7 @@ def test_o1_cpu_is_bit_identical_to_autocast(name, dtype):
 
 def test_o1_untraceable_submodule_is_captured_and_leaf_modules_run_in_islands():
     """An untraceable child is captured by torch.export; a leaf module the user names stays an island."""
-    from amp_fx.captured_model import CapturedModel
+    from amp_fx.capture.captured_model import CapturedModel
 
     model, inputs = _model_and_inputs("with_gate")
     gm = convert(model, "O1", dtype=BF16, device_type="cpu", leaf_modules=(nn.LayerNorm,))

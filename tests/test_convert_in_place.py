@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import amp_fx
-from amp_fx.captured_model import CapturedModel
+from amp_fx.capture.captured_model import CapturedModel
 
 
 class Block(nn.Module):

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import amp_fx
-from amp_fx.captured_model import capture_states
+from amp_fx.capture.captured_model import capture_states
 from amp_fx.core.containers import flatten
 from amp_fx.testing import with_autocast
 from tests.bit_equality import bits_equal

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import amp_fx.amp._state as amp_state
-from amp_fx.reporting import REPORT_WIDTH
+from amp_fx.inspect.report import REPORT_WIDTH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")

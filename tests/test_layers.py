@@ -101,9 +101,10 @@ def _where(path: Path, line: int, name: str) -> str:
 
 def test_the_user_api_is_found():
     # The checks below are only as good as this list: it must hold the modules it names.
-    assert {"amp_fx.convert", "amp_fx.reporting", "amp_fx.amp", "amp_fx.optim"} <= USER_API
-    assert {"amp_fx.cli", "amp_fx.testing", "amp_fx.loss_scaler", "amp_fx.clip_grad"} <= USER_API
-    assert "amp_fx.training_step" in USER_API
+    assert {"amp_fx.convert", "amp_fx.inspect.report", "amp_fx.amp", "amp_fx.optim"} <= USER_API
+    assert {"amp_fx.inspect.cli", "amp_fx.testing", "amp_fx.training.loss_scaler"} <= USER_API
+    assert "amp_fx.training.clip_grad" in USER_API
+    assert "amp_fx.training.cuda_graph_step" in USER_API
     assert not _is_within("amp_fx.core.policy", USER_API)
     assert not _is_within("amp_fx.ops.cross_entropy", USER_API)
 
@@ -272,7 +273,7 @@ def test_no_private_name_crosses_a_package_folder():
     """No module imports a private name (a leading underscore, not a dunder) from a module of
     another folder: amp_fx/, amp_fx/core/, amp_fx/ops/, amp_fx/amp/, passes/, passes/shared/,
     kernels/, kernels/<family>/ ... are each a folder of their own, and a subpackage is not its
-    parent's folder (amp_fx/integrations/ may not import amp_fx/_x.py nor amp_fx.cli._y).
+    parent's folder (amp_fx/integrations/ may not import amp_fx/_x.py nor amp_fx.inspect.cli._y).
 
     A private name is one underscored component of the imported path: a module (``_state`` of
     ``amp_fx.amp._state``) or a name defined in one (``_fused`` of ``amp_fx.ops.batch_norm._fused``).

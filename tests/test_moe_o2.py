@@ -403,7 +403,7 @@ def test_capture_kernel_gives_fp32_grouped_mm_the_real_kernels_shape(
 ) -> None:
     from torch._dispatch.python import enable_python_dispatcher
 
-    from amp_fx.passes.shared.capture_kernels import fp32_grouped_mm
+    from amp_fx.capture.export_meta_kernels import fp32_grouped_mm
 
     torch.manual_seed(0)
     a, b = torch.randn(a_shape), torch.randn(b_shape)

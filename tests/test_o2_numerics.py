@@ -6,7 +6,7 @@ tests/test_moe_o2.py). Parameters no lowered op reads (Swin V2's attention logit
 only ``clamp``/``exp``/``mul`` read; Swin V1's relative-position bias table, indexed and added to
 the attention scores) run FP32 at O2, with a reason in the report (the
 parameters' storage follows the graph on both front ends: the torch.export front end stores such a
-parameter at the first capture that reads it, tests/test_export_parameter_storage.py); the suite's
+parameter at the first capture that reads it, tests/capture/test_export_parameter_storage.py); the suite's
 Hugging Face, timm and nanoGPT models are then within the oracle's bound of autocast.
 """
 

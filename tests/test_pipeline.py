@@ -6,9 +6,9 @@ import importlib
 
 import torch
 
+from amp_fx.capture.fx import trace
 from amp_fx.core.node_info import ORIGINAL_CODE_KEY, POLICY_KEY
 from amp_fx.core.policy import preset
-from amp_fx.passes.trace import trace
 from amp_fx.pipeline import ORIGINAL_CODE_AFTER, PASSES, rewrite_graph
 
 

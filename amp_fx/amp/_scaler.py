@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from amp_fx.loss_scaler import LossScaler
+from amp_fx.training.loss_scaler import LossScaler
 
 logger = logging.getLogger("amp_fx.amp")
 

@@ -4,7 +4,7 @@ A captured graph holds what its capture saw: the submodules, parameter and buffe
 attributes the code read (a Dropout's ``p``, a norm's ``eps``, a config's ``output_hidden_states``),
 the hooks that fired and each module's train/eval mode. `Watch` is that state, taken when graphs
 are captured; a call whose model differs from it drops the graphs and captures again
-(`amp_fx.captured_model`), as torch.compile's guards recompile.
+(`amp_fx.capture.captured_model`), as torch.compile's guards recompile.
 
 Comparing the whole model on every call would cost a walk over every module (hundreds of
 microseconds for 500 of them), so changes are counted instead: `watch_modules` flags a converted
@@ -59,8 +59,8 @@ from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
 from amp_fx.capture.state import STATE_ATTR
+from amp_fx.capture.traced_graph_module import FOLLOWER_ATTR
 from amp_fx.core.node_info import OTHER_MODE_GRAPH_KEY
-from amp_fx.passes.shared.traced_graph_module import FOLLOWER_ATTR
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ _MISSING = object()
 _INSTALLED: list[bool] = []
 
 # Entries of a module's __dict__ that say nothing about what its forward computes. ``training`` is
-# compared against the root's: graphs are per mode already (`amp_fx.capture.fit`).
+# compared against the root's: graphs are per mode already (`amp_fx.capture.graph_choice`).
 _IGNORED = frozenset(
     {
         STATE_ATTR,
@@ -622,7 +622,7 @@ class GraphFollower:
 
     def accept(self, gm: nn.Module) -> None:
         """Take ``gm`` as it is now as the state its graphs follow, for a change amp_fx made
-        knowing the graphs stay right (`amp_fx.fsdp.fully_shard_converted` shards the parameters
+        knowing the graphs stay right (`amp_fx.training.fsdp.fully_shard_converted` shards the parameters
         the graphs read and hooks the modules they call)."""
         self.owner, self.watch = id(gm), take(gm)
 

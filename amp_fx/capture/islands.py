@@ -8,7 +8,7 @@ import logging
 from torch import nn
 
 # The notice keeps the logger name users and tests filter on: it was captured_model's.
-logger = logging.getLogger("amp_fx.captured_model")
+logger = logging.getLogger("amp_fx.capture.captured_model")
 
 __all__ = ["called_children", "log_islands"]
 

@@ -1,4 +1,4 @@
-"""Capturing a call of a model sharded with FSDP2 (`amp_fx.fsdp.fully_shard_converted`).
+"""Capturing a call of a model sharded with FSDP2 (`amp_fx.training.fsdp.fully_shard_converted`).
 
 Where FSDP2 shards a converted model, each group's parameters are FP32 ``DTensor`` shards until the
 group's forward pre-hook gathers them. A capture records the whole call's ops at once, so while
@@ -25,7 +25,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from amp_fx.distributed import is_dtensor, is_fsdp_module
+from amp_fx.training.distributed import is_dtensor, is_fsdp_module
 
 __all__ = ["GATHER_DTYPE_ATTR", "is_sharded", "sharded_modules", "sharded_capture"]
 

@@ -1,5 +1,5 @@
 """What the torch.export front end keeps on a captured module, and the journal that makes a call's
-captures transactional (`amp_fx.captured_model`).
+captures transactional (`amp_fx.capture.captured_model`).
 
 >>> state = CaptureState(policy=None)
 >>> state.graphs, state.islands

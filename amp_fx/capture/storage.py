@@ -64,7 +64,7 @@ def store_parameters(
     that keeps parameters no lowered op reads FP32: those left unstored, held only by modules with
     children or by modules with no forward of their own (with those modules' buffers), and those
     stored low, which that graph may keep FP32. ``only``: the ids of the tensors to store (those a change
-    after conversion added, `amp_fx.captured_model`); the others are left as they are."""
+    after conversion added, `amp_fx.capture.captured_model`); the others are left as they are."""
     wanted: dict[int, torch.dtype] = {}
     tensors: dict[int, torch.Tensor] = {}
     unstored: dict[int, torch.Tensor] = {}

@@ -112,7 +112,7 @@ def _hashable(value: Any) -> Any:
 
 def _hashes(value: Any) -> bool:
     # Whether ``hash(value)`` succeeds, without calling ``hash`` on the values a call's structure
-    # is made of: torch.compile traces the choice of a graph (`amp_fx.capture.fit`), and torch
+    # is made of: torch.compile traces the choice of a graph (`amp_fx.capture.graph_choice`), and torch
     # 2.11's Dynamo cannot trace ``hash`` (a graph break). A tuple hashes where its items do.
     if type(value) in _HASHABLE_TYPES:
         return True

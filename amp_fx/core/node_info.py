@@ -26,7 +26,7 @@ ORIGINAL_CODE_KEY = "amp_fx_original_code"
 # again): the passes leave them as they are.
 PARAMETERS_STORED_KEY = "amp_fx_parameters_stored"
 # gm.meta of a torch.export front end graph: qualified names of the parameters not stored yet (left
-# FP32 at convert, see `amp_fx.captured_model`); the passes store those the graph reads, as on the
+# FP32 at convert, see `amp_fx.capture.captured_model`); the passes store those the graph reads, as on the
 # fx front end, and leave every other parameter as it is.
 UNSTORED_PARAMETERS_KEY = "amp_fx_unstored_parameters"
 # gm.meta: indices of the graph's flat outputs that keep the dtype they are computed in (a KV

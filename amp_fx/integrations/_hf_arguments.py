@@ -131,7 +131,7 @@ def _refuse_unsupported_arguments(args: Any) -> None:
     if getattr(args, "fsdp", None):
         raise ValueError(
             "AmpTrainer does not run under the Trainer's FSDP; amp_fx shards with FSDP2 in its own loop "
-            "(amp_fx.fsdp.fully_shard_converted, examples/fsdp2_torchrun.py): drop fsdp="
+            "(amp_fx.training.fsdp.fully_shard_converted, examples/fsdp2_torchrun.py): drop fsdp="
         )
     if args.n_gpu > 1:  # the Trainer would replicate the model with nn.DataParallel
         raise ValueError(

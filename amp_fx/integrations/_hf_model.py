@@ -9,7 +9,7 @@ Parameter objects stay, so an optimizer built over them before the Trainer train
 returns the FP32 values of the parameters conversion stored low (they become the masters, exact,
 as ``amp.initialize`` makes them): the tensors they were stored in, kept, not copied.
 
-Every part of the model that holds parameters is converted too (`amp_fx.captured_model`): code
+Every part of the model that holds parameters is converted too (`amp_fx.capture.captured_model`): code
 that calls a base model directly rather than through the model's forward (TRL's ``SFTTrainer``
 computes its loss from the base model's hidden states with a fused LM head) runs converted. A call
 of the whole model still runs one graph of the whole model.

@@ -62,13 +62,13 @@ import torch
 from torch import Tensor
 
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
-from amp_fx.distributed import local_tensor
 from amp_fx.kernels import implementation_for
 from amp_fx.kernels.arguments import PARAM_DTYPES, is_dense
 from amp_fx.optim.model_loads import MASTER_KEY, track_params
 from amp_fx.optim.scaled_optimizer import next_tick
 from amp_fx.optim.state_dict_loading import STEP_KEY, STEP_OFFSET_KEY, StateDictLoading
 from amp_fx.optim.wrappers import unwrap_optimizer
+from amp_fx.training.distributed import local_tensor
 
 logger = logging.getLogger(__name__)
 

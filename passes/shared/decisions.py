@@ -102,7 +102,7 @@ def computes_router_logits(node: torch.fx.Node) -> bool:
     ``ROUTER_OP`` (O2 keeps them FP32; `amp_fx.core.preset_rules.ROUTER_REASON`).
 
     >>> from amp_fx.passes.normalize_ops import normalize_ops
-    >>> from amp_fx.passes.trace import trace
+    >>> from amp_fx.capture.fx import trace
     >>> class Router(nn.Linear):
     ...     def forward(self, x):
     ...         return torch.topk(torch.softmax(super().forward(x).float(), -1), 2).indices
@@ -158,7 +158,7 @@ def parameter_plan(gm: torch.fx.GraphModule, policy: Policy) -> dict[str, torch.
     and the later ones (and `cast_parameters`, which then drops it) read the record.
 
     >>> from amp_fx.core.policy import preset
-    >>> from amp_fx.passes.trace import trace
+    >>> from amp_fx.capture.fx import trace
     >>> gm, policy = trace(nn.Linear(2, 2)), preset("O2", torch.bfloat16, "cpu")
     >>> parameter_plan(gm, policy) is parameter_plan(gm, policy)
     True
@@ -183,7 +183,7 @@ def planned_parameter_dtypes(gm: torch.fx.GraphModule, policy: Policy) -> dict[s
 
     >>> from amp_fx.core.policy import preset
     >>> from amp_fx.passes.normalize_ops import normalize_ops
-    >>> from amp_fx.passes.trace import trace
+    >>> from amp_fx.capture.fx import trace
     >>> gm = normalize_ops(trace(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))))
     >>> planned_parameter_dtypes(gm, preset("O2", torch.bfloat16, "cpu"))
     {'0.weight': torch.bfloat16, '0.bias': torch.bfloat16, '1.weight': torch.float32, '1.bias': torch.float32}
@@ -289,7 +289,7 @@ def _read_by_lowered_op(node: torch.fx.Node, gm: torch.fx.GraphModule, policy: P
 
     >>> from amp_fx.core.policy import preset
     >>> from amp_fx.passes.normalize_ops import normalize_ops
-    >>> from amp_fx.passes.trace import trace
+    >>> from amp_fx.capture.fx import trace
     >>> class Scaled(nn.Linear):
     ...     def __init__(self):
     ...         super().__init__(2, 2)

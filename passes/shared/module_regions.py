@@ -13,7 +13,7 @@ and its user (a head fused with its loss, which comes later), would otherwise be
 call of the module, of its own. A run of consecutive nodes is convex, so cutting it out keeps
 the graph acyclic.
 
->>> from amp_fx.passes.export import export_graph
+>>> from amp_fx.capture.export import export_graph
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
 >>> gm = export_graph(model, (torch.randn(3, 4),), {})
 >>> [(name, path) for name, path in cut_module_regions(gm, {"1"}, "cut_")]

@@ -601,7 +601,7 @@ def match_norm_chain(node: torch.fx.Node, gm: torch.fx.GraphModule) -> NormChain
     None when the graph around it is not exactly one (module docstring).
 
     >>> from amp_fx.core.node_info import NodeInfo
-    >>> from amp_fx.passes.trace import trace
+    >>> from amp_fx.capture.fx import trace
     >>> gm = trace(torch.nn.Sequential(torch.nn.LayerNorm(4)))  # x -> LayerNorm module
     >>> x, norm = list(gm.graph.nodes)[:2]
     >>> x.meta["amp_fx"] = NodeInfo(out_dtype=torch.float32)  # as the passes before record it

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from amp_fx import amp
-from amp_fx.captured_model import CapturedModel
+from amp_fx.capture.captured_model import CapturedModel
 from amp_fx.optim import FusedAdam
 from amp_fx.testing import tolerances
 

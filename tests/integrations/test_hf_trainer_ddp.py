@@ -22,8 +22,8 @@ pytest.importorskip("transformers")
 import amp_fx  # noqa: E402
 from amp_fx.integrations.transformers import AmpTrainer  # noqa: E402
 from amp_fx.optim import master_params  # noqa: E402
-from tests.distributed_launch import file_store_process_group, run_ranks, save_rank_result  # noqa: E402
 from tests.integrations.test_transformers_trainer import sequences, tiny_llama, training_args  # noqa: E402
+from tests.training.distributed_launch import file_store_process_group, run_ranks, save_rank_result  # noqa: E402
 
 WORLD_SIZE, PER_RANK, STEPS = 2, 2, 3
 TIMEOUT_S = 180

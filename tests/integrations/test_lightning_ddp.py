@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 import amp_fx
 from amp_fx.integrations.lightning import AmpPrecision
 from amp_fx.testing import assert_close_normwise, tolerances
-from tests.distributed_launch import file_store_process_group, run_ranks, save_rank_result
+from tests.training.distributed_launch import file_store_process_group, run_ranks, save_rank_result
 
 WORLD_SIZE, GLOBAL_BATCH, STEPS, OVERFLOW_STEP = 2, 16, 4, 2
 TIMEOUT_S = 120

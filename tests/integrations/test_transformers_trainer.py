@@ -24,7 +24,7 @@ from safetensors.torch import load_file  # noqa: E402
 from transformers import TrainingArguments  # noqa: E402
 
 import amp_fx  # noqa: E402
-from amp_fx.captured_model import CapturedModel  # noqa: E402
+from amp_fx.capture.captured_model import CapturedModel  # noqa: E402
 from amp_fx.integrations.transformers import AmpTrainer, AmpTrainerMixin, amp_trainer  # noqa: E402
 from amp_fx.optim import FusedAdam, FusedSGD, master_params  # noqa: E402
 

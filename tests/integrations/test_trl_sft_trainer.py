@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerFast  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 import amp_fx  # noqa: E402
-from amp_fx.captured_model import CapturedModel  # noqa: E402
+from amp_fx.capture.captured_model import CapturedModel  # noqa: E402
 from amp_fx.integrations.transformers import amp_trainer  # noqa: E402
 from amp_fx.optim import master_params  # noqa: E402
 from tests.integrations.test_transformers_trainer import CYCLE, SEQ, VOCAB, tiny_llama  # noqa: E402

@@ -4,7 +4,7 @@ gradients of the input, the weight and the bias, against that float32 path and a
 linear_cross_entropy has two paths for a fused call: plain eager calls run the linear layer and
 fp32_cross_entropy; tracers (torch.compile) get the op linear_cross_entropy_rows. The op's path is
 run here eagerly too, under a dispatch mode that passes every call through (`op_path`,
-`tests.tracer_path`). Its
+`tests.capture.tracer_path`). Its
 gradients round G = softmax - onehot once to the input's dtype where the unfused path rounds r * G
 once, then both go through the same matmuls: they agree to the matmul tolerances of the dtype, and
 each is as close to float64 as the other.
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from amp_fx.ops import cross_entropy as cross_entropy_op
 from amp_fx.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_rows
 from amp_fx.testing import grad_tolerances, tolerances
-from tests.tracer_path import as_traced
+from tests.capture.tracer_path import as_traced
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 REDUCTIONS = ["mean", "sum", "none"]

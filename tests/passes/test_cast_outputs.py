@@ -8,6 +8,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from amp_fx.capture.fx import trace
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import preset
 from amp_fx.ops.casts import cast_if_floating
@@ -18,7 +19,6 @@ from amp_fx.passes.insert_casts import insert_casts
 from amp_fx.passes.normalize_ops import normalize_ops
 from amp_fx.passes.propagate_dtypes import propagate_dtypes
 from amp_fx.passes.shared.casts import is_output_structure
-from amp_fx.passes.trace import trace
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 

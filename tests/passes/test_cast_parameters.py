@@ -9,13 +9,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_fx
+from amp_fx.capture.fx import trace
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Rule, preset
 from amp_fx.passes.cast_parameters import cast_parameters
 from amp_fx.passes.classify import classify
 from amp_fx.passes.normalize_ops import module_op, normalize_ops
 from amp_fx.passes.shared.decisions import UNLOWERED_PARAMETER_REASON, planned_parameter_dtypes
-from amp_fx.passes.trace import trace
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 

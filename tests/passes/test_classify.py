@@ -7,13 +7,13 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from amp_fx.capture.fx import trace
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Rule, preset
 from amp_fx.passes.classify import classify
 from amp_fx.passes.normalize_ops import normalize_ops
 from amp_fx.passes.shared.calls import calling_module, is_inplace_call
 from amp_fx.passes.shared.decisions import decide_node
-from amp_fx.passes.trace import trace
 
 
 def _classified(model: nn.Module, policy) -> torch.fx.GraphModule:

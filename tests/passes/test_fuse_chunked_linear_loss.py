@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_fx
-from amp_fx.captured_model import capture_states
+from amp_fx.capture.captured_model import capture_states
 from amp_fx.core.node_info import TRAINING_MODE_KEY, node_info
 from amp_fx.core.policy import preset
 from amp_fx.ops.chunked_cross_entropy import chunked_linear_cross_entropy

@@ -24,8 +24,8 @@ from amp_fx.core.policy import Policy, preset
 from amp_fx.ops.cross_entropy import fp32_cross_entropy, linear_cross_entropy
 from amp_fx.passes.fuse_linear_loss import fuse_linear_loss
 from amp_fx.testing import tolerances, with_autocast
+from tests.capture.tracer_path import PassThroughMode
 from tests.passes.training_signal import mismatches, step
-from tests.tracer_path import PassThroughMode
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 VOCAB = 37

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import amp_fx
-from amp_fx.captured_model import capture_states
+from amp_fx.capture.captured_model import capture_states
 from amp_fx.core.node_info import node_info
 from amp_fx.ops.rotary import rotary_embedding, rotary_embedding_pair
 from amp_fx.testing import grad_tolerances, tolerances, with_autocast

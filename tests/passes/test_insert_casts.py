@@ -12,6 +12,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from amp_fx.capture.fx import trace
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Rule, preset
 from amp_fx.ops.autocast_island import AutocastIsland
@@ -21,7 +22,6 @@ from amp_fx.passes.classify import classify
 from amp_fx.passes.insert_casts import insert_casts
 from amp_fx.passes.normalize_ops import normalize_ops
 from amp_fx.passes.propagate_dtypes import propagate_dtypes
-from amp_fx.passes.trace import trace
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 

@@ -10,11 +10,11 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from amp_fx.capture.fx import OPAQUE_TORCH_MODULES, trace
 from amp_fx.core.node_info import node_info
 from amp_fx.core.op_lists import OPAQUE_OP, known_ops
 from amp_fx.core.policy import Rule
 from amp_fx.passes.normalize_ops import MODULE_OPS, OPERATOR_OPS, canonical_op, normalize_ops
-from amp_fx.passes.trace import OPAQUE_TORCH_MODULES, trace
 
 
 def _ops(gm: torch.fx.GraphModule) -> dict[str, str]:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_fx
+from amp_fx.capture.fx import trace
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Rule, preset
 from amp_fx.passes.classify import classify
@@ -18,7 +19,6 @@ from amp_fx.passes.normalize_ops import normalize_ops
 from amp_fx.passes.propagate_dtypes import ExampleInputsMismatch, propagate_dtypes
 from amp_fx.passes.shared.dtype_rules import UNKNOWN, is_eligible, rule_cast_dtype
 from amp_fx.passes.shared.dtypes import ASSUMED_DTYPE_NOTE
-from amp_fx.passes.trace import trace
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amp_fx.passes.export import call_graph, export_graph
+from amp_fx.capture.export import call_graph, export_graph
 from amp_fx.passes.simplify_attention import SDPA, simplify_attention
 from tests.models import hf
 

@@ -1,0 +1,542 @@
+"""LossScaler: dynamic loss scaling with torch.amp.GradScaler's protocol, state on the device.
+
+``scale``, ``unscale_``, ``step`` and ``update`` work as in ``torch.amp.GradScaler``, with the same
+defaults, so GradScaler code runs unchanged; on top of it: hysteresis, min/max scale, and a step
+with no host sync for amp_fx's fused optimizers.
+
+With `amp_fx.optim.FusedAdam` / `FusedSGD` (any `ScaledOptimizer`: `amp_fx.optim.scaled_optimizer`
+describes the handshake step by step):
+
+- the fast path never unscales: ``amp_fx.clip_grad_norm_(opt, max_norm)`` (or ``step`` itself)
+  calls ``defer_unscale_(opt)``, which checks the grads for inf/NaN on the device and records
+  ``1 / scale`` on the optimizer as a pending grad multiplier; clip folds its coefficient into
+  it; the optimizer's kernel applies it while it reads the grads.
+- ``unscale_(opt)`` is torch's: afterwards the grads are the true ones (fp16/bf16 grads become
+  FP32 tensors, so that no small value is flushed to zero), what user code does to them
+  (``torch.nn.utils.clip_grad_norm_``) is what ``step`` applies, and ``step`` does not unscale
+  again.
+- ``step(opt)`` always launches the update; on overflow the kernel writes nothing and the step
+  count stays, decided on the device. Nothing calls ``.item()``: scale, backward, step and update
+  run under ``torch.cuda.set_sync_debug_mode("error")`` and can be captured in a CUDA graph.
+
+With any other optimizer the scaler does what GradScaler does: ``unscale_`` divides the grads in
+place (fp16 grads are refused, as by GradScaler), and ``step`` reads ``found_inf`` on the host to
+decide whether to call ``optimizer.step()`` (a sync, as in GradScaler); optimizers with
+``_step_supports_amp_scaling`` (torch's ``fused=True`` Adam) get ``grad_scale``/``found_inf``
+(`amp_fx.optim.torch_optimizer_scaling`).
+
+Example:
+    >>> import torch, amp_fx
+    >>> model = torch.nn.Linear(4, 2).half()
+    >>> opt = amp_fx.optim.FusedAdam(model.parameters())
+    >>> scaler = amp_fx.LossScaler(init_scale=1024.0, hysteresis=2)
+    >>> loss = model(torch.ones(8, 4, dtype=torch.float16)).float().square().mean()
+    >>> scaler.scale(loss).backward()
+    >>> scaler.unscale_(opt)
+    >>> norm = amp_fx.clip_grad_norm_(opt, max_norm=1.0)
+    >>> scaler.step(opt); scaler.update()
+    >>> scaler.get_scale()
+    1024.0
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import weakref
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from amp_fx.kernels import implementation_for
+from amp_fx.kernels.reference import reciprocal_scale_
+from amp_fx.optim.scaled_optimizer import ScaledOptimizer, next_tick
+from amp_fx.optim.torch_optimizer_scaling import (
+    any_overflow_on_host,
+    reads_found_inf,
+    step_reading_found_inf,
+    total_found_inf,
+    unscale_grads_in_place_,
+)
+from amp_fx.optim.wrappers import unwrap_optimizer
+from amp_fx.training.distributed import agree_on_overflow_
+from amp_fx.training.loss_scaler_settings import check_number
+from amp_fx.training.loss_scaler_state_dict import LossScaleStateDict
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LossScaler", "scaler_for"]
+
+
+class _Stage(enum.Enum):
+    READY = 0
+    DEFERRED = 1  # checked for inf/NaN, 1/scale pending in the optimizer (the fast path)
+    UNSCALED = 2  # the grads hold the true gradients (unscale_)
+    STEPPED = 3
+
+
+# Scalers that scaled a loss since their last update, and the scaler that last stepped each
+# optimizer: how `amp_fx.clip_grad_norm_` finds the scale of grads that nobody unscaled (`scaler_for`).
+_ACTIVE_SCALERS: weakref.WeakSet[LossScaler] = weakref.WeakSet()
+_SCALER_OF_OPTIMIZER: weakref.WeakKeyDictionary[Any, LossScaler] = weakref.WeakKeyDictionary()
+
+
+def scaler_for(optimizer: Any) -> LossScaler | None:
+    """The LossScaler whose scale ``optimizer``'s grads carry now, or None (no scaler is in use).
+
+    That is the scaler that stepped ``optimizer`` last, if it has scaled a loss since its last
+    ``update``. Before its first such step, for an amp_fx optimizer, it is the scaler that scaled a
+    loss after the optimizer was created or last stepped and has not updated since; when several
+    did, none can be chosen and a RuntimeError says to pass ``scaler=``.
+
+    Example:
+        >>> import torch, amp_fx
+        >>> opt = amp_fx.optim.FusedSGD([torch.nn.Parameter(torch.ones(1))])
+        >>> scaler = LossScaler()
+        >>> _ = scaler.scale(torch.ones(()))
+        >>> scaler_for(opt) is scaler
+        True
+        >>> scaler.update(1024.0); scaler_for(opt) is None
+        True
+    """
+    optimizer = unwrap_optimizer(optimizer)
+    try:
+        last = _SCALER_OF_OPTIMIZER.get(optimizer)
+    except TypeError:  # not weak-referenceable: it was never stepped by a LossScaler
+        last = None
+    if last is not None and last in _ACTIVE_SCALERS:
+        return last
+    if not isinstance(optimizer, ScaledOptimizer):
+        return None
+    since = getattr(optimizer, "last_step_tick", 0)
+    candidates = [scaler for scaler in _ACTIVE_SCALERS if scaler._scaled_at > since]
+    if len(candidates) > 1:
+        raise RuntimeError(
+            f"{len(candidates)} LossScalers have scaled a loss since this optimizer was created or last "
+            "stepped, so which scale its gradients carry is unknown; pass the scaler: "
+            "amp_fx.clip_grad_norm_(optimizer, max_norm, scaler=scaler)"
+        )
+    return candidates[0] if candidates else None
+
+
+def _fresh_optimizer_state() -> dict[str, Any]:
+    return {"stage": _Stage.READY, "found_inf_per_device": {}, "optimizer": None}
+
+
+class LossScaler(LossScaleStateDict):
+    """Dynamic loss scaler: torch.amp.GradScaler's protocol with hysteresis and a min/max scale.
+
+    The scale starts at ``init_scale``, is multiplied by ``growth_factor`` after
+    ``growth_interval`` consecutive steps without inf/NaN grads (never above ``max_scale``) and
+    by ``backoff_factor`` on overflow (never below ``min_scale``).
+
+    Hysteresis follows DeepSpeed's ``DynamicLossScaler`` with ``consecutive_hysteresis=True``
+    (the same rule as Apex's ``update_scale_hysteresis`` used by NeMo): the scale backs off only
+    at the ``hysteresis``-th consecutive overflowing step, and again at every further consecutive
+    overflow; a clean step refills the count. Every overflowing step is skipped and resets the
+    growth count, whether or not it backs off. (Megatron's ``DynamicGradScaler`` refills the count
+    only when the scale grows; with ``hysteresis=1`` all of these, and GradScaler, agree.)
+
+    The scale (float32), growth tracker and hysteresis tracker (int32) are 0-dim tensors created
+    on the device of the first scaled loss; ``update`` changes them in one kernel launch for up to
+    four overflow flags, i.e. optimizers x devices (`amp_fx.kernels` ``update_loss_scale_``: Triton
+    on CUDA, its torch reference elsewhere; more flags are summed by torch first),
+    which also leaves ``1 / scale`` ready for the next ``unscale_``.
+    ``enabled=False`` turns every method into a pass-through (bf16 training needs no scaling).
+
+    Args:
+        init_scale: initial scale (GradScaler's default 2**16).
+        growth_factor, backoff_factor, growth_interval: as torch.amp.GradScaler.
+        hysteresis: consecutive overflowing steps before the scale backs off (1 = GradScaler).
+        min_scale: lower bound of the scale (None: none).
+        max_scale: upper bound of the scale (None: none; 2**24 by default).
+        enabled: False makes the scaler a pass-through.
+        process_group: the data-parallel group whose ranks must agree on skipping a step (an
+            overflow on one rank skips it on all); None means the default group when
+            torch.distributed is initialised. See `amp_fx.training.distributed`.
+
+    Example:
+        >>> import torch, amp_fx
+        >>> w = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+        >>> opt, scaler = amp_fx.optim.FusedSGD([w], lr=0.1), amp_fx.LossScaler(init_scale=1024.0)
+        >>> scaler.scale((w.float() * 3).sum()).backward()
+        >>> w.grad
+        tensor([3072., 3072.], dtype=torch.float16)
+        >>> scaler.step(opt); scaler.update()
+        >>> w
+        Parameter containing:
+        tensor([0.7002, 0.7002], dtype=torch.float16, requires_grad=True)
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        min_scale: float | None = None,
+        max_scale: float | None = 2.0**24,
+        enabled: bool = True,
+        process_group: Any = None,
+    ) -> None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be True or False, got {enabled!r}")
+        self._set_settings(
+            init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale
+        )
+        self._enabled = enabled
+        self._process_group = process_group
+        self._init_growth_tracker = 0
+        self._init_hysteresis_tracker = self._hysteresis
+        # Created lazily on the device of the first scaled loss.
+        self._scale: Tensor | None = None
+        self._growth_tracker: Tensor | None = None
+        self._hysteresis_tracker: Tensor | None = None
+        # 1 / scale, kept current by every write of the scale, so unscale_ launches nothing for it.
+        self._inv_scale: Tensor | None = None
+        self._scaled_at = 0  # next_tick() at the last scale(): see scaler_for
+        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
+
+    # ----------------------------------------------------------------------------------------
+    # Device state
+
+    def _lazy_init(self, device: torch.device) -> None:
+        self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=device)
+        self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=device)
+        self._hysteresis_tracker = torch.full(
+            (), self._init_hysteresis_tracker, dtype=torch.int32, device=device
+        )
+        self._inv_scale = torch.empty((), dtype=torch.float32, device=device)
+        reciprocal_scale_(self._inv_scale, self._scale)
+
+    def _require_state(self, method: str) -> Tensor:
+        if self._scale is None:
+            raise RuntimeError(
+                f"LossScaler.{method}() was called before any loss was scaled; "
+                "call scaler.scale(loss).backward() first in each iteration"
+            )
+        return self._scale
+
+    # ----------------------------------------------------------------------------------------
+    # The protocol
+
+    def scale(self, outputs: Tensor | Iterable[Tensor]) -> Tensor | Iterable[Tensor]:
+        """Multiply a tensor (or an iterable of tensors, nested) by the scale; no-op when disabled.
+
+        Example:
+            >>> import torch
+            >>> LossScaler(init_scale=8.0).scale(torch.tensor(1.5))
+            tensor(12.)
+        """
+        if not self._enabled:
+            return outputs
+        _ACTIVE_SCALERS.add(self)
+        self._scaled_at = next_tick()
+        copies: dict[torch.device, Tensor] = {}
+
+        def apply(value: Any) -> Any:
+            if isinstance(value, Tensor):
+                if self._scale is None:
+                    self._lazy_init(value.device)
+                if value.device not in copies:
+                    copies[value.device] = self._scale.to(value.device, non_blocking=True)
+                return value * copies[value.device]
+            if isinstance(value, (list, tuple)):
+                return type(value)(apply(v) for v in value)
+            if isinstance(value, Iterable):
+                return map(apply, value)
+            raise TypeError(f"scale() takes a tensor or an iterable of tensors, got {type(value).__name__}")
+
+        return apply(outputs)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s grads by the scale and check them for inf/NaN, as GradScaler does.
+
+        Afterwards ``param.grad`` holds the true gradients: what user code does to them (torch's
+        ``clip_grad_norm_`` over ``model.parameters()``, logging) is what ``step`` applies, and
+        ``step`` does not unscale again. For amp_fx optimizers an fp16/bf16 grad becomes an FP32
+        tensor (divided in fp16 its small values would flush to zero; +2 bytes per parameter until
+        ``zero_grad``) and an overflow still skips the step on the device, with no host sync. For
+        other optimizers the grads are divided in place (fp16 grads refused, as by GradScaler).
+        Call it at most once per optimizer between ``update()`` calls. Faster, when all you need
+        is clipping: skip it and call ``amp_fx.clip_grad_norm_(optimizer, max_norm)``, which leaves
+        the grads scaled and folds ``1 / scale`` and the clip into the optimizer's kernel.
+
+        ``optimizer`` may be a wrapper holding it at ``.optimizer`` (accelerate's, Lightning's).
+
+        Example:
+            >>> import torch, amp_fx
+            >>> w = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+            >>> opt, scaler = amp_fx.optim.FusedAdam([w]), amp_fx.LossScaler(init_scale=1024.0)
+            >>> scaler.scale(w.float().sum()).backward(); scaler.unscale_(opt)
+            >>> w.grad  # the true gradient, in FP32
+            tensor([1., 1.])
+            >>> torch.nn.utils.clip_grad_norm_([w], max_norm=1.0)
+            tensor(1.4142)
+        """
+        if not self._enabled:
+            return
+        self._require_state("unscale_")
+        optimizer = unwrap_optimizer(optimizer)
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is _Stage.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update()")
+        if state["stage"] is _Stage.STEPPED:
+            raise RuntimeError(
+                "unscale_() is being called after step(); call it between backward() and step()"
+            )
+        if isinstance(optimizer, ScaledOptimizer):
+            # Checked (and 1/scale made pending) unless amp_fx.clip_grad_norm_ did it already; the
+            # multiplier, with any clip folded into it, is then written into the grads.
+            self.defer_unscale_(optimizer)
+            optimizer.apply_grad_multiplier_()
+        else:
+            # GradScaler's fp64 reciprocal, written by the last update (or scale change); read-only here.
+            found_infs = unscale_grads_in_place_(optimizer, self._inv_scale, allow_fp16=False)
+            agree_on_overflow_(found_infs, self._process_group)
+            state.update(found_inf_per_device=found_infs, optimizer=optimizer)
+        state["stage"] = _Stage.UNSCALED
+
+    def defer_unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Check ``optimizer``'s grads for inf/NaN and leave them scaled: ``1 / scale`` becomes a
+        pending multiplier that the optimizer's kernel applies (the fast path; no host sync).
+
+        `amp_fx.clip_grad_norm_` calls it; ``step`` calls it when nothing did. Does nothing once the
+        grads were checked this iteration. For an optimizer that is no amp_fx optimizer it is
+        ``unscale_`` (its grads are divided in place).
+
+        Example:
+            >>> import torch, amp_fx
+            >>> w = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+            >>> opt, scaler = amp_fx.optim.FusedSGD([w]), amp_fx.LossScaler(init_scale=1024.0)
+            >>> scaler.scale(w.float().sum()).backward(); scaler.defer_unscale_(opt)
+            >>> w.grad  # still scaled: the kernel multiplies by 1 / 1024 as it reads it
+            tensor([1024., 1024.], dtype=torch.float16)
+        """
+        if not self._enabled:
+            return
+        self._require_state("defer_unscale_")
+        optimizer = unwrap_optimizer(optimizer)
+        if not isinstance(optimizer, ScaledOptimizer):
+            if self._per_optimizer_states[id(optimizer)]["stage"] is _Stage.READY:
+                self.unscale_(optimizer)
+            return
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is not _Stage.READY:
+            return
+        found_infs = optimizer.unscale_grads_(self._inv_scale)
+        agree_on_overflow_(found_infs, self._process_group)
+        state.update(stage=_Stage.DEFERRED, found_inf_per_device=found_infs, optimizer=optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (unless ``unscale_`` ran) and step ``optimizer``, skipping the update on inf/NaN grads.
+
+        Returns what ``optimizer.step`` returns. For amp_fx optimizers the skip is decided on the
+        device inside the kernel; for others it reads found_inf on the host, as GradScaler does.
+        Closures are not supported (as in GradScaler). A wrapper (``.optimizer``) steps the
+        optimizer inside it.
+        """
+        optimizer = unwrap_optimizer(optimizer)
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs or args:
+            raise RuntimeError(
+                "LossScaler.step does not take a closure (nor does GradScaler); run the forward and backward "
+                "yourself, then call scaler.step(optimizer)"
+            )
+        scale = self._require_state("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is _Stage.STEPPED:
+            raise RuntimeError("step() has already been called since the last update()")
+        try:
+            _SCALER_OF_OPTIMIZER[optimizer] = self
+        except TypeError:
+            pass  # not weak-referenceable: amp_fx.clip_grad_norm_ then finds the scaler among the active
+
+        if isinstance(optimizer, ScaledOptimizer):
+            self.defer_unscale_(optimizer)
+            self._require_inf_checks(state)
+            result = optimizer.step(**kwargs)
+        elif reads_found_inf(optimizer):
+            result = self._step_torch_fused(optimizer, state, scale, kwargs)
+        else:
+            if state["stage"] is _Stage.READY:
+                self.unscale_(optimizer)
+            self._require_inf_checks(state)
+            # The GradScaler path for torch.optim optimizers: a host sync, by design of that protocol.
+            found = any_overflow_on_host(state["found_inf_per_device"])
+            result = optimizer.step(**kwargs) if not found else None
+        state["stage"] = _Stage.STEPPED
+        return result
+
+    def _step_torch_fused(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any], scale: Tensor, kwargs: dict[str, Any]
+    ) -> Any:
+        """GradScaler's protocol for optimizers that unscale in their own kernel (torch's fused Adam)."""
+        if state["stage"] is _Stage.READY:
+            dummy_inv_scale = torch.ones((), dtype=torch.float32, device=scale.device)
+            infs = unscale_grads_in_place_(optimizer, dummy_inv_scale, allow_fp16=True)
+            agree_on_overflow_(infs, self._process_group)
+            state.update(found_inf_per_device=infs, optimizer=optimizer)
+        self._require_inf_checks(state)
+        found_inf = total_found_inf(state["found_inf_per_device"], scale.device)
+        # As GradScaler: after unscale_ the grads are already unscaled; otherwise hand over the scale
+        # (times any grad_scale the user set).
+        grad_scale = getattr(optimizer, "grad_scale", None)
+        if state["stage"] is not _Stage.UNSCALED:
+            grad_scale = scale if grad_scale is None else scale * grad_scale
+        return step_reading_found_inf(
+            optimizer, lambda: optimizer.step(**kwargs), found_inf, grad_scale=grad_scale
+        )
+
+    @staticmethod
+    def _require_inf_checks(state: dict[str, Any]) -> None:
+        if not state["found_inf_per_device"]:
+            raise RuntimeError(
+                "no inf checks were recorded for this optimizer: none of its parameters has a gradient; call "
+                "scaler.scale(loss).backward() before scaler.step(optimizer)"
+            )
+
+    def update(self, new_scale: float | Tensor | None = None) -> None:
+        """Update the scale from this iteration's overflow checks (or set it to ``new_scale``).
+
+        All device ops, no host sync. Call once per iteration, after ``step`` for every optimizer.
+
+        Example:
+            >>> import torch, amp_fx
+            >>> w = torch.nn.Parameter(torch.ones(1, dtype=torch.float16))
+            >>> opt, scaler = amp_fx.optim.FusedSGD([w]), amp_fx.LossScaler(init_scale=4.0)
+            >>> scaler.scale(w.float().sum() * float("inf")).backward()
+            >>> scaler.step(opt); scaler.update(); scaler.get_scale()
+            2.0
+        """
+        if not self._enabled:
+            return
+        scale = self._require_state("update")
+        found_infs: list[Tensor] = []
+        if new_scale is not None:
+            self._set_scale(new_scale)
+        else:
+            found_infs = [
+                found_inf.to(scale.device, non_blocking=True)
+                for state in self._per_optimizer_states.values()
+                for found_inf in state["found_inf_per_device"].values()
+            ]
+            if not found_infs:
+                raise RuntimeError(
+                    "no inf checks were recorded before update(); call scaler.step(optimizer) (or "
+                    "scaler.unscale_(optimizer)) first in each iteration"
+                )
+            # The kernel zeroes the flags it read: the fused optimizers' flags are persistent
+            # buffers, which their next unscale_ then reuses without a fill of its own.
+            self.update_from_found_infs(found_infs, zero_found_infs=True)
+        for state in self._per_optimizer_states.values():
+            if isinstance(state["optimizer"], ScaledOptimizer):
+                state["optimizer"].finish_scaling(zeroed_found_infs=found_infs)
+        self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+        _ACTIVE_SCALERS.discard(self)
+
+    def _set_scale(self, new_scale: float | Tensor) -> None:
+        if isinstance(new_scale, Tensor):
+            if new_scale.numel() != 1 or new_scale.requires_grad:
+                raise ValueError(
+                    "new_scale must be a float or a one-element tensor that does not require grad"
+                )
+            self._scale.copy_(new_scale.reshape(()))
+        else:
+            check_number("new_scale", new_scale)
+            if new_scale <= 0:
+                raise ValueError(f"new_scale must be > 0, got {new_scale}")
+            self._scale.fill_(float(new_scale))
+        reciprocal_scale_(self._inv_scale, self._scale)
+
+    def update_from_found_infs(
+        self, found_infs: Tensor | Sequence[Tensor], *, zero_found_infs: bool = False
+    ) -> None:
+        """Apply the scale rule (class docstring) to overflow flags the caller collected itself.
+
+        ``update()`` calls it with this iteration's flags; `amp_fx.amp`, which checks the grads
+        after each backward, with one flag per loss. The flags (summed; on the scale's device) are
+        read in one kernel launch, which also writes ``1 / scale`` for the next ``unscale_``; no host
+        sync. ``zero_found_infs`` sets the flags to 0 after reading them (a `ScaledOptimizer`'s
+        persistent flags then need no fill before their next use). A no-op when disabled.
+
+        Example:
+            >>> import torch
+            >>> scaler = LossScaler(init_scale=8.0)
+            >>> _ = scaler.scale(torch.tensor(1.0))
+            >>> scaler.update_from_found_infs(torch.ones(1)); scaler.get_scale()
+            4.0
+        """
+        if not self._enabled:
+            return
+        self._require_state("update_from_found_infs")
+        _ACTIVE_SCALERS.discard(self)
+        flags = [found_infs] if isinstance(found_infs, Tensor) else found_infs
+        implementation_for([self._scale]).update_loss_scale_(
+            self._scale,
+            self._growth_tracker,
+            self._hysteresis_tracker,
+            [flag.float() for flag in flags],
+            growth_factor=self._growth_factor,
+            backoff_factor=self._backoff_factor,
+            growth_interval=self._growth_interval,
+            hysteresis=self._hysteresis,
+            min_scale=self._min_scale,
+            max_scale=self._max_scale,
+            inv_scale_out=self._inv_scale,
+            zero_found_infs=zero_found_infs,
+        )
+
+    # ----------------------------------------------------------------------------------------
+    # Getters (GradScaler's; get_scale and the settings' own are LossScaleStateDict's and
+    # LossScaleSettings')
+
+    def scale_tensor(self) -> Tensor | None:
+        """The current scale as a tensor on the device, for logging without a host read (None
+        before the first `scale`, or when disabled); `get_scale` reads it to the host.
+
+        >>> LossScaler(enabled=False).scale_tensor() is None
+        True
+        """
+        return self._scale
+
+    # GradScaler's name for the same, which code written for GradScaler calls.
+    _get_scale_async = scale_tensor
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Tensor]:
+        return self._per_optimizer_states[id(unwrap_optimizer(optimizer))]["found_inf_per_device"]
+
+    def is_enabled(self) -> bool:
+        """False when the scaler was created with ``enabled=False`` (a pass-through)."""
+        return self._enabled
+
+    # ----------------------------------------------------------------------------------------
+    # Pickling (state_dict and load_state_dict are LossScaleStateDict's)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self._enabled:
+            if self._per_optimizer_states:
+                raise RuntimeError(
+                    "a LossScaler may only be pickled at the start of an iteration or after scaler.update()"
+                )
+            # Device tensors are re-created lazily after unpickling, on the device of the first scaled loss.
+            state["_init_scale"] = self.get_scale()
+            state["_init_growth_tracker"] = self._get_growth_tracker()
+            state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
+            state["_scale"] = state["_growth_tracker"] = state["_hysteresis_tracker"] = None
+            state["_inv_scale"] = None
+        state["_per_optimizer_states"] = {}
+        state["_process_group"] = None  # process groups do not pickle: a copy agrees over the default group
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_inv_scale", None)  # pickled by a version without it (no device state)
+        self.__dict__.setdefault("_scaled_at", 0)
+        self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
