@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -147,7 +148,7 @@ def test_reported_once_with_line_and_fix(cls: type, front_end: str, caplog: pyte
     records = _warnings(caplog)
     assert len(records) == 1, [r.getMessage() for r in records]
     message = records[0].getMessage()
-    assert f"test_untraceable_python_state.py:{_flagged_line(cls)}" in message
+    assert f"{Path(__file__).name}:{_flagged_line(cls)}" in message
     assert FIX[KIND.get(cls.__name__, "random")] in message
     for _ in range(3):
         converted(x)
