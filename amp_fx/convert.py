@@ -44,7 +44,7 @@ from amp_fx.core.node_info import (
 from amp_fx.core.opt_levels import check_opt_level
 from amp_fx.core.policy import Policy, preset
 from amp_fx.ops.autocast_island import AutocastIsland
-from amp_fx.optim.model_loads import follow_model_loads, masters_for_stored_low
+from amp_fx.optim.model_load_hooks import follow_model_loads, masters_for_stored_low
 from amp_fx.optim.step_checks import record_conversion
 from amp_fx.pipeline import rewrite_graph
 

@@ -116,7 +116,7 @@ MUTATIONS = [
     ),
     Mutation(
         "sliding_window_taken_for_causal",
-        "passes/shared/affine_masks.py",
+        "passes/simplify_attention/affine_masks.py",
         "    if b is True or a == b:\n        return a\n    return None\n\n\ndef _or(",
         "    if b is True or a == b or a == CAUSAL:\n        return a\n    return None\n\n\ndef _or(",
         # Not caught by the generate test: generate passes a padding mask, which keeps the mask whole.

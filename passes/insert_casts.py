@@ -51,7 +51,7 @@ from torch import nn
 from amp_fx.core.node_info import META_KEY, NodeInfo, node_info
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
-from amp_fx.passes.shared.calls import call_argument
+from amp_fx.passes.shared.call_nodes import call_argument
 from amp_fx.passes.shared.casts import CastCache, insert_input_casts, is_output_structure
 from amp_fx.passes.shared.decisions import parameter_plan
 from amp_fx.passes.shared.in_place_updates import write_back_updates

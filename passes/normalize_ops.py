@@ -53,7 +53,7 @@ from amp_fx.core.module_ops import MODULE_OPS, module_op, upsample_op
 from amp_fx.core.node_info import node_info
 from amp_fx.core.op_lists import OPAQUE_OP, canonical_op_name, is_known_op
 from amp_fx.core.policy import Rule
-from amp_fx.passes.shared.calls import call_argument
+from amp_fx.passes.shared.call_nodes import call_argument
 
 logger = logging.getLogger(__name__)
 

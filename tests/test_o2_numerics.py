@@ -23,7 +23,7 @@ import amp_fx
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Rule
 from amp_fx.optim import FusedAdam
-from amp_fx.optim.model_loads import MASTER_KEY
+from amp_fx.optim.model_load_hooks import MASTER_KEY
 from amp_fx.passes.shared.decisions import UNLOWERED_PARAMETER_REASON
 from amp_fx.testing import RELATIVE_BOUND, assert_equivalent, error_ratio, tolerances
 from tests.models.hf import MODELS as HF_MODELS

@@ -11,7 +11,7 @@ from torch import Tensor
 from amp_fx.amp import _grads
 from amp_fx.amp._amp_optimizer import AmpOptimizer, OptimizerKind, new_master
 from amp_fx.optim.fused_optimizer import MASTER_KEY, master_params
-from amp_fx.optim.model_loads import track_params
+from amp_fx.optim.model_load_hooks import track_params
 from amp_fx.optim.scaled_optimizer import ScaledOptimizer
 from amp_fx.optim.torch_optimizer_scaling import FoundInf
 

@@ -16,7 +16,7 @@ from amp_fx.amp import _grads
 from amp_fx.amp._amp_optimizer import MASTERS_KEY, OptimizerKind, new_master
 from amp_fx.amp._direct_optimizer import DirectAmpOptimizer
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
-from amp_fx.optim.model_loads import track_params
+from amp_fx.optim.model_load_hooks import track_params
 from amp_fx.optim.torch_optimizer_scaling import FoundInf
 
 logger = logging.getLogger("amp_fx.amp")
@@ -70,7 +70,7 @@ class MasterWeightsAmpOptimizer(DirectAmpOptimizer):
         stored it low (at the model's first call): the master is ``value``, its exact FP32 value, and
         takes over its optimizer state and its (unscaled) grad. Returns what takes it back; None
         where ``param`` is not one of this optimizer's FP32-stepped params or is not low now
-        (`amp_fx.optim.model_loads.masters_for_stored_low` calls it)."""
+        (`amp_fx.optim.model_load_hooks.masters_for_stored_low` calls it)."""
         index = next((i for i, (p, target) in enumerate(self.pairs) if p is param and target is p), None)
         if index is None or param.dtype not in LOW_PRECISION_DTYPES:
             return None
@@ -112,7 +112,7 @@ class MasterWeightsAmpOptimizer(DirectAmpOptimizer):
         """Step ``param`` itself, stored FP32 from now on (the torch.export front end's first graph
         decided so), in place of its master, which it takes the value, optimizer state and grad of
         (the caller sets the value); returns the master and what takes it back, None where
-        ``param`` has no master here (`amp_fx.optim.model_loads.masters_for_stored_fp32`)."""
+        ``param`` has no master here (`amp_fx.optim.model_load_hooks.masters_for_stored_fp32`)."""
         index = next((i for i, (p, target) in enumerate(self.pairs) if p is param and target is not p), None)
         if index is None:
             return None

@@ -38,7 +38,7 @@ from amp_fx.core.node_info import META_KEY
 from amp_fx.core.opt_levels import find_opt_level, lookup_opt_level
 from amp_fx.core.policy import preset
 from amp_fx.ops.autocast_island import AutocastIsland
-from amp_fx.optim.model_loads import follow_model_loads
+from amp_fx.optim.model_load_hooks import follow_model_loads
 
 logger = logging.getLogger("amp_fx.amp")
 

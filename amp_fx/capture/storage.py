@@ -45,7 +45,7 @@ from torch import nn
 from amp_fx.capture.state import CaptureState, record
 from amp_fx.core.node_info import UNSTORED_PARAMETERS_KEY
 from amp_fx.core.policy import Policy, Rule
-from amp_fx.optim.model_loads import masters_for_stored_fp32, masters_for_stored_low
+from amp_fx.optim.model_load_hooks import masters_for_stored_fp32, masters_for_stored_low
 from amp_fx.passes.shared.decisions import decide_module
 
 __all__ = ["store_added", "store_parameters", "storing_unstored"]

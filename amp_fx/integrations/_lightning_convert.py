@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 import amp_fx
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
-from amp_fx.optim.model_loads import masters_of
+from amp_fx.optim.model_load_hooks import masters_of
 
 logger = logging.getLogger(__name__)
 

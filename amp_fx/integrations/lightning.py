@@ -64,7 +64,7 @@ from amp_fx.core.opt_levels import lookup_opt_level
 from amp_fx.integrations._fused_optimizers import fused_equivalent, retarget_schedulers, set_masters
 from amp_fx.integrations._lightning_convert import ConvertedChildren
 from amp_fx.integrations._lightning_optimizers import SUPPORTED, check_optimizer
-from amp_fx.optim.model_loads import masters_of
+from amp_fx.optim.model_load_hooks import masters_of
 from amp_fx.optim.scaled_optimizer import ScaledOptimizer
 
 logger = logging.getLogger(__name__)

@@ -64,7 +64,7 @@ from torch import Tensor
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.kernels import implementation_for
 from amp_fx.kernels.arguments import PARAM_DTYPES, is_dense
-from amp_fx.optim.model_loads import MASTER_KEY, track_params
+from amp_fx.optim.model_load_hooks import MASTER_KEY, track_params
 from amp_fx.optim.scaled_optimizer import next_tick
 from amp_fx.optim.state_dict_loading import STEP_KEY, STEP_OFFSET_KEY, StateDictLoading
 from amp_fx.optim.wrappers import unwrap_optimizer
@@ -289,7 +289,7 @@ class FusedOptimizer(StateDictLoading, torch.optim.Optimizer):
         """Give ``param``, stored low after this optimizer was built, the FP32 master ``value`` (its
         value before it was rounded) where its group keeps masters and it has none; returns what
         takes it back, None if none was given (`MasterKeeper`).
-        (`amp_fx.optim.model_loads.masters_for_stored_low` calls it; the example is there.)"""
+        (`amp_fx.optim.model_load_hooks.masters_for_stored_low` calls it; the example is there.)"""
         group = next((g for g in self.param_groups if any(p is param for p in g["params"])), None)
         if group is None or not self._master_expected(param, group) or MASTER_KEY in self.state[param]:
             return None
@@ -300,7 +300,7 @@ class FusedOptimizer(StateDictLoading, torch.optim.Optimizer):
     def release_master(self, param: Tensor) -> tuple[Tensor, Callable[[], None]] | None:
         """Stop keeping the FP32 master of ``param``, now stored FP32 (its own master); returns the
         master and what puts it back, None if it has none (`MasterKeeper`;
-        `amp_fx.optim.model_loads.masters_for_stored_fp32` calls it, the example is there)."""
+        `amp_fx.optim.model_load_hooks.masters_for_stored_fp32` calls it, the example is there)."""
         state = self.state.get(param, {})
         master = state.pop(MASTER_KEY, None)
         if master is None:

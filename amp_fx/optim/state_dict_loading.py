@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from amp_fx.optim.model_loads import MASTER_KEY
+from amp_fx.optim.model_load_hooks import MASTER_KEY
 from amp_fx.training.distributed import is_dtensor
 
 __all__ = ["STEP_KEY", "STEP_OFFSET_KEY", "StateDictLoading", "check_step_count"]

@@ -10,7 +10,7 @@ returns those rounded copies. The FP32 masters, the exact training state, live i
 state dict, so that saving the model (``torch.save``, ``save_pretrained(..., state_dict=...)``)
 saves what training holds, and the result loads into the original FP32 model.
 
-The masters are found through the sources `amp_fx.optim.model_loads` already keeps so that loads
+The masters are found through the sources `amp_fx.optim.model_load_hooks` already keeps so that loads
 into the model update them; only the nn.Module API is used, so the function takes a torch.fx
 GraphModule, the torch.export front end's `CapturedModel`, or any module an amp_fx optimizer trains.
 """
@@ -21,7 +21,7 @@ import logging
 
 from torch import Tensor, nn
 
-from amp_fx.optim.model_loads import masters_of
+from amp_fx.optim.model_load_hooks import masters_of
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from amp_fx.core.op_lists import OPAQUE_OP, ROUTER_OP
 from amp_fx.core.policy import Decision, Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.ops.batch_norm import FusedBatchNormAct
-from amp_fx.passes.shared.calls import calling_module, is_inplace_call
+from amp_fx.passes.shared.call_nodes import calling_module, is_inplace_call
 
 __all__ = [
     "UNLOWERED_PARAMETER_REASON",

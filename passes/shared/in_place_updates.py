@@ -22,7 +22,7 @@ from torch.fx.operator_schemas import normalize_function
 from amp_fx.core.node_info import META_KEY, NodeInfo, node_info
 from amp_fx.core.op_facts import RUNNING_STATS_FLAGS, VIEW_OPS
 from amp_fx.core.policy import Rule
-from amp_fx.passes.shared.calls import is_inplace_call
+from amp_fx.passes.shared.call_nodes import is_inplace_call
 
 __all__ = ["mutated_inputs", "alias_base", "updates_in_place", "write_back_updates", "is_write_back"]
 

@@ -77,7 +77,7 @@ from amp_fx.core.op_facts import METADATA_ATTRIBUTES, RESHAPE_OPS, SHAPE_METHODS
 from amp_fx.core.policy import Rule
 from amp_fx.ops.cross_entropy import fp32_cross_entropy
 from amp_fx.ops.module_hooks import has_forward_hooks
-from amp_fx.passes.shared.calls import call_argument, is_inplace_call
+from amp_fx.passes.shared.call_nodes import call_argument, is_inplace_call
 from amp_fx.passes.shared.losses import (
     cross_entropy_call_arguments,
     is_fusable_loss,

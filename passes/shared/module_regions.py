@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch.fx
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
-from amp_fx.passes.shared.calls import is_inplace_call
+from amp_fx.passes.shared.call_nodes import is_inplace_call
 
 __all__ = ["module_paths", "computed_by_module_of", "cut_module_regions"]
 

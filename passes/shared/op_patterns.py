@@ -14,8 +14,8 @@ match, at a `Var` they are the input's casts.
 expression is there and nothing outside it reads a value inside it (the root aside): a replacement
 never leaves half an expression behind.
 
-The node facts the matchers written by hand (`amp_fx.passes.shared.norm_chains`,
-`amp_fx.passes.shared.rotary_chains`) share with this one live here too: `call_operands` (a call
+The node facts the matchers written by hand (`amp_fx.passes.fuse_norms.norm_chains`,
+`amp_fx.passes.fuse_rotary.rotary_chains`) share with this one live here too: `call_operands` (a call
 of one op on its operands alone), `is_amp_fx_cast`, `only_user`, `read_only_inside`,
 `is_last_dim`, `tensor_value` and `is_number`.
 
@@ -39,7 +39,7 @@ from torch import nn
 
 from amp_fx.core.node_info import node_info
 from amp_fx.ops.module_hooks import has_forward_hooks
-from amp_fx.passes.shared.calls import is_inplace_call
+from amp_fx.passes.shared.call_nodes import is_inplace_call
 
 __all__ = [
     "AnyOf",

@@ -20,7 +20,7 @@ import amp_fx
 import amp_fx.capture.captured_model
 from amp_fx.core.node_info import node_info
 from amp_fx.optim import FusedAdam
-from amp_fx.optim.model_loads import MASTER_KEY
+from amp_fx.optim.model_load_hooks import MASTER_KEY
 from amp_fx.testing import assert_equivalent, forward_backward, with_autocast
 
 FP32 = torch.float32

@@ -21,7 +21,7 @@ import amp_fx
 import amp_fx.capture.captured_model
 from amp_fx.core.node_info import node_info
 from amp_fx.optim import FusedAdam
-from amp_fx.optim.model_loads import MASTER_KEY
+from amp_fx.optim.model_load_hooks import MASTER_KEY
 from amp_fx.passes.shared.decisions import UNLOWERED_PARAMETER_REASON
 from amp_fx.testing import RELATIVE_BOUND, error_ratio
 

@@ -12,7 +12,7 @@ from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Rule, preset
 from amp_fx.passes.classify import classify
 from amp_fx.passes.normalize_ops import normalize_ops
-from amp_fx.passes.shared.calls import calling_module, is_inplace_call
+from amp_fx.passes.shared.call_nodes import calling_module, is_inplace_call
 from amp_fx.passes.shared.decisions import decide_node
 
 

@@ -17,7 +17,7 @@ from amp_fx.core.policy import Rule, preset
 from amp_fx.passes.classify import classify
 from amp_fx.passes.normalize_ops import normalize_ops
 from amp_fx.passes.propagate_dtypes import ExampleInputsMismatch, propagate_dtypes
-from amp_fx.passes.shared.dtype_rules import UNKNOWN, is_eligible, rule_cast_dtype
+from amp_fx.passes.propagate_dtypes.dtype_rules import UNKNOWN, is_eligible, rule_cast_dtype
 from amp_fx.passes.shared.dtypes import ASSUMED_DTYPE_NOTE
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32

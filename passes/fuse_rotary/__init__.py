@@ -4,7 +4,7 @@ A rotary embedding written in torch, ``q * cos + rotate_half(q) * sin``, is six 
 tensor each way; at O2 its products run in fp32 (fp32 cos and sin against fp16/bf16 q) and write
 fp32 intermediates of q's size. `amp_fx.ops.rotary.rotary_embedding` computes the same fp32 math
 in one kernel that reads q in its own dtype and writes the result once. This pass finds the chain
-by what it computes, in graphs of either front end (`amp_fx.passes.shared.rotary_chains`: canonical
+by what it computes, in graphs of either front end (`amp_fx.passes.fuse_rotary.rotary_chains`: canonical
 op names, rotate_half as slices, ``chunk`` or ``split`` halves or interleaved pairs, partial
 rotary, exactly or not at all), and replaces it, from the tensor rotated to the output, with one
 call, folding in amp_fx's cast of the result to the low dtype (``dtype=``) where the chain computes
@@ -48,7 +48,7 @@ from amp_fx.core.dtypes import dtype_name
 from amp_fx.core.node_info import FX_WRAPPED_KEY, META_KEY, NodeInfo, node_info
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.rotary import rotary_embedding, rotary_embedding_pair
-from amp_fx.passes.shared.rotary_chains import SIZE_OPS, RotaryChain, match_rotary_chain
+from amp_fx.passes.fuse_rotary.rotary_chains import SIZE_OPS, RotaryChain, match_rotary_chain
 
 logger = logging.getLogger(__name__)
 

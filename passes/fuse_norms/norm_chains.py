@@ -38,7 +38,7 @@ from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.core.node_info import node_info
 from amp_fx.core.op_facts import METADATA_ATTRIBUTES, RESHAPE_OPS, SHAPE_METHODS
 from amp_fx.ops.casts import cast_if_floating
-from amp_fx.passes.shared.calls import call_argument, is_inplace_call
+from amp_fx.passes.shared.call_nodes import call_argument, is_inplace_call
 from amp_fx.passes.shared.dtypes import ASSUMED_DTYPE_NOTE, UNKNOWN_INPUT_DTYPE_NOTE
 from amp_fx.passes.shared.op_patterns import is_last_dim, is_number, only_user, read_only_inside, tensor_value
 

@@ -11,7 +11,7 @@ inserts nothing.
 
 Two ways to get the dtypes:
 
-- static (default): transfer rules per op (`amp_fx.passes.shared.dtype_rules`: LOWER -> low
+- static (default): transfer rules per op (`amp_fx.passes.propagate_dtypes.dtype_rules`: LOWER -> low
   dtype, FP32 -> float32, comparisons -> bool, ``x.to(d)`` -> d, otherwise torch's type promotion
   of the inputs); model inputs are taken to be float32 (an integer input is harmless: casts from
   model inputs only ever touch floating tensors). Opaque nodes produce "unknown", and casts of
@@ -51,9 +51,7 @@ from torch.fx.node import map_aggregate, map_arg
 from amp_fx.core.node_info import KEEP_INPUT_DTYPE_KEY, KEEP_OUTPUT_DTYPE_KEY, META_KEY, node_info
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
-from amp_fx.passes.shared.casts import is_output_structure
-from amp_fx.passes.shared.decisions import parameter_plan
-from amp_fx.passes.shared.dtype_rules import (
+from amp_fx.passes.propagate_dtypes.dtype_rules import (
     NOT_TENSOR,
     UNKNOWN,
     abstract_structure,
@@ -65,6 +63,8 @@ from amp_fx.passes.shared.dtype_rules import (
     seen_dtype,
     static_output,
 )
+from amp_fx.passes.shared.casts import is_output_structure
+from amp_fx.passes.shared.decisions import parameter_plan
 from amp_fx.passes.shared.dtypes import (
     ASSUMED_DTYPE_NOTE,
     DERIVED_ASSUMED_DTYPE_NOTE,

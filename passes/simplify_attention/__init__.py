@@ -27,7 +27,7 @@ Llama at 8 x 2048), and was not bit-identical to eager autocast on CUDA. This pa
 
 The result is the same for every size the graph runs at.
 
-The proof is an abstract evaluation of the mask's nodes (`amp_fx.passes.shared.affine_masks`).
+The proof is an abstract evaluation of the mask's nodes (`amp_fx.passes.simplify_attention.affine_masks`).
 
 Example::
 
@@ -50,8 +50,8 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from amp_fx.passes.shared.affine_masks import SAME_VALUE_OPS, mask_kind, value_shape
-from amp_fx.passes.shared.calls import call_argument
+from amp_fx.passes.shared.call_nodes import call_argument
+from amp_fx.passes.simplify_attention.affine_masks import SAME_VALUE_OPS, mask_kind, value_shape
 
 logger = logging.getLogger(__name__)
 

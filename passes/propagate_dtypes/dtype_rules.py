@@ -46,7 +46,7 @@ from amp_fx.core.op_facts import (
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.ops.casts import cast_if_floating
-from amp_fx.passes.shared.calls import is_inplace_call
+from amp_fx.passes.shared.call_nodes import is_inplace_call
 
 __all__ = [
     "UNKNOWN",

@@ -42,7 +42,7 @@ import torch.fx
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.core.node_info import node_info
 from amp_fx.ops.rotary import tables_fit
-from amp_fx.passes.shared.calls import call_argument
+from amp_fx.passes.shared.call_nodes import call_argument
 from amp_fx.passes.shared.dtypes import dtype_is_assumed, is_exact_widening
 from amp_fx.passes.shared.op_patterns import (
     call_operands,

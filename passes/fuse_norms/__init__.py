@@ -4,7 +4,7 @@ At O2 amp_fx keeps autocast's numerics for a transformer's norms: they run in fp
 weights, on a residual stream kept in fp32, and the graph spells each one out as torch ops and
 casts (a Hugging Face RMSNorm is about ten elementwise passes, forward and backward, plus the
 casts of its output to the low dtype for the next matmuls). This pass finds those chains by what
-they compute (`amp_fx.passes.shared.norm_chains`: match on canonical op names, so the torch.fx
+they compute (`amp_fx.passes.fuse_norms.norm_chains`: match on canonical op names, so the torch.fx
 and the torch.export graphs share one description, and exactly or not at all) and replaces each,
 from its input to its output, with one call of `amp_fx.ops.norms`: the same fp32 math, the input
 read once in its own dtype, each output written once in the dtype the chain (or the casts after
@@ -39,8 +39,8 @@ from amp_fx.core.dtypes import dtype_name
 from amp_fx.core.node_info import META_KEY, NodeInfo, node_info
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.norms import add_layer_norm_fp32, add_rms_norm_fp32, layer_norm_fp32, rms_norm_fp32
+from amp_fx.passes.fuse_norms.norm_chains import NormChain, match_norm_chain
 from amp_fx.passes.shared.decisions import decide_node
-from amp_fx.passes.shared.norm_chains import NormChain, match_norm_chain
 
 logger = logging.getLogger(__name__)
 
