@@ -1,10 +1,24 @@
-"""The package's layers import one way: user API (amp_fx/) -> passes -> core/ops -> kernels.
+"""The package's layers import one way, and its folders are its rooms.
 
+    amp_fx/            __init__, __main__, convert, pipeline, and the rooms:
+      capture/         the torch.fx and torch.export front ends and the captured model
+      training/        loss scaler, clipping, the CUDA-graph step, DDP/FSDP2, saving
+      inspect/         report, summary, DOT, the command line
+      optim/ amp/ integrations/ testing/
+    amp_fx.pipeline    the passes in order            (passes/ installs as amp_fx.passes)
+    amp_fx.core, .ops  policy data, the ops graphs call
+    amp_fx.kernels     Triton beside torch references  (kernels/)
+
+- capture, training and inspection sit above the pipeline: the pipeline imports only the passes,
+  core, ops and kernels, and nothing below the rooms imports them; inspection reads capture, never
+  training; capture and training import no inspection, integration or Apex API;
+- a pass imports only amp_fx.core, amp_fx.ops, amp_fx.kernels, the passes' shared helpers
+  (amp_fx.passes.shared) and its own folder (a pass with a helper of its own is a package), never
+  another pass; a shared helper serves two passes or more;
 - importing any pass loads none of the user API (checked by importing it, in a child process);
 - kernels/, amp_fx/core/ and amp_fx/ops/ import neither the passes nor the user API, and kernels/
   imports nothing of amp_fx outside amp_fx.kernels;
-- a pass imports only amp_fx.core, amp_fx.ops and the passes' shared helpers
-  (amp_fx.passes.shared), never another pass.
+- the top of amp_fx/ holds only the entries `TOP_FLOOR` lists.
 
 The static checks read every ``import`` statement with `ast`, also those inside functions.
 """
@@ -32,7 +46,32 @@ PACKAGE_DIRECTORIES = {
 BELOW_THE_PASSES = ("amp_fx.kernels", "amp_fx.core", "amp_fx.ops")
 SHARED_PASS_HELPERS = "amp_fx.passes.shared"
 # What a pass may import of amp_fx.
-PASS_IMPORTS = ("amp_fx.core", "amp_fx.ops", SHARED_PASS_HELPERS)
+PASS_IMPORTS = ("amp_fx.core", "amp_fx.ops", "amp_fx.kernels", SHARED_PASS_HELPERS)
+# The entries of amp_fx/ beside its rooms: a new module goes into a room.
+TOP_FLOOR = frozenset(
+    {"__init__.py", "__main__.py", "convert.py", "pipeline.py"}
+    | {"capture", "training", "inspect", "core", "ops", "optim", "amp", "integrations", "testing"}
+)
+PIPELINE = ("amp_fx.pipeline", "amp_fx.passes")
+ROOMS = ("amp_fx.capture", "amp_fx.training", "amp_fx.inspect")
+# What the rooms may not import: the layers they serve.
+ROOM_REFUSALS = {
+    "amp_fx.capture": (
+        "amp_fx.inspect",
+        "amp_fx.integrations",
+        "amp_fx.amp",
+        "amp_fx.testing",
+        "amp_fx.convert",
+    ),
+    "amp_fx.training": (
+        "amp_fx.inspect",
+        "amp_fx.integrations",
+        "amp_fx.amp",
+        "amp_fx.testing",
+        "amp_fx.convert",
+    ),
+    "amp_fx.inspect": ("amp_fx.training", "amp_fx.integrations", "amp_fx.amp", "amp_fx.testing"),
+}
 
 
 def _user_api_modules() -> frozenset[str]:
@@ -101,10 +140,9 @@ def _where(path: Path, line: int, name: str) -> str:
 
 def test_the_user_api_is_found():
     # The checks below are only as good as this list: it must hold the modules it names.
-    assert {"amp_fx.convert", "amp_fx.inspect.report", "amp_fx.amp", "amp_fx.optim"} <= USER_API
-    assert {"amp_fx.inspect.cli", "amp_fx.testing", "amp_fx.training.loss_scaler"} <= USER_API
-    assert "amp_fx.training.clip_grad" in USER_API
-    assert "amp_fx.training.cuda_graph_step" in USER_API
+    assert {"amp_fx.convert", "amp_fx.pipeline", "amp_fx.amp", "amp_fx.optim", "amp_fx.testing"} <= USER_API
+    assert set(ROOMS) <= USER_API
+    assert _is_within("amp_fx.training.cuda_graph_step", USER_API)
     assert not _is_within("amp_fx.core.policy", USER_API)
     assert not _is_within("amp_fx.ops.cross_entropy", USER_API)
 
@@ -142,15 +180,88 @@ def test_kernels_import_only_kernels_of_amp_fx():
     assert not outside, "kernels/ is the bottom layer, it imports only amp_fx.kernels:\n" + "\n".join(outside)
 
 
+def _pass_of(module: str) -> str:
+    """The pass a module of amp_fx.passes belongs to: ``amp_fx.passes.fuse_norms`` for itself and its
+    helper ``amp_fx.passes.fuse_norms.norm_chains``; the shared helpers are no pass's."""
+    return ".".join(module.split(".")[:3])
+
+
 def test_passes_import_no_other_pass():
     wrong = [
         _where(path, line, name)
-        for _, path, line, name in _imports_of("amp_fx.passes")
-        if _is_within(name, ("amp_fx",)) and not _is_within(name, PASS_IMPORTS)
+        for module, path, line, name in _imports_of("amp_fx.passes")
+        if _is_within(name, ("amp_fx",))
+        and not _is_within(name, PASS_IMPORTS)
+        and not (
+            module != SHARED_PASS_HELPERS
+            and not _is_within(module, (SHARED_PASS_HELPERS,))
+            and _is_within(name, (_pass_of(module),))
+        )
     ]
     assert not wrong, (
         f"a pass imports only {', '.join(PASS_IMPORTS)}; move a helper that several passes need to "
         f"{SHARED_PASS_HELPERS}:\n" + "\n".join(wrong)
+    )
+
+
+def test_a_shared_pass_helper_serves_two_passes_or_more():
+    """passes/shared/ holds what two passes or more use; a helper of one pass lives in its folder."""
+    imports: dict[str, set[str]] = {}
+    for module, _, _, name in _imports_of("amp_fx.passes"):
+        imports.setdefault(module, set()).add(name)
+    shared = {m for m in imports if _is_within(m, (SHARED_PASS_HELPERS,)) and m != SHARED_PASS_HELPERS}
+
+    def reached(module: str, seen: set[str]) -> set[str]:
+        for name in imports.get(module, ()):
+            target = next((m for m in shared if _is_within(name, (m,))), None)
+            if target and target not in seen:
+                seen.add(target)
+                reached(target, seen)
+        return seen
+
+    users: dict[str, set[str]] = {helper: set() for helper in shared}
+    for module in imports:
+        if not _is_within(module, (SHARED_PASS_HELPERS,)) and module != "amp_fx.passes":
+            for helper in reached(module, set()):
+                users[helper].add(_pass_of(module))
+    lonely = {helper: sorted(passes) for helper, passes in users.items() if len(passes) < 2}
+    assert not lonely, f"shared helpers used by fewer than two passes (move each into its pass): {lonely}"
+
+
+def test_the_pipeline_imports_only_passes_and_below():
+    path = REPOSITORY / "amp_fx" / "pipeline.py"
+    allowed = (*PIPELINE, *BELOW_THE_PASSES)
+    wrong = [
+        _where(path, line, name)
+        for line, name in _imported_names(path, "amp_fx.pipeline")
+        if _is_within(name, ("amp_fx",)) and not _is_within(name, allowed)
+    ]
+    assert not wrong, "the pipeline sits below capture, training and inspection:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("room", ROOMS)
+def test_rooms_import_only_what_they_stand_on(room: str):
+    modules = _source_modules()
+    refused = ROOM_REFUSALS[room]
+    wrong = [
+        _where(path, line, name)
+        for module, path in sorted(modules.items())
+        if _is_within(module, (room,))
+        for line, name in _imported_names(path, module)
+        if _is_within(name, refused)
+    ]
+    assert not wrong, f"{room} may not import {', '.join(refused)}:\n" + "\n".join(wrong)
+
+
+def test_the_top_floor_holds_only_the_rooms():
+    entries = {
+        path.name
+        for path in (REPOSITORY / "amp_fx").iterdir()
+        if path.name != "__pycache__" and not path.is_symlink()  # a checkout's links to passes/, kernels/
+    }
+    assert entries == TOP_FLOOR, (
+        f"amp_fx/ holds {sorted(entries - TOP_FLOOR)} beyond its rooms (put a module in the room of its "
+        f"idea) and lacks {sorted(TOP_FLOOR - entries)}"
     )
 
 
@@ -211,7 +322,9 @@ def loaded_by_each_pass() -> dict[str, list[str] | dict[str, str]]:
 
 
 def test_every_pass_module_is_checked():
-    assert {"shared", "trace", "insert_casts", "fuse_losses"} <= set(PASS_MODULES)
+    assert {"shared", "insert_casts", "fuse_losses", "fuse_norms", "fuse_norms.norm_chains"} <= set(
+        PASS_MODULES
+    )
 
 
 @pytest.mark.parametrize("name", PASS_MODULES)
