@@ -6,7 +6,8 @@ and the ``arguments`` checks both run: ``overflow_check``, ``adam``, ``sgd``, ``
 (behind the optimizers and `amp_fx.LossScaler`), ``cross_entropy``, ``batch_norm``, ``max_pool``,
 ``activations``, ``norms``, ``rotary`` (behind the ops of the same names in ``amp_fx.ops``). Shared
 pieces: ``arguments`` (dtype, layout and update checks), ``optimizer_step`` (the skip rule and step
-counter), and for the Triton kernels ``pointer_table``, ``rounding`` and ``devices``.
+counter), and for the Triton kernels ``pointer_table``, ``optimizer_launch`` (the optimizers' launch
+per dtype group), ``rounding`` and ``devices``.
 
 Two modules gather every family's kernels under one name space:
 

@@ -15,7 +15,7 @@ per program, from the same flag, so it is all-or-nothing.
 Layout: a pointer table (``amp_fx.kernels.pointer_table``) with columns param, grad, master, exp_avg,
 exp_avg_sq, step_offset (a pointer to the parameter's one-element offset, read once per program,
 so an offset changed in place on the device is seen without rebuilding the table); one launch per
-(param dtype, grad dtype, has master) group, never one per tensor.
+(param dtype, grad dtype, has master) group, never one per tensor (``amp_fx.kernels.optimizer_launch``).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from torch import Tensor
 
 from amp_fx.kernels.adam.arguments import check_adam_hyperparameters, log_beta
 from amp_fx.kernels.arguments import check_update
-from amp_fx.kernels.devices import on_device
-from amp_fx.kernels.pointer_table import LaunchConfig, group_by_dtype, pointer_table, triton_dtype
+from amp_fx.kernels.optimizer_launch import launch_per_dtype_group
+from amp_fx.kernels.pointer_table import LaunchConfig
 from amp_fx.kernels.rounding import round_to_dtype
 
 # 4 elements per thread (1024 per iteration, 8 warps): one 16-byte load per fp32 operand and one
@@ -262,55 +262,29 @@ def adam_step_(
         step_offsets,
     )
     check_adam_hyperparameters(lr, beta1, beta2, eps, weight_decay)
-    if masters is None:
-        masters = [None] * len(params)
-    offsets = [None] * len(params) if step_offsets is None else step_offsets
-    launch = LAUNCH
-    groups = group_by_dtype(
-        [p.dtype for p in params], [g.dtype for g in grads], [m is not None for m in masters]
+    launch_per_dtype_group(
+        _adam_kernel,
+        LAUNCH,
+        params,
+        grads,
+        masters,
+        [exp_avgs, exp_avg_sqs],
+        step,
+        grad_multiplier=grad_multiplier,
+        found_inf=found_inf,
+        step_offsets=step_offsets,
+        arguments={
+            "lr": lr,
+            "beta1": beta1,
+            "one_minus_beta1": 1.0 - beta1,
+            "beta2": beta2,
+            "one_minus_beta2": 1.0 - beta2,
+            "log_beta1": log_beta(beta1),
+            "log_beta2": log_beta(beta2),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "decay_factor": 1.0 - lr * weight_decay,
+            "ADAM_W_MODE": adam_w_mode,
+            "USE_WEIGHT_DECAY": weight_decay != 0.0,
+        },
     )
-    with on_device(step.device):
-        for (param_dtype, grad_dtype, has_master), indices in groups.items():
-            table = pointer_table(
-                [
-                    [params[i] for i in indices],
-                    [grads[i] for i in indices],
-                    [masters[i] for i in indices],
-                    [exp_avgs[i] for i in indices],
-                    [exp_avg_sqs[i] for i in indices],
-                    [offsets[i] for i in indices],
-                ],
-                launch.chunk_size,
-                scalar_columns=1,
-            )
-            if table.num_chunks == 0:
-                continue
-            _adam_kernel[(table.num_chunks,)](
-                table.tensors,
-                table.chunks,
-                step,
-                step if grad_multiplier is None else grad_multiplier,
-                step if found_inf is None else found_inf,
-                lr,
-                beta1,
-                1.0 - beta1,
-                beta2,
-                1.0 - beta2,
-                log_beta(beta1),
-                log_beta(beta2),
-                eps,
-                weight_decay,
-                1.0 - lr * weight_decay,
-                PARAM_DTYPE=triton_dtype(param_dtype),
-                GRAD_DTYPE=triton_dtype(grad_dtype),
-                HAS_MASTER=has_master,
-                ADAM_W_MODE=adam_w_mode,
-                USE_WEIGHT_DECAY=weight_decay != 0.0,
-                HAS_GRAD_MULTIPLIER=grad_multiplier is not None,
-                HAS_FOUND_INF=found_inf is not None,
-                HAS_STEP_OFFSETS=step_offsets is not None,
-                ALIGNED=table.aligned,
-                CHUNK_SIZE=launch.chunk_size,
-                BLOCK_SIZE=launch.block_size,
-                num_warps=launch.num_warps,
-            )

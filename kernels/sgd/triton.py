@@ -12,7 +12,7 @@ check runs first).
 
 Layout: a pointer table (``amp_fx.kernels.pointer_table``) with columns param, grad, master, momentum buffer,
 step_offset (a pointer to the parameter's one-element offset, read once per program); one launch per
-(param dtype, grad dtype, has master) group.
+(param dtype, grad dtype, has master) group (``amp_fx.kernels.optimizer_launch``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import triton.language as tl
 from torch import Tensor
 
 from amp_fx.kernels.arguments import check_update
-from amp_fx.kernels.devices import on_device
-from amp_fx.kernels.pointer_table import LaunchConfig, group_by_dtype, pointer_table, triton_dtype
+from amp_fx.kernels.optimizer_launch import launch_per_dtype_group
+from amp_fx.kernels.pointer_table import LaunchConfig
 from amp_fx.kernels.rounding import round_to_dtype
 from amp_fx.kernels.sgd.arguments import check_sgd_hyperparameters
 
@@ -214,53 +214,26 @@ def sgd_step_(
         step_offsets,
     )
     check_sgd_hyperparameters(lr, momentum, dampening, weight_decay, nesterov, momentum_buffers)
-    if masters is None:
-        masters = [None] * len(params)
     use_momentum = momentum != 0.0
-    buffers = momentum_buffers if use_momentum else [None] * len(params)
-    # Only the momentum buffer's first step depends on the step; without momentum nothing reads it.
-    use_offsets = use_momentum and step_offsets is not None
-    offsets = step_offsets if use_offsets else [None] * len(params)
-    launch = LAUNCH
-    groups = group_by_dtype(
-        [p.dtype for p in params], [g.dtype for g in grads], [m is not None for m in masters]
+    launch_per_dtype_group(
+        _sgd_kernel,
+        LAUNCH,
+        params,
+        grads,
+        masters,
+        [momentum_buffers if use_momentum else None],
+        step,
+        grad_multiplier=grad_multiplier,
+        found_inf=found_inf,
+        # Only the momentum buffer's first step depends on the step; without momentum nothing reads it.
+        step_offsets=step_offsets if use_momentum else None,
+        arguments={
+            "lr": lr,
+            "momentum": momentum,
+            "one_minus_dampening": 1.0 - dampening,
+            "weight_decay": weight_decay,
+            "USE_MOMENTUM": use_momentum,
+            "NESTEROV": nesterov,
+            "USE_WEIGHT_DECAY": weight_decay != 0.0,
+        },
     )
-    with on_device(step.device):
-        for (param_dtype, grad_dtype, has_master), indices in groups.items():
-            table = pointer_table(
-                [
-                    [params[i] for i in indices],
-                    [grads[i] for i in indices],
-                    [masters[i] for i in indices],
-                    [buffers[i] for i in indices],
-                    [offsets[i] for i in indices],
-                ],
-                launch.chunk_size,
-                scalar_columns=1,
-            )
-            if table.num_chunks == 0:
-                continue
-            _sgd_kernel[(table.num_chunks,)](
-                table.tensors,
-                table.chunks,
-                step,
-                step if grad_multiplier is None else grad_multiplier,
-                step if found_inf is None else found_inf,
-                lr,
-                momentum,
-                1.0 - dampening,
-                weight_decay,
-                PARAM_DTYPE=triton_dtype(param_dtype),
-                GRAD_DTYPE=triton_dtype(grad_dtype),
-                HAS_MASTER=has_master,
-                USE_MOMENTUM=use_momentum,
-                NESTEROV=nesterov,
-                USE_WEIGHT_DECAY=weight_decay != 0.0,
-                HAS_GRAD_MULTIPLIER=grad_multiplier is not None,
-                HAS_FOUND_INF=found_inf is not None,
-                HAS_STEP_OFFSETS=use_offsets,
-                ALIGNED=table.aligned,
-                CHUNK_SIZE=launch.chunk_size,
-                BLOCK_SIZE=launch.block_size,
-                num_warps=launch.num_warps,
-            )
