@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from types import ModuleType
 from typing import Any
 
 from torch import Tensor
 
 from amp_fx.kernels.adam.arguments import check_adam_hyperparameters
-from amp_fx.optim.fused_optimizer import FusedOptimizer, StepBatch, as_float
+from amp_fx.optim.fused_optimizer import FusedOptimizer
 
 
 class FusedAdam(FusedOptimizer):
@@ -45,6 +44,10 @@ class FusedAdam(FusedOptimizer):
         >>> scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
     """
 
+    _kernel_name = "adam_step_"
+    _state_names = ("exp_avg", "exp_avg_sq")
+    _flags = ("adam_w_mode",)
+
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -55,58 +58,28 @@ class FusedAdam(FusedOptimizer):
         adam_w_mode: bool = True,
         master_weights: bool = True,
     ) -> None:
-        defaults = {
+        hyperparameters = {
             "lr": lr,
             "betas": betas,
             "eps": eps,
             "weight_decay": weight_decay,
             "adam_w_mode": adam_w_mode,
-            "master_weights": master_weights,
         }
-        super().__init__(params, defaults)
+        super().__init__(params, hyperparameters, master_weights)
 
-    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return ("exp_avg", "exp_avg_sq")
-
-    def _check_hyperparameters(self, group: dict[str, Any]) -> None:
+    def _kernel_hyperparameters(self, group: dict[str, Any]) -> dict[str, Any]:
         betas = group["betas"]
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise TypeError(f"betas must be a pair of floats (beta1, beta2), got {betas!r}")
-        for name in ("adam_w_mode", "master_weights"):
-            if not isinstance(group[name], bool):
-                raise TypeError(f"{name} must be True or False, got {group[name]!r}")
-        check_adam_hyperparameters(
-            as_float("lr", group["lr"]),
-            as_float("beta1", betas[0]),
-            as_float("beta2", betas[1]),
-            as_float("eps", group["eps"]),
-            as_float("weight_decay", group["weight_decay"]),
-        )
+        return {
+            "lr": group["lr"],
+            "beta1": betas[0],
+            "beta2": betas[1],
+            "eps": group["eps"],
+            "weight_decay": group["weight_decay"],
+            "adam_w_mode": group["adam_w_mode"],
+        }
 
-    def _update(
-        self,
-        kernels: ModuleType,
-        batch: StepBatch,
-        step: Tensor,
-        group: dict[str, Any],
-        grad_multiplier: Tensor | None,
-        found_inf: Tensor | None,
-    ) -> None:
-        beta1, beta2 = group["betas"]
-        kernels.adam_step_(
-            batch.params,
-            batch.grads,
-            batch.masters_or_none(),
-            batch.states["exp_avg"],
-            batch.states["exp_avg_sq"],
-            step,
-            lr=float(group["lr"]),
-            beta1=float(beta1),
-            beta2=float(beta2),
-            eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]),
-            adam_w_mode=group["adam_w_mode"],
-            grad_multiplier=grad_multiplier,
-            found_inf=found_inf,
-            step_offsets=batch.step_offsets_or_none(),
-        )
+    def _check_kernel_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
+        # All but the flag adam_w_mode (checked by the base) are the numbers the kernel checks.
+        check_adam_hyperparameters(**{k: v for k, v in hyperparameters.items() if k != "adam_w_mode"})

@@ -56,6 +56,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -146,24 +147,53 @@ class FusedOptimizer(StateDictLoading, torch.optim.Optimizer):
     ``load_state_dict`` checks a checkpoint whole before it changes anything
     (`amp_fx.optim.state_dict_loading`).
 
-    A subclass defines three methods:
+    The base does what every fused optimizer does: ``master_weights``, param groups, the checks of
+    params and of hyperparameters' types, state, the step. A subclass states only what is its own:
 
-    - ``_state_keys(group) -> tuple[str, ...]``: names of its FP32 state tensors besides the master
-      (``("exp_avg", "exp_avg_sq")``), each shaped like the parameter;
-    - ``_check_hyperparameters(group)``: raise TypeError/ValueError for bad values in a param group;
-    - ``_update(kernels, batch, step, group, grad_multiplier, found_inf)``: one kernel call that
-      updates all params of ``batch`` (a `StepBatch`).
+    - ``_kernel_name``: its kernel in `amp_fx.kernels` (``"adam_step_"``), which the step calls as
+      ``kernel(params, grads, masters, *states, step, **hyperparameters, grad_multiplier=...,
+      found_inf=..., step_offsets=...)``;
+    - ``_state_names``: its FP32 state tensors besides the master, each shaped like the parameter, in
+      the order its kernel takes them (``("exp_avg", "exp_avg_sq")``); ``_state_keys(group)`` says
+      which of them a group keeps (all, unless overridden: SGD's buffer only with momentum);
+    - ``_flags``: its True/False hyperparameters (``master_weights`` is every optimizer's);
+    - ``_kernel_hyperparameters(group)``: its kernel's hyperparameter arguments, read from a param
+      group (``lr``, ``beta1``, ...: any but a flag is checked to be a Python number, then passed
+      as a float);
+    - ``_check_kernel_hyperparameters(hyperparameters)``: raise ValueError for values its kernel
+      refuses (its family's ``arguments`` checks).
     """
 
     # torch.amp.GradScaler then hands over grad_scale/found_inf instead of unscaling in place.
     _step_supports_amp_scaling = True
+    _kernel_name: str
+    _state_names: tuple[str, ...]
+    _flags: tuple[str, ...] = ()
 
-    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+    def __init__(self, params: Any, hyperparameters: dict[str, Any], master_weights: bool) -> None:
         # When it was created or last stepped: a LossScaler that scaled a loss since may own its grads.
         self.last_step_tick = next_tick()
         self._reset_pending()
         self._reset_found_inf_buffers()
-        super().__init__(params, defaults)
+        super().__init__(params, {**hyperparameters, "master_weights": master_weights})
+
+    # ----------------------------------------------------------------------------------------
+    # Hyperparameters (a subclass defines ``_kernel_hyperparameters`` and
+    # ``_check_kernel_hyperparameters``; see the class docstring)
+
+    def _check_hyperparameters(self, group: dict[str, Any]) -> None:
+        """Raise TypeError/ValueError for a bad value in ``group`` (a new group with the defaults
+        merged in, or a loaded one), before anything is created."""
+        hyperparameters = self._kernel_hyperparameters(group)
+        for name in (*self._flags, "master_weights"):
+            if not isinstance(group[name], bool):
+                raise TypeError(f"{name} must be True or False, got {group[name]!r}")
+        self._check_kernel_hyperparameters(
+            {
+                name: value if name in self._flags else as_float(name, value)
+                for name, value in hyperparameters.items()
+            }
+        )
 
     # ----------------------------------------------------------------------------------------
     # Param groups and state
@@ -310,6 +340,10 @@ class FusedOptimizer(StateDictLoading, torch.optim.Optimizer):
             self.state[param][MASTER_KEY] = master
 
         return master, undo
+
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """The state tensors a parameter of ``group`` keeps besides its master."""
+        return self._state_names
 
     def _init_moments(self, param: Tensor, group: dict[str, Any]) -> None:
         """Create the zeroed FP32 state tensors ``param`` lacks (its first step, or momentum 0 -> 0.9),
@@ -460,6 +494,34 @@ class FusedOptimizer(StateDictLoading, torch.optim.Optimizer):
         if batch is not None:
             batch.idle_step_offsets = idle_step_offsets
         return batch
+
+    def _update(
+        self,
+        kernels: ModuleType,
+        batch: StepBatch,
+        step: Tensor,
+        group: dict[str, Any],
+        grad_multiplier: Tensor | None,
+        found_inf: Tensor | None,
+    ) -> None:
+        """One call of this optimizer's kernel (from ``kernels``, an implementation) for ``batch``."""
+        kept = self._state_keys(group)
+        hyperparameters = {
+            name: value if name in self._flags else float(value)
+            for name, value in self._kernel_hyperparameters(group).items()
+        }
+        getattr(kernels, self._kernel_name)(
+            batch.params,
+            batch.grads,
+            batch.masters_or_none(),
+            # One list per state the kernel takes; None for one the group keeps none of.
+            *(batch.states[name] if name in kept else None for name in self._state_names),
+            step,
+            **hyperparameters,
+            grad_multiplier=grad_multiplier,
+            found_inf=found_inf,
+            step_offsets=batch.step_offsets_or_none(),
+        )
 
     def _gather_state(self, group: dict[str, Any], batch: StepBatch) -> None:
         """Add the masters and state tensors of ``batch``'s params, creating moments they lack."""

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from types import ModuleType
 from typing import Any
 
 from torch import Tensor
 
 from amp_fx.kernels.sgd.arguments import check_sgd_hyperparameters
-from amp_fx.optim.fused_optimizer import FusedOptimizer, StepBatch, as_float
+from amp_fx.optim.fused_optimizer import FusedOptimizer
 
 
 class FusedSGD(FusedOptimizer):
@@ -37,6 +36,10 @@ class FusedSGD(FusedOptimizer):
         >>> opt.step()
     """
 
+    _kernel_name = "sgd_step_"
+    _state_names = ("momentum_buffer",)
+    _flags = ("nesterov",)
+
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -47,56 +50,21 @@ class FusedSGD(FusedOptimizer):
         nesterov: bool = False,
         master_weights: bool = True,
     ) -> None:
-        defaults = {
+        hyperparameters = {
             "lr": lr,
             "momentum": momentum,
             "dampening": dampening,
             "weight_decay": weight_decay,
             "nesterov": nesterov,
-            "master_weights": master_weights,
         }
-        super().__init__(params, defaults)
+        super().__init__(params, hyperparameters, master_weights)
 
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return ("momentum_buffer",) if group["momentum"] != 0 else ()
+        return self._state_names if group["momentum"] != 0 else ()
 
-    def _check_hyperparameters(self, group: dict[str, Any]) -> None:
-        for name in ("nesterov", "master_weights"):
-            if not isinstance(group[name], bool):
-                raise TypeError(f"{name} must be True or False, got {group[name]!r}")
-        momentum = as_float("momentum", group["momentum"])
-        check_sgd_hyperparameters(
-            as_float("lr", group["lr"]),
-            momentum,
-            as_float("dampening", group["dampening"]),
-            as_float("weight_decay", group["weight_decay"]),
-            group["nesterov"],
-            # The buffers are created at the first step; only the hyperparameters are checked here.
-            momentum_buffers=(),
-        )
+    def _kernel_hyperparameters(self, group: dict[str, Any]) -> dict[str, Any]:
+        return {name: group[name] for name in ("lr", "momentum", "dampening", "weight_decay", "nesterov")}
 
-    def _update(
-        self,
-        kernels: ModuleType,
-        batch: StepBatch,
-        step: Tensor,
-        group: dict[str, Any],
-        grad_multiplier: Tensor | None,
-        found_inf: Tensor | None,
-    ) -> None:
-        momentum = float(group["momentum"])
-        kernels.sgd_step_(
-            batch.params,
-            batch.grads,
-            batch.masters_or_none(),
-            batch.states["momentum_buffer"] if momentum != 0 else None,
-            step,
-            lr=float(group["lr"]),
-            momentum=momentum,
-            dampening=float(group["dampening"]),
-            weight_decay=float(group["weight_decay"]),
-            nesterov=group["nesterov"],
-            grad_multiplier=grad_multiplier,
-            found_inf=found_inf,
-            step_offsets=batch.step_offsets_or_none(),
-        )
+    def _check_kernel_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
+        # The buffers are created at the first step; only the hyperparameters are checked here.
+        check_sgd_hyperparameters(**hyperparameters, momentum_buffers=())
