@@ -47,7 +47,7 @@ from amp_fx.core.policy_checks import (
     check_regex,
     check_rule,
 )
-from amp_fx.core.policy_serialization import policy_fields_from_dict, policy_to_dict
+from amp_fx.core.policy_serialization import policy_fields_from_dict, policy_fields_to_dict
 from amp_fx.core.preset_rules import BATCH_NORM_OPS, LOW_PRECISION_RESIDUAL_OPS, preset_op_rules
 from amp_fx.core.rules import Decision, OpRule, Rule
 
@@ -404,7 +404,8 @@ class Policy:
         >>> Policy.from_dict(json.loads(json.dumps(p.to_dict()))) == p
         True
         """
-        return policy_to_dict(self)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return policy_fields_to_dict(fields, self.fusion_flags())
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Policy:
