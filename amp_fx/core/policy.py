@@ -266,15 +266,16 @@ class Policy:
         )
 
     @property
-    def cast_parameters(self) -> bool:
-        """True for O2/O3: parameters and floating buffers are stored in the low dtype."""
+    def stores_weights_low(self) -> bool:
+        """True for O2/O3: parameters and floating buffers are stored in the low dtype (the opt
+        level's `stores_weights_low`)."""
         return self.level.stores_weights_low
 
     @property
     def cast_inputs_dtype(self) -> torch.dtype | None:
         """The dtype floating model inputs are cast to (at the entry where ``cast_inputs_at_entry``,
         else where the first op that runs low reads them): low for O2/O3, None for O0/O1."""
-        return self.dtype if self.cast_parameters else None
+        return self.dtype if self.stores_weights_low else None
 
     @property
     def entry_cast_dtype(self) -> torch.dtype | None:
@@ -387,7 +388,7 @@ class Policy:
         )
 
     def _param_dtype(self, op: str, rule: Rule) -> torch.dtype | None:
-        if not self.cast_parameters:
+        if not self.stores_weights_low:
             return None
         if rule is Rule.FP32:
             return torch.float32
@@ -420,7 +421,7 @@ class Policy:
             + " ".join(f"{flag}={getattr(self, flag)}" for flag in self.fusion_flags())
             + f" keep_logits={self.keep_logits} low_precision_residual={self.low_precision_residual}"
             + f" cast_inputs_at_entry={self.cast_inputs_at_entry}",
-            f"  cast_parameters={self.cast_parameters} cast_inputs_dtype="
+            f"  stores_weights_low={self.stores_weights_low} cast_inputs_dtype="
             f"{None if self.cast_inputs_dtype is None else dtype_name(self.cast_inputs_dtype)} "
             f"autocast_opaque={self.autocast_opaque}",
             f"  global: {self.global_rule.value}",
@@ -495,7 +496,7 @@ def preset(
     graph's entry, as Apex, instead of at their first lowered consumer (see `Policy`).
 
     >>> p = preset("O2", dtype=torch.bfloat16)
-    >>> p.cast_parameters, p.keep_batchnorm_fp32, p.cast_model_outputs, p.fused_losses
+    >>> p.stores_weights_low, p.keep_batchnorm_fp32, p.cast_model_outputs, p.fused_losses
     (True, True, torch.float32, True)
     >>> p.fused_max_pool is None, p.for_device("cuda").fused_max_pool, p.for_device("cpu").fused_max_pool
     (True, True, False)
