@@ -18,6 +18,7 @@
 - importing any pass loads none of the user API (checked by importing it, in a child process);
 - kernels/, amp_fx/core/ and amp_fx/ops/ import neither the passes nor the user API, and kernels/
   imports nothing of amp_fx outside amp_fx.kernels;
+- no module imports itself back through others (no import circles);
 - the top of amp_fx/ holds only the entries `TOP_FLOOR` lists.
 
 The static checks read every ``import`` statement with `ast`, also those inside functions.
@@ -262,6 +263,68 @@ def test_the_top_floor_holds_only_the_rooms():
     assert entries == TOP_FLOOR, (
         f"amp_fx/ holds {sorted(entries - TOP_FLOOR)} beyond its rooms (put a module in the room of its "
         f"idea) and lacks {sorted(TOP_FLOOR - entries)}"
+    )
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of amp_fx it imports (a name defined in a module counts as that module)."""
+    modules = _source_modules()
+
+    def owner(name: str) -> str | None:
+        parts = name.split(".")
+        return next(
+            (".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in modules), None
+        )
+
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        targets = {owner(name) for _, name in _imported_names(path, module)}
+        graph[module] = {t for t in targets if t and t != module}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_circles_are_found():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circles():
+    circles = _circles(_import_graph())
+    assert not circles, (
+        "modules that import each other (one of them should own what both need):\n"
+        + "\n".join(" <-> ".join(group) for group in circles)
     )
 
 

@@ -331,7 +331,7 @@ def captured_model(model: nn.Module, policy: Policy, *, in_place: bool = False) 
     class and the storage of its parameters change; the Parameter objects stay).
     """
     converted = model if in_place else copy_model(model)
-    unstored = store_parameters(converted, policy) if policy.cast_parameters else []
+    unstored = store_parameters(converted, policy) if policy.stores_weights_low else []
     _make_captured(converted, policy, unstored)
     _make_descendants_captured(converted, policy, unstored)
     # From here on, a change to it counts (a hook registered before the first call and removed
@@ -381,7 +381,7 @@ def _follow_changes(module: nn.Module, state: CaptureState) -> None:
     state.graphs.clear()
     state.seconds.clear()
     state.islands.clear()
-    if state.policy.cast_parameters:
+    if state.policy.stores_weights_low:
         store_added(module, state, watch.tensor_ids())
     _make_descendants_captured(module, state.policy, state.unstored)
     state.watch = take(module)

@@ -47,7 +47,7 @@ from amp_fx.core.policy_checks import (
     check_regex,
     check_rule,
 )
-from amp_fx.core.policy_serialization import policy_fields_from_dict, policy_to_dict
+from amp_fx.core.policy_serialization import policy_fields_from_dict, policy_fields_to_dict
 from amp_fx.core.preset_rules import BATCH_NORM_OPS, LOW_PRECISION_RESIDUAL_OPS, preset_op_rules
 from amp_fx.core.rules import Decision, OpRule, Rule
 
@@ -266,15 +266,16 @@ class Policy:
         )
 
     @property
-    def cast_parameters(self) -> bool:
-        """True for O2/O3: parameters and floating buffers are stored in the low dtype."""
+    def stores_weights_low(self) -> bool:
+        """True for O2/O3: parameters and floating buffers are stored in the low dtype (the opt
+        level's `stores_weights_low`)."""
         return self.level.stores_weights_low
 
     @property
     def cast_inputs_dtype(self) -> torch.dtype | None:
         """The dtype floating model inputs are cast to (at the entry where ``cast_inputs_at_entry``,
         else where the first op that runs low reads them): low for O2/O3, None for O0/O1."""
-        return self.dtype if self.cast_parameters else None
+        return self.dtype if self.stores_weights_low else None
 
     @property
     def entry_cast_dtype(self) -> torch.dtype | None:
@@ -387,7 +388,7 @@ class Policy:
         )
 
     def _param_dtype(self, op: str, rule: Rule) -> torch.dtype | None:
-        if not self.cast_parameters:
+        if not self.stores_weights_low:
             return None
         if rule is Rule.FP32:
             return torch.float32
@@ -404,7 +405,8 @@ class Policy:
         >>> Policy.from_dict(json.loads(json.dumps(p.to_dict()))) == p
         True
         """
-        return policy_to_dict(self)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return policy_fields_to_dict(fields, self.fusion_flags())
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Policy:
@@ -419,7 +421,7 @@ class Policy:
             + " ".join(f"{flag}={getattr(self, flag)}" for flag in self.fusion_flags())
             + f" keep_logits={self.keep_logits} low_precision_residual={self.low_precision_residual}"
             + f" cast_inputs_at_entry={self.cast_inputs_at_entry}",
-            f"  cast_parameters={self.cast_parameters} cast_inputs_dtype="
+            f"  stores_weights_low={self.stores_weights_low} cast_inputs_dtype="
             f"{None if self.cast_inputs_dtype is None else dtype_name(self.cast_inputs_dtype)} "
             f"autocast_opaque={self.autocast_opaque}",
             f"  global: {self.global_rule.value}",
@@ -494,7 +496,7 @@ def preset(
     graph's entry, as Apex, instead of at their first lowered consumer (see `Policy`).
 
     >>> p = preset("O2", dtype=torch.bfloat16)
-    >>> p.cast_parameters, p.keep_batchnorm_fp32, p.cast_model_outputs, p.fused_losses
+    >>> p.stores_weights_low, p.keep_batchnorm_fp32, p.cast_model_outputs, p.fused_losses
     (True, True, torch.float32, True)
     >>> p.fused_max_pool is None, p.for_device("cuda").fused_max_pool, p.for_device("cpu").fused_max_pool
     (True, True, False)

@@ -1,7 +1,8 @@
 """A `Policy` as a JSON-serializable dict and back: dtypes, rules and module types as strings.
 
 `Policy.to_dict` and `Policy.from_dict` are the entry points; this module holds the mapping
-between the dict and the policy's fields.
+between the dict and the policy's fields, which it takes and gives as keywords (it reads no
+`Policy`, so the policy module alone imports the other).
 
     >>> import torch
     >>> type_path(torch.nn.Linear), import_type("torch.nn.Linear") is torch.nn.Linear
@@ -11,16 +12,14 @@ between the dict and the policy's fields.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 from amp_fx.core.dtypes import dtype_name
 from amp_fx.core.policy_checks import check_low_dtype, check_output_dtype, check_rule
 from amp_fx.core.rules import OpRule, Rule
 
-if TYPE_CHECKING:
-    from amp_fx.core.policy import Policy
-
-__all__ = ["import_type", "policy_fields_from_dict", "policy_to_dict", "type_path"]
+__all__ = ["import_type", "policy_fields_from_dict", "policy_fields_to_dict", "type_path"]
 
 
 def type_path(cls: type) -> str:
@@ -55,35 +54,35 @@ def import_type(path: str) -> type:
     )
 
 
-def policy_to_dict(policy: Policy) -> dict[str, Any]:
-    """`Policy.to_dict`'s dict: every field, in a form `json.dumps` takes."""
+def policy_fields_to_dict(fields: Mapping[str, Any], fusion_flags: tuple[str, ...]) -> dict[str, Any]:
+    """`Policy.to_dict`'s dict of a policy's checked fields (field name -> value): every field, in
+    a form `json.dumps` takes."""
+    outputs = fields["cast_model_outputs"]
     return {
-        "opt_level": policy.opt_level,
-        "dtype": dtype_name(policy.dtype),
-        "device_type": policy.device_type,
-        "keep_batchnorm_fp32": policy.keep_batchnorm_fp32,
-        "cast_model_outputs": None
-        if policy.cast_model_outputs is None
-        else dtype_name(policy.cast_model_outputs),
-        **{flag: getattr(policy, flag) for flag in policy.fusion_flags()},
-        "keep_logits": policy.keep_logits,
-        "low_precision_residual": policy.low_precision_residual,
-        "cast_inputs_at_entry": policy.cast_inputs_at_entry,
-        "global": policy.global_rule.value,
+        "opt_level": fields["opt_level"],
+        "dtype": dtype_name(fields["dtype"]),
+        "device_type": fields["device_type"],
+        "keep_batchnorm_fp32": fields["keep_batchnorm_fp32"],
+        "cast_model_outputs": None if outputs is None else dtype_name(outputs),
+        **{flag: fields[flag] for flag in fusion_flags},
+        "keep_logits": fields["keep_logits"],
+        "low_precision_residual": fields["low_precision_residual"],
+        "cast_inputs_at_entry": fields["cast_inputs_at_entry"],
+        "global": fields["global_rule"].value,
         "op_rules": {
-            op: {"rule": e.rule.value, "reason": e.reason} for op, e in sorted(policy.op_rules.items())
+            op: {"rule": e.rule.value, "reason": e.reason} for op, e in sorted(fields["op_rules"].items())
         },
-        "op_overrides": {op: rule.value for op, rule in policy.op_overrides.items()},
+        "op_overrides": {op: rule.value for op, rule in fields["op_overrides"].items()},
         "module_type_overrides": {
-            type_path(cls): rule.value for cls, rule in policy.module_type_overrides.items()
+            type_path(cls): rule.value for cls, rule in fields["module_type_overrides"].items()
         },
-        "module_name_regex_overrides": [[p, rule.value] for p, rule in policy.module_name_regex_overrides],
-        "module_name_overrides": {name: rule.value for name, rule in policy.module_name_overrides.items()},
+        "module_name_regex_overrides": [[p, rule.value] for p, rule in fields["module_name_regex_overrides"]],
+        "module_name_overrides": {name: rule.value for name, rule in fields["module_name_overrides"].items()},
     }
 
 
 def policy_fields_from_dict(data: dict[str, Any], fusion_flags: tuple[str, ...]) -> dict[str, Any]:
-    """The `Policy` constructor's keywords for a dict `policy_to_dict` wrote (checked by `Policy`)."""
+    """The `Policy` constructor's keywords for a dict `policy_fields_to_dict` wrote (checked by `Policy`)."""
     if not isinstance(data, dict):
         raise TypeError(
             f"Policy.from_dict needs the dict written by Policy.to_dict, got {type(data).__name__}"

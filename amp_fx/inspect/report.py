@@ -46,7 +46,7 @@ front end), and why, as a table and as data.
 
 The report reads only ``node.meta["amp_fx"]`` (`amp_fx.core.node_info.NodeInfo`, written by the passes),
 the converted module's parameters, and ``gm.meta`` (the policy and the traced code before casts).
-Its layout as text is `amp_fx.inspect.report_text`'s.
+Its rows are `amp_fx.inspect.report_rows`'s, its layout as text `amp_fx.inspect.report_text`'s.
 """
 
 from __future__ import annotations
@@ -64,101 +64,10 @@ from amp_fx.capture.captured_model import CapturedModel, capture_states
 from amp_fx.core.dtypes import short_dtype_name
 from amp_fx.core.node_info import META_KEY, ORIGINAL_CODE_KEY, POLICY_KEY, NodeInfo
 from amp_fx.inspect.dot import write_dot
+from amp_fx.inspect.report_rows import InputCast, NodeRow, ParameterRow, _dtype_str
 from amp_fx.inspect.report_text import REPORT_WIDTH, format_summary, format_table
 
 __all__ = ["REPORT_WIDTH", "InputCast", "NodeRow", "Report", "report"]
-
-
-@dataclass(frozen=True)
-class NodeRow:
-    """One node of the converted graph as the report shows it."""
-
-    name: str
-    # fx's node kind: placeholder, get_attr, call_function, call_method, call_module, output.
-    kind: str
-    target: str
-    # Canonical op ("linear", "softmax", "to" for casts); None for placeholders, get_attr, output.
-    op: str | None
-    # The rule's value ("lower", "fp32", "promote", "passthrough", "opaque"), or None.
-    rule: str | None
-    reason: str
-    in_dtypes: tuple[torch.dtype | None, ...]
-    out_dtype: torch.dtype | None
-    is_cast: bool
-    cast_reason: str
-    opaque_reason: str | None
-    notes: tuple[str, ...]
-    # The graph the node belongs to, where a report covers several (the torch.export front end's
-    # graphs, labelled by module name); "" for a report of one graph.
-    graph: str = ""
-
-    @property
-    def why(self) -> str:
-        """The reason column: the cast's reason for casts, the rule's reason plus opaque reason otherwise."""
-        if self.is_cast:
-            return self.cast_reason or self.reason
-        if self.opaque_reason:
-            return (
-                f"{self.reason} [opaque: {self.opaque_reason}]"
-                if self.reason
-                else f"opaque: {self.opaque_reason}"
-            )
-        if self.kind == "placeholder":
-            return self.reason or "input"
-        return self.reason
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "target": self.target,
-            "op": self.op,
-            "rule": self.rule,
-            "reason": self.reason,
-            "in_dtypes": [_dtype_str(d) for d in self.in_dtypes],
-            "out_dtype": _dtype_str(self.out_dtype),
-            "is_cast": self.is_cast,
-            "cast_reason": self.cast_reason,
-            "opaque_reason": self.opaque_reason,
-            "notes": list(self.notes),
-            "graph": self.graph,
-        }
-
-
-@dataclass(frozen=True)
-class InputCast:
-    """Where a floating model input was cast, and why (`Report.input_casts`)."""
-
-    # The graph's label ("" for the one graph of a torch.fx front-end model) and the input's node.
-    graph: str
-    name: str
-    # amp_fx's casts of the input or of values computed from it (names of cast nodes), and the
-    # nodes that read those casts.
-    casts: tuple[str, ...]
-    consumers: tuple[str, ...]
-    # The ops that read it first, uncast (statistics, subtraction, ...), in graph order.
-    read_as_is_by: tuple[str, ...]
-    reason: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "graph": self.graph,
-            "name": self.name,
-            "casts": list(self.casts),
-            "consumers": list(self.consumers),
-            "read_as_is_by": list(self.read_as_is_by),
-            "reason": self.reason,
-        }
-
-
-@dataclass(frozen=True)
-class ParameterRow:
-    """A parameter or buffer of the converted module and the dtype it is stored in."""
-
-    name: str
-    dtype: torch.dtype
-    numel: int
-    is_buffer: bool
 
 
 @dataclass
@@ -316,7 +225,16 @@ class Report:
 
     def summary(self) -> str:
         """Counts, the ops kept in FP32 and why, and the opaque nodes (lines wrapped at REPORT_WIDTH)."""
-        return format_summary(self)
+        return format_summary(
+            ops=len(self.ops),
+            casts_inserted=self.casts_inserted,
+            ops_by_rule=self.ops_by_rule,
+            params_by_dtype=self.params_by_dtype,
+            input_casts=self.input_casts,
+            fp32_ops=self.fp32_ops,
+            opaque=self.opaque,
+            islands=self.islands,
+        )
 
     def __str__(self) -> str:
         return f"{self._header}\n{self.table()}\n\n{self.summary()}"
@@ -333,10 +251,6 @@ def _unified_diff(before: str, after: str, label: str, context: int) -> str:
             n=context,
         )
     )
-
-
-def _dtype_str(dtype: torch.dtype | None) -> str | None:
-    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _policy_summary(policy: Any) -> dict[str, Any] | None:

@@ -1,5 +1,6 @@
 """The report laid out as text: the per-node table and the summary, no line wider than
-`REPORT_WIDTH`. `amp_fx.inspect.report.Report` holds the content and calls these for ``str(report)``.
+`REPORT_WIDTH`. `amp_fx.inspect.report.Report` holds the content and calls these for ``str(report)``,
+handing over what they lay out (the rows of `amp_fx.inspect.report_rows`, the counts).
 
 A cell too long for its column continues on the lines below it, broken at spaces:
 
@@ -10,12 +11,12 @@ A cell too long for its column continues on the lines below it, broken at spaces
 from __future__ import annotations
 
 import textwrap
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+
+import torch
 
 from amp_fx.core.dtypes import short_dtype_name
-
-if TYPE_CHECKING:
-    from amp_fx.inspect.report import NodeRow, Report
+from amp_fx.inspect.report_rows import InputCast, NodeRow
 
 __all__ = ["REPORT_WIDTH", "format_summary", "format_table"]
 
@@ -68,41 +69,59 @@ def format_table(rows: list[NodeRow]) -> str:
     return "\n".join(lines)
 
 
-def format_summary(report: Report) -> str:
-    """Counts, the ops kept in FP32 and why, and the opaque nodes (lines wrapped at REPORT_WIDTH)."""
-    lines = [f"{len(report.ops)} ops, {report.casts_inserted} casts inserted"]
+def format_summary(
+    *,
+    ops: int,
+    casts_inserted: int,
+    ops_by_rule: Mapping[str, Mapping[str, int]],
+    params_by_dtype: Mapping[torch.dtype, tuple[int, int]],
+    input_casts: Sequence[InputCast],
+    fp32_ops: Sequence[NodeRow],
+    opaque: Sequence[NodeRow],
+    islands: Mapping[str, str],
+) -> str:
+    """Counts, the ops kept in FP32 and why, and the opaque nodes (lines wrapped at REPORT_WIDTH);
+    the arguments are `amp_fx.inspect.report.Report`'s properties of those names (`ops` a count).
+
+    >>> print(format_summary(ops=1, casts_inserted=0, ops_by_rule={"lower": {"linear": 1}},
+    ...                      params_by_dtype={}, input_casts=[], fp32_ops=[], opaque=[], islands={}))
+    1 ops, 0 casts inserted
+    ops per rule: lower 1 (linear×1)
+    parameters and buffers: none
+    """
+    lines = [f"{ops} ops, {casts_inserted} casts inserted"]
     # Broken only between ops: "passthrough 48 (add×5," starts a rule, ")" ends it.
     per_rule = []
-    for rule, ops in sorted(report.ops_by_rule.items()):
-        entries = [f"{op}×{n}" for op, n in sorted(ops.items())]
-        entries[0] = f"{rule} {sum(ops.values())} ({entries[0]}"
+    for rule, counts in sorted(ops_by_rule.items()):
+        entries = [f"{op}×{n}" for op, n in sorted(counts.items())]
+        entries[0] = f"{rule} {sum(counts.values())} ({entries[0]}"
         entries[-1] += ")"
         per_rule += entries
     lines += _fill_items("ops per rule: ", per_rule or ["none"])
     params = [
         f"{short_dtype_name(d)} {n} tensors ({numel:,} elements)"
-        for d, (n, numel) in sorted(report.params_by_dtype.items(), key=lambda item: str(item[0]))
+        for d, (n, numel) in sorted(params_by_dtype.items(), key=lambda item: str(item[0]))
     ]
     lines += _fill_items("parameters and buffers: ", params or ["none"])
-    inputs = [cast for cast in report.input_casts if cast.read_as_is_by or not cast.casts]
+    inputs = [cast for cast in input_casts if cast.read_as_is_by or not cast.casts]
     if inputs:
         # Inputs not simply cast where they enter: where the cast went, and why.
         lines.append("inputs:")
         for cast in inputs:
             where = f"[{cast.graph}] " if cast.graph else ""
             lines += _wrap(f"{where}{cast.name}: {cast.reason}", REPORT_WIDTH, "  ", "    ")
-    if report.fp32_ops:
+    if fp32_ops:
         lines.append("stayed FP32:")
-        for r in report.fp32_ops:
+        for r in fp32_ops:
             lines += _wrap(f"{_where(r)}{r.name} ({r.op}): {r.reason}", REPORT_WIDTH, "  ", "    ")
-    if report.opaque:
+    if opaque:
         lines.append("opaque:")
-        for r in report.opaque:
+        for r in opaque:
             text = f"{_where(r)}{r.name} ({r.target}): {r.opaque_reason or r.reason}"
             lines += _wrap(text, REPORT_WIDTH, "  ", "    ")
-    if report.islands:
+    if islands:
         lines.append("autocast islands (modules torch.export could not capture):")
-        for name, reason in report.islands.items():
+        for name, reason in islands.items():
             lines += _wrap(f"{name or '<model>'}: {reason}", REPORT_WIDTH, "  ", "    ")
     return "\n".join(lines)
 

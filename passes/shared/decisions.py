@@ -174,7 +174,7 @@ def parameter_plan(gm: torch.fx.GraphModule, policy: Policy) -> dict[str, torch.
 def planned_parameter_dtypes(gm: torch.fx.GraphModule, policy: Policy) -> dict[str, torch.dtype]:
     """Qualified name -> storage dtype for every parameter/buffer `cast_parameters` will cast.
 
-    Empty unless ``policy.cast_parameters`` (O2/O3). A tensor reachable under several names
+    Empty unless ``policy.stores_weights_low`` (O2/O3). A tensor reachable under several names
     (tied weights) gets one dtype under all of them: float32 if any caller wants float32. At a
     level that keeps norms FP32 (O2) a tensor the graph reads directly is float32 unless a
     lowered op reads it (`_read_by_lowered_op`; the report notes why, `UNLOWERED_PARAMETER_REASON`).
@@ -188,7 +188,7 @@ def planned_parameter_dtypes(gm: torch.fx.GraphModule, policy: Policy) -> dict[s
     >>> planned_parameter_dtypes(gm, preset("O2", torch.bfloat16, "cpu"))
     {'0.weight': torch.bfloat16, '0.bias': torch.bfloat16, '1.weight': torch.float32, '1.bias': torch.float32}
     """
-    if not policy.cast_parameters or gm.meta.get(PARAMETERS_STORED_KEY):
+    if not policy.stores_weights_low or gm.meta.get(PARAMETERS_STORED_KEY):
         return {}
     unstored = gm.meta.get(UNSTORED_PARAMETERS_KEY)  # None: every parameter is planned (fx)
     unlowered_reads: list[torch.fx.Node] = []

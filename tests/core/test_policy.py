@@ -147,7 +147,7 @@ def test_equality_sees_every_field() -> None:
 def test_str_is_a_readable_table() -> None:
     text = str(_customized("O2", "cuda"))
     assert text.startswith("Policy O2 dtype=bfloat16 device_type=cuda keep_batchnorm_fp32=True")
-    assert "cast_model_outputs=float32" in text and "cast_parameters=True" in text
+    assert "cast_model_outputs=float32" in text and "stores_weights_low=True" in text
     fp32_line = next(line for line in text.splitlines() if line.strip().startswith("fp32 "))
     assert "log_softmax" in fp32_line and "mse_loss" in fp32_line
     assert "module name regex '^head'" in text and "module name 'head.out'" in text

@@ -24,7 +24,7 @@ DEVICES = ("cpu", "cuda")
 @pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
 def test_preset_properties_follow_the_table(device: str, dtype: torch.dtype) -> None:
     table = {
-        # level: (cast_parameters, cast_inputs_dtype, autocast_opaque, is_identity, keep_bn, outputs)
+        # level: (stores_weights_low, cast_inputs_dtype, autocast_opaque, is_identity, keep_bn, outputs)
         "O0": (False, None, False, True, False, None),
         "O1": (False, None, True, False, False, None),
         "O2": (True, dtype, True, False, True, torch.float32),
@@ -33,7 +33,7 @@ def test_preset_properties_follow_the_table(device: str, dtype: torch.dtype) -> 
     for level, expected in table.items():
         policy = preset(level, dtype=dtype, device_type=device)
         got = (
-            policy.cast_parameters,
+            policy.stores_weights_low,
             policy.cast_inputs_dtype,
             policy.autocast_opaque,
             policy.is_identity,
