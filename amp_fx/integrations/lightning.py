@@ -49,10 +49,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.fabric.wrappers import _FabricOptimizer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.core import LightningModule
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor, nn
@@ -66,6 +64,7 @@ from amp_fx.integrations._lightning_convert import ConvertedChildren
 from amp_fx.integrations._lightning_optimizers import SUPPORTED, check_optimizer
 from amp_fx.optim.model_load_hooks import masters_of
 from amp_fx.optim.scaled_optimizer import ScaledOptimizer
+from amp_fx.optim.wrappers import unwrap_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -93,12 +92,6 @@ def _reads_grads_in_hooks(module: Any) -> bool:
         return True
     trainer = _trainer_of(module)
     return trainer is not None and any(_overrides(cb, Callback, hook) for cb in trainer.callbacks)
-
-
-def _unwrapped(optimizer: Any) -> Any:
-    while isinstance(optimizer, (LightningOptimizer, _FabricOptimizer)):
-        optimizer = optimizer.optimizer
-    return optimizer
 
 
 class AmpPrecision(Precision):
@@ -331,7 +324,7 @@ class AmpPrecision(Precision):
     # The step
     def _fused(self, optimizer: Any) -> Any:
         """The amp_fx optimizer behind Lightning's wrappers, checked once: refused unless it is one."""
-        optimizer = _unwrapped(optimizer)
+        optimizer = unwrap_optimizer(optimizer)
         if optimizer in self._checked_optimizers:
             return optimizer
         if isinstance(optimizer, torch.optim.Optimizer) and any(

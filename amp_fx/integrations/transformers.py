@@ -72,6 +72,7 @@ from amp_fx.integrations._hf_model import check_model, convert_for_trainer, rest
 from amp_fx.integrations._hf_optim import check_optim_name, check_optimizer, check_optimizer_class
 from amp_fx.integrations._hf_scaler import AcceleratorScaler
 from amp_fx.optim.scaled_optimizer import ScaledOptimizer
+from amp_fx.optim.wrappers import unwrap_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -86,13 +87,6 @@ _PRIVATE_HOOKS = (
     "_load_from_checkpoint",
     "_load_best_model",
 )
-
-
-def _unwrapped(optimizer: Any) -> Any:
-    """The optimizer inside accelerate's ``AcceleratedOptimizer`` (and any other wrapper)."""
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
 
 
 class _ConvertAtInitEnd(TrainerCallback):
@@ -256,7 +250,7 @@ class AmpTrainerMixin:
         """The Trainer's optimizer (from ``args.optim``, ``optimizer_cls_and_kwargs`` or ``optimizers=``)
         replaced by its fused equivalent, masters set from the FP32 weights before conversion."""
         super().create_optimizer(model)
-        current = _unwrapped(self.optimizer)
+        current = unwrap_optimizer(self.optimizer)
         fused = fused_equivalent(current, self._amp_setup.master_weights)
         if fused is not current:
             if self.lr_scheduler is not None:
@@ -271,7 +265,7 @@ class AmpTrainerMixin:
         self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None
     ) -> Any:
         """The Trainer's scheduler, once the optimizer is known to be amp_fx's fused one."""
-        current = _unwrapped(optimizer if optimizer is not None else self.optimizer)
+        current = unwrap_optimizer(optimizer if optimizer is not None else self.optimizer)
         if current is not None and not isinstance(current, ScaledOptimizer):
             raise TypeError(
                 f"{type(self).__name__} trains with {type(current).__name__}, which keeps no FP32 masters "
@@ -293,7 +287,7 @@ class AmpTrainerMixin:
     def _amp_unscale_and_clip(self, max_norm: float | None) -> Tensor:
         """Hand the scale to the optimizer's kernel (the step counts an overflow) and clip the unscaled
         gradients to ``max_norm`` (None: measure only); returns their norm, on the device."""
-        optimizer = _unwrapped(self.optimizer)
+        optimizer = unwrap_optimizer(self.optimizer)
         if self._amp_scaler is not None:
             self._amp_scaler.defer_unscale_(optimizer)
         return amp_fx.clip_grad_norm_(optimizer, max_norm if max_norm else float("inf"))

@@ -321,7 +321,7 @@ EXAMPLE_ARGS += ["--block-size", "16", "--corpus-bytes", "20000", "--log-every",
 
 def load_cuda_graph_example() -> ModuleType:
     """examples/cuda_graph_step.py as a module; it imports examples/gpt.py from beside it."""
-    examples = Path(__file__).resolve().parents[1] / "examples"
+    examples = Path(__file__).resolve().parents[2] / "examples"
     if str(examples) not in sys.path:
         sys.path.insert(0, str(examples))
     spec = importlib.util.spec_from_file_location(

@@ -44,7 +44,7 @@ STEPS = 6
 OVERFLOW_STEP = 3  # the step at which rank 1's inputs carry an inf
 DTYPE = torch.float16
 TIMEOUT_S = 120
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def global_batches(device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
