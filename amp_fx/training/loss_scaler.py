@@ -46,6 +46,7 @@ import logging
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -63,8 +64,8 @@ from amp_fx.optim.torch_optimizer_scaling import (
 )
 from amp_fx.optim.wrappers import unwrap_optimizer
 from amp_fx.training.distributed import agree_on_overflow_
-from amp_fx.training.loss_scaler_settings import check_number
-from amp_fx.training.loss_scaler_state_dict import LossScaleStateDict
+from amp_fx.training.loss_scale_checkpoint import ScalerState, read_state_dict, state_dict_of
+from amp_fx.training.loss_scale_settings import LossScaleSettings, check_number, check_scale
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ def _fresh_optimizer_state() -> dict[str, Any]:
     return {"stage": _Stage.READY, "found_inf_per_device": {}, "optimizer": None}
 
 
-class LossScaler(LossScaleStateDict):
+class LossScaler:
     """Dynamic loss scaler: torch.amp.GradScaler's protocol with hysteresis and a min/max scale.
 
     The scale starts at ``init_scale``, is multiplied by ``growth_factor`` after
@@ -146,6 +147,8 @@ class LossScaler(LossScaleStateDict):
     on CUDA, its torch reference elsewhere; more flags are summed by torch first),
     which also leaves ``1 / scale`` ready for the next ``unscale_``.
     ``enabled=False`` turns every method into a pass-through (bf16 training needs no scaling).
+    The settings are one frozen `amp_fx.training.loss_scale_settings.LossScaleSettings`, checked
+    whole before a setter or ``load_state_dict`` replaces them: a refused value changes nothing.
 
     Args:
         init_scale: initial scale (GradScaler's default 2**16).
@@ -183,15 +186,25 @@ class LossScaler(LossScaleStateDict):
         enabled: bool = True,
         process_group: Any = None,
     ) -> None:
+        if isinstance(init_scale, str):
+            raise TypeError(
+                f"LossScaler's first argument is init_scale, got {init_scale!r}: unlike "
+                "torch.amp.GradScaler it takes no device (the scale lives on the device of the first "
+                "scaled loss); drop that argument"
+            )
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be True or False, got {enabled!r}")
-        self._set_settings(
-            init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale
+        # Frozen: a setter or load_state_dict replaces it whole, checked before it is stored.
+        self._settings = LossScaleSettings(
+            growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale
         )
+        check_scale("init_scale", init_scale, self._settings)
         self._enabled = enabled
         self._process_group = process_group
+        # What the device state starts from, until it is created (load_state_dict and unpickling set them).
+        self._init_scale = float(init_scale)
         self._init_growth_tracker = 0
-        self._init_hysteresis_tracker = self._hysteresis
+        self._init_hysteresis_tracker = self._settings.hysteresis
         # Created lazily on the device of the first scaled loss.
         self._scale: Tensor | None = None
         self._growth_tracker: Tensor | None = None
@@ -477,24 +490,88 @@ class LossScaler(LossScaleStateDict):
         self._require_state("update_from_found_infs")
         _ACTIVE_SCALERS.discard(self)
         flags = [found_infs] if isinstance(found_infs, Tensor) else found_infs
+        settings = self._settings
         implementation_for([self._scale]).update_loss_scale_(
             self._scale,
             self._growth_tracker,
             self._hysteresis_tracker,
             [flag.float() for flag in flags],
-            growth_factor=self._growth_factor,
-            backoff_factor=self._backoff_factor,
-            growth_interval=self._growth_interval,
-            hysteresis=self._hysteresis,
-            min_scale=self._min_scale,
-            max_scale=self._max_scale,
+            growth_factor=settings.growth_factor,
+            backoff_factor=settings.backoff_factor,
+            growth_interval=settings.growth_interval,
+            hysteresis=settings.hysteresis,
+            min_scale=settings.min_scale,
+            max_scale=settings.max_scale,
             inv_scale_out=self._inv_scale,
             zero_found_infs=zero_found_infs,
         )
 
     # ----------------------------------------------------------------------------------------
-    # Getters (GradScaler's; get_scale and the settings' own are LossScaleStateDict's and
-    # LossScaleSettings')
+    # Getters and setters (GradScaler's, and those of the settings GradScaler lacks)
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled). Reads the device: a host sync."""
+        if not self._enabled:
+            return 1.0
+        return self._init_scale if self._scale is None else float(self._scale.item())
+
+    def _get_growth_tracker(self) -> int:
+        if not self._enabled:
+            return 0
+        return self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
+
+    def _get_hysteresis_tracker(self) -> int:
+        if not self._enabled:
+            return 0
+        if self._hysteresis_tracker is None:
+            return self._init_hysteresis_tracker
+        return int(self._hysteresis_tracker.item())
+
+    def get_growth_factor(self) -> float:
+        """The factor the scale grows by after ``growth_interval`` clean steps."""
+        return self._settings.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (> 1)."""
+        self._settings = replace(self._settings, growth_factor=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        """The factor the scale shrinks by on overflow."""
+        return self._settings.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (in (0, 1))."""
+        self._settings = replace(self._settings, backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        """The number of consecutive clean steps before the scale grows."""
+        return self._settings.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (>= 1).
+
+        Example:
+            >>> scaler = LossScaler(growth_interval=100)
+            >>> scaler.set_growth_interval(0)
+            Traceback (most recent call last):
+            ...
+            ValueError: growth_interval must be an int in [1, 2**31 - 1] (the trackers are int32), got 0
+            >>> scaler.get_growth_interval()  # a refused value changes nothing
+            100
+        """
+        self._settings = replace(self._settings, growth_interval=new_interval)
+
+    def get_hysteresis(self) -> int:
+        """The number of consecutive overflowing steps before the scale backs off."""
+        return self._settings.hysteresis
+
+    def get_min_scale(self) -> float | None:
+        """The lower bound of the scale (None: unbounded)."""
+        return self._settings.min_scale
+
+    def get_max_scale(self) -> float | None:
+        """The upper bound of the scale (None: unbounded)."""
+        return self._settings.max_scale
 
     def scale_tensor(self) -> Tensor | None:
         """The current scale as a tensor on the device, for logging without a host read (None
@@ -516,7 +593,51 @@ class LossScaler(LossScaleStateDict):
         return self._enabled
 
     # ----------------------------------------------------------------------------------------
-    # Pickling (state_dict and load_state_dict are LossScaleStateDict's)
+    # Checkpoints and pickling
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state as plain Python numbers (empty when disabled); a superset of GradScaler's.
+
+        Keys: ``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
+        ``_growth_tracker`` (GradScaler's five) and ``hysteresis``, ``_hysteresis_tracker``,
+        ``min_scale``, ``max_scale``. Reads the device (a host sync): call it after ``update()``.
+
+        Example:
+            >>> from amp_fx import LossScaler
+            >>> LossScaler(init_scale=1024.0).state_dict()["scale"]
+            1024.0
+        """
+        if not self._enabled:
+            return {}
+        state = ScalerState(
+            self._settings, self.get_scale(), self._get_growth_tracker(), self._get_hysteresis_tracker()
+        )
+        return state_dict_of(state)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state from ``state_dict()`` (or from torch.amp.GradScaler's); no-op when disabled.
+
+        Every value is checked before anything changes. Keys GradScaler does not write
+        (hysteresis, bounds) keep their current values when absent.
+
+        Example:
+            >>> scaler, other = LossScaler(init_scale=1024.0, hysteresis=2), LossScaler()
+            >>> other.load_state_dict(scaler.state_dict())
+            >>> other.get_scale(), other.get_hysteresis()
+            (1024.0, 2)
+        """
+        if not self._enabled:
+            return
+        state = read_state_dict(state_dict, self._settings)
+        self._settings = state.settings
+        self._init_scale = state.scale
+        self._init_growth_tracker = state.growth_tracker
+        self._init_hysteresis_tracker = state.hysteresis_tracker
+        if self._scale is not None:
+            self._scale.fill_(self._init_scale)
+            self._growth_tracker.fill_(self._init_growth_tracker)
+            self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
+            reciprocal_scale_(self._inv_scale, self._scale)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -536,6 +657,10 @@ class LossScaler(LossScaleStateDict):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "_settings" not in state:  # pickled by a version that kept each setting in an attribute
+            state = dict(state)
+            names = [field.name for field in fields(LossScaleSettings)]
+            state["_settings"] = LossScaleSettings(**{name: state.pop(f"_{name}") for name in names})
         self.__dict__.update(state)
         self.__dict__.setdefault("_inv_scale", None)  # pickled by a version without it (no device state)
         self.__dict__.setdefault("_scaled_at", 0)
