@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import fields, replace
@@ -54,7 +53,7 @@ from torch import Tensor
 
 from amp_fx.kernels import implementation_for
 from amp_fx.kernels.reference import reciprocal_scale_
-from amp_fx.optim.scaled_optimizer import ScaledOptimizer, next_tick
+from amp_fx.optim.scaled_optimizer import ScaledOptimizer
 from amp_fx.optim.torch_optimizer_scaling import (
     any_overflow_on_host,
     reads_found_inf,
@@ -63,13 +62,14 @@ from amp_fx.optim.torch_optimizer_scaling import (
     unscale_grads_in_place_,
 )
 from amp_fx.optim.wrappers import unwrap_optimizer
+from amp_fx.training.active_scalers import note_scaled, note_stepped, note_updated
 from amp_fx.training.distributed import agree_on_overflow_
 from amp_fx.training.loss_scale_checkpoint import ScalerState, read_state_dict, state_dict_of
 from amp_fx.training.loss_scale_settings import LossScaleSettings, check_number, check_scale
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LossScaler", "scaler_for"]
+__all__ = ["LossScaler"]
 
 
 class _Stage(enum.Enum):
@@ -77,50 +77,6 @@ class _Stage(enum.Enum):
     DEFERRED = 1  # checked for inf/NaN, 1/scale pending in the optimizer (the fast path)
     UNSCALED = 2  # the grads hold the true gradients (unscale_)
     STEPPED = 3
-
-
-# Scalers that scaled a loss since their last update, and the scaler that last stepped each
-# optimizer: how `amp_fx.clip_grad_norm_` finds the scale of grads that nobody unscaled (`scaler_for`).
-_ACTIVE_SCALERS: weakref.WeakSet[LossScaler] = weakref.WeakSet()
-_SCALER_OF_OPTIMIZER: weakref.WeakKeyDictionary[Any, LossScaler] = weakref.WeakKeyDictionary()
-
-
-def scaler_for(optimizer: Any) -> LossScaler | None:
-    """The LossScaler whose scale ``optimizer``'s grads carry now, or None (no scaler is in use).
-
-    That is the scaler that stepped ``optimizer`` last, if it has scaled a loss since its last
-    ``update``. Before its first such step, for an amp_fx optimizer, it is the scaler that scaled a
-    loss after the optimizer was created or last stepped and has not updated since; when several
-    did, none can be chosen and a RuntimeError says to pass ``scaler=``.
-
-    Example:
-        >>> import torch, amp_fx
-        >>> opt = amp_fx.optim.FusedSGD([torch.nn.Parameter(torch.ones(1))])
-        >>> scaler = LossScaler()
-        >>> _ = scaler.scale(torch.ones(()))
-        >>> scaler_for(opt) is scaler
-        True
-        >>> scaler.update(1024.0); scaler_for(opt) is None
-        True
-    """
-    optimizer = unwrap_optimizer(optimizer)
-    try:
-        last = _SCALER_OF_OPTIMIZER.get(optimizer)
-    except TypeError:  # not weak-referenceable: it was never stepped by a LossScaler
-        last = None
-    if last is not None and last in _ACTIVE_SCALERS:
-        return last
-    if not isinstance(optimizer, ScaledOptimizer):
-        return None
-    since = getattr(optimizer, "last_step_tick", 0)
-    candidates = [scaler for scaler in _ACTIVE_SCALERS if scaler._scaled_at > since]
-    if len(candidates) > 1:
-        raise RuntimeError(
-            f"{len(candidates)} LossScalers have scaled a loss since this optimizer was created or last "
-            "stepped, so which scale its gradients carry is unknown; pass the scaler: "
-            "amp_fx.clip_grad_norm_(optimizer, max_norm, scaler=scaler)"
-        )
-    return candidates[0] if candidates else None
 
 
 def _fresh_optimizer_state() -> dict[str, Any]:
@@ -211,7 +167,6 @@ class LossScaler:
         self._hysteresis_tracker: Tensor | None = None
         # 1 / scale, kept current by every write of the scale, so unscale_ launches nothing for it.
         self._inv_scale: Tensor | None = None
-        self._scaled_at = 0  # next_tick() at the last scale(): see scaler_for
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
 
     # ----------------------------------------------------------------------------------------
@@ -247,8 +202,7 @@ class LossScaler:
         """
         if not self._enabled:
             return outputs
-        _ACTIVE_SCALERS.add(self)
-        self._scaled_at = next_tick()
+        note_scaled(self)
         copies: dict[torch.device, Tensor] = {}
 
         def apply(value: Any) -> Any:
@@ -365,10 +319,7 @@ class LossScaler:
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is _Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update()")
-        try:
-            _SCALER_OF_OPTIMIZER[optimizer] = self
-        except TypeError:
-            pass  # not weak-referenceable: amp_fx.clip_grad_norm_ then finds the scaler among the active
+        note_stepped(self, optimizer)
 
         if isinstance(optimizer, ScaledOptimizer):
             self.defer_unscale_(optimizer)
@@ -451,7 +402,7 @@ class LossScaler:
             if isinstance(state["optimizer"], ScaledOptimizer):
                 state["optimizer"].finish_scaling(zeroed_found_infs=found_infs)
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
-        _ACTIVE_SCALERS.discard(self)
+        note_updated(self)
 
     def _set_scale(self, new_scale: float | Tensor) -> None:
         if isinstance(new_scale, Tensor):
@@ -488,7 +439,7 @@ class LossScaler:
         if not self._enabled:
             return
         self._require_state("update_from_found_infs")
-        _ACTIVE_SCALERS.discard(self)
+        note_updated(self)
         flags = [found_infs] if isinstance(found_infs, Tensor) else found_infs
         settings = self._settings
         implementation_for([self._scale]).update_loss_scale_(
@@ -663,5 +614,5 @@ class LossScaler:
             state["_settings"] = LossScaleSettings(**{name: state.pop(f"_{name}") for name in names})
         self.__dict__.update(state)
         self.__dict__.setdefault("_inv_scale", None)  # pickled by a version without it (no device state)
-        self.__dict__.setdefault("_scaled_at", 0)
+        self.__dict__.pop("_scaled_at", None)  # a version before active_scalers kept it here
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
