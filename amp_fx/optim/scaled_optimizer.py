@@ -68,7 +68,7 @@ _TICKS = itertools.count(1)
 
 def next_tick() -> int:
     """A process-wide counter that orders loss scalings and optimizer steps
-    (`amp_fx.training.loss_scaler.scaler_for` reads it: a scaler that scaled a loss after an
+    (`amp_fx.training.active_scalers.scaler_for` reads it: a scaler that scaled a loss after an
     optimizer's last step may have scaled its grads).
 
     >>> next_tick() < next_tick()

@@ -33,8 +33,9 @@ from torch import Tensor
 from amp_fx.kernels import implementation_for
 from amp_fx.optim.scaled_optimizer import ScaledOptimizer
 from amp_fx.optim.wrappers import unwrap_optimizer
+from amp_fx.training.active_scalers import scaler_for
 from amp_fx.training.distributed import shard_groups
-from amp_fx.training.loss_scaler import LossScaler, scaler_for
+from amp_fx.training.loss_scaler import LossScaler
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def clip_grad_norm_(
     ``.optimizer`` (accelerate's, Lightning's). Call it between ``backward`` and ``scaler.step``;
     ``scaler.unscale_`` first is not needed: grads that were not unscaled are measured divided by
     the scale of ``scaler`` (default: the `amp_fx.LossScaler` that scaled this iteration's loss,
-    `amp_fx.training.loss_scaler.scaler_for`), which also checks them for inf/NaN.
+    `amp_fx.training.active_scalers.scaler_for`), which also checks them for inf/NaN.
 
     An inf or NaN grad makes the norm inf or NaN, as in torch; under a LossScaler that step is
     skipped anyway.

@@ -43,9 +43,9 @@ from __future__ import annotations
 
 import enum
 import logging
-import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -53,7 +53,7 @@ from torch import Tensor
 
 from amp_fx.kernels import implementation_for
 from amp_fx.kernels.reference import reciprocal_scale_
-from amp_fx.optim.scaled_optimizer import ScaledOptimizer, next_tick
+from amp_fx.optim.scaled_optimizer import ScaledOptimizer
 from amp_fx.optim.torch_optimizer_scaling import (
     any_overflow_on_host,
     reads_found_inf,
@@ -62,13 +62,14 @@ from amp_fx.optim.torch_optimizer_scaling import (
     unscale_grads_in_place_,
 )
 from amp_fx.optim.wrappers import unwrap_optimizer
+from amp_fx.training.active_scalers import note_scaled, note_stepped, note_updated
 from amp_fx.training.distributed import agree_on_overflow_
-from amp_fx.training.loss_scaler_settings import check_number
-from amp_fx.training.loss_scaler_state_dict import LossScaleStateDict
+from amp_fx.training.loss_scale_checkpoint import ScalerState, read_state_dict, state_dict_of
+from amp_fx.training.loss_scale_settings import LossScaleSettings, check_number, check_scale
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LossScaler", "scaler_for"]
+__all__ = ["LossScaler"]
 
 
 class _Stage(enum.Enum):
@@ -78,55 +79,11 @@ class _Stage(enum.Enum):
     STEPPED = 3
 
 
-# Scalers that scaled a loss since their last update, and the scaler that last stepped each
-# optimizer: how `amp_fx.clip_grad_norm_` finds the scale of grads that nobody unscaled (`scaler_for`).
-_ACTIVE_SCALERS: weakref.WeakSet[LossScaler] = weakref.WeakSet()
-_SCALER_OF_OPTIMIZER: weakref.WeakKeyDictionary[Any, LossScaler] = weakref.WeakKeyDictionary()
-
-
-def scaler_for(optimizer: Any) -> LossScaler | None:
-    """The LossScaler whose scale ``optimizer``'s grads carry now, or None (no scaler is in use).
-
-    That is the scaler that stepped ``optimizer`` last, if it has scaled a loss since its last
-    ``update``. Before its first such step, for an amp_fx optimizer, it is the scaler that scaled a
-    loss after the optimizer was created or last stepped and has not updated since; when several
-    did, none can be chosen and a RuntimeError says to pass ``scaler=``.
-
-    Example:
-        >>> import torch, amp_fx
-        >>> opt = amp_fx.optim.FusedSGD([torch.nn.Parameter(torch.ones(1))])
-        >>> scaler = LossScaler()
-        >>> _ = scaler.scale(torch.ones(()))
-        >>> scaler_for(opt) is scaler
-        True
-        >>> scaler.update(1024.0); scaler_for(opt) is None
-        True
-    """
-    optimizer = unwrap_optimizer(optimizer)
-    try:
-        last = _SCALER_OF_OPTIMIZER.get(optimizer)
-    except TypeError:  # not weak-referenceable: it was never stepped by a LossScaler
-        last = None
-    if last is not None and last in _ACTIVE_SCALERS:
-        return last
-    if not isinstance(optimizer, ScaledOptimizer):
-        return None
-    since = getattr(optimizer, "last_step_tick", 0)
-    candidates = [scaler for scaler in _ACTIVE_SCALERS if scaler._scaled_at > since]
-    if len(candidates) > 1:
-        raise RuntimeError(
-            f"{len(candidates)} LossScalers have scaled a loss since this optimizer was created or last "
-            "stepped, so which scale its gradients carry is unknown; pass the scaler: "
-            "amp_fx.clip_grad_norm_(optimizer, max_norm, scaler=scaler)"
-        )
-    return candidates[0] if candidates else None
-
-
 def _fresh_optimizer_state() -> dict[str, Any]:
     return {"stage": _Stage.READY, "found_inf_per_device": {}, "optimizer": None}
 
 
-class LossScaler(LossScaleStateDict):
+class LossScaler:
     """Dynamic loss scaler: torch.amp.GradScaler's protocol with hysteresis and a min/max scale.
 
     The scale starts at ``init_scale``, is multiplied by ``growth_factor`` after
@@ -146,6 +103,8 @@ class LossScaler(LossScaleStateDict):
     on CUDA, its torch reference elsewhere; more flags are summed by torch first),
     which also leaves ``1 / scale`` ready for the next ``unscale_``.
     ``enabled=False`` turns every method into a pass-through (bf16 training needs no scaling).
+    The settings are one frozen `amp_fx.training.loss_scale_settings.LossScaleSettings`, checked
+    whole before a setter or ``load_state_dict`` replaces them: a refused value changes nothing.
 
     Args:
         init_scale: initial scale (GradScaler's default 2**16).
@@ -183,22 +142,31 @@ class LossScaler(LossScaleStateDict):
         enabled: bool = True,
         process_group: Any = None,
     ) -> None:
+        if isinstance(init_scale, str):
+            raise TypeError(
+                f"LossScaler's first argument is init_scale, got {init_scale!r}: unlike "
+                "torch.amp.GradScaler it takes no device (the scale lives on the device of the first "
+                "scaled loss); drop that argument"
+            )
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be True or False, got {enabled!r}")
-        self._set_settings(
-            init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale
+        # Frozen: a setter or load_state_dict replaces it whole, checked before it is stored.
+        self._settings = LossScaleSettings(
+            growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale
         )
+        check_scale("init_scale", init_scale, self._settings)
         self._enabled = enabled
         self._process_group = process_group
+        # What the device state starts from, until it is created (load_state_dict and unpickling set them).
+        self._init_scale = float(init_scale)
         self._init_growth_tracker = 0
-        self._init_hysteresis_tracker = self._hysteresis
+        self._init_hysteresis_tracker = self._settings.hysteresis
         # Created lazily on the device of the first scaled loss.
         self._scale: Tensor | None = None
         self._growth_tracker: Tensor | None = None
         self._hysteresis_tracker: Tensor | None = None
         # 1 / scale, kept current by every write of the scale, so unscale_ launches nothing for it.
         self._inv_scale: Tensor | None = None
-        self._scaled_at = 0  # next_tick() at the last scale(): see scaler_for
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
 
     # ----------------------------------------------------------------------------------------
@@ -234,8 +202,7 @@ class LossScaler(LossScaleStateDict):
         """
         if not self._enabled:
             return outputs
-        _ACTIVE_SCALERS.add(self)
-        self._scaled_at = next_tick()
+        note_scaled(self)
         copies: dict[torch.device, Tensor] = {}
 
         def apply(value: Any) -> Any:
@@ -352,10 +319,7 @@ class LossScaler(LossScaleStateDict):
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is _Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update()")
-        try:
-            _SCALER_OF_OPTIMIZER[optimizer] = self
-        except TypeError:
-            pass  # not weak-referenceable: amp_fx.clip_grad_norm_ then finds the scaler among the active
+        note_stepped(self, optimizer)
 
         if isinstance(optimizer, ScaledOptimizer):
             self.defer_unscale_(optimizer)
@@ -438,7 +402,7 @@ class LossScaler(LossScaleStateDict):
             if isinstance(state["optimizer"], ScaledOptimizer):
                 state["optimizer"].finish_scaling(zeroed_found_infs=found_infs)
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
-        _ACTIVE_SCALERS.discard(self)
+        note_updated(self)
 
     def _set_scale(self, new_scale: float | Tensor) -> None:
         if isinstance(new_scale, Tensor):
@@ -475,26 +439,90 @@ class LossScaler(LossScaleStateDict):
         if not self._enabled:
             return
         self._require_state("update_from_found_infs")
-        _ACTIVE_SCALERS.discard(self)
+        note_updated(self)
         flags = [found_infs] if isinstance(found_infs, Tensor) else found_infs
+        settings = self._settings
         implementation_for([self._scale]).update_loss_scale_(
             self._scale,
             self._growth_tracker,
             self._hysteresis_tracker,
             [flag.float() for flag in flags],
-            growth_factor=self._growth_factor,
-            backoff_factor=self._backoff_factor,
-            growth_interval=self._growth_interval,
-            hysteresis=self._hysteresis,
-            min_scale=self._min_scale,
-            max_scale=self._max_scale,
+            growth_factor=settings.growth_factor,
+            backoff_factor=settings.backoff_factor,
+            growth_interval=settings.growth_interval,
+            hysteresis=settings.hysteresis,
+            min_scale=settings.min_scale,
+            max_scale=settings.max_scale,
             inv_scale_out=self._inv_scale,
             zero_found_infs=zero_found_infs,
         )
 
     # ----------------------------------------------------------------------------------------
-    # Getters (GradScaler's; get_scale and the settings' own are LossScaleStateDict's and
-    # LossScaleSettings')
+    # Getters and setters (GradScaler's, and those of the settings GradScaler lacks)
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled). Reads the device: a host sync."""
+        if not self._enabled:
+            return 1.0
+        return self._init_scale if self._scale is None else float(self._scale.item())
+
+    def _get_growth_tracker(self) -> int:
+        if not self._enabled:
+            return 0
+        return self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
+
+    def _get_hysteresis_tracker(self) -> int:
+        if not self._enabled:
+            return 0
+        if self._hysteresis_tracker is None:
+            return self._init_hysteresis_tracker
+        return int(self._hysteresis_tracker.item())
+
+    def get_growth_factor(self) -> float:
+        """The factor the scale grows by after ``growth_interval`` clean steps."""
+        return self._settings.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (> 1)."""
+        self._settings = replace(self._settings, growth_factor=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        """The factor the scale shrinks by on overflow."""
+        return self._settings.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (in (0, 1))."""
+        self._settings = replace(self._settings, backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        """The number of consecutive clean steps before the scale grows."""
+        return self._settings.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (>= 1).
+
+        Example:
+            >>> scaler = LossScaler(growth_interval=100)
+            >>> scaler.set_growth_interval(0)
+            Traceback (most recent call last):
+            ...
+            ValueError: growth_interval must be an int in [1, 2**31 - 1] (the trackers are int32), got 0
+            >>> scaler.get_growth_interval()  # a refused value changes nothing
+            100
+        """
+        self._settings = replace(self._settings, growth_interval=new_interval)
+
+    def get_hysteresis(self) -> int:
+        """The number of consecutive overflowing steps before the scale backs off."""
+        return self._settings.hysteresis
+
+    def get_min_scale(self) -> float | None:
+        """The lower bound of the scale (None: unbounded)."""
+        return self._settings.min_scale
+
+    def get_max_scale(self) -> float | None:
+        """The upper bound of the scale (None: unbounded)."""
+        return self._settings.max_scale
 
     def scale_tensor(self) -> Tensor | None:
         """The current scale as a tensor on the device, for logging without a host read (None
@@ -516,7 +544,51 @@ class LossScaler(LossScaleStateDict):
         return self._enabled
 
     # ----------------------------------------------------------------------------------------
-    # Pickling (state_dict and load_state_dict are LossScaleStateDict's)
+    # Checkpoints and pickling
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state as plain Python numbers (empty when disabled); a superset of GradScaler's.
+
+        Keys: ``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
+        ``_growth_tracker`` (GradScaler's five) and ``hysteresis``, ``_hysteresis_tracker``,
+        ``min_scale``, ``max_scale``. Reads the device (a host sync): call it after ``update()``.
+
+        Example:
+            >>> from amp_fx import LossScaler
+            >>> LossScaler(init_scale=1024.0).state_dict()["scale"]
+            1024.0
+        """
+        if not self._enabled:
+            return {}
+        state = ScalerState(
+            self._settings, self.get_scale(), self._get_growth_tracker(), self._get_hysteresis_tracker()
+        )
+        return state_dict_of(state)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state from ``state_dict()`` (or from torch.amp.GradScaler's); no-op when disabled.
+
+        Every value is checked before anything changes. Keys GradScaler does not write
+        (hysteresis, bounds) keep their current values when absent.
+
+        Example:
+            >>> scaler, other = LossScaler(init_scale=1024.0, hysteresis=2), LossScaler()
+            >>> other.load_state_dict(scaler.state_dict())
+            >>> other.get_scale(), other.get_hysteresis()
+            (1024.0, 2)
+        """
+        if not self._enabled:
+            return
+        state = read_state_dict(state_dict, self._settings)
+        self._settings = state.settings
+        self._init_scale = state.scale
+        self._init_growth_tracker = state.growth_tracker
+        self._init_hysteresis_tracker = state.hysteresis_tracker
+        if self._scale is not None:
+            self._scale.fill_(self._init_scale)
+            self._growth_tracker.fill_(self._init_growth_tracker)
+            self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
+            reciprocal_scale_(self._inv_scale, self._scale)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -536,7 +608,11 @@ class LossScaler(LossScaleStateDict):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "_settings" not in state:  # pickled by a version that kept each setting in an attribute
+            state = dict(state)
+            names = [field.name for field in fields(LossScaleSettings)]
+            state["_settings"] = LossScaleSettings(**{name: state.pop(f"_{name}") for name in names})
         self.__dict__.update(state)
         self.__dict__.setdefault("_inv_scale", None)  # pickled by a version without it (no device state)
-        self.__dict__.setdefault("_scaled_at", 0)
+        self.__dict__.pop("_scaled_at", None)  # a version before active_scalers kept it here
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 
@@ -13,6 +14,7 @@ from amp_fx import LossScaler, clip_grad_norm_
 from amp_fx.kernels import reference, triton_ops
 from amp_fx.optim import FusedAdam, FusedSGD, master_params
 from amp_fx.testing import tolerances
+from amp_fx.training.loss_scale_settings import LossScaleSettings
 
 
 def _param(dtype=torch.float32, n=4):
@@ -178,11 +180,27 @@ def test_getters_of_what_grad_scaler_lacks() -> None:
     ],
 )
 def test_bad_setter_values_are_refused_and_nothing_changes(setter, value, error, match) -> None:
-    scaler = LossScaler(init_scale=8.0, growth_interval=5)
-    before = _getters(scaler)
-    with pytest.raises(error, match=match):
-        getattr(scaler, setter)(value)
-    assert _getters(scaler) == before
+    scaler = LossScaler(init_scale=8.0, growth_interval=5, hysteresis=2)
+    for _ in range(2):  # before and after the device state exists
+        before = (_getters(scaler), scaler.state_dict())
+        with pytest.raises(error, match=match):
+            getattr(scaler, setter)(value)
+        assert (_getters(scaler), scaler.state_dict()) == before
+        scaler.scale(torch.zeros(()))
+
+
+def test_settings_are_frozen_and_every_new_value_is_checked() -> None:
+    settings = LossScaleSettings(3, 0.25, 5, hysteresis=2, min_scale=1, max_scale=None)
+    # Stored as the getters return them, whatever numbers came in (GradScaler's getters give floats).
+    assert [type(settings.growth_factor), type(settings.min_scale)] == [float, float]
+    assert LossScaler(growth_factor=3, min_scale=1, init_scale=8).state_dict()["growth_factor"] == 3.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.growth_factor = 4.0
+    with pytest.raises(ValueError, match="must not exceed max_scale"):
+        dataclasses.replace(settings, max_scale=0.5)
+    with pytest.raises(TypeError, match="hysteresis must be an int"):
+        dataclasses.replace(settings, hysteresis=True)
+    assert settings == LossScaleSettings(3.0, 0.25, 5, hysteresis=2, min_scale=1.0, max_scale=None)
 
 
 def test_torch_optimizer_path_unscales_in_place_and_skips_on_the_host() -> None:
@@ -353,6 +371,9 @@ def test_state_dicts_interchange_with_grad_scaler() -> None:
         ({"_growth_tracker": -1}, ValueError, "_growth_tracker must be an int in"),
         # past the int32 tracker: refused before the scale is written
         ({"_growth_tracker": 2**31}, ValueError, "_growth_tracker must be an int in"),
+        # good settings beside a bad value: none of them is taken
+        ({"growth_factor": 4.0, "hysteresis": 3, "_hysteresis_tracker": 5}, ValueError, "must be in"),
+        ({"backoff_factor": 0.25, "max_scale": 32.0}, ValueError, r"outside \[min_scale, max_scale\]"),
     ],
 )
 def test_bad_state_dict_is_refused_and_nothing_changes(change, error, match) -> None:
@@ -380,6 +401,24 @@ def test_pickle_between_iterations() -> None:
     scaler.unscale_(optimizer)
     with pytest.raises(RuntimeError, match="pickled"):
         pickle.dumps(scaler)
+
+
+def test_a_scaler_pickled_with_a_setting_per_attribute_loads() -> None:
+    params = [_param()]
+    optimizer = FusedSGD(params, lr=1e-3)
+    scaler = LossScaler(init_scale=64.0, hysteresis=2, growth_interval=2, min_scale=1.0, backoff_factor=0.25)
+    _iteration(scaler, optimizer, params, overflow=True)
+    # What a version before the frozen settings pickled: `_growth_factor`, ..., `_max_scale`.
+    state = scaler.__getstate__()
+    settings = state.pop("_settings")
+    state.update({f"_{field.name}": getattr(settings, field.name) for field in dataclasses.fields(settings)})
+    restored = LossScaler.__new__(LossScaler)
+    restored.__setstate__(state)
+    assert restored.state_dict() == scaler.state_dict()
+    for overflow in (True, True, False, False, False):
+        _iteration(scaler, optimizer, params, overflow)
+        _iteration(restored, optimizer, params, overflow)
+        assert restored.state_dict() == scaler.state_dict()
 
 
 def test_update_with_a_new_scale() -> None:
