@@ -9,28 +9,28 @@ they keep neither a scaler nor an optimizer alive.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from amp_fx.optim.scaled_optimizer import ScaledOptimizer, next_tick
 from amp_fx.optim.wrappers import unwrap_optimizer
 
-if TYPE_CHECKING:
-    from amp_fx.training.loss_scaler import LossScaler
+# An amp_fx.LossScaler, which imports this module: named here without importing it back.
+Scaler = Any
 
 __all__ = ["note_scaled", "note_stepped", "note_updated", "scaler_for"]
 
 # Each scaler that scaled a loss since its last update, with the `next_tick` of its last scale(),
 # and the scaler that last stepped each optimizer.
-_SCALED_AT: weakref.WeakKeyDictionary[LossScaler, int] = weakref.WeakKeyDictionary()
-_SCALER_OF_OPTIMIZER: weakref.WeakKeyDictionary[Any, LossScaler] = weakref.WeakKeyDictionary()
+_SCALED_AT: weakref.WeakKeyDictionary[Scaler, int] = weakref.WeakKeyDictionary()
+_SCALER_OF_OPTIMIZER: weakref.WeakKeyDictionary[Any, Scaler] = weakref.WeakKeyDictionary()
 
 
-def note_scaled(scaler: LossScaler) -> None:
+def note_scaled(scaler: Scaler) -> None:
     """``scaler`` scaled a loss: the grads of the next backward carry its scale."""
     _SCALED_AT[scaler] = next_tick()
 
 
-def note_stepped(scaler: LossScaler, optimizer: Any) -> None:
+def note_stepped(scaler: Scaler, optimizer: Any) -> None:
     """``scaler`` stepped ``optimizer`` (unwrapped): its grads answer to ``scaler`` from now on."""
     try:
         _SCALER_OF_OPTIMIZER[optimizer] = scaler
@@ -38,12 +38,12 @@ def note_stepped(scaler: LossScaler, optimizer: Any) -> None:
         pass  # not weak-referenceable: scaler_for then finds the scaler among the active ones
 
 
-def note_updated(scaler: LossScaler) -> None:
+def note_updated(scaler: Scaler) -> None:
     """``scaler`` updated its scale: no grads carry its scale until it scales a loss again."""
     _SCALED_AT.pop(scaler, None)
 
 
-def scaler_for(optimizer: Any) -> LossScaler | None:
+def scaler_for(optimizer: Any) -> Scaler | None:
     """The LossScaler whose scale ``optimizer``'s grads carry now, or None (no scaler is in use).
 
     That is the scaler that stepped ``optimizer`` last, if it has scaled a loss since its last
