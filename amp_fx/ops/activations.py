@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from amp_fx.kernels.activations import ACTIVATIONS
 from amp_fx.kernels.arguments import PARAM_DTYPES
 from amp_fx.ops.dispatch import compiler_fuses, is_eager, is_traced_backward
 from amp_fx.ops.outputs import reshaped_output
@@ -38,10 +39,6 @@ __all__ = [
     "fused_gated_activation",
     "fused_gated_activation_backward",
 ]
-
-# The activations the kernels compute (``amp_fx.kernels.activations.ACTIVATIONS``, written here
-# too so that importing this module does not load Triton).
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
 def _rows(tensor: Tensor) -> Tensor:
