@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from amp_fx.kernels.activations import ACTIVATIONS
-from amp_fx.kernels.arguments import PARAM_DTYPES
+from amp_fx.kernels.arguments import KERNEL_DTYPES
 from amp_fx.ops.dispatch import compiler_fuses, is_eager, is_traced_backward
 from amp_fx.ops.outputs import reshaped_output
 
@@ -214,7 +214,7 @@ def _runs_fused(*tensors: Tensor) -> bool:
     return all(
         isinstance(t, Tensor)
         and t.dim() >= 1
-        and t.dtype in PARAM_DTYPES
+        and t.dtype in KERNEL_DTYPES
         and t.shape == first.shape
         and t.dtype == first.dtype
         and t.device == first.device

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from amp_fx.kernels.arguments import PARAM_DTYPES
+from amp_fx.kernels.arguments import KERNEL_DTYPES
 from amp_fx.ops.dispatch import is_eager, is_traced_backward
 from amp_fx.ops.module_hooks import has_forward_hooks
 
@@ -207,7 +207,7 @@ def _runs_fused(
     if not (
         isinstance(input, Tensor)
         and input.dim() == 4
-        and input.dtype in PARAM_DTYPES
+        and input.dtype in KERNEL_DTYPES
         and isinstance(momentum, (int, float))
         and isinstance(eps, (int, float))
         and isinstance(relu, bool)

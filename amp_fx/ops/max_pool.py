@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from amp_fx.kernels.arguments import PARAM_DTYPES
+from amp_fx.kernels.arguments import KERNEL_DTYPES
 from amp_fx.ops.dispatch import is_eager, is_traced_backward
 
 __all__ = ["MIN_FUSED_ELEMENTS", "max_pool2d", "max_pool2d_forward", "max_pool2d_backward"]
@@ -204,7 +204,7 @@ def _window_if_fused(
     if not (
         isinstance(input, Tensor)
         and input.dim() == 4
-        and input.dtype in PARAM_DTYPES
+        and input.dtype in KERNEL_DTYPES
         and isinstance(ceil_mode, bool)
         and input.numel() >= max(MIN_FUSED_ELEMENTS, 1)
         # channels_last and not also contiguous: torch then gives a channels_last output too.

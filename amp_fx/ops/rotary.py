@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from amp_fx.kernels.arguments import PARAM_DTYPES
+from amp_fx.kernels.arguments import KERNEL_DTYPES
 from amp_fx.ops.dispatch import compiler_fuses
 
 __all__ = [
@@ -305,8 +305,8 @@ def _fits_kernels(
     if compiler_fuses() or not all(isinstance(t, Tensor) for t in (x, cos, sin)):
         return False
     # Other dtypes (float64) compute the chain.
-    if any(t.dtype not in PARAM_DTYPES for t in (x, cos, sin)) or (
-        dtype is not None and dtype not in PARAM_DTYPES
+    if any(t.dtype not in KERNEL_DTYPES for t in (x, cos, sin)) or (
+        dtype is not None and dtype not in KERNEL_DTYPES
     ):
         return False
     if cos.device != x.device or sin.device != x.device:

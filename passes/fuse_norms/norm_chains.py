@@ -37,7 +37,7 @@ import torch.fx
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.core.node_info import node_info
 from amp_fx.core.op_facts import METADATA_ATTRIBUTES, RESHAPE_OPS, SHAPE_METHODS
-from amp_fx.kernels.arguments import PARAM_DTYPES
+from amp_fx.kernels.arguments import KERNEL_DTYPES
 from amp_fx.ops.casts import cast_if_floating
 from amp_fx.passes.shared.call_nodes import call_argument, is_inplace_call
 from amp_fx.passes.shared.dtypes import ASSUMED_DTYPE_NOTE, UNKNOWN_INPUT_DTYPE_NOTE
@@ -90,7 +90,7 @@ def _dtype(node: torch.fx.Node) -> torch.dtype | None:
     dtype = node_info(node).out_dtype
     if dtype is None and node_info(node).op == "to":
         dtype = cast_target(node)
-    return dtype if dtype in PARAM_DTYPES else None
+    return dtype if dtype in KERNEL_DTYPES else None
 
 
 def _operand_dtype(node: torch.fx.Node) -> torch.dtype | None:
@@ -102,7 +102,7 @@ def _operand_dtype(node: torch.fx.Node) -> torch.dtype | None:
     notes = set(node_info(node).notes)
     if ASSUMED_DTYPE_NOTE in notes and UNKNOWN_INPUT_DTYPE_NOTE not in notes:
         dtype = node_info(node).out_dtype
-        return dtype if dtype in PARAM_DTYPES else None
+        return dtype if dtype in KERNEL_DTYPES else None
     return _dtype(node)
 
 
@@ -392,7 +392,7 @@ def _match_written_layer_norm(
         norm.bias, node = bias, chain.take(user)
         user = only_user(node)
     norm.out_dtype = torch.float32
-    if user is not None and node_info(user).op == "to" and cast_target(user) in PARAM_DTYPES:
+    if user is not None and node_info(user).op == "to" and cast_target(user) in KERNEL_DTYPES:
         node, norm.out_dtype = chain.take(user), cast_target(user)
     # The width: x's last dimension where recorded, else the parameters'; a parameter of any
     # other shape (per-head weights over a head dimension) broadcasts otherwise than the kernel's.
@@ -412,7 +412,7 @@ def _rms_tail(node: torch.fx.Node, norm: NormChain, chain: _Chain) -> torch.fx.N
     """The cast, weight and cast after the normalization; returns the chain's last node."""
     product = torch.float32
     user = only_user(node)
-    if user is not None and node_info(user).op == "to" and cast_target(user) in PARAM_DTYPES:
+    if user is not None and node_info(user).op == "to" and cast_target(user) in KERNEL_DTYPES:
         norm.mid_dtype = None if cast_target(user) == torch.float32 else cast_target(user)
         product = cast_target(user)
         node = chain.take(user)
@@ -440,7 +440,7 @@ def _rms_tail(node: torch.fx.Node, norm: NormChain, chain: _Chain) -> torch.fx.N
             user = only_user(node)
         elif offset is not None:
             return None
-    if user is not None and node_info(user).op == "to" and cast_target(user) in PARAM_DTYPES:
+    if user is not None and node_info(user).op == "to" and cast_target(user) in KERNEL_DTYPES:
         node = chain.take(user)
         product = cast_target(user)
     norm.out_dtype = product
@@ -522,7 +522,7 @@ def _match_norm_call(node: torch.fx.Node, gm: torch.fx.GraphModule, form: _CallF
         return None
     norm.out_dtype = torch.float32
     user = only_user(last)
-    if user is not None and node_info(user).op == "to" and cast_target(user) in PARAM_DTYPES:
+    if user is not None and node_info(user).op == "to" and cast_target(user) in KERNEL_DTYPES:
         last, norm.out_dtype = chain.take(user), cast_target(user)
     norm.x, casts = _strip_casts(norm.x)
     return _finish(norm, last, chain, casts)
