@@ -24,7 +24,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The dtypes every kernel reads and writes (parameters, gradients, activations, logits): the ops
+# and passes fuse only these.
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INT32_MAX = 2**31 - 1
 
 
@@ -56,7 +58,7 @@ def byte_ranges_overlap(a: Tensor, b: Tensor) -> bool:
     return a_start < b_end and b_start < a_end
 
 
-def check_dtype(subject: str, dtype: torch.dtype, allowed: tuple[torch.dtype, ...] = PARAM_DTYPES) -> None:
+def check_dtype(subject: str, dtype: torch.dtype, allowed: tuple[torch.dtype, ...] = KERNEL_DTYPES) -> None:
     """Raise ValueError ``"<subject> dtype <dtype>; supported dtypes are ..."`` unless dtype is allowed."""
     if dtype not in allowed:
         names = ", ".join(str(d) for d in allowed)
@@ -127,8 +129,8 @@ def check_update(
         raise TypeError("step must be a float32 tensor of one element (steps already taken)")
     # Only the params are checked for density: every other tensor must have its param's shape and
     # strides, hence its layout. This runs every step, so it reads each tensor's metadata once.
-    check_tensor_list("params", params, PARAM_DTYPES)
-    check_tensor_list("grads", grads, PARAM_DTYPES, check_dense=False)
+    check_tensor_list("params", params, KERNEL_DTYPES)
+    check_tensor_list("grads", grads, KERNEL_DTYPES, check_dense=False)
     if len(grads) != len(params):
         raise ValueError(f"got {len(params)} params but {len(grads)} grads; pass one grad per param")
     matched = {"grads": grads}

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from amp_fx.kernels.activations import ACTIVATIONS
+from amp_fx.kernels.arguments import KERNEL_DTYPES
 from amp_fx.ops.dispatch import compiler_fuses, is_eager, is_traced_backward
 from amp_fx.ops.outputs import reshaped_output
 
@@ -37,11 +39,6 @@ __all__ = [
     "fused_gated_activation",
     "fused_gated_activation_backward",
 ]
-
-# The activations the kernels compute (``amp_fx.kernels.activations.ACTIVATIONS``, written here
-# too so that importing this module does not load Triton).
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
-_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _rows(tensor: Tensor) -> Tensor:
@@ -217,7 +214,7 @@ def _runs_fused(*tensors: Tensor) -> bool:
     return all(
         isinstance(t, Tensor)
         and t.dim() >= 1
-        and t.dtype in _FUSED_DTYPES
+        and t.dtype in KERNEL_DTYPES
         and t.shape == first.shape
         and t.dtype == first.dtype
         and t.device == first.device

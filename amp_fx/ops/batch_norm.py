@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from amp_fx.kernels.arguments import KERNEL_DTYPES
 from amp_fx.ops.dispatch import is_eager, is_traced_backward
 from amp_fx.ops.module_hooks import has_forward_hooks
 
@@ -56,8 +57,6 @@ __all__ = [
     "batch_norm_act_forward",
     "is_fusable_batch_norm",
 ]
-
-_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @torch.library.custom_op("amp_fx::batch_norm_act_forward", mutates_args=())
@@ -208,7 +207,7 @@ def _runs_fused(
     if not (
         isinstance(input, Tensor)
         and input.dim() == 4
-        and input.dtype in _FUSED_DTYPES
+        and input.dtype in KERNEL_DTYPES
         and isinstance(momentum, (int, float))
         and isinstance(eps, (int, float))
         and isinstance(relu, bool)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from amp_fx.kernels.arguments import KERNEL_DTYPES
 from amp_fx.ops.dispatch import is_eager, is_traced_backward
 from amp_fx.ops.head_matmuls import (
     mask_padding,
@@ -52,7 +53,6 @@ __all__ = [
     "linear_cross_entropy_grads",
 ]
 
-_FUSED_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FUSED_REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -170,7 +170,7 @@ def _runs_fused(
         isinstance(input, Tensor)
         and isinstance(target, Tensor)
         and input.dim() == 2
-        and input.dtype in _FUSED_INPUT_DTYPES
+        and input.dtype in KERNEL_DTYPES
         and input.shape[1] > 0
         and target.dim() == 1
         and target.dtype == torch.int64

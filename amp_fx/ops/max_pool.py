@@ -30,11 +30,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from amp_fx.kernels.arguments import KERNEL_DTYPES
 from amp_fx.ops.dispatch import is_eager, is_traced_backward
 
 __all__ = ["MIN_FUSED_ELEMENTS", "max_pool2d", "max_pool2d_forward", "max_pool2d_backward"]
 
-_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # An eager fused call costs the host more than torch's max-pool (an autograd Function and a Triton
 # launch each way), so on small inputs it is host-bound and slower. On an H200 (2026-11-30), forward
@@ -204,7 +204,7 @@ def _window_if_fused(
     if not (
         isinstance(input, Tensor)
         and input.dim() == 4
-        and input.dtype in _FUSED_DTYPES
+        and input.dtype in KERNEL_DTYPES
         and isinstance(ceil_mode, bool)
         and input.numel() >= max(MIN_FUSED_ELEMENTS, 1)
         # channels_last and not also contiguous: torch then gives a channels_last output too.
@@ -212,7 +212,7 @@ def _window_if_fused(
         and not input.is_contiguous()
     ):
         return None
-    # Only for a call that may fuse: the kernels' package is imported on first use.
+    # Only for a call that may fuse.
     from amp_fx.kernels.max_pool.arguments import (
         MAX_POOL_MAX_PIXELS,
         MAX_POOL_MAX_TAPS,

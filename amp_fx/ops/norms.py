@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from amp_fx.kernels.arguments import KERNEL_DTYPES
 from amp_fx.ops.dispatch import compiler_fuses, is_traced_backward
 from amp_fx.ops.outputs import reshaped_output
 
@@ -43,8 +44,6 @@ __all__ = [
     "layer_norm_fp32",
     "rms_norm_fp32",
 ]
-
-_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _implementation(x: Tensor):
@@ -259,7 +258,7 @@ def _is_vector(vector: Tensor | None, width: int, x: Tensor) -> bool:
         isinstance(vector, Tensor)
         and vector.dim() == 1
         and vector.shape[0] == width
-        and vector.dtype in _FUSED_DTYPES
+        and vector.dtype in KERNEL_DTYPES
         and vector.device == x.device
     )
 
@@ -269,12 +268,12 @@ def _runs_fused(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias:
     decides it while tracing."""
     if compiler_fuses():
         return False
-    if not (isinstance(x, Tensor) and x.dim() >= 1 and x.shape[-1] > 0 and x.dtype in _FUSED_DTYPES):
+    if not (isinstance(x, Tensor) and x.dim() >= 1 and x.shape[-1] > 0 and x.dtype in KERNEL_DTYPES):
         return False
     if residual is not None and not (
         isinstance(residual, Tensor)
         and residual.shape == x.shape
-        and residual.dtype in _FUSED_DTYPES
+        and residual.dtype in KERNEL_DTYPES
         and residual.device == x.device
     ):
         return False

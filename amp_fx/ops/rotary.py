@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from amp_fx.kernels.arguments import KERNEL_DTYPES
 from amp_fx.ops.dispatch import compiler_fuses
 
 __all__ = [
@@ -42,8 +43,6 @@ __all__ = [
     "rotary_embedding_pair_op",
 ]
 
-# The dtypes the kernels read and write (float64 calls compute the chain).
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The Triton kernels index at most this many dimensions; larger tensors run the reference.
 _TRITON_MAX_DIMS = 4
 
@@ -305,8 +304,9 @@ def _fits_kernels(
     decides it while tracing."""
     if compiler_fuses() or not all(isinstance(t, Tensor) for t in (x, cos, sin)):
         return False
-    if any(t.dtype not in _KERNEL_DTYPES for t in (x, cos, sin)) or (
-        dtype is not None and dtype not in _KERNEL_DTYPES
+    # Other dtypes (float64) compute the chain.
+    if any(t.dtype not in KERNEL_DTYPES for t in (x, cos, sin)) or (
+        dtype is not None and dtype not in KERNEL_DTYPES
     ):
         return False
     if cos.device != x.device or sin.device != x.device:

@@ -64,7 +64,7 @@ from torch import Tensor
 
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.kernels import implementation_for
-from amp_fx.kernels.arguments import PARAM_DTYPES, is_dense
+from amp_fx.kernels.arguments import KERNEL_DTYPES, is_dense
 from amp_fx.optim.model_load_hooks import MASTER_KEY, track_params
 from amp_fx.optim.scaled_optimizer import next_tick
 from amp_fx.optim.state_dict_loading import STEP_KEY, STEP_OFFSET_KEY, StateDictLoading
@@ -267,7 +267,7 @@ class FusedOptimizer(StateDictLoading, torch.optim.Optimizer):
                 raise TypeError(
                     f"{name} can only optimize tensors, but parameter {i} is {type(param).__name__}"
                 )
-            if param.dtype not in PARAM_DTYPES:
+            if param.dtype not in KERNEL_DTYPES:
                 raise ValueError(
                     f"{name} updates fp16, bf16 and fp32 parameters; parameter {i} has dtype {param.dtype}. "
                     "Keep it out of this optimizer or convert it with .float()"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from amp_fx.kernels.arguments import PARAM_DTYPES, byte_ranges_overlap, check_dtype
+from amp_fx.kernels.arguments import KERNEL_DTYPES, byte_ranges_overlap, check_dtype
 
 __all__ = [
     "check_batch_norm_act_arguments",
@@ -45,7 +45,7 @@ def check_batch_norm_act_arguments(
             continue
         if not isinstance(param, Tensor):
             raise TypeError(f"{name} must be a tensor or None, got {type(param).__name__}")
-        if tuple(param.shape) != (num_channels,) or param.dtype not in PARAM_DTYPES:
+        if tuple(param.shape) != (num_channels,) or param.dtype not in KERNEL_DTYPES:
             raise ValueError(
                 f"{name} must be a 1-D float tensor of {num_channels} channels, got {param.dtype} of "
                 f"shape {tuple(param.shape)}"
@@ -126,7 +126,7 @@ def _check_running_stats(input: Tensor, running_mean: Tensor | None, running_var
             raise TypeError(f"{name} must be a tensor or None, got {type(value).__name__}")
         if (
             tuple(value.shape) != (num_channels,)
-            or value.dtype not in PARAM_DTYPES
+            or value.dtype not in KERNEL_DTYPES
             or value.device != input.device
             or not value.is_contiguous()
         ):

@@ -9,8 +9,8 @@ out) and the backward two (reduce: read x, dy [+ out]; dx: read x, dy [+ out], w
 [+ grad_residual]). Without a residual the ReLU mask is recomputed from x and the statistics, so
 ``out`` is not read again.
 
-How: ``triton_kernels`` has the kernels and their tiling; this module fits a launch to the
-activation's shape and launches three kernels each way (no torch op between them).
+How: ``jit_kernels`` has the ``@triton.jit`` kernels and their tiling; this module fits a launch
+to the activation's shape and launches three kernels each way (no torch op between them).
 
 The running statistics (F.batch_norm's training update) are computed in float64 from the buffers'
 values, then rounded to their dtype (through fp32).
@@ -32,7 +32,7 @@ from amp_fx.kernels.batch_norm.arguments import (
     check_batch_norm_act_backward_arguments,
     check_triton_batch_norm_layout,
 )
-from amp_fx.kernels.batch_norm.triton_kernels import (
+from amp_fx.kernels.batch_norm.jit_kernels import (
     _apply_kernel,
     _backward_finalize_kernel,
     _backward_input_kernel,

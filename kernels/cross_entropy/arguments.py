@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from amp_fx.kernels.arguments import PARAM_DTYPES, byte_ranges_overlap, check_dtype
+from amp_fx.kernels.arguments import KERNEL_DTYPES, byte_ranges_overlap, check_dtype
 
 __all__ = ["check_cross_entropy_arguments", "check_logits_overwritable", "linear_head_fits"]
 
@@ -111,7 +111,7 @@ def linear_head_fits(input: Tensor, weight: Tensor, bias: Tensor | None, target:
         and weight.dim() == 2
         and weight.shape[0] > 0
         and input.shape[-1] == weight.shape[1]
-        and input.dtype in PARAM_DTYPES
+        and input.dtype in KERNEL_DTYPES
         and weight.dtype == input.dtype
         and weight.device == input.device
         and target.dtype == torch.int64

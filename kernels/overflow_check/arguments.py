@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from amp_fx.kernels.arguments import PARAM_DTYPES, check_scalar_tensor, check_tensor_list
+from amp_fx.kernels.arguments import KERNEL_DTYPES, check_scalar_tensor, check_tensor_list
 
 __all__ = ["check_grads"]
 
@@ -16,7 +16,7 @@ def check_grads(
     grads: Sequence[Tensor], found_inf: Tensor, grad_multiplier: Tensor | None, sq_norm_out: Tensor | None
 ) -> None:
     """Validate the arguments of ``check_finite_and_norm_``; raise TypeError/ValueError."""
-    check_tensor_list("grads", grads, PARAM_DTYPES)
+    check_tensor_list("grads", grads, KERNEL_DTYPES)
     if not isinstance(found_inf, Tensor):
         raise TypeError("found_inf must be a float32 tensor of one element")
     device = found_inf.device

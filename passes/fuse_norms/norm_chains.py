@@ -37,6 +37,7 @@ import torch.fx
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.core.node_info import node_info
 from amp_fx.core.op_facts import METADATA_ATTRIBUTES, RESHAPE_OPS, SHAPE_METHODS
+from amp_fx.kernels.arguments import KERNEL_DTYPES
 from amp_fx.ops.casts import cast_if_floating
 from amp_fx.passes.shared.call_nodes import call_argument, is_inplace_call
 from amp_fx.passes.shared.dtypes import ASSUMED_DTYPE_NOTE, UNKNOWN_INPUT_DTYPE_NOTE
@@ -44,7 +45,6 @@ from amp_fx.passes.shared.op_patterns import is_last_dim, is_number, only_user, 
 
 __all__ = ["NormChain", "cast_target", "match_norm_chain"]
 
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _CONVERSION_METHOD_DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
 # Arguments of aten's to.dtype / to.dtype_layout that leave a cast a plain dtype conversion.
 _PLAIN_CAST_KEYWORDS = {"non_blocking": False, "copy": False, "memory_format": None, "pin_memory": None}
@@ -79,10 +79,10 @@ def _value_users(node: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def _dtype(node: torch.fx.Node) -> torch.dtype | None:
-    """The node's floating dtype (None when unknown, not fp16/bf16/fp32, or a model input's
-    assumption). A value computed from a model input whose dtype is assumed is taken as recorded:
-    it reaches a mean (which takes floating tensors only) and at O2 floating inputs are cast to
-    the low dtype at the entry, so its dtype is the recorded one."""
+    """The node's floating dtype (None when unknown, not one the fused kernels take, or a model
+    input's assumption). A value computed from a model input whose dtype is assumed is taken as
+    recorded: it reaches a mean (which takes floating tensors only) and at O2 floating inputs are
+    cast to the low dtype at the entry, so its dtype is the recorded one."""
     if not isinstance(node, torch.fx.Node):
         return None
     if {ASSUMED_DTYPE_NOTE, UNKNOWN_INPUT_DTYPE_NOTE} & set(node_info(node).notes):
@@ -90,7 +90,7 @@ def _dtype(node: torch.fx.Node) -> torch.dtype | None:
     dtype = node_info(node).out_dtype
     if dtype is None and node_info(node).op == "to":
         dtype = cast_target(node)
-    return dtype if dtype in _FLOATS else None
+    return dtype if dtype in KERNEL_DTYPES else None
 
 
 def _operand_dtype(node: torch.fx.Node) -> torch.dtype | None:
@@ -102,7 +102,7 @@ def _operand_dtype(node: torch.fx.Node) -> torch.dtype | None:
     notes = set(node_info(node).notes)
     if ASSUMED_DTYPE_NOTE in notes and UNKNOWN_INPUT_DTYPE_NOTE not in notes:
         dtype = node_info(node).out_dtype
-        return dtype if dtype in _FLOATS else None
+        return dtype if dtype in KERNEL_DTYPES else None
     return _dtype(node)
 
 
@@ -392,7 +392,7 @@ def _match_written_layer_norm(
         norm.bias, node = bias, chain.take(user)
         user = only_user(node)
     norm.out_dtype = torch.float32
-    if user is not None and node_info(user).op == "to" and cast_target(user) in _FLOATS:
+    if user is not None and node_info(user).op == "to" and cast_target(user) in KERNEL_DTYPES:
         node, norm.out_dtype = chain.take(user), cast_target(user)
     # The width: x's last dimension where recorded, else the parameters'; a parameter of any
     # other shape (per-head weights over a head dimension) broadcasts otherwise than the kernel's.
@@ -412,7 +412,7 @@ def _rms_tail(node: torch.fx.Node, norm: NormChain, chain: _Chain) -> torch.fx.N
     """The cast, weight and cast after the normalization; returns the chain's last node."""
     product = torch.float32
     user = only_user(node)
-    if user is not None and node_info(user).op == "to" and cast_target(user) in _FLOATS:
+    if user is not None and node_info(user).op == "to" and cast_target(user) in KERNEL_DTYPES:
         norm.mid_dtype = None if cast_target(user) == torch.float32 else cast_target(user)
         product = cast_target(user)
         node = chain.take(user)
@@ -440,7 +440,7 @@ def _rms_tail(node: torch.fx.Node, norm: NormChain, chain: _Chain) -> torch.fx.N
             user = only_user(node)
         elif offset is not None:
             return None
-    if user is not None and node_info(user).op == "to" and cast_target(user) in _FLOATS:
+    if user is not None and node_info(user).op == "to" and cast_target(user) in KERNEL_DTYPES:
         node = chain.take(user)
         product = cast_target(user)
     norm.out_dtype = product
@@ -522,7 +522,7 @@ def _match_norm_call(node: torch.fx.Node, gm: torch.fx.GraphModule, form: _CallF
         return None
     norm.out_dtype = torch.float32
     user = only_user(last)
-    if user is not None and node_info(user).op == "to" and cast_target(user) in _FLOATS:
+    if user is not None and node_info(user).op == "to" and cast_target(user) in KERNEL_DTYPES:
         last, norm.out_dtype = chain.take(user), cast_target(user)
     norm.x, casts = _strip_casts(norm.x)
     return _finish(norm, last, chain, casts)

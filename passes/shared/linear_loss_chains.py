@@ -78,6 +78,7 @@ from amp_fx.core.policy import Rule
 from amp_fx.ops.cross_entropy import fp32_cross_entropy
 from amp_fx.ops.module_hooks import has_forward_hooks
 from amp_fx.passes.shared.call_nodes import call_argument, is_inplace_call
+from amp_fx.passes.shared.dtypes import is_exact_widening
 from amp_fx.passes.shared.losses import (
     cross_entropy_call_arguments,
     is_fusable_loss,
@@ -102,7 +103,6 @@ _CHAIN_OPS = RESHAPE_OPS | {"alias", "to"}
 # have none of their own).
 _SAME_SHAPE_OPS = frozenset({"to", "contiguous", "alias"})
 _METADATA_READS = SHAPE_METHODS | METADATA_ATTRIBUTES
-_LOW_OR_FP32 = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass
@@ -259,8 +259,7 @@ def _hands_on_rows(
         if step in softcap_steps:
             pass
         elif op == "to":
-            widening = node_info(step).out_dtype == torch.float32
-            if not (widening and node_info(step.args[0]).out_dtype in _LOW_OR_FP32):
+            if not _keeps_values_in_float32(step):
                 return False
         elif op in ("contiguous", "alias"):
             if len(step.args) != 1 or step.kwargs:
@@ -281,6 +280,15 @@ def _hands_on_rows(
             rows = _is_rows(after, num_classes)
         seen.add(step)
     return rows
+
+
+def _keeps_values_in_float32(cast: torch.fx.Node) -> bool:
+    """Whether a cast makes float32 of what it reads and changes no value: it reads float32, or a
+    dtype float32 holds exactly (fp16, bf16)."""
+    if node_info(cast).out_dtype != torch.float32:
+        return False
+    source = node_info(cast.args[0]).out_dtype
+    return source == torch.float32 or (source is not None and is_exact_widening(source, torch.float32))
 
 
 def _constant_factor(node: Any) -> float | None:

@@ -1,4 +1,4 @@
-"""The Triton kernels of the BatchNorm + act family; ``triton`` launches them.
+"""The ``@triton.jit`` kernels of the BatchNorm + act family; ``triton`` fits and launches them.
 
 How: a channels_last tensor (N, C, H, W) is a row-major [M, C] matrix (the kernels take the tensor
 itself: no view is made). The pass kernels run on a grid of (row programs, channel blocks); a
