@@ -146,6 +146,7 @@ def make_workload(
     workload = build_workload(
         model_name, device, small=args.small, batch_size=args.batch_size, seq_len=args.seq_len
     )
-    if (args.no_kv_cache or not kv_cache) and hasattr(workload.model, "config"):
+    # Only a transformers config has use_cache (bench_train's own GPT fills no cache).
+    if (args.no_kv_cache or not kv_cache) and hasattr(getattr(workload.model, "config", None), "use_cache"):
         workload.model.config.use_cache = False  # the comparison row; people call the default
     return workload

@@ -139,6 +139,9 @@ def prepare_variant(
             if reason is not None:
                 result.error = f"skipped: {reason}"
                 return result, None
+        if not variant.kv_cache and hf_model_type(model_name) is None:
+            result.error = f"skipped: {model_name} fills no key/value cache (a transformers comparison)"
+            return result, None
         work = make_workload(model_name, args, device, variant.kv_cache, variant.liger)
         step = build_step(variant, work, mode, args.compile_backend)
         # The step holds what it needs; amp_fx's unconverted original goes now, and the peak counts
