@@ -1,12 +1,13 @@
 """End-to-end training-step benchmark: torch's mixed precision against amp_fx O1/O2/O3.
 
 Models (``--models``, benchmarks/models.py): ``gpt`` (GPT-2 small written out by hand),
-``resnet50``, and three Hugging Face transformers causal LMs from configs, random weights:
+``resnet50``, and Hugging Face transformers causal LMs from configs, random weights:
 ``hf_gpt2`` (``GPT2LMHeadModel(GPT2Config())``, 124M, 16 x 1024 tokens), ``hf_llama`` (Llama
-architecture, 0.67B, 8 x 2048 tokens) and ``hf_llama_liger`` (the Llama of Liger-Kernel's
-comparison, 0.50B, 8 x 2048 tokens), ``hf_mixtral`` (Mixtral architecture: hidden 1024, 8 layers,
-8 experts top 2, expert FFN 3584, 8 x 2048 tokens; issue 37); ``--batch-size``/``--seq-len``
-change the shape. The
+architecture, 0.67B, 8 x 2048 tokens), ``hf_llama_liger`` (the Llama of Liger-Kernel's
+comparison, 0.50B, 8 x 2048 tokens), ``hf_llama32_1b`` (the Llama-3.2-1B shape: hidden 2048, 16
+layers, 32 heads / 8 KV heads, FFN 8192, vocab 128256, tied embeddings, 1.24B, 4 x 4096 tokens;
+issue 41), ``hf_mixtral`` (Mixtral architecture: hidden 1024, 8 layers, 8 experts top 2, expert
+FFN 3584, 8 x 2048 tokens; issue 37); ``--batch-size``/``--seq-len`` change the shape. The
 transformers models train on their own loss (``model(input_ids=..., labels=...).loss``); amp_fx
 converts them with its torch.export front end (`amp_fx.capture.captured_model`), which captures a graph at
 the first call and another at the first call of a new shape. For those, after the eager timing, the
@@ -14,7 +15,7 @@ first call of a freshly converted model and its first call at 3/4 of the sequenc
 beside the same calls once captured, and printed under the table. Without ``--variants`` they run
 autocast_fp16 and o2_fp16 only (the comparison of issue 12); hf_llama_liger runs issue 25's in
 bf16: autocast_bf16 (the baseline of its ratios), pure_bf16, o2_bf16 and the two Liger variants;
-hf_mixtral runs autocast_bf16 (its baseline) and o2_bf16.
+hf_llama32_1b and hf_mixtral run autocast_bf16 (their baseline) and o2_bf16.
 
 One training step is forward, loss, (scaled) backward, optimizer step and scaler update. Every
 variant trains the same freshly seeded model on the same batch:
@@ -113,7 +114,7 @@ CPU check that every variant runs (tiny models, Dynamo capture without Inductor;
 on one core; the transformers models ~1 minute more)::
 
     python benchmarks/bench_train.py --small
-    python benchmarks/bench_train.py --small --models hf_gpt2,hf_llama
+    python benchmarks/bench_train.py --small --models hf_gpt2,hf_llama,hf_llama32_1b
 """
 
 from __future__ import annotations
@@ -188,6 +189,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    model_defaults = "; ".join(f"{model} {'/'.join(names)}" for model, names in DEFAULT_VARIANTS.items())
+    model_baselines = ", ".join(f"{name} for {model}" for model, name in MODEL_BASELINES.items())
     parser.add_argument(
         "--models",
         "--model",
@@ -198,8 +201,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--variants",
         default=None,
-        help=f"comma list of {', '.join(VARIANTS)} (default: all; for the transformers models "
-        f"{', '.join(DEFAULT_VARIANTS['hf_gpt2'])})",
+        help=f"comma list of {', '.join(VARIANTS)} (default: all; the transformers models their "
+        f"comparison: {model_defaults})",
     )
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20; 2 with --small)")
     parser.add_argument(
@@ -257,7 +260,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--baseline",
         default=None,
-        help=f"the variant ratios are taken to (default {BASELINE}; autocast_bf16 for hf_llama_liger)",
+        help=f"the variant ratios are taken to (default {BASELINE}; {model_baselines})",
     )
     parser.add_argument(
         "--isolate",

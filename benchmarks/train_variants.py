@@ -120,11 +120,17 @@ DEFAULT_VARIANTS: dict[str, list[str]] = {
     "hf_gpt2": [BASELINE, "o2_fp16"],
     "hf_llama": [BASELINE, "o2_fp16"],
     "hf_llama_liger": ["autocast_bf16", "pure_bf16", "o2_bf16", "liger_autocast_bf16", "liger_pure_bf16"],
+    # issue 41: the Llama-3.2-1B shape in bf16
+    "hf_llama32_1b": ["autocast_bf16", "o2_bf16"],
     # issue 37: O2's low-precision experts against autocast's FP32 ones, bf16
     "hf_mixtral": ["autocast_bf16", "o2_bf16"],
 }
 # The variant a model's ratios are taken to, where it is not BASELINE (``--baseline`` overrides).
-MODEL_BASELINES: dict[str, str] = {"hf_llama_liger": "autocast_bf16", "hf_mixtral": "autocast_bf16"}
+MODEL_BASELINES: dict[str, str] = {
+    "hf_llama_liger": "autocast_bf16",
+    "hf_llama32_1b": "autocast_bf16",
+    "hf_mixtral": "autocast_bf16",
+}
 
 
 def model_variants(model_name: str, args: argparse.Namespace) -> list[Variant]:
