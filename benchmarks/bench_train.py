@@ -72,12 +72,16 @@ eagerly, as a fused kernel in every variant). All variants of a mode are built a
 (compiles, CUDA-graph capture), then timed in ``--rounds`` rounds of ``--steps`` steps, the order
 reversed every other round: a GPU slows as it heats up or reaches its power limit, and variants
 timed in a fixed order would carry that into their ratios. Per variant it reports the median of
-all its timed steps, the ratio to autocast_fp16 in the same mode, and peak memory
+all its timed steps, the ratio to the model's baseline (autocast_fp16, or ``--baseline``'s help)
+in the same mode, and peak memory
 (``torch.cuda.max_memory_allocated`` during its warm-up, above what was allocated before it was
 built: its weights, optimizer state, grads and activations, not the unconverted model, other
 variants or cuBLAS's workspaces, which are allocated before the first; o2_fp16_cuda_graph's peak
-counts those of its capture stream). A variant that fails is reported in the table and the run
-goes on.
+counts those of its capture stream), model TFLOP/s and MFU (benchmarks/train_flops.py: 6 x
+matmul parameters x tokens + causal attention's 6 x batch x seq^2 x width x layers, the LM head
+counted as a matmul and the embedding lookup not; over the GPU's dense fp16/bf16 peak, 989
+TFLOP/s on an H100 SXM or H200, none stated for fp32 rows or other devices). A variant that fails
+is reported in the table and the run goes on.
 
 GPU runs (eager ~1-2 min, then ~10 compiles of 20-50 s each; ``--time-budget`` skips, and
 reports, the variants that would start after it, least telling last; with several models each gets
@@ -135,6 +139,7 @@ from isolated_runs import write_results  # noqa: E402
 from kernel_breakdown import format_breakdown  # noqa: E402
 from models import BUILDERS  # noqa: E402
 from reporting import publish  # noqa: E402
+from train_flops import step_flops  # noqa: E402
 from train_measure import (  # noqa: E402
     check_liger_alone,
     measure_in_process,
@@ -342,9 +347,11 @@ def benchmark_model(model_name: str, args: argparse.Namespace, deadline: float |
     description = workload_description(model_name, args.small, args.batch_size, args.seq_len)
     title = f"Training step: {description} - {environment_line(args.device, args.compile_backend)}"
     baseline = args.baseline or MODEL_BASELINES.get(model_name, BASELINE)
+    flops = step_flops(model_name, args.small, args.batch_size, args.seq_len)
     # The targets are about the full-size models on a GPU; a --small run only checks the code.
+    checks = not args.small
     table = format_table(
-        model_name, ordered, args.modes, results, title, baseline, check_targets=not args.small
+        model_name, ordered, args.modes, results, title, flops, args.device, baseline, check_targets=checks
     )
     text = table + "\n" + timing_note(results, args, processes=len(groups or [variants])) + "\n"
     for note in notes:

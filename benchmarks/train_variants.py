@@ -125,6 +125,8 @@ DEFAULT_VARIANTS: dict[str, list[str]] = {
     # issue 37: O2's low-precision experts against autocast's FP32 ones, bf16
     "hf_mixtral": ["autocast_bf16", "o2_bf16"],
 }
+# The autocast row of each low dtype: what the targets compare O2 rows to (train_report.py).
+AUTOCAST_OF: dict[torch.dtype, str] = {torch.float16: "autocast_fp16", torch.bfloat16: "autocast_bf16"}
 # The variant a model's ratios are taken to, where it is not BASELINE (``--baseline`` overrides).
 MODEL_BASELINES: dict[str, str] = {
     "hf_llama_liger": "autocast_bf16",
