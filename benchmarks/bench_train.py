@@ -68,12 +68,13 @@ cross-entropy reads the low-precision logits directly
 logits); ``o2_fp16_loss_outside`` shows the cost of the copy.
 
 each eager and under torch.compile (the forward and the loss compiled; the optimizer step runs
-eagerly, as a fused kernel in every variant). All variants of a mode are built and warmed up first
-(compiles, CUDA-graph capture), then timed in ``--rounds`` rounds of ``--steps`` steps, the order
-reversed every other round: a GPU slows as it heats up or reaches its power limit, and variants
-timed in a fixed order would carry that into their ratios. Per variant it reports the median of
-all its timed steps, the ratio to the model's baseline (autocast_fp16, or ``--baseline``'s help)
-in the same mode, and peak memory
+eagerly, as a fused kernel in every variant; ``--compile-mode`` sets torch.compile's mode, which
+is torch's default except for hf_llama_liger: ``max-autotune-no-cudagraphs``, issue 41). All
+variants of a mode are built and warmed up first (compiles, CUDA-graph capture), then timed in
+``--rounds`` rounds of ``--steps`` steps, the order reversed every other round: a GPU slows as it
+heats up or reaches its power limit, and variants timed in a fixed order would carry that into
+their ratios. Per variant it reports the median of all its timed steps, the ratio to the model's
+baseline (autocast_fp16, or ``--baseline``'s help) in the same mode, and peak memory
 (``torch.cuda.max_memory_allocated`` during its warm-up, above what was allocated before it was
 built: its weights, optimizer state, grads and activations, not the unconverted model, other
 variants or cuBLAS's workspaces, which are allocated before the first; o2_fp16_cuda_graph's peak
@@ -113,6 +114,17 @@ Issue 25's runs, each well within 10 minutes on an H200 (the Liger wheel in .whe
         --steps 10 --rounds 3 --breakdown
     python3 benchmarks/bench_train.py --models gpt --modes compile --variants autocast_fp16,o2_fp16,half \
         --isolate variant --steps 10 --rounds 3
+
+Issue 41's runs: compiled rows in bf16 and fp16 (compile is a mode of every variant; the first
+takes hf_llama_liger's max-autotune-no-cudagraphs, whose compile time is not yet measured, so it
+has a budget), the Llama-3.2-1B shape (its autocast row may need an H200's memory: ~70 GiB by an
+estimate, O2 ~41)::
+
+    python3 benchmarks/bench_train.py --models hf_llama_liger --modes compile \
+        --variants autocast_bf16,o2_bf16 --isolate variant --steps 10 --rounds 3 --time-budget 540
+    python3 benchmarks/bench_train.py --models hf_llama_liger --modes compile --compile-mode default \
+        --variants autocast_fp16,o2_fp16 --baseline autocast_fp16 --isolate variant --steps 10 --rounds 3
+    python3 benchmarks/bench_train.py --models hf_llama32_1b --modes eager --steps 10 --rounds 3
 
 CPU check that every variant runs (tiny models, Dynamo capture without Inductor; 1-2 minutes
 on one core; the transformers models ~1 minute more)::
@@ -165,8 +177,10 @@ from train_variants import (  # noqa: E402
     BASELINE,
     DEFAULT_VARIANTS,
     MODEL_BASELINES,
+    MODEL_COMPILE_MODES,
     RUN_ORDER,
     VARIANTS,
+    compile_mode,
     model_variants,
 )
 
@@ -188,6 +202,10 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 # Main
 # ---------------------------------------------------------------------------------------------
+
+
+# torch.compile's modes (torch._inductor.list_mode_options()).
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -230,6 +248,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch.compile backend (default inductor on CUDA, eager on CPU: Dynamo's capture alone, "
         "which is what can break; inductor's C++ compile takes minutes there, and a CPU run only "
         "checks that everything works)",
+    )
+    parser.add_argument(
+        "--compile-mode",
+        default=None,
+        choices=COMPILE_MODES,
+        help="torch.compile's mode for the compiled rows, Inductor only (default: torch's default, "
+        f"except {', '.join(f'{m}: {c}' for m, c in MODEL_COMPILE_MODES.items())})",
     )
     parser.add_argument(
         "--time-budget",
@@ -308,6 +333,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--rounds and --steps must be at least 1")
     if args.compile_backend is None:
         args.compile_backend = "inductor" if args.device.type == "cuda" else "eager"
+    if args.compile_mode is not None and args.compile_backend != "inductor":
+        parser.error(
+            f"--compile-mode is Inductor's: add --compile-backend inductor (now {args.compile_backend})"
+        )
     return args
 
 
@@ -345,7 +374,8 @@ def benchmark_model(model_name: str, args: argparse.Namespace, deadline: float |
         write_results(args.json, rows, notes)
         return ""
     description = workload_description(model_name, args.small, args.batch_size, args.seq_len)
-    title = f"Training step: {description} - {environment_line(args.device, args.compile_backend)}"
+    mode = compile_mode(model_name, args) if "compile" in args.modes else None
+    title = f"Training step: {description} - {environment_line(args.device, args.compile_backend, mode)}"
     baseline = args.baseline or MODEL_BASELINES.get(model_name, BASELINE)
     flops = step_flops(model_name, args.small, args.batch_size, args.seq_len)
     # The targets are about the full-size models on a GPU; a --small run only checks the code.

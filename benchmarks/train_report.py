@@ -14,9 +14,11 @@ from train_timing import Result
 from train_variants import AUTOCAST_OF, BASELINE, VARIANTS, Variant
 
 
-def environment_line(device: torch.device, compile_backend: str) -> str:
+def environment_line(device: torch.device, compile_backend: str, compile_mode: str | None = None) -> str:
+    """The machine, versions and date, with the compile backend and (where one is set) its mode."""
     where_and_versions, date = environment(device).rsplit(", ", 1)
-    return f"{where_and_versions}, compile backend {compile_backend}, {date}"
+    mode = f" (mode {compile_mode})" if compile_mode else ""
+    return f"{where_and_versions}, compile backend {compile_backend}{mode}, {date}"
 
 
 def format_table(

@@ -10,6 +10,7 @@ CPU, where the same rules sort the ops' self CPU time.
 
 from __future__ import annotations
 
+import argparse
 import doctest
 import importlib.util
 import os
@@ -38,6 +39,10 @@ isolated_runs = _load("isolated_runs")
 # that none of its names (models, reporting) hides an installed module.
 if os.path.abspath(_BENCHMARKS) not in sys.path:
     sys.path.append(os.path.abspath(_BENCHMARKS))
+_path = list(sys.path)
+import bench_train  # noqa: E402  (it puts benchmarks/ first on the path, for a script's sake)
+
+sys.path[:] = _path
 import models  # noqa: E402
 import train_flops  # noqa: E402
 import train_report  # noqa: E402
@@ -265,7 +270,39 @@ def test_the_table_states_tflops_mfu_and_issue_41s_targets(monkeypatch) -> None:
     )
 
 
-@pytest.mark.parametrize("module", [train_flops], ids=lambda m: m.__name__)
+def test_compile_mode_is_the_command_lines_else_the_models_under_inductor() -> None:
+    args = bench_train.parse_args(["--models", "hf_llama_liger,hf_gpt2", "--compile-backend", "inductor"])
+    assert train_variants.compile_mode("hf_llama_liger", args) == "max-autotune-no-cudagraphs"
+    assert train_variants.compile_mode("hf_gpt2", args) is None
+    args = bench_train.parse_args(["--compile-backend", "inductor", "--compile-mode", "default"])
+    assert train_variants.compile_mode("hf_llama_liger", args) == "default"
+    args = bench_train.parse_args(["--device", "cpu"])  # the eager backend takes no mode
+    assert train_variants.compile_mode("hf_llama_liger", args) is None
+    with pytest.raises(SystemExit):
+        bench_train.parse_args(["--device", "cpu", "--compile-mode", "max-autotune"])
+
+
+def test_a_compiled_row_is_compiled_in_its_mode(monkeypatch) -> None:
+    """build_step hands the mode to torch.compile (recorded here instead of compiling)."""
+    import train_step
+
+    seen = {}
+
+    def fake_compile(function, **options):
+        seen.update(options)
+        return function
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    args = argparse.Namespace(small=True, batch_size=None, seq_len=None, no_kv_cache=False)
+    work = train_step.make_workload("gpt", args, torch.device("cpu"))
+    step = train_step.build_step(
+        train_variants.VARIANTS["autocast_bf16"], work, "compile", "inductor", "max-autotune"
+    )
+    step()
+    assert seen == {"backend": "inductor", "mode": "max-autotune"}
+
+
+@pytest.mark.parametrize("module", [train_flops, train_variants], ids=lambda m: m.__name__)
 def test_docstring_examples(module) -> None:
     failures, _ = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert failures == 0
