@@ -1,12 +1,13 @@
 """End-to-end training-step benchmark: torch's mixed precision against amp_fx O1/O2/O3.
 
 Models (``--models``, benchmarks/models.py): ``gpt`` (GPT-2 small written out by hand),
-``resnet50``, and three Hugging Face transformers causal LMs from configs, random weights:
+``resnet50``, and Hugging Face transformers causal LMs from configs, random weights:
 ``hf_gpt2`` (``GPT2LMHeadModel(GPT2Config())``, 124M, 16 x 1024 tokens), ``hf_llama`` (Llama
-architecture, 0.67B, 8 x 2048 tokens) and ``hf_llama_liger`` (the Llama of Liger-Kernel's
-comparison, 0.50B, 8 x 2048 tokens), ``hf_mixtral`` (Mixtral architecture: hidden 1024, 8 layers,
-8 experts top 2, expert FFN 3584, 8 x 2048 tokens; issue 37); ``--batch-size``/``--seq-len``
-change the shape. The
+architecture, 0.67B, 8 x 2048 tokens), ``hf_llama_liger`` (the Llama of Liger-Kernel's
+comparison, 0.50B, 8 x 2048 tokens), ``hf_llama32_1b`` (the Llama-3.2-1B shape: hidden 2048, 16
+layers, 32 heads / 8 KV heads, FFN 8192, vocab 128256, tied embeddings, 1.24B, 4 x 4096 tokens;
+issue 41), ``hf_mixtral`` (Mixtral architecture: hidden 1024, 8 layers, 8 experts top 2, expert
+FFN 3584, 8 x 2048 tokens; issue 37); ``--batch-size``/``--seq-len`` change the shape. The
 transformers models train on their own loss (``model(input_ids=..., labels=...).loss``); amp_fx
 converts them with its torch.export front end (`amp_fx.capture.captured_model`), which captures a graph at
 the first call and another at the first call of a new shape. For those, after the eager timing, the
@@ -14,7 +15,7 @@ first call of a freshly converted model and its first call at 3/4 of the sequenc
 beside the same calls once captured, and printed under the table. Without ``--variants`` they run
 autocast_fp16 and o2_fp16 only (the comparison of issue 12); hf_llama_liger runs issue 25's in
 bf16: autocast_bf16 (the baseline of its ratios), pure_bf16, o2_bf16 and the two Liger variants;
-hf_mixtral runs autocast_bf16 (its baseline) and o2_bf16.
+hf_llama32_1b and hf_mixtral run autocast_bf16 (their baseline) and o2_bf16.
 
 One training step is forward, loss, (scaled) backward, optimizer step and scaler update. Every
 variant trains the same freshly seeded model on the same batch:
@@ -67,16 +68,21 @@ cross-entropy reads the low-precision logits directly
 logits); ``o2_fp16_loss_outside`` shows the cost of the copy.
 
 each eager and under torch.compile (the forward and the loss compiled; the optimizer step runs
-eagerly, as a fused kernel in every variant). All variants of a mode are built and warmed up first
-(compiles, CUDA-graph capture), then timed in ``--rounds`` rounds of ``--steps`` steps, the order
-reversed every other round: a GPU slows as it heats up or reaches its power limit, and variants
-timed in a fixed order would carry that into their ratios. Per variant it reports the median of
-all its timed steps, the ratio to autocast_fp16 in the same mode, and peak memory
+eagerly, as a fused kernel in every variant; ``--compile-mode`` sets torch.compile's mode, which
+is torch's default except for hf_llama_liger: ``max-autotune-no-cudagraphs``, issue 41). All
+variants of a mode are built and warmed up first (compiles, CUDA-graph capture), then timed in
+``--rounds`` rounds of ``--steps`` steps, the order reversed every other round: a GPU slows as it
+heats up or reaches its power limit, and variants timed in a fixed order would carry that into
+their ratios. Per variant it reports the median of all its timed steps, the ratio to the model's
+baseline (autocast_fp16, or ``--baseline``'s help) in the same mode, and peak memory
 (``torch.cuda.max_memory_allocated`` during its warm-up, above what was allocated before it was
 built: its weights, optimizer state, grads and activations, not the unconverted model, other
 variants or cuBLAS's workspaces, which are allocated before the first; o2_fp16_cuda_graph's peak
-counts those of its capture stream). A variant that fails is reported in the table and the run
-goes on.
+counts those of its capture stream), model TFLOP/s and MFU (benchmarks/train_flops.py: 6 x
+matmul parameters x tokens + causal attention's 6 x batch x seq^2 x width x layers, the LM head
+counted as a matmul and the embedding lookup not; over the GPU's dense fp16/bf16 peak, 989
+TFLOP/s on an H100 SXM or H200, none stated for fp32 rows or other devices). A variant that fails
+is reported in the table and the run goes on.
 
 GPU runs (eager ~1-2 min, then ~10 compiles of 20-50 s each; ``--time-budget`` skips, and
 reports, the variants that would start after it, least telling last; with several models each gets
@@ -109,11 +115,22 @@ Issue 25's runs, each well within 10 minutes on an H200 (the Liger wheel in .whe
     python3 benchmarks/bench_train.py --models gpt --modes compile --variants autocast_fp16,o2_fp16,half \
         --isolate variant --steps 10 --rounds 3
 
+Issue 41's runs: compiled rows in bf16 and fp16 (compile is a mode of every variant; the first
+takes hf_llama_liger's max-autotune-no-cudagraphs, whose compile time is not yet measured, so it
+has a budget), the Llama-3.2-1B shape (its autocast row may need an H200's memory: ~70 GiB by an
+estimate, O2 ~41)::
+
+    python3 benchmarks/bench_train.py --models hf_llama_liger --modes compile \
+        --variants autocast_bf16,o2_bf16 --isolate variant --steps 10 --rounds 3 --time-budget 540
+    python3 benchmarks/bench_train.py --models hf_llama_liger --modes compile --compile-mode default \
+        --variants autocast_fp16,o2_fp16 --baseline autocast_fp16 --isolate variant --steps 10 --rounds 3
+    python3 benchmarks/bench_train.py --models hf_llama32_1b --modes eager --steps 10 --rounds 3
+
 CPU check that every variant runs (tiny models, Dynamo capture without Inductor; 1-2 minutes
 on one core; the transformers models ~1 minute more)::
 
     python benchmarks/bench_train.py --small
-    python benchmarks/bench_train.py --small --models hf_gpt2,hf_llama
+    python benchmarks/bench_train.py --small --models hf_gpt2,hf_llama,hf_llama32_1b
 """
 
 from __future__ import annotations
@@ -134,6 +151,7 @@ from isolated_runs import write_results  # noqa: E402
 from kernel_breakdown import format_breakdown  # noqa: E402
 from models import BUILDERS  # noqa: E402
 from reporting import publish  # noqa: E402
+from train_flops import step_flops  # noqa: E402
 from train_measure import (  # noqa: E402
     check_liger_alone,
     measure_in_process,
@@ -159,8 +177,10 @@ from train_variants import (  # noqa: E402
     BASELINE,
     DEFAULT_VARIANTS,
     MODEL_BASELINES,
+    MODEL_COMPILE_MODES,
     RUN_ORDER,
     VARIANTS,
+    compile_mode,
     model_variants,
 )
 
@@ -184,10 +204,16 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 
 
+# torch.compile's modes (torch._inductor.list_mode_options()).
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    model_defaults = "; ".join(f"{model} {'/'.join(names)}" for model, names in DEFAULT_VARIANTS.items())
+    model_baselines = ", ".join(f"{name} for {model}" for model, name in MODEL_BASELINES.items())
     parser.add_argument(
         "--models",
         "--model",
@@ -198,8 +224,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--variants",
         default=None,
-        help=f"comma list of {', '.join(VARIANTS)} (default: all; for the transformers models "
-        f"{', '.join(DEFAULT_VARIANTS['hf_gpt2'])})",
+        help=f"comma list of {', '.join(VARIANTS)} (default: all; the transformers models their "
+        f"comparison: {model_defaults})",
     )
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20; 2 with --small)")
     parser.add_argument(
@@ -222,6 +248,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch.compile backend (default inductor on CUDA, eager on CPU: Dynamo's capture alone, "
         "which is what can break; inductor's C++ compile takes minutes there, and a CPU run only "
         "checks that everything works)",
+    )
+    parser.add_argument(
+        "--compile-mode",
+        default=None,
+        choices=COMPILE_MODES,
+        help="torch.compile's mode for the compiled rows, Inductor only (default: torch's default, "
+        f"except {', '.join(f'{m}: {c}' for m, c in MODEL_COMPILE_MODES.items())})",
     )
     parser.add_argument(
         "--time-budget",
@@ -257,7 +290,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--baseline",
         default=None,
-        help=f"the variant ratios are taken to (default {BASELINE}; autocast_bf16 for hf_llama_liger)",
+        help=f"the variant ratios are taken to (default {BASELINE}; {model_baselines})",
     )
     parser.add_argument(
         "--isolate",
@@ -300,6 +333,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--rounds and --steps must be at least 1")
     if args.compile_backend is None:
         args.compile_backend = "inductor" if args.device.type == "cuda" else "eager"
+    if args.compile_mode is not None and args.compile_backend != "inductor":
+        parser.error(
+            f"--compile-mode is Inductor's: add --compile-backend inductor (now {args.compile_backend})"
+        )
     return args
 
 
@@ -337,11 +374,14 @@ def benchmark_model(model_name: str, args: argparse.Namespace, deadline: float |
         write_results(args.json, rows, notes)
         return ""
     description = workload_description(model_name, args.small, args.batch_size, args.seq_len)
-    title = f"Training step: {description} - {environment_line(args.device, args.compile_backend)}"
+    mode = compile_mode(model_name, args) if "compile" in args.modes else None
+    title = f"Training step: {description} - {environment_line(args.device, args.compile_backend, mode)}"
     baseline = args.baseline or MODEL_BASELINES.get(model_name, BASELINE)
+    flops = step_flops(model_name, args.small, args.batch_size, args.seq_len)
     # The targets are about the full-size models on a GPU; a --small run only checks the code.
+    checks = not args.small
     table = format_table(
-        model_name, ordered, args.modes, results, title, baseline, check_targets=not args.small
+        model_name, ordered, args.modes, results, title, flops, args.device, baseline, check_targets=checks
     )
     text = table + "\n" + timing_note(results, args, processes=len(groups or [variants])) + "\n"
     for note in notes:

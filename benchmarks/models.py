@@ -1,13 +1,15 @@
 """Models the training benchmark runs: a plainly written GPT-2-small, torchvision's ResNet-50 and
-three Hugging Face transformers causal LMs built from configs (random weights, no download).
+Hugging Face transformers causal LMs built from configs (random weights, no download).
 
 The GPT is nanoGPT's architecture written out by hand (pre-LayerNorm blocks, causal
 `F.scaled_dot_product_attention`, GELU MLP, tied input and output embeddings), so every variant
 of the benchmark (torch.autocast, `.half()`, amp_fx O1-O3) trains the same plain `nn.Module`.
 ``hf_gpt2`` is transformers' ``GPT2LMHeadModel(GPT2Config())`` (124M), ``hf_llama`` a
 ``LlamaForCausalLM`` of 0.67B parameters (hidden 2048, 12 layers, 16 heads / 4 KV heads, vocab
-32000) and ``hf_llama_liger`` the Llama of Liger-Kernel's comparison (hidden 1536, intermediate
-4096, 16 layers, 12 heads / 4 KV heads, vocab 32000; 8 x 2048 tokens), ``hf_mixtral`` a
+32000), ``hf_llama_liger`` the Llama of Liger-Kernel's comparison (hidden 1536, intermediate
+4096, 16 layers, 12 heads / 4 KV heads, vocab 32000; 8 x 2048 tokens), ``hf_llama32_1b`` the
+Llama-3.2-1B shape (hidden 2048, intermediate 8192, 16 layers, 32 heads / 8 KV heads, vocab
+128256, tied embeddings, 1.24B; 4 x 4096 tokens; issue 41), ``hf_mixtral`` a
 ``MixtralForCausalLM`` (hidden 1024, 8 layers, 16 heads / 8 KV heads, 8 experts top 2, expert
 FFN 3584, vocab 32000; 8 x 2048 tokens); they compute their own
 loss from ``labels=`` and amp_fx converts them with its torch.export front end
@@ -193,6 +195,7 @@ TOKEN_SHAPES: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
     "hf_gpt2": ((16, 1024), (2, 32)),
     "hf_llama": ((8, 2048), (2, 32)),
     "hf_llama_liger": ((8, 2048), (2, 32)),
+    "hf_llama32_1b": ((4, 4096), (2, 32)),
     "hf_mixtral": ((8, 2048), (2, 32)),
 }
 
@@ -259,7 +262,9 @@ def build_resnet50(
 # LlamaConfig sizes of the Llama workloads. hf_llama: Llama's MLP width 4 * 2/3 * hidden rounded up
 # to a multiple of 256 (as TinyLlama's 5632); 12 layers land at 0.67B parameters, head dim 128.
 # hf_llama_liger: the model of Liger-Kernel's published Llama comparison (issue 25), 0.50B, head dim
-# 128. "small": both at their CPU size.
+# 128. hf_llama32_1b: Llama-3.2-1B's shape (issue 41), head dim 64, its LM head the embedding table;
+# the rotary frequencies are LlamaConfig's default (Llama 3.2's theta and scaling change no FLOP and
+# no byte). "small": all at their CPU size; a model with tied embeddings keeps them there.
 LLAMA_SIZES: dict[str, dict[str, int]] = {
     "hf_llama": {
         "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 12,
@@ -268,6 +273,11 @@ LLAMA_SIZES: dict[str, dict[str, int]] = {
     "hf_llama_liger": {
         "hidden_size": 1536, "intermediate_size": 4096, "num_hidden_layers": 16,
         "num_attention_heads": 12, "num_key_value_heads": 4, "vocab_size": 32000,
+    },
+    "hf_llama32_1b": {
+        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+        "tie_word_embeddings": True,
     },
     "small": {
         "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
@@ -291,7 +301,7 @@ MIXTRAL_SIZES: dict[str, dict[str, int]] = {
 
 
 def hf_config(name: str, small: bool, seq_len: int) -> Any:
-    """The transformers config of ``hf_gpt2``, ``hf_llama``, ``hf_llama_liger`` or ``hf_mixtral``,
+    """The transformers config of a Hugging Face workload (``hf_gpt2``, a Llama, ``hf_mixtral``),
     with position embeddings for at least ``seq_len`` tokens; ``use_cache`` is the config's default, as people
     train."""
     import transformers
@@ -306,7 +316,9 @@ def hf_config(name: str, small: bool, seq_len: int) -> Any:
     if name == "hf_mixtral":
         sizes = MIXTRAL_SIZES["small" if small else name]
         return transformers.MixtralConfig(**sizes, max_position_embeddings=max(2048, seq_len))
-    sizes = LLAMA_SIZES["small" if small else name]
+    sizes = LLAMA_SIZES[name]
+    if small:
+        sizes = {**LLAMA_SIZES["small"], "tie_word_embeddings": sizes.get("tie_word_embeddings", False)}
     return transformers.LlamaConfig(**sizes, max_position_embeddings=max(2048, seq_len))
 
 
@@ -314,6 +326,7 @@ HF_MODEL_CLASSES = {
     "hf_gpt2": "GPT2LMHeadModel",
     "hf_llama": "LlamaForCausalLM",
     "hf_llama_liger": "LlamaForCausalLM",
+    "hf_llama32_1b": "LlamaForCausalLM",
     "hf_mixtral": "MixtralForCausalLM",
 }
 
@@ -343,8 +356,8 @@ def build_hf(
     batch_size: int | None = None,
     seq_len: int | None = None,
 ) -> Workload:
-    """A transformers causal LM (``hf_gpt2``: 16 x 1024 tokens; the Llamas: 8 x 2048) whose own
-    loss trains it: ``model(input_ids=tokens, labels=tokens).loss``."""
+    """A transformers causal LM (`TOKEN_SHAPES`: ``hf_gpt2`` 16 x 1024 tokens, most Llamas 8 x 2048)
+    whose own loss trains it: ``model(input_ids=tokens, labels=tokens).loss``."""
     batch, seq = token_shape(name, small, batch_size, seq_len)
     config = hf_config(name, small, seq)
     generator = torch.Generator().manual_seed(0)
@@ -372,6 +385,7 @@ BUILDERS: dict[str, Callable[..., Workload]] = {
     "hf_gpt2": lambda *args, **kwargs: build_hf("hf_gpt2", *args, **kwargs),
     "hf_llama": lambda *args, **kwargs: build_hf("hf_llama", *args, **kwargs),
     "hf_llama_liger": lambda *args, **kwargs: build_hf("hf_llama_liger", *args, **kwargs),
+    "hf_llama32_1b": lambda *args, **kwargs: build_hf("hf_llama32_1b", *args, **kwargs),
     "hf_mixtral": lambda *args, **kwargs: build_hf("hf_mixtral", *args, **kwargs),
 }
 

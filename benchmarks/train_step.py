@@ -93,9 +93,11 @@ def make_forward_loss(
 
 
 def build_step(
-    variant: Variant, work: Workload, mode: str, compile_backend: str
+    variant: Variant, work: Workload, mode: str, compile_backend: str, compile_mode: str | None = None
 ) -> Callable[[], torch.Tensor]:
-    """Return a function that runs one full training step on the workload's batch."""
+    """Return a function that runs one full training step on the workload's batch (``mode``
+    "compile": forward and loss compiled with ``compile_backend``, in ``compile_mode``; None is
+    torch's default)."""
     model = prepare_model(variant, work)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(variant, work, params)
@@ -107,7 +109,7 @@ def build_step(
             # One eager call captures the torch.export front end's graph first: a capture during
             # a compiled call is a graph break inside the model, and its compiled code keeps it.
             forward_loss(inputs, work.targets)
-        forward_loss = torch.compile(forward_loss, backend=compile_backend)
+        forward_loss = torch.compile(forward_loss, backend=compile_backend, mode=compile_mode)
     if variant.framework == "torch" and not variant.autocast and inputs.is_floating_point():
         inputs = inputs.to(variant.dtype)  # `.half()` models take fp16 images
     targets = work.targets
@@ -146,6 +148,7 @@ def make_workload(
     workload = build_workload(
         model_name, device, small=args.small, batch_size=args.batch_size, seq_len=args.seq_len
     )
-    if (args.no_kv_cache or not kv_cache) and hasattr(workload.model, "config"):
+    # Only a transformers config has use_cache (bench_train's own GPT fills no cache).
+    if (args.no_kv_cache or not kv_cache) and hasattr(getattr(workload.model, "config", None), "use_cache"):
         workload.model.config.use_cache = False  # the comparison row; people call the default
     return workload

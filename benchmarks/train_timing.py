@@ -16,7 +16,7 @@ import torch
 from liger import unavailable_reason as liger_unavailable_reason
 from models import hf_model_type
 from train_step import GRAPH_WARMUP_STEPS, build_step, make_workload
-from train_variants import Variant
+from train_variants import Variant, compile_mode
 
 logger = logging.getLogger("bench_train")
 
@@ -139,8 +139,13 @@ def prepare_variant(
             if reason is not None:
                 result.error = f"skipped: {reason}"
                 return result, None
+        if not variant.kv_cache and hf_model_type(model_name) is None:
+            result.error = f"skipped: {model_name} fills no key/value cache (a transformers comparison)"
+            return result, None
         work = make_workload(model_name, args, device, variant.kv_cache, variant.liger)
-        step = build_step(variant, work, mode, args.compile_backend)
+        # bench_trainer's arguments have no compile mode: it builds eager steps only.
+        torch_compile_mode = compile_mode(model_name, args) if mode == "compile" else None
+        step = build_step(variant, work, mode, args.compile_backend, torch_compile_mode)
         # The step holds what it needs; amp_fx's unconverted original goes now, and the peak counts
         # from here: weights, optimizer state and activations of training, not conversion copies.
         del work

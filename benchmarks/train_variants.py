@@ -1,9 +1,12 @@
 """bench_train's variants: how each row of its table trains, the order they run in, and what
-each model runs without ``--variants``.
+each model runs without ``--variants`` (and its compile mode without ``--compile-mode``).
 
 Example:
     >>> VARIANTS["o2_fp16"].uses_loss_scaling, VARIANTS["o2_bf16"].uses_loss_scaling
     (True, False)
+    >>> args = argparse.Namespace(compile_mode=None, compile_backend="inductor")
+    >>> compile_mode("hf_llama_liger", args), compile_mode("hf_gpt2", args)
+    ('max-autotune-no-cudagraphs', None)
     >>> VARIANTS["o2_bf16_low_residual"].low_precision_residual
     True
 """
@@ -120,11 +123,34 @@ DEFAULT_VARIANTS: dict[str, list[str]] = {
     "hf_gpt2": [BASELINE, "o2_fp16"],
     "hf_llama": [BASELINE, "o2_fp16"],
     "hf_llama_liger": ["autocast_bf16", "pure_bf16", "o2_bf16", "liger_autocast_bf16", "liger_pure_bf16"],
+    # issue 41: the Llama-3.2-1B shape in bf16
+    "hf_llama32_1b": ["autocast_bf16", "o2_bf16"],
     # issue 37: O2's low-precision experts against autocast's FP32 ones, bf16
     "hf_mixtral": ["autocast_bf16", "o2_bf16"],
 }
+# The autocast row of each low dtype: what the targets compare O2 rows to (train_report.py).
+AUTOCAST_OF: dict[torch.dtype, str] = {torch.float16: "autocast_fp16", torch.bfloat16: "autocast_bf16"}
+# torch.compile's mode for a model's compiled rows under Inductor, where not torch's default
+# (``--compile-mode`` overrides): issue 41 asks max-autotune of the Llama 0.5B comparison only, since
+# autotuning every GEMM shape of a model costs minutes of GPU time per compile.
+MODEL_COMPILE_MODES: dict[str, str] = {"hf_llama_liger": "max-autotune-no-cudagraphs"}
 # The variant a model's ratios are taken to, where it is not BASELINE (``--baseline`` overrides).
-MODEL_BASELINES: dict[str, str] = {"hf_llama_liger": "autocast_bf16", "hf_mixtral": "autocast_bf16"}
+MODEL_BASELINES: dict[str, str] = {
+    "hf_llama_liger": "autocast_bf16",
+    "hf_llama32_1b": "autocast_bf16",
+    "hf_mixtral": "autocast_bf16",
+}
+
+
+def compile_mode(model_name: str, args: argparse.Namespace) -> str | None:
+    """torch.compile's ``mode`` for ``model_name``'s compiled rows: ``--compile-mode``, else the
+    model's own under Inductor (`MODEL_COMPILE_MODES`), else None (torch's default; other backends
+    take no mode)."""
+    if args.compile_mode is not None:
+        return args.compile_mode
+    if args.compile_backend != "inductor":
+        return None
+    return MODEL_COMPILE_MODES.get(model_name)
 
 
 def model_variants(model_name: str, args: argparse.Namespace) -> list[Variant]:
