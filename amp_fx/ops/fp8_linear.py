@@ -40,11 +40,10 @@ from amp_fx.kernels.fp8.arguments import fp8_product_refusal
 from amp_fx.kernels.fp8.recipes import PRODUCTS, Fp8Recipe, recipe_named
 from amp_fx.ops.outputs import reshaped_output
 
-__all__ = ["fp8_linear", "fp8_linear_refusals", "fp8_linear_rows"]
+__all__ = ["fp8_linear", "fp8_linear_refusals", "fp8_linear_unchecked"]
 
 _HIGH_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Each product as (first operand, second operand) and the (m, k, n) of its shapes, from the layer's
-# tokens T, in_features K and out_features N.
+# Each product as the layer's tensors make it, for the refusals.
 _PRODUCT_TERMS = {
     "output": "input @ weight.T",
     "grad_input": "grad_output @ weight",
@@ -53,6 +52,7 @@ _PRODUCT_TERMS = {
 
 
 def _product_shape(product: str, tokens: int, in_features: int, out_features: int) -> tuple[int, int, int]:
+    """The (m, k, n) of ``product``'s (m, k) @ (k, n) for a layer of these sizes."""
     return {
         "output": (tokens, in_features, out_features),
         "grad_input": (tokens, out_features, in_features),
@@ -148,7 +148,7 @@ def _kernels(tensor: Tensor) -> ModuleType:
 
 
 def _product(
-    a: Tensor, b: Tensor, product: str, recipe: Fp8Recipe, out_dtype: torch.dtype, bias=None
+    a: Tensor, b: Tensor, product: str, recipe: Fp8Recipe, out_dtype: torch.dtype, bias: Tensor | None = None
 ) -> Tensor:
     """``a @ b (+ bias)`` for (M, K) ``a`` and (K, N) ``b`` (any layouts): in FP8 as ``recipe``
     says for ``product``, each operand scaled along K (per row of a and per column of b, or per
@@ -171,14 +171,15 @@ def _rows(tensor: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("amp_fx::fp8_linear", mutates_args=())
-def fp8_linear_rows(input: Tensor, weight: Tensor, bias: Tensor | None, recipe: str) -> Tensor:
-    """``F.linear(input, weight, bias)`` with the output product as ``recipe`` says (unchecked:
-    `fp8_linear` checks); its autograd runs the two gradient products likewise."""
+def fp8_linear_unchecked(input: Tensor, weight: Tensor, bias: Tensor | None, recipe: str) -> Tensor:
+    """``F.linear(input, weight, bias)`` with the output product as ``recipe`` says, the custom op
+    `fp8_linear` calls after its checks (a call that breaks CUDA's rules runs on the CPU here and
+    fails on a GPU); its autograd runs the two gradient products likewise."""
     out = _product(_rows(input), weight.t(), "output", recipe_named(recipe), input.dtype, bias)
     return reshaped_output(out, (*input.shape[:-1], weight.shape[0]))
 
 
-@fp8_linear_rows.register_fake
+@fp8_linear_unchecked.register_fake
 def _fp8_linear_fake(input: Tensor, weight: Tensor, bias: Tensor | None, recipe: str) -> Tensor:
     return input.new_empty((*input.shape[:-1], weight.shape[0]))
 
@@ -204,7 +205,7 @@ def _backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, Tensor | None, T
     return grad_input, grad_weight, grad_bias, None
 
 
-fp8_linear_rows.register_autograd(_backward, setup_context=_setup_context)
+fp8_linear_unchecked.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---- what converted graphs call ---------------------------------------------------------------
@@ -232,4 +233,4 @@ def fp8_linear(
         True
     """
     _check_arguments(input, weight, bias, recipe)
-    return fp8_linear_rows(input, weight, bias, recipe)
+    return fp8_linear_unchecked(input, weight, bias, recipe)
