@@ -16,6 +16,7 @@ Example:
     ['activation_backward', 'activation_forward', 'adam_step_', 'advance_step_',
      'batch_norm_act_backward', 'batch_norm_act_forward', 'check_finite_and_norm_',
      'cross_entropy_backward', 'cross_entropy_forward', 'cross_entropy_forward_with_grad',
+     'fp8_quantize', 'fp8_scaled_mm',
      'gated_activation_backward', 'gated_activation_forward', 'max_pool2d_backward',
      'max_pool2d_forward', 'norm_backward', 'norm_forward', 'rotary_backward', 'rotary_forward',
      'sgd_step_', 'update_loss_scale_']

@@ -133,3 +133,16 @@ def rounding_tolerances(dtype: torch.dtype) -> tuple[float, float]:
     """
     rtol, atol = tolerances(torch.float32)
     return (rtol, atol) if dtype == torch.float32 else (torch.finfo(dtype).eps, atol)
+
+
+def rounding_error(dtype: torch.dtype) -> tuple[float, float]:
+    """(relative, absolute) such that rounding a value v to nearest in ``dtype`` errs by at most
+    ``relative * |v| + absolute`` (below its largest finite value): the unit roundoff (half of eps),
+    and half the smallest subnormal, the fixed step of the values near 0. For any floating dtype,
+    the float8 formats included; the bounds of the FP8 products' tests are built from it.
+
+        >>> rounding_error(torch.float8_e4m3fn), rounding_error(torch.bfloat16)[0]
+        ((0.0625, 0.0009765625), 0.00390625)
+    """
+    info = torch.finfo(dtype)
+    return info.eps / 2, info.smallest_normal * info.eps / 2
