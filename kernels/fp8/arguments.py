@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from amp_fx.kernels.arguments import PARAM_DTYPES, check_dtype
+from amp_fx.kernels.arguments import KERNEL_DTYPES, check_dtype
 from amp_fx.kernels.fp8 import FP8_DTYPES
 from amp_fx.kernels.fp8.recipes import SCALINGS
 
@@ -195,7 +195,7 @@ def check_fp8_quantize_arguments(
             f"tensor must be a non-empty matrix (2-D), got shape {tuple(tensor.shape)}; flatten the leading "
             "dimensions with t.reshape(-1, t.shape[-1])"
         )
-    check_dtype("tensor has", tensor.dtype, PARAM_DTYPES)
+    check_dtype("tensor has", tensor.dtype, KERNEL_DTYPES)
     check_dtype("fp8_dtype is", fp8_dtype, FP8_DTYPES)
     if along not in (None, 0, 1) or isinstance(along, bool):
         raise ValueError(

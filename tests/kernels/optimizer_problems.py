@@ -20,7 +20,7 @@ from amp_fx.kernels.pointer_table import LaunchConfig
 from amp_fx.kernels.sgd import triton as sgd_triton
 from amp_fx.testing import tolerances
 
-PARAM_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+KERNEL_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 SMALL = LaunchConfig(block_size=16, chunk_size=32, num_warps=1)
 # Sizes around the small configuration's block (16) and chunk (32) boundaries.
 SMALL_SIZES = [1, 2, 3, 7, 15, 16, 17, 31, 32, 33, 47, 64, 65]

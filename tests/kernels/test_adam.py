@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from amp_fx.kernels import reference, triton_ops
 from tests.kernels.optimizer_problems import (
-    PARAM_DTYPES,
+    KERNEL_DTYPES,
     SMALL,
     assert_matches_reference,
     clone_problem,
@@ -53,7 +53,7 @@ def test_adam_matches_reference(
     with_found_inf,
     seed,
 ) -> None:
-    dtypes = data.draw(st.lists(st.sampled_from(PARAM_DTYPES), min_size=len(sizes), max_size=len(sizes)))
+    dtypes = data.draw(st.lists(st.sampled_from(KERNEL_DTYPES), min_size=len(sizes), max_size=len(sizes)))
     with_masters = data.draw(st.booleans())
     ours = make_problem(sizes, dtypes, device, seed, ("exp_avgs", "exp_avg_sqs"), with_masters)
     expected = clone_problem(ours)

@@ -18,7 +18,7 @@ from amp_fx.kernels.adam import triton as adam_triton
 from amp_fx.kernels.overflow_check import triton as overflow_check_triton
 from amp_fx.kernels.sgd import triton as sgd_triton
 from tests.kernels.optimizer_problems import (
-    PARAM_DTYPES,
+    KERNEL_DTYPES,
     SMALL,
     all_tensors,
     assert_bit_identical,
@@ -41,7 +41,7 @@ from tests.kernels.optimizer_problems import (
     seed=st.integers(0, 2**16),
 )
 def test_overflow_skips_everything(device, sizes, data, bad_value, optimizer, seed) -> None:
-    dtypes = data.draw(st.lists(st.sampled_from(PARAM_DTYPES), min_size=len(sizes), max_size=len(sizes)))
+    dtypes = data.draw(st.lists(st.sampled_from(KERNEL_DTYPES), min_size=len(sizes), max_size=len(sizes)))
     states = ("exp_avgs", "exp_avg_sqs") if optimizer == "adam" else ("momentum_buffers",)
     problem = make_problem(sizes, dtypes, device, seed, states)
     # One bad element at a random place; the last element of the last tensor half of the time.

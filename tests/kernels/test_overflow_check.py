@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from amp_fx.kernels import reference, triton_ops
 from tests.kernels.optimizer_problems import (
-    PARAM_DTYPES,
+    KERNEL_DTYPES,
     SMALL,
     launch_config,
     multiplier_strategy,
@@ -21,7 +21,7 @@ from tests.kernels.optimizer_problems import (
 
 @given(
     sizes=sizes_strategy,
-    dtype=st.sampled_from(PARAM_DTYPES),
+    dtype=st.sampled_from(KERNEL_DTYPES),
     multiplier=multiplier_strategy,
     scale=st.sampled_from([1e-3, 1.0, 1e3]),
     seed=st.integers(0, 2**16),

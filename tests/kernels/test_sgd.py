@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from amp_fx.kernels import reference, triton_ops
 from tests.kernels.optimizer_problems import (
-    PARAM_DTYPES,
+    KERNEL_DTYPES,
     SMALL,
     assert_matches_reference,
     clone_problem,
@@ -41,7 +41,7 @@ def test_sgd_matches_reference(
     device, sizes, data, lr, momentum_setting, weight_decay, multiplier, step_value, seed
 ) -> None:
     momentum, dampening, nesterov = momentum_setting
-    dtypes = data.draw(st.lists(st.sampled_from(PARAM_DTYPES), min_size=len(sizes), max_size=len(sizes)))
+    dtypes = data.draw(st.lists(st.sampled_from(KERNEL_DTYPES), min_size=len(sizes), max_size=len(sizes)))
     # Without momentum the buffers may be left out (None).
     states = () if momentum == 0.0 and data.draw(st.booleans()) else ("momentum_buffers",)
     ours = make_problem(sizes, dtypes, device, seed, states, data.draw(st.booleans()))
