@@ -59,7 +59,8 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from amp_fx.capture.changes import install, same_model, take, unchanged, watch_modules
+from amp_fx.capture.change_counting import install, watch_modules
+from amp_fx.capture.changes import same_model, take, unchanged
 from amp_fx.capture.checkpointing import checkpointed_layers, checkpointing_off
 from amp_fx.capture.export import (
     ExportError,

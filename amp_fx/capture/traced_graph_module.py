@@ -30,7 +30,7 @@ from amp_fx.core.node_info import (
 __all__ = ["CONTAINER_KEY", "FOLLOWER_ATTR", "TracedGraphModule", "copy_graph", "rebuild_traced_graph_module"]
 
 # The key of a converted GraphModule's ``__dict__`` holding what follows changes made to it after
-# conversion (`amp_fx.capture.changes.GraphFollower`): each call first calls it with the module,
+# conversion (`amp_fx.capture.graph_follower.GraphFollower`): each call first calls it with the module,
 # and where it rewrote the graphs (it returns True) the call runs the new ones.
 FOLLOWER_ATTR = "_amp_fx_follow_changes"
 
