@@ -52,9 +52,8 @@ Example:
 from __future__ import annotations
 
 import logging
-import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -64,8 +63,9 @@ from torch import Tensor
 
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.kernels import implementation_for
-from amp_fx.kernels.arguments import KERNEL_DTYPES, is_dense
+from amp_fx.kernels.arguments import is_dense
 from amp_fx.optim.model_load_hooks import MASTER_KEY, track_params
+from amp_fx.optim.param_group_checks import as_float, check_params, group_with_param_list, param_tensors
 from amp_fx.optim.scaled_optimizer import next_tick
 from amp_fx.optim.state_dict_loading import STEP_KEY, STEP_OFFSET_KEY, StateDictLoading
 from amp_fx.optim.wrappers import unwrap_optimizer
@@ -124,20 +124,6 @@ class StepBatch:
     def masters_or_none(self) -> list[Tensor | None] | None:
         """The masters list, or None when no param has one (all are updated in place)."""
         return None if all(m is None for m in self.masters) else self.masters
-
-
-def as_float(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TypeError(
-            f"{name} must be a finite Python float, got {value!r}; the fused kernels take hyperparameters "
-            "as Python numbers (a tensor would need a host sync to read)"
-        )
-    return float(value)
-
-
-def _param_tensors(params: Iterable[Any]) -> list[Tensor]:
-    """The tensors of a param list that may hold (name, tensor) pairs, as torch.optim allows."""
-    return [p[1] if isinstance(p, tuple) else p for p in params]
 
 
 class FusedOptimizer(StateDictLoading, torch.optim.Optimizer):
@@ -237,19 +223,9 @@ class FusedOptimizer(StateDictLoading, torch.optim.Optimizer):
             >>> opt.state[opt.param_groups[1]["params"][0]]["master_param"].dtype
             torch.float32
         """
-        if not isinstance(param_group, dict):
-            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        param_group = dict(param_group)
-        params = param_group.get("params")
-        if isinstance(params, Tensor):
-            params = [params]
-        elif isinstance(params, set):
-            raise TypeError("optimizer parameters need to be organized in ordered collections, not a set")
-        elif params is None:
-            raise ValueError("param_group has no 'params' entry; pass {'params': [...], ...}")
-        param_group["params"] = list(params)
-        tensors = _param_tensors(param_group["params"])
-        self._check_params(tensors)
+        param_group = group_with_param_list(param_group)
+        tensors = param_tensors(param_group["params"])
+        check_params(type(self).__name__, tensors)
         merged = {**self.defaults, **param_group}
         self._check_hyperparameters(merged)
         super().add_param_group(param_group)  # torch's checks (duplicates, names) before it appends
@@ -259,40 +235,6 @@ class FusedOptimizer(StateDictLoading, torch.optim.Optimizer):
         for param in group["params"]:
             self._init_master(param, group)
         track_params(self, group["params"])
-
-    def _check_params(self, params: Sequence[Tensor]) -> None:
-        name = type(self).__name__
-        for i, param in enumerate(params):
-            if not isinstance(param, Tensor):
-                raise TypeError(
-                    f"{name} can only optimize tensors, but parameter {i} is {type(param).__name__}"
-                )
-            if param.dtype not in KERNEL_DTYPES:
-                raise ValueError(
-                    f"{name} updates fp16, bf16 and fp32 parameters; parameter {i} has dtype {param.dtype}. "
-                    "Keep it out of this optimizer or convert it with .float()"
-                )
-            if param.is_sparse or not is_dense(param):
-                raise ValueError(
-                    f"{name} needs dense parameters; parameter {i} (shape {tuple(param.shape)}, strides "
-                    f"{param.stride()}) is not. Make it contiguous before creating the optimizer"
-                )
-        first_index: dict[int, int] = {}
-        for i, param in enumerate(params):
-            earlier = first_index.setdefault(id(param), i)
-            if earlier != i:
-                # torch.optim only warns; here two programs of one launch would update the same
-                # elements at once and one update would be lost.
-                raise ValueError(
-                    f"parameter {i} of a param group of {name} is parameter {earlier} again; the fused "
-                    "step would update it twice at once. List each parameter once"
-                )
-        devices = {p.device for p in params}
-        if len(devices) > 1:
-            raise ValueError(
-                f"a param group of {name} holds parameters on several devices ({sorted(map(str, devices))}); "
-                "its step counter lives on one device, so put each device's parameters in their own group"
-            )
 
     def _master_expected(self, param: Tensor, group: dict[str, Any]) -> bool:
         """True for a low-precision param of a group that keeps FP32 masters."""
