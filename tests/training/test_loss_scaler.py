@@ -502,11 +502,11 @@ def test_overflow_flags_are_reused_and_start_every_step_at_zero() -> None:
     optimizer = FusedAdam(params, lr=1e-3)
     scaler = LossScaler(init_scale=64.0)
     _iteration(scaler, optimizer, params, overflow=True)
-    flag = optimizer._found_inf_buffers[torch.device("cpu")]
+    flag = optimizer._pending.flags[torch.device("cpu")]
     assert flag.item() == 0.0  # zeroed by the update that read it
     steps = optimizer.param_groups[0]["step"].item()
     _iteration(scaler, optimizer, params, overflow=False)
-    assert optimizer._found_inf_buffers[torch.device("cpu")] is flag
+    assert optimizer._pending.flags[torch.device("cpu")] is flag
     assert optimizer.param_groups[0]["step"].item() == steps + 1  # the old overflow did not stick
     # An overflowing iteration ended by update(new_scale) leaves its flag set; the next one clears it.
     scaler.scale(torch.zeros(()))
