@@ -45,14 +45,12 @@ import enum
 import logging
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from amp_fx.kernels import implementation_for
-from amp_fx.kernels.reference import reciprocal_scale_
 from amp_fx.optim.scaled_optimizer import ScaledOptimizer
 from amp_fx.optim.torch_optimizer_scaling import (
     any_overflow_on_host,
@@ -64,8 +62,9 @@ from amp_fx.optim.torch_optimizer_scaling import (
 from amp_fx.optim.wrappers import unwrap_optimizer
 from amp_fx.training.active_scalers import note_scaled, note_stepped, note_updated
 from amp_fx.training.distributed import agree_on_overflow_
-from amp_fx.training.loss_scale_checkpoint import ScalerState, read_state_dict, state_dict_of
-from amp_fx.training.loss_scale_settings import LossScaleSettings, check_number, check_scale
+from amp_fx.training.loss_scale_checkpoint import ScalerState, read_state_dict, state_dict_of, upgraded_pickle
+from amp_fx.training.loss_scale_settings import LossScaleSettings, check_scale
+from amp_fx.training.loss_scale_tensors import ScaleTensors
 
 logger = logging.getLogger(__name__)
 
@@ -98,10 +97,8 @@ class LossScaler:
     only when the scale grows; with ``hysteresis=1`` all of these, and GradScaler, agree.)
 
     The scale (float32), growth tracker and hysteresis tracker (int32) are 0-dim tensors created
-    on the device of the first scaled loss; ``update`` changes them in one kernel launch for up to
-    four overflow flags, i.e. optimizers x devices (`amp_fx.kernels` ``update_loss_scale_``: Triton
-    on CUDA, its torch reference elsewhere; more flags are summed by torch first),
-    which also leaves ``1 / scale`` ready for the next ``unscale_``.
+    on the device of the first scaled loss, which ``update`` changes in one kernel launch
+    (`amp_fx.training.loss_scale_tensors`), which also leaves ``1 / scale`` ready for ``unscale_``.
     ``enabled=False`` turns every method into a pass-through (bf16 training needs no scaling).
     The settings are one frozen `amp_fx.training.loss_scale_settings.LossScaleSettings`, checked
     whole before a setter or ``load_state_dict`` replaces them: a refused value changes nothing.
@@ -157,37 +154,20 @@ class LossScaler:
         check_scale("init_scale", init_scale, self._settings)
         self._enabled = enabled
         self._process_group = process_group
-        # What the device state starts from, until it is created (load_state_dict and unpickling set them).
-        self._init_scale = float(init_scale)
-        self._init_growth_tracker = 0
-        self._init_hysteresis_tracker = self._settings.hysteresis
         # Created lazily on the device of the first scaled loss.
-        self._scale: Tensor | None = None
-        self._growth_tracker: Tensor | None = None
-        self._hysteresis_tracker: Tensor | None = None
-        # 1 / scale, kept current by every write of the scale, so unscale_ launches nothing for it.
-        self._inv_scale: Tensor | None = None
+        self._tensors = ScaleTensors(float(init_scale), 0, self._settings.hysteresis)
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
 
     # ----------------------------------------------------------------------------------------
     # Device state
 
-    def _lazy_init(self, device: torch.device) -> None:
-        self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=device)
-        self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=device)
-        self._hysteresis_tracker = torch.full(
-            (), self._init_hysteresis_tracker, dtype=torch.int32, device=device
-        )
-        self._inv_scale = torch.empty((), dtype=torch.float32, device=device)
-        reciprocal_scale_(self._inv_scale, self._scale)
-
     def _require_state(self, method: str) -> Tensor:
-        if self._scale is None:
+        if self._tensors.scale is None:
             raise RuntimeError(
                 f"LossScaler.{method}() was called before any loss was scaled; "
                 "call scaler.scale(loss).backward() first in each iteration"
             )
-        return self._scale
+        return self._tensors.scale
 
     # ----------------------------------------------------------------------------------------
     # The protocol
@@ -204,13 +184,14 @@ class LossScaler:
             return outputs
         note_scaled(self)
         copies: dict[torch.device, Tensor] = {}
+        tensors = self._tensors
 
         def apply(value: Any) -> Any:
             if isinstance(value, Tensor):
-                if self._scale is None:
-                    self._lazy_init(value.device)
+                if tensors.scale is None:
+                    tensors.create(value.device)
                 if value.device not in copies:
-                    copies[value.device] = self._scale.to(value.device, non_blocking=True)
+                    copies[value.device] = tensors.scale.to(value.device, non_blocking=True)
                 return value * copies[value.device]
             if isinstance(value, (list, tuple)):
                 return type(value)(apply(v) for v in value)
@@ -263,7 +244,7 @@ class LossScaler:
             optimizer.apply_grad_multiplier_()
         else:
             # GradScaler's fp64 reciprocal, written by the last update (or scale change); read-only here.
-            found_infs = unscale_grads_in_place_(optimizer, self._inv_scale, allow_fp16=False)
+            found_infs = unscale_grads_in_place_(optimizer, self._tensors.inv_scale, allow_fp16=False)
             agree_on_overflow_(found_infs, self._process_group)
             state.update(found_inf_per_device=found_infs, optimizer=optimizer)
         state["stage"] = _Stage.UNSCALED
@@ -295,7 +276,7 @@ class LossScaler:
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is not _Stage.READY:
             return
-        found_infs = optimizer.unscale_grads_(self._inv_scale)
+        found_infs = optimizer.unscale_grads_(self._tensors.inv_scale)
         agree_on_overflow_(found_infs, self._process_group)
         state.update(stage=_Stage.DEFERRED, found_inf_per_device=found_infs, optimizer=optimizer)
 
@@ -383,7 +364,7 @@ class LossScaler:
         scale = self._require_state("update")
         found_infs: list[Tensor] = []
         if new_scale is not None:
-            self._set_scale(new_scale)
+            self._tensors.set_scale(new_scale)
         else:
             found_infs = [
                 found_inf.to(scale.device, non_blocking=True)
@@ -404,30 +385,16 @@ class LossScaler:
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
         note_updated(self)
 
-    def _set_scale(self, new_scale: float | Tensor) -> None:
-        if isinstance(new_scale, Tensor):
-            if new_scale.numel() != 1 or new_scale.requires_grad:
-                raise ValueError(
-                    "new_scale must be a float or a one-element tensor that does not require grad"
-                )
-            self._scale.copy_(new_scale.reshape(()))
-        else:
-            check_number("new_scale", new_scale)
-            if new_scale <= 0:
-                raise ValueError(f"new_scale must be > 0, got {new_scale}")
-            self._scale.fill_(float(new_scale))
-        reciprocal_scale_(self._inv_scale, self._scale)
-
     def update_from_found_infs(
         self, found_infs: Tensor | Sequence[Tensor], *, zero_found_infs: bool = False
     ) -> None:
         """Apply the scale rule (class docstring) to overflow flags the caller collected itself.
 
         ``update()`` calls it with this iteration's flags; `amp_fx.amp`, which checks the grads
-        after each backward, with one flag per loss. The flags (summed; on the scale's device) are
-        read in one kernel launch, which also writes ``1 / scale`` for the next ``unscale_``; no host
-        sync. ``zero_found_infs`` sets the flags to 0 after reading them (a `ScaledOptimizer`'s
-        persistent flags then need no fill before their next use). A no-op when disabled.
+        after each backward, with one flag per loss. The flags are read in one kernel launch on the
+        device (`amp_fx.training.loss_scale_tensors`). ``zero_found_infs`` sets the flags to 0 after
+        reading them (a `ScaledOptimizer`'s persistent flags then need no fill before their next
+        use). A no-op when disabled.
 
         Example:
             >>> import torch
@@ -441,21 +408,7 @@ class LossScaler:
         self._require_state("update_from_found_infs")
         note_updated(self)
         flags = [found_infs] if isinstance(found_infs, Tensor) else found_infs
-        settings = self._settings
-        implementation_for([self._scale]).update_loss_scale_(
-            self._scale,
-            self._growth_tracker,
-            self._hysteresis_tracker,
-            [flag.float() for flag in flags],
-            growth_factor=settings.growth_factor,
-            backoff_factor=settings.backoff_factor,
-            growth_interval=settings.growth_interval,
-            hysteresis=settings.hysteresis,
-            min_scale=settings.min_scale,
-            max_scale=settings.max_scale,
-            inv_scale_out=self._inv_scale,
-            zero_found_infs=zero_found_infs,
-        )
+        self._tensors.update(flags, self._settings, zero_found_infs=zero_found_infs)
 
     # ----------------------------------------------------------------------------------------
     # Getters and setters (GradScaler's, and those of the settings GradScaler lacks)
@@ -464,19 +417,17 @@ class LossScaler:
         """The current scale as a Python float (1.0 when disabled). Reads the device: a host sync."""
         if not self._enabled:
             return 1.0
-        return self._init_scale if self._scale is None else float(self._scale.item())
+        return self._tensors.scale_value()
 
     def _get_growth_tracker(self) -> int:
         if not self._enabled:
             return 0
-        return self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
+        return self._tensors.growth_value()
 
     def _get_hysteresis_tracker(self) -> int:
         if not self._enabled:
             return 0
-        if self._hysteresis_tracker is None:
-            return self._init_hysteresis_tracker
-        return int(self._hysteresis_tracker.item())
+        return self._tensors.hysteresis_value()
 
     def get_growth_factor(self) -> float:
         """The factor the scale grows by after ``growth_interval`` clean steps."""
@@ -531,7 +482,7 @@ class LossScaler:
         >>> LossScaler(enabled=False).scale_tensor() is None
         True
         """
-        return self._scale
+        return self._tensors.scale
 
     # GradScaler's name for the same, which code written for GradScaler calls.
     _get_scale_async = scale_tensor
@@ -581,38 +532,20 @@ class LossScaler:
             return
         state = read_state_dict(state_dict, self._settings)
         self._settings = state.settings
-        self._init_scale = state.scale
-        self._init_growth_tracker = state.growth_tracker
-        self._init_hysteresis_tracker = state.hysteresis_tracker
-        if self._scale is not None:
-            self._scale.fill_(self._init_scale)
-            self._growth_tracker.fill_(self._init_growth_tracker)
-            self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
-            reciprocal_scale_(self._inv_scale, self._scale)
+        self._tensors.load(state.scale, state.growth_tracker, state.hysteresis_tracker)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        if self._enabled:
-            if self._per_optimizer_states:
-                raise RuntimeError(
-                    "a LossScaler may only be pickled at the start of an iteration or after scaler.update()"
-                )
-            # Device tensors are re-created lazily after unpickling, on the device of the first scaled loss.
-            state["_init_scale"] = self.get_scale()
-            state["_init_growth_tracker"] = self._get_growth_tracker()
-            state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
-            state["_scale"] = state["_growth_tracker"] = state["_hysteresis_tracker"] = None
-            state["_inv_scale"] = None
+        if self._enabled and self._per_optimizer_states:
+            raise RuntimeError(
+                "a LossScaler may only be pickled at the start of an iteration or after scaler.update()"
+            )
+        # Device tensors are re-created lazily after unpickling, on the device of the first scaled loss.
+        state["_tensors"] = self._tensors.on_host()
         state["_per_optimizer_states"] = {}
         state["_process_group"] = None  # process groups do not pickle: a copy agrees over the default group
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        if "_settings" not in state:  # pickled by a version that kept each setting in an attribute
-            state = dict(state)
-            names = [field.name for field in fields(LossScaleSettings)]
-            state["_settings"] = LossScaleSettings(**{name: state.pop(f"_{name}") for name in names})
-        self.__dict__.update(state)
-        self.__dict__.setdefault("_inv_scale", None)  # pickled by a version without it (no device state)
-        self.__dict__.pop("_scaled_at", None)  # a version before active_scalers kept it here
+        self.__dict__.update(upgraded_pickle(state))
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
