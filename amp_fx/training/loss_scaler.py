@@ -2,28 +2,12 @@
 
 ``scale``, ``unscale_``, ``step`` and ``update`` work as in ``torch.amp.GradScaler``, with the same
 defaults, so GradScaler code runs unchanged; on top of it: hysteresis, min/max scale, and a step
-with no host sync for amp_fx's fused optimizers.
-
-With `amp_fx.optim.FusedAdam` / `FusedSGD` (any `ScaledOptimizer`: `amp_fx.optim.scaled_optimizer`
-describes the handshake step by step):
-
-- the fast path never unscales: ``amp_fx.clip_grad_norm_(opt, max_norm)`` (or ``step`` itself)
-  calls ``defer_unscale_(opt)``, which checks the grads for inf/NaN on the device and records
-  ``1 / scale`` on the optimizer as a pending grad multiplier; clip folds its coefficient into
-  it; the optimizer's kernel applies it while it reads the grads.
-- ``unscale_(opt)`` is torch's: afterwards the grads are the true ones (fp16/bf16 grads become
-  FP32 tensors, so that no small value is flushed to zero), what user code does to them
-  (``torch.nn.utils.clip_grad_norm_``) is what ``step`` applies, and ``step`` does not unscale
-  again.
-- ``step(opt)`` always launches the update; on overflow the kernel writes nothing and the step
-  count stays, decided on the device. Nothing calls ``.item()``: scale, backward, step and update
-  run under ``torch.cuda.set_sync_debug_mode("error")`` and can be captured in a CUDA graph.
-
-With any other optimizer the scaler does what GradScaler does: ``unscale_`` divides the grads in
-place (fp16 grads are refused, as by GradScaler), and ``step`` reads ``found_inf`` on the host to
-decide whether to call ``optimizer.step()`` (a sync, as in GradScaler); optimizers with
-``_step_supports_amp_scaling`` (torch's ``fused=True`` Adam) get ``grad_scale``/``found_inf``
-(`amp_fx.optim.torch_optimizer_scaling`).
+with no host sync for amp_fx's fused optimizers (any `amp_fx.optim.scaled_optimizer.ScaledOptimizer`):
+``defer_unscale_`` (called by ``amp_fx.clip_grad_norm_`` or ``step``) hands ``1 / scale`` to the
+optimizer's kernel, ``unscale_`` gives the true grads, and an overflow skips the update on the
+device. Any other optimizer is scaled as GradScaler scales it
+(`amp_fx.optim.torch_optimizer_scaling`). docs/DESIGN.md ("Optimizers, master weights and loss
+scaling") tells both paths at length.
 
 Example:
     >>> import torch, amp_fx
@@ -41,7 +25,6 @@ Example:
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -64,6 +47,7 @@ from amp_fx.training.active_scalers import note_scaled, note_stepped, note_updat
 from amp_fx.training.distributed import agree_on_overflow_
 from amp_fx.training.loss_scale_checkpoint import ScalerState, read_state_dict, state_dict_of, upgraded_pickle
 from amp_fx.training.loss_scale_settings import LossScaleSettings, check_scale
+from amp_fx.training.loss_scale_stages import OptimizerRecord, Stage
 from amp_fx.training.loss_scale_tensors import ScaleTensors
 
 logger = logging.getLogger(__name__)
@@ -71,37 +55,20 @@ logger = logging.getLogger(__name__)
 __all__ = ["LossScaler"]
 
 
-class _Stage(enum.Enum):
-    READY = 0
-    DEFERRED = 1  # checked for inf/NaN, 1/scale pending in the optimizer (the fast path)
-    UNSCALED = 2  # the grads hold the true gradients (unscale_)
-    STEPPED = 3
-
-
-def _fresh_optimizer_state() -> dict[str, Any]:
-    return {"stage": _Stage.READY, "found_inf_per_device": {}, "optimizer": None}
-
-
 class LossScaler:
     """Dynamic loss scaler: torch.amp.GradScaler's protocol with hysteresis and a min/max scale.
 
     The scale starts at ``init_scale``, is multiplied by ``growth_factor`` after
     ``growth_interval`` consecutive steps without inf/NaN grads (never above ``max_scale``) and
-    by ``backoff_factor`` on overflow (never below ``min_scale``).
+    by ``backoff_factor`` on overflow (never below ``min_scale``). With hysteresis it backs off
+    only at the ``hysteresis``-th consecutive overflowing step, and again at every further
+    consecutive one; a clean step refills the count (DeepSpeed's rule, docs/DESIGN.md). Every
+    overflowing step is skipped and resets the growth count, whether or not it backs off.
 
-    Hysteresis follows DeepSpeed's ``DynamicLossScaler`` with ``consecutive_hysteresis=True``
-    (the same rule as Apex's ``update_scale_hysteresis`` used by NeMo): the scale backs off only
-    at the ``hysteresis``-th consecutive overflowing step, and again at every further consecutive
-    overflow; a clean step refills the count. Every overflowing step is skipped and resets the
-    growth count, whether or not it backs off. (Megatron's ``DynamicGradScaler`` refills the count
-    only when the scale grows; with ``hysteresis=1`` all of these, and GradScaler, agree.)
-
-    The scale (float32), growth tracker and hysteresis tracker (int32) are 0-dim tensors created
-    on the device of the first scaled loss, which ``update`` changes in one kernel launch
-    (`amp_fx.training.loss_scale_tensors`), which also leaves ``1 / scale`` ready for ``unscale_``.
-    ``enabled=False`` turns every method into a pass-through (bf16 training needs no scaling).
-    The settings are one frozen `amp_fx.training.loss_scale_settings.LossScaleSettings`, checked
-    whole before a setter or ``load_state_dict`` replaces them: a refused value changes nothing.
+    The scale and its trackers are 0-dim tensors on the device of the first scaled loss, which
+    ``update`` changes in one kernel launch (`amp_fx.training.loss_scale_tensors`). The settings
+    are one frozen `amp_fx.training.loss_scale_settings.LossScaleSettings`, checked whole before a
+    setter or ``load_state_dict`` replaces them: a refused value changes nothing.
 
     Args:
         init_scale: initial scale (GradScaler's default 2**16).
@@ -109,7 +76,7 @@ class LossScaler:
         hysteresis: consecutive overflowing steps before the scale backs off (1 = GradScaler).
         min_scale: lower bound of the scale (None: none).
         max_scale: upper bound of the scale (None: none; 2**24 by default).
-        enabled: False makes the scaler a pass-through.
+        enabled: False makes every method a pass-through (bf16 training needs no scaling).
         process_group: the data-parallel group whose ranks must agree on skipping a step (an
             overflow on one rank skips it on all); None means the default group when
             torch.distributed is initialised. See `amp_fx.training.distributed`.
@@ -156,10 +123,7 @@ class LossScaler:
         self._process_group = process_group
         # Created lazily on the device of the first scaled loss.
         self._tensors = ScaleTensors(float(init_scale), 0, self._settings.hysteresis)
-        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
-
-    # ----------------------------------------------------------------------------------------
-    # Device state
+        self._per_optimizer_states: dict[int, OptimizerRecord] = defaultdict(OptimizerRecord)
 
     def _require_state(self, method: str) -> Tensor:
         if self._tensors.scale is None:
@@ -204,17 +168,12 @@ class LossScaler:
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s grads by the scale and check them for inf/NaN, as GradScaler does.
 
-        Afterwards ``param.grad`` holds the true gradients: what user code does to them (torch's
-        ``clip_grad_norm_`` over ``model.parameters()``, logging) is what ``step`` applies, and
-        ``step`` does not unscale again. For amp_fx optimizers an fp16/bf16 grad becomes an FP32
-        tensor (divided in fp16 its small values would flush to zero; +2 bytes per parameter until
-        ``zero_grad``) and an overflow still skips the step on the device, with no host sync. For
-        other optimizers the grads are divided in place (fp16 grads refused, as by GradScaler).
-        Call it at most once per optimizer between ``update()`` calls. Faster, when all you need
-        is clipping: skip it and call ``amp_fx.clip_grad_norm_(optimizer, max_norm)``, which leaves
-        the grads scaled and folds ``1 / scale`` and the clip into the optimizer's kernel.
-
-        ``optimizer`` may be a wrapper holding it at ``.optimizer`` (accelerate's, Lightning's).
+        Afterwards ``param.grad`` holds the true gradients, and what user code does to them is what
+        ``step`` applies. For amp_fx optimizers an fp16/bf16 grad becomes an FP32 tensor (until
+        ``zero_grad``) and an overflow still skips the step on the device; other optimizers' grads
+        are divided in place (fp16 grads refused, as by GradScaler). Call it at most once per
+        optimizer between ``update()`` calls; for clipping alone, ``amp_fx.clip_grad_norm_`` is
+        faster (the grads stay scaled). ``optimizer`` may be a wrapper holding it at ``.optimizer``.
 
         Example:
             >>> import torch, amp_fx
@@ -231,12 +190,7 @@ class LossScaler:
         self._require_state("unscale_")
         optimizer = unwrap_optimizer(optimizer)
         state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is _Stage.UNSCALED:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update()")
-        if state["stage"] is _Stage.STEPPED:
-            raise RuntimeError(
-                "unscale_() is being called after step(); call it between backward() and step()"
-            )
+        state.check_unscale()
         if isinstance(optimizer, ScaledOptimizer):
             # Checked (and 1/scale made pending) unless amp_fx.clip_grad_norm_ did it already; the
             # multiplier, with any clip folded into it, is then written into the grads.
@@ -246,8 +200,8 @@ class LossScaler:
             # GradScaler's fp64 reciprocal, written by the last update (or scale change); read-only here.
             found_infs = unscale_grads_in_place_(optimizer, self._tensors.inv_scale, allow_fp16=False)
             agree_on_overflow_(found_infs, self._process_group)
-            state.update(found_inf_per_device=found_infs, optimizer=optimizer)
-        state["stage"] = _Stage.UNSCALED
+            state.found_inf_per_device, state.optimizer = found_infs, optimizer
+        state.stage = Stage.UNSCALED
 
     def defer_unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Check ``optimizer``'s grads for inf/NaN and leave them scaled: ``1 / scale`` becomes a
@@ -270,15 +224,15 @@ class LossScaler:
         self._require_state("defer_unscale_")
         optimizer = unwrap_optimizer(optimizer)
         if not isinstance(optimizer, ScaledOptimizer):
-            if self._per_optimizer_states[id(optimizer)]["stage"] is _Stage.READY:
+            if self._per_optimizer_states[id(optimizer)].stage is Stage.READY:
                 self.unscale_(optimizer)
             return
         state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is not _Stage.READY:
+        if state.stage is not Stage.READY:
             return
         found_infs = optimizer.unscale_grads_(self._tensors.inv_scale)
         agree_on_overflow_(found_infs, self._process_group)
-        state.update(stage=_Stage.DEFERRED, found_inf_per_device=found_infs, optimizer=optimizer)
+        state.stage, state.found_inf_per_device, state.optimizer = Stage.DEFERRED, found_infs, optimizer
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless ``unscale_`` ran) and step ``optimizer``, skipping the update on inf/NaN grads.
@@ -298,53 +252,44 @@ class LossScaler:
             )
         scale = self._require_state("step")
         state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is _Stage.STEPPED:
-            raise RuntimeError("step() has already been called since the last update()")
+        state.check_step()
         note_stepped(self, optimizer)
 
         if isinstance(optimizer, ScaledOptimizer):
             self.defer_unscale_(optimizer)
-            self._require_inf_checks(state)
+            state.require_inf_checks()
             result = optimizer.step(**kwargs)
         elif reads_found_inf(optimizer):
             result = self._step_torch_fused(optimizer, state, scale, kwargs)
         else:
-            if state["stage"] is _Stage.READY:
+            if state.stage is Stage.READY:
                 self.unscale_(optimizer)
-            self._require_inf_checks(state)
+            state.require_inf_checks()
             # The GradScaler path for torch.optim optimizers: a host sync, by design of that protocol.
-            found = any_overflow_on_host(state["found_inf_per_device"])
+            found = any_overflow_on_host(state.found_inf_per_device)
             result = optimizer.step(**kwargs) if not found else None
-        state["stage"] = _Stage.STEPPED
+        state.stage = Stage.STEPPED
         return result
 
     def _step_torch_fused(
-        self, optimizer: torch.optim.Optimizer, state: dict[str, Any], scale: Tensor, kwargs: dict[str, Any]
+        self, optimizer: torch.optim.Optimizer, state: OptimizerRecord, scale: Tensor, kwargs: dict[str, Any]
     ) -> Any:
         """GradScaler's protocol for optimizers that unscale in their own kernel (torch's fused Adam)."""
-        if state["stage"] is _Stage.READY:
+        if state.stage is Stage.READY:
             dummy_inv_scale = torch.ones((), dtype=torch.float32, device=scale.device)
             infs = unscale_grads_in_place_(optimizer, dummy_inv_scale, allow_fp16=True)
             agree_on_overflow_(infs, self._process_group)
-            state.update(found_inf_per_device=infs, optimizer=optimizer)
-        self._require_inf_checks(state)
-        found_inf = total_found_inf(state["found_inf_per_device"], scale.device)
+            state.found_inf_per_device, state.optimizer = infs, optimizer
+        state.require_inf_checks()
+        found_inf = total_found_inf(state.found_inf_per_device, scale.device)
         # As GradScaler: after unscale_ the grads are already unscaled; otherwise hand over the scale
         # (times any grad_scale the user set).
         grad_scale = getattr(optimizer, "grad_scale", None)
-        if state["stage"] is not _Stage.UNSCALED:
+        if state.stage is not Stage.UNSCALED:
             grad_scale = scale if grad_scale is None else scale * grad_scale
         return step_reading_found_inf(
             optimizer, lambda: optimizer.step(**kwargs), found_inf, grad_scale=grad_scale
         )
-
-    @staticmethod
-    def _require_inf_checks(state: dict[str, Any]) -> None:
-        if not state["found_inf_per_device"]:
-            raise RuntimeError(
-                "no inf checks were recorded for this optimizer: none of its parameters has a gradient; call "
-                "scaler.scale(loss).backward() before scaler.step(optimizer)"
-            )
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
         """Update the scale from this iteration's overflow checks (or set it to ``new_scale``).
@@ -369,7 +314,7 @@ class LossScaler:
             found_infs = [
                 found_inf.to(scale.device, non_blocking=True)
                 for state in self._per_optimizer_states.values()
-                for found_inf in state["found_inf_per_device"].values()
+                for found_inf in state.found_inf_per_device.values()
             ]
             if not found_infs:
                 raise RuntimeError(
@@ -380,21 +325,20 @@ class LossScaler:
             # buffers, which their next unscale_ then reuses without a fill of its own.
             self.update_from_found_infs(found_infs, zero_found_infs=True)
         for state in self._per_optimizer_states.values():
-            if isinstance(state["optimizer"], ScaledOptimizer):
-                state["optimizer"].finish_scaling(zeroed_found_infs=found_infs)
-        self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+            if isinstance(state.optimizer, ScaledOptimizer):
+                state.optimizer.finish_scaling(zeroed_found_infs=found_infs)
+        self._per_optimizer_states = defaultdict(OptimizerRecord)
         note_updated(self)
 
     def update_from_found_infs(
         self, found_infs: Tensor | Sequence[Tensor], *, zero_found_infs: bool = False
     ) -> None:
-        """Apply the scale rule (class docstring) to overflow flags the caller collected itself.
+        """Apply the scale rule (class docstring) to overflow flags the caller collected itself, in
+        one kernel launch on the device (`amp_fx.training.loss_scale_tensors`).
 
-        ``update()`` calls it with this iteration's flags; `amp_fx.amp`, which checks the grads
-        after each backward, with one flag per loss. The flags are read in one kernel launch on the
-        device (`amp_fx.training.loss_scale_tensors`). ``zero_found_infs`` sets the flags to 0 after
-        reading them (a `ScaledOptimizer`'s persistent flags then need no fill before their next
-        use). A no-op when disabled.
+        ``update()`` calls it with this iteration's flags; `amp_fx.amp`, with one flag per loss.
+        ``zero_found_infs`` sets the flags to 0 after reading them (a `ScaledOptimizer`'s
+        persistent flags then need no fill before their next use). A no-op when disabled.
 
         Example:
             >>> import torch
@@ -488,7 +432,7 @@ class LossScaler:
     _get_scale_async = scale_tensor
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Tensor]:
-        return self._per_optimizer_states[id(unwrap_optimizer(optimizer))]["found_inf_per_device"]
+        return self._per_optimizer_states[id(unwrap_optimizer(optimizer))].found_inf_per_device
 
     def is_enabled(self) -> bool:
         """False when the scaler was created with ``enabled=False`` (a pass-through)."""
@@ -498,11 +442,9 @@ class LossScaler:
     # Checkpoints and pickling
 
     def state_dict(self) -> dict[str, Any]:
-        """The scaler's state as plain Python numbers (empty when disabled); a superset of GradScaler's.
-
-        Keys: ``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
-        ``_growth_tracker`` (GradScaler's five) and ``hysteresis``, ``_hysteresis_tracker``,
-        ``min_scale``, ``max_scale``. Reads the device (a host sync): call it after ``update()``.
+        """The scaler's state as plain Python numbers (empty when disabled): GradScaler's five keys
+        and ours (`amp_fx.training.loss_scale_checkpoint` lists them). Reads the device (a host
+        sync): call it after ``update()``.
 
         Example:
             >>> from amp_fx import LossScaler
@@ -548,4 +490,4 @@ class LossScaler:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(upgraded_pickle(state))
-        self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+        self._per_optimizer_states = defaultdict(OptimizerRecord)
