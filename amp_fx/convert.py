@@ -29,8 +29,8 @@ import torch.fx
 from torch import nn
 
 from amp_fx.capture.captured_model import CapturedModel, capture_states, captured_model
-from amp_fx.capture.changes import GraphFollower
 from amp_fx.capture.fx import TraceError, trace
+from amp_fx.capture.graph_follower import GraphFollower
 from amp_fx.capture.traced_graph_module import FOLLOWER_ATTR, copy_graph
 from amp_fx.core.dtypes import default_device_type, low_precision_dtype, short_repr
 from amp_fx.core.node_info import (

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 import amp_fx
 from amp_fx.amp._properties import Properties
 from amp_fx.amp._registry import apply_registered_functions
-from amp_fx.capture.captured_model import running_original_in_fp32
+from amp_fx.capture.original_in_fp32 import running_original_in_fp32
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES, default_device_type
 from amp_fx.core.node_info import META_KEY
 from amp_fx.core.opt_levels import find_opt_level, lookup_opt_level

@@ -2,29 +2,18 @@
 
 `amp_fx.convert` returns one of these when torch.fx cannot trace the model's forward whole
 (Hugging Face transformers, nanoGPT's size assert, detection models, ...). It is a copy of the
-model, of the model's own class, so it is a drop-in: the same call signature (``input_ids=``,
-``labels=``, ``pixel_values=``), the same output type (a ``ModelOutput`` with ``.loss``), the same
-``state_dict`` keys, ``.config`` and ``save_pretrained``. At O2/O3 its parameters are stored in
-the low dtype when it is made (BatchNorm's and FP32-ruled modules' stay float32), so optimizers
-built from it see the tensors they will train; at O2 a parameter only modules with children hold
-waits FP32 for the first graph that reads it (`amp_fx.capture.storage`).
+model, of the model's own class, so it is a drop-in: the same call signature, output type,
+``state_dict`` keys, ``.config`` and ``save_pretrained``. At O2/O3 its parameters are stored low
+when it is made (`amp_fx.capture.storage`), so optimizers built from it see the tensors they train.
 
-Each call is run by a graph rewritten by the convert passes (`amp_fx.pipeline`):
-
-- the first call of a given argument structure (which keywords, constants such as
-  ``use_cache=False``, tensor dtypes and ranks, train/eval mode) is captured with
-  `amp_fx.capture.export` at the call's sizes (about 1-3 s on CPU for a small transformer);
-- a call whose sizes the graph does not take (a smaller last batch, another sequence length) is
-  captured once more with dynamic sizes; that graph then takes every size its code allows;
-- a module torch.export cannot capture (data-dependent control flow, C extensions) runs its own
-  forward inside an autocast island of the opt level (O1/O2: ``torch.autocast``; O2: floating
-  outputs float32), and each of its child modules is captured on its own, so only the code
-  between them runs in the island. `amp_fx.capture_summary` names the cause of each island and,
-  given a call's arguments, the share of its ATen ops and FLOPs that ran inside rewritten graphs.
-
-Moving the model (``.to``, ``.cuda``) drops its graphs; they are captured again at the next call.
-So does any other change made to it (a submodule, parameter, hook, attribute or config flag
-changed after a call, `amp_fx.capture.changes`): changes take effect as they do eagerly.
+Each call runs a graph rewritten by the convert passes (`amp_fx.pipeline`): the first call of an
+argument structure (keywords, constants, tensor dtypes and ranks, train/eval mode) is captured with
+`amp_fx.capture.export` at its sizes, a call whose sizes no graph takes once more with dynamic
+sizes. A module torch.export cannot capture runs its own forward in an autocast island of the opt
+level (O2: floating outputs float32), each of its children captured on its own
+(`amp_fx.capture_summary` names the causes). Moving the model (``.to``) or any other change to it
+(`amp_fx.capture.changes`) drops its graphs; the next call captures again. docs/DESIGN.md
+("Capture front ends") tells the whole of it.
 
 Example::
 
@@ -45,13 +34,12 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,7 +47,8 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from amp_fx.capture.changes import install, same_model, take, unchanged, watch_modules
+from amp_fx.capture.change_counting import install, watch_modules
+from amp_fx.capture.changes import same_model, take, unchanged
 from amp_fx.capture.checkpointing import checkpointed_layers, checkpointing_off
 from amp_fx.capture.export import (
     ExportError,
@@ -71,6 +60,7 @@ from amp_fx.capture.export import (
 from amp_fx.capture.graph_choice import fits, fits_containers, structure, traced_choice
 from amp_fx.capture.islands import called_children, log_islands
 from amp_fx.capture.model_copy import copy_model
+from amp_fx.capture.original_in_fp32 import FP32_BLOCKS, IN_FP32_CALL, run_original_in_fp32
 from amp_fx.capture.sharding import is_sharded, sharded_capture, sharded_modules
 from amp_fx.capture.state import (
     EXPORTING,
@@ -84,7 +74,6 @@ from amp_fx.capture.state import (
 )
 from amp_fx.capture.storage import store_added, store_parameters, storing_unstored
 from amp_fx.core.containers import flatten
-from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.core.node_info import TRAINING_MODE_KEY
 from amp_fx.core.policy import Policy
 from amp_fx.ops.casts import cast_if_floating
@@ -95,46 +84,7 @@ from amp_fx.training.saving import master_state_dict
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CapturedModel", "CaptureState", "capture_states", "captured_model", "running_original_in_fp32"]
-
-# `running_original_in_fp32` blocks open, and whether such a call is already running its code.
-_FP32_BLOCKS: list[bool] = []
-_IN_FP32_CALL: list[bool] = []
-
-
-@contextlib.contextmanager
-def running_original_in_fp32() -> Iterator[None]:
-    """Inside the block, converted models of this front end run the original model's code in
-    FP32 (low-precision weights upcast, no casts, no autocast): Apex's ``amp.disable_casts``.
-
-    >>> from amp_fx.core.policy import preset
-    >>> model = captured_model(nn.Linear(4, 2), preset("O2", torch.bfloat16, "cpu"))
-    >>> with running_original_in_fp32():
-    ...     model(torch.randn(3, 4)).dtype
-    torch.float32
-    """
-    _FP32_BLOCKS.append(True)
-    try:
-        yield
-    finally:
-        _FP32_BLOCKS.pop()
-
-
-def _run_original_in_fp32(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    upcast = {
-        name: tensor.float()
-        for name, tensor in [
-            *module.named_parameters(remove_duplicate=False),
-            *module.named_buffers(remove_duplicate=False),
-        ]
-        if tensor.dtype in LOW_PRECISION_DTYPES
-    }
-    _IN_FP32_CALL.append(True)
-    try:
-        with torch.autocast(_state(module).policy.device_type, enabled=False):
-            return torch.func.functional_call(module, upcast, args, kwargs)
-    finally:
-        _IN_FP32_CALL.pop()
+__all__ = ["CapturedModel", "CaptureState", "capture_states", "captured_model"]
 
 
 class CapturedModel(nn.Module):
@@ -142,10 +92,10 @@ class CapturedModel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state = _state(self)
-        if EXPORTING or _IN_FP32_CALL:
+        if EXPORTING or IN_FP32_CALL:
             return _original_forward(self)(*args, **kwargs)
-        if _FP32_BLOCKS:
-            return _run_original_in_fp32(self, args, kwargs)
+        if FP32_BLOCKS:
+            return run_original_in_fp32(self, state.policy.device_type, args, kwargs)
         if torch.compiler.is_compiling():
             # The change check is traced too: Dynamo guards on what it reads, so a change made
             # later recompiles, and this call then follows it eagerly (`_compiled_graph_for`).

@@ -1,4 +1,4 @@
-"""Changes made to a converted model after its graphs were captured (torch.export front end).
+"""The state of a converted model that its captured graphs depend on (torch.export front end).
 
 A captured graph holds what its capture saw: the submodules, parameter and buffer objects, the
 attributes the code read (a Dropout's ``p``, a norm's ``eps``, a config's ``output_hidden_states``),
@@ -6,26 +6,13 @@ the hooks that fired and each module's train/eval mode. `Watch` is that state, t
 are captured; a call whose model differs from it drops the graphs and captures again
 (`amp_fx.capture.captured_model`), as torch.compile's guards recompile.
 
-Comparing the whole model on every call would cost a walk over every module (hundreds of
-microseconds for 500 of them), so changes are counted instead: `watch_modules` flags a converted
-model's modules (a key in their ``__dict__``), and one-time wraps of ``nn.Module.__setattr__`` /
-``__delattr__``, torch's global module, parameter and buffer registration hooks, the hook
-registration methods (and the handles they return) and the container methods that write
-``_modules`` directly (``ModuleDict.__delitem__``/``clear``, ``ModuleList.insert``,
-``Sequential.insert``) add one to the change count of each model that watches a module they change
-(its counters, kept per model: a change to one model never invalidates another's graphs, compiled
-ones included). A call then compares one integer, and the ``__dict__`` of each plain object the
-modules hold (a Hugging Face ``config``: writes to it are not seen, so it is compared, a C-level
-dict compare), and torch's global module hooks. Only where those differ is the model walked
-(`take`) and compared with the `Watch`.
-
-A switch of the whole model between train and eval (``training`` writes count apart, in the
-model's second counter) costs one compare of each module's mode with the root's, no walk: the graphs are per
-mode already, and a module left in another mode than the model's is still seen.
-
-The torch.fx front end's GraphModule holds a `GraphFollower`: the graphs as traced, rewritten by
-the passes again when the model changed, or a clear error where the change needs code the graph
-traced through and does not keep.
+A call compares one integer (the model's change count, `amp_fx.capture.change_counting`), the
+``__dict__`` of each plain object the modules hold (a Hugging Face ``config``: writes to it are not
+seen, so it is compared, a C-level dict compare), and torch's global module hooks (`unchanged`).
+Only where those differ is the model walked (`take`) and compared with the `Watch`. A switch of
+the whole model between train and eval costs one compare of each module's mode with the root's,
+no walk: the graphs are per mode already, and a module left in another mode than the model's is
+still seen. The torch.fx front end follows changes with `amp_fx.capture.graph_follower`.
 
 Not seen: in-place changes of a container an attribute holds (``config.rope_scaling["factor"] = 2``,
 ``module._modules[name] = m``): assign the attribute instead.
@@ -43,13 +30,11 @@ Not seen: in-place changes of a container an attribute holds (``config.rope_scal
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import enum
 import functools
-import logging
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -58,77 +43,11 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
-from amp_fx.capture.state import STATE_ATTR
-from amp_fx.capture.traced_graph_module import FOLLOWER_ATTR
-from amp_fx.core.node_info import OTHER_MODE_GRAPH_KEY
+from amp_fx.capture.change_counting import IGNORED_ATTRIBUTES, Counters, watch_modules
 
-logger = logging.getLogger(__name__)
-
-__all__ = [
-    "FOLLOWER_ATTR",
-    "FollowError",
-    "GraphFollower",
-    "COUNTERS_ATTR",
-    "WATCHED_ATTR",
-    "Watch",
-    "install",
-    "same_model",
-    "take",
-    "unchanged",
-    "watch_modules",
-]
-
-# The key of a watched module's __dict__ (the `Counters` of each model watching it), and the key
-# under which a model keeps its own.
-WATCHED_ATTR = "_amp_fx_watched"
-COUNTERS_ATTR = "_amp_fx_change_counters"
-
-
-class Counters:
-    """A model's count of changes and of train/eval switches (kept apart: graphs are per mode
-    already, so a switch of the whole model only needs each module's mode compared with the
-    root's, no walk). Objects, not lists: torch.export rebuilds the containers a module's
-    ``__dict__`` holds after a capture, which would part a module from its model's counts."""
-
-    __slots__ = ("changes", "switches")
-
-    def __init__(self) -> None:
-        self.changes = 0
-        self.switches = 0
-
-
-class _Watchers:
-    """The `Counters` of each model watching a module (an object, for the reason above)."""
-
-    __slots__ = ("counters",)
-
-    def __init__(self) -> None:
-        self.counters: list[Counters] = []
-
+__all__ = ["Watch", "instrument_hooks", "same_model", "same_objects_and_hooks", "take", "unchanged"]
 
 _MISSING = object()
-_INSTALLED: list[bool] = []
-
-# Entries of a module's __dict__ that say nothing about what its forward computes. ``training`` is
-# compared against the root's: graphs are per mode already (`amp_fx.capture.graph_choice`).
-_IGNORED = frozenset(
-    {
-        STATE_ATTR,
-        WATCHED_ATTR,
-        COUNTERS_ATTR,
-        FOLLOWER_ATTR,
-        "training",
-        "_state_dict_hooks",
-        "_state_dict_pre_hooks",
-        "_load_state_dict_pre_hooks",
-        "_load_state_dict_post_hooks",
-        "_non_persistent_buffers_set",
-        "_amp_fx_master_sources",
-        "_amp_fx_loaded_values",
-        "_is_torch_compile",  # torch.compile's mark on the module it wraps
-        "_compile_kwargs",  # Lightning's record of the torch.compile call on the module it wraps
-    }
-)
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
 # Values held by identity that are not plain objects whose attributes forward reads.
 _NOT_OBJECTS = (
@@ -192,122 +111,6 @@ def instrument_hooks(*handles: RemovableHandle) -> Iterator[None]:
         yield
     finally:
         _INSTRUMENT_HOOK_IDS.difference_update(ids)
-
-
-def _bump(module: nn.Module, switch: bool = False) -> None:
-    """Count a change (or a train/eval switch) of ``module`` for each model watching it."""
-    for counters in module.__dict__[WATCHED_ATTR].counters:
-        if switch:
-            counters.switches += 1
-        else:
-            counters.changes += 1
-
-
-def _watched(module: Any) -> bool:
-    return WATCHED_ATTR in module.__dict__
-
-
-def _current(module: nn.Module, name: str) -> Any:
-    state = module.__dict__
-    for store in ("_parameters", "_buffers", "_modules"):
-        values = state.get(store)
-        if values is not None and name in values:
-            return values[name]
-    return state.get(name, _MISSING)
-
-
-def _wrap_setattr(setattr_: Callable[..., None]) -> Callable[..., None]:
-    @functools.wraps(setattr_)
-    def __setattr__(self: nn.Module, name: str, value: Any) -> None:
-        if WATCHED_ATTR not in self.__dict__ or (name in _IGNORED and name != "training"):
-            return setattr_(self, name, value)
-        before = _current(self, name)
-        setattr_(self, name, value)
-        # ``model.train()`` on a model in training mode, as Trainer does each step, changes nothing.
-        if _current(self, name) is not before:
-            _bump(self, switch=name == "training")
-        return None
-
-    return __setattr__
-
-
-def _wrap_after(method: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(method)
-    def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        result = method(self, *args, **kwargs)
-        if WATCHED_ATTR in self.__dict__:
-            _bump(self)
-        return result
-
-    return wrapped
-
-
-class _WatchedHandle(RemovableHandle):
-    """The handle of a hook registered on a watched module: removing the hook is a change."""
-
-    module: nn.Module
-
-    def remove(self) -> None:
-        super().remove()
-        _bump(self.module)
-
-
-def _wrap_hook_registration(method: Callable[..., RemovableHandle]) -> Callable[..., RemovableHandle]:
-    @functools.wraps(method)
-    def register(self: nn.Module, *args: Any, **kwargs: Any) -> RemovableHandle:
-        handle = method(self, *args, **kwargs)
-        if WATCHED_ATTR in self.__dict__:
-            _bump(self)
-            if type(handle) is RemovableHandle:
-                handle.__class__ = _WatchedHandle
-                handle.module = self
-        return handle
-
-    return register
-
-
-def _on_registration(module: nn.Module, name: str, value: Any) -> None:
-    if WATCHED_ATTR in module.__dict__:
-        _bump(module)
-
-
-def install() -> None:
-    """Wrap what changes a module, once per process (see the module docstring)."""
-    if _INSTALLED:
-        return
-    _INSTALLED.append(True)
-    nn.Module.__setattr__ = _wrap_setattr(nn.Module.__setattr__)  # type: ignore[method-assign]
-    nn.Module.__delattr__ = _wrap_after(nn.Module.__delattr__)  # type: ignore[method-assign]
-    for name in (
-        "register_forward_pre_hook",
-        "register_forward_hook",
-        "register_full_backward_pre_hook",
-        "register_full_backward_hook",
-        "register_backward_hook",
-    ):
-        setattr(nn.Module, name, _wrap_hook_registration(getattr(nn.Module, name)))
-    for cls, name in (
-        (nn.ModuleDict, "__delitem__"),
-        (nn.ModuleDict, "clear"),
-        (nn.ModuleList, "insert"),
-        (nn.Sequential, "insert"),
-    ):
-        setattr(cls, name, _wrap_after(getattr(cls, name)))
-    torch_module.register_module_module_registration_hook(_on_registration)
-    torch_module.register_module_parameter_registration_hook(_on_registration)
-    torch_module.register_module_buffer_registration_hook(_on_registration)
-
-
-def watch_modules(model: nn.Module) -> Counters:
-    """Flag ``model`` and its descendants: a change to one of them counts in ``model``'s
-    `Counters`, which it returns."""
-    install()
-    counters = model.__dict__.setdefault(COUNTERS_ATTR, Counters())
-    for module in model.modules():
-        watchers = module.__dict__.setdefault(WATCHED_ATTR, _Watchers()).counters
-        if not any(watcher is counters for watcher in watchers):
-            watchers.append(counters)
-    return counters
 
 
 def _describe(value: Any, held: list[Any], depth: int = 0) -> Any:
@@ -411,13 +214,16 @@ def take(model: nn.Module) -> Watch:
     entries = []
     for name, module in model.named_modules():
         attributes = tuple(
-            (key, _describe(value, held)) for key, value in module.__dict__.items() if key not in _IGNORED
+            (key, _describe(value, held))
+            for key, value in module.__dict__.items()
+            if key not in IGNORED_ATTRIBUTES
         )
         held.append(module)
         entries.append((name, id(module), type(module), module.training == model.training, attributes))
     found: dict[int, Any] = {}
     for module in model.modules():
-        _plain_objects((value for key, value in module.__dict__.items() if key not in _IGNORED), found)
+        values = (value for key, value in module.__dict__.items() if key not in IGNORED_ATTRIBUTES)
+        _plain_objects(values, found)
     objects = tuple((obj, dict(vars(obj))) for obj in found.values())
     global_hooks = tuple((hooks, dict(_model_hooks(hooks))) for hooks in _GLOBAL_HOOKS)
     ordered = tuple(model.modules())
@@ -456,10 +262,10 @@ def unchanged(watch: Watch) -> bool:
 
 def same_model(watch: Watch, now: Watch) -> bool:
     """Whether ``now`` (a later `take`) shows the model ``watch`` was taken of."""
-    return watch.modules == now.modules and _same_objects_and_hooks(watch, now)
+    return watch.modules == now.modules and same_objects_and_hooks(watch, now)
 
 
-def _same_objects_and_hooks(watch: Watch, now: Watch) -> bool:
+def same_objects_and_hooks(watch: Watch, now: Watch) -> bool:
     """Whether the plain objects the modules hold and torch's global hooks are as in ``watch``."""
     if len(watch.objects) != len(now.objects):
         return False
@@ -469,247 +275,3 @@ def _same_objects_and_hooks(watch: Watch, now: Watch) -> bool:
     ):
         return False
     return all(_same_dict(_model_hooks(hooks), copy) for hooks, copy in watch.global_hooks)
-
-
-# -- The torch.fx front end: a `TracedGraphModule` follows changes by rewriting its traced graph. --
-
-_HOOK_KEYS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-
-
-class GraphFollower:
-    """What keeps a converted GraphModule (the torch.fx front end) in step with changes made to it
-    after conversion. ``sources`` are its graphs as traced, before any pass (one per mode the
-    forward reads); ``rewrite(gm, added)`` runs the passes on copies of them again with the modules
-    the model holds now, storing the tensors named in ``added`` as conversion stores them.
-
-    The graph calls leaf modules (``call_module``: their own forward runs, with their hooks and
-    attributes) and reads tensors; the code of the modules it traced through is not kept. So a
-    change to a leaf, or a tensor replaced, is followed by rewriting; a change that would need the
-    traced-through code (a module or tensor the graph uses deleted, a module or tensor added where
-    traced code would read it, a leaf replaced by a module with children, a hook on a traced-through
-    module) raises `FollowError` at each call, before anything runs."""
-
-    def __init__(
-        self,
-        gm: nn.Module,
-        sources: list[torch.fx.Graph],
-        rewrite: Callable[[nn.Module, frozenset[str]], None],
-    ) -> None:
-        self.sources = sources
-        self.rewrite = rewrite
-        self.calls, self.reads, self.opaque = set(), set(), set()
-        for graph in sources:
-            for node in graph.nodes:
-                if node.op == "call_module":
-                    self.calls.add(node.target)
-                    if _is_opaque(node):
-                        self.opaque.add(node.target)
-                elif node.op == "get_attr":
-                    self.reads.add(node.target)
-        # torch.fx makes the modules it traced through anew, in training mode: give them the
-        # model's, so that a module later set to another mode than the model's is seen.
-        for name, module in gm.named_modules():
-            if not self.in_leaf(name):
-                module.__dict__["training"] = gm.training
-        self.owner = id(gm)
-        self.watch = take(gm)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> GraphFollower:
-        # A deepcopy of the GraphModule (``memo`` maps each object's id to its copy): the copy's
-        # follower watches the copied modules, as they were when copied.
-        def mapped(value: Any) -> Any:
-            return memo.get(id(value), value)
-
-        def mapped_id(key: int) -> int:
-            return id(memo[key]) if key in memo else key
-
-        def remap(described: Any) -> Any:
-            if isinstance(described, tuple):
-                if len(described) == 2 and described[0] == "object" and isinstance(described[1], int):
-                    return ("object", mapped_id(described[1]))
-                return tuple(remap(item) for item in described)
-            return described
-
-        new = copy.copy(self)
-        watch = self.watch
-        new.owner = mapped_id(self.owner)
-        new.watch = dataclasses.replace(
-            watch,
-            counters=copy.deepcopy(watch.counters, memo),  # the copied modules count in this one
-            modules=tuple(
-                (name, mapped_id(key), kind, agree, remap(attributes))
-                for name, key, kind, agree, attributes in watch.modules
-            ),
-            objects=tuple(
-                (mapped(obj), {k: mapped(v) for k, v in snapshot.items()}) for obj, snapshot in watch.objects
-            ),
-            held=[mapped(value) for value in watch.held],
-            ordered=tuple(mapped(module) for module in watch.ordered),
-        )
-        return new
-
-    def in_leaf(self, name: str) -> bool:
-        """Whether the module ``name`` is one the graph calls, or inside one."""
-        return _inside(name, self.calls)
-
-    def __call__(self, gm: nn.Module) -> bool:
-        """Follow changes made to ``gm`` since the last call; True if its graphs were rewritten."""
-        # Plain Python, which torch.compile traces and guards on, as `unchanged`'s.
-        if unchanged(self.watch):
-            return False
-        return self._follow(gm)
-
-    @torch.compiler.disable
-    def _follow(self, gm: nn.Module) -> bool:
-        now = take(gm)
-        if self.owner != id(gm):  # a copy (deepcopy) holds the graphs of its own modules
-            self.owner, self.watch = id(gm), now
-            return False
-        if same_model(self.watch, now) or self._only_hooks_on_called_modules(gm, now):
-            # A hook on a module the graphs call fires as it is: nothing to rewrite (a rewrite
-            # would make the modules a pass put in anew, without the hook).
-            self.watch = now
-            return False
-        problems = self.problems(gm, now)
-        if problems:
-            policy = getattr(gm, "meta", {}).get("amp_fx_policy")
-            level = f"{policy.opt_level!r}, dtype={policy.dtype}" if policy is not None else "..."
-            raise FollowError(
-                f"{type(gm).__name__} (converted with front_end='fx') was changed after conversion in a "
-                f"way its graph cannot follow: {'; '.join(problems[:6])}. Its graph was traced from the "
-                "model's forward, whose code it does not keep, so it cannot run this change. Make the "
-                "change on the original model and convert that again: amp_fx.convert(model, "
-                f"{level}, front_end='fx'), or convert with front_end='export', which captures a "
-                "changed model again."
-            )
-        known = self.watch.tensor_ids()
-        added = frozenset(
-            name
-            for name, tensor in [
-                *gm.named_parameters(remove_duplicate=False),
-                *gm.named_buffers(remove_duplicate=False),
-            ]
-            if id(tensor) not in known
-        )
-        logger.info(
-            "%s changed since conversion (%s): rewriting its traced graph",
-            type(gm).__name__,
-            ", ".join(now.differences(self.watch)[:8]),
-        )
-        self.rewrite(gm, added)
-        self.watch = take(gm)
-        return True
-
-    def _only_hooks_on_called_modules(self, gm: nn.Module, now: Watch) -> bool:
-        old = {entry[0]: entry for entry in self.watch.modules}
-        if len(old) != len(now.modules) or not _same_objects_and_hooks(self.watch, now):
-            return False
-        called = _called_modules(gm) | {""}  # hooks on the model itself fire when it is called
-        for entry in now.modules:
-            before = old.get(entry[0])
-            if before is None or before[1] != entry[1] or before[3] != entry[3]:
-                return False
-            # A wrapper that subclasses the model in place (FSDP2's fully_shard) keeps its forward.
-            if before[2] is not entry[2] and not (entry[0] == "" and issubclass(entry[2], before[2])):
-                return False
-            attributes, previous = dict(entry[4]), dict(before[4])
-            changed = {
-                key for key in attributes.keys() | previous.keys() if attributes.get(key) != previous.get(key)
-            }
-            if changed and (not changed <= set(_HOOK_KEYS) or not _inside(entry[0], called)):
-                return False
-        return True
-
-    def accept(self, gm: nn.Module) -> None:
-        """Take ``gm`` as it is now as the state its graphs follow, for a change amp_fx made
-        knowing the graphs stay right (`amp_fx.training.fsdp.fully_shard_converted` shards the parameters
-        the graphs read and hooks the modules they call)."""
-        self.owner, self.watch = id(gm), take(gm)
-
-    def problems(self, gm: nn.Module, now: Watch) -> list[str]:
-        """What changed that the graph cannot follow (the class docstring), one phrase each."""
-        calls, reads, opaque = self.calls, self.reads, self.opaque
-        problems = []
-        for target in sorted(calls):
-            if _resolve(gm, target) is None:
-                problems.append(f"`{target}`, a module the graph calls, was deleted")
-        for target in sorted(reads):
-            if _resolve(gm, target) is None:
-                problems.append(f"`{target}`, which the graph reads, was deleted or set to None")
-        old = {entry[0]: entry for entry in self.watch.modules}
-        new = {entry[0]: entry for entry in now.modules}
-        for target in sorted(calls - opaque):
-            before, after = old.get(target), new.get(target)
-            if before is None or after is None or before[1] == after[1] or before[2] is after[2]:
-                continue
-            if any(True for _ in gm.get_submodule(target).children()):
-                problems.append(
-                    f"`{target}` was replaced by a {after[2].__module__}.{after[2].__qualname__}, a "
-                    "module with submodules the "
-                    "graph would have to trace through"
-                )
-        mode_graphs = len(self.sources) > 1
-        for name, entry in new.items():
-            if self.in_leaf(name):
-                continue
-            shown = name or "the model"
-            before = old.get(name)
-            if before is None:
-                problems.append(f"`{name}` was added where the graph's traced code would call it")
-                continue
-            if before[1] != entry[1]:
-                continue  # a module the graph does not call, replaced (held for its state)
-            if mode_graphs and before[3] != entry[3]:
-                problems.append(f"{shown}'s train/eval mode differs from the model's (a graph per mode)")
-            attributes, previous = dict(entry[4]), dict(before[4])
-            for key in _HOOK_KEYS:
-                if attributes.get(key) != previous.get(key) and getattr(gm.get_submodule(name), key, None):
-                    problems.append(f"a hook was registered on `{shown}`, which the graph traced through")
-            for key in ("_parameters", "_buffers"):
-                added = _keys(attributes.get(key)) - _keys(previous.get(key))
-                problems += [
-                    f"`{name + '.' if name else ''}{attribute}` was added where traced code would read it"
-                    for attribute in sorted(added)
-                    if getattr(gm.get_submodule(name), attribute, None) is not None
-                ]
-        return problems
-
-
-def _inside(name: str, leaves: set[str]) -> bool:
-    return any(name == leaf or name.startswith(leaf + ".") for leaf in leaves)
-
-
-def _called_modules(gm: nn.Module) -> set[str]:
-    """The modules the rewritten graphs (each mode's) call by ``call_module``."""
-    graphs = [gm.graph]
-    other = gm.meta.get(OTHER_MODE_GRAPH_KEY)
-    if other is not None:
-        graphs.append(other[1])
-    return {node.target for graph in graphs for node in graph.nodes if node.op == "call_module"}
-
-
-class FollowError(RuntimeError):
-    """A change made to a converted GraphModule that its traced graph cannot follow."""
-
-
-def _keys(described: Any) -> set[str]:
-    # A dict as `_describe` gives it: (type, ((key, value), ...)).
-    if not isinstance(described, tuple) or len(described) != 2 or not isinstance(described[1], tuple):
-        return set()
-    return {key for key, _ in described[1]}
-
-
-def _resolve(gm: nn.Module, target: str) -> Any:
-    owner: Any = gm
-    for part in target.split("."):
-        owner = getattr(owner, part, None)
-        if owner is None:
-            return None
-    return owner
-
-
-def _is_opaque(node: torch.fx.Node) -> bool:
-    from amp_fx.core.node_info import node_info
-    from amp_fx.core.policy import Rule
-
-    return node_info(node).rule is Rule.OPAQUE

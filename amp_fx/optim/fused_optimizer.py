@@ -4,39 +4,18 @@ For each fp16/bf16 parameter (with ``master_weights=True``) the optimizer keeps 
 ``state[p]["master_param"]``; the update reads the low-precision grad, computes in FP32 from the
 master and writes the master and the rounded low-precision weight. FP32 parameters are their own
 master and are updated in place. Masters are created with the param group; moments (FP32, shaped
-like the parameter) at the parameter's first step with a grad, as torch.optim and Apex create
-theirs: an optimizer that has not stepped holds no moments, and a training step's peak memory
-(the backward, before the first update) does not hold them either.
+like the parameter) at the parameter's first step with a grad, as torch.optim and Apex create theirs.
 
-One step, per parameter group: collect the params that have grads and hand all of them to one
-call of the kernel (Triton on CUDA, the pure-torch reference elsewhere; `amp_fx.kernels`), then
-advance the group's step counter on the device. The step counter is a float32 tensor of shape (1,)
-in ``param_group["step"]``, one per group as in Apex's FusedAdam: it advances whenever the group
-takes a step that was not skipped.
-
-Steps are counted per parameter, as torch.optim counts them, without a per-parameter counter to
-advance at every step: each parameter with moments holds ``state[p]["step_offset"]`` (float32,
-0-dim, on the device), the group steps it did not take. It is set to the group's count when its
-moments are created (its first step with a grad) and grows by one, on the device, at each
-not-skipped step of its group in which it has no grad; its own count is ``step - step_offset``.
-So a layer that is unfrozen late, or a branch used only now and then, starts Adam's bias correction
-at t = 1 and SGD's momentum buffer at its grad, as torch.optim does; a step in which every param
-has a grad does no per-parameter work for it. The kernels read the offsets through the pointer
-table (one more pointer per parameter), so they stay one launch per dtype group. A checkpoint
-stores the offsets; one saved before they existed loads with offset 0 (the group's count).
-
-Loss scaling reaches the kernel as two device tensors and is never read on the host:
-
-- ``grad_multiplier`` multiplies every grad: ``1 / loss_scale``, times a clip coefficient when
-  `amp_fx.clip_grad_norm_` ran. `amp_fx.LossScaler.defer_unscale_` records it here instead of
-  rewriting the grads (`amp_fx.LossScaler.unscale_` then writes it into FP32 grads),
-  through the `ScaledOptimizer` protocol (`amp_fx.optim.scaled_optimizer`), which
-  `FusedOptimizer` implements.
-- ``found_inf`` > 0 makes the kernel write nothing (weights, masters, moments stay bit-identical)
-  and keeps the step counter where it was.
-
-``torch.amp.GradScaler`` drives the same path through the ``grad_scale``/``found_inf`` attributes
-that it sets on optimizers with ``_step_supports_amp_scaling = True``.
+A step hands, per param group, all params that have grads to one call of the kernel
+(`amp_fx.kernels`), then advances the group's step counter (``param_group["step"]``, a float32
+device tensor of shape (1,)) on the device. Each parameter with moments holds
+``state[p]["step_offset"]``, the group steps it took no part in, so that its own count is ``step -
+step_offset``, as torch.optim counts. Loss scaling reaches the kernel as two device tensors, a grad
+multiplier and an overflow flag (`amp_fx.optim.pending_scaling`), never read on the host; an
+overflow makes the kernel write nothing. ``torch.amp.GradScaler`` drives the same path through the
+``grad_scale``/``found_inf`` attributes it sets on optimizers with
+``_step_supports_amp_scaling = True``. docs/DESIGN.md ("Optimizers, master weights and loss
+scaling") tells the whole of it.
 
 Example:
     >>> import torch
@@ -52,9 +31,8 @@ Example:
 from __future__ import annotations
 
 import logging
-import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -64,8 +42,10 @@ from torch import Tensor
 
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.kernels import implementation_for
-from amp_fx.kernels.arguments import KERNEL_DTYPES, is_dense
+from amp_fx.kernels.arguments import is_dense
 from amp_fx.optim.model_load_hooks import MASTER_KEY, track_params
+from amp_fx.optim.param_group_checks import as_float, check_params, group_with_param_list, param_tensors
+from amp_fx.optim.pending_scaling import PendingScaling
 from amp_fx.optim.scaled_optimizer import next_tick
 from amp_fx.optim.state_dict_loading import STEP_KEY, STEP_OFFSET_KEY, StateDictLoading
 from amp_fx.optim.wrappers import unwrap_optimizer
@@ -126,20 +106,6 @@ class StepBatch:
         return None if all(m is None for m in self.masters) else self.masters
 
 
-def as_float(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TypeError(
-            f"{name} must be a finite Python float, got {value!r}; the fused kernels take hyperparameters "
-            "as Python numbers (a tensor would need a host sync to read)"
-        )
-    return float(value)
-
-
-def _param_tensors(params: Iterable[Any]) -> list[Tensor]:
-    """The tensors of a param list that may hold (name, tensor) pairs, as torch.optim allows."""
-    return [p[1] if isinstance(p, tuple) else p for p in params]
-
-
 class FusedOptimizer(StateDictLoading, torch.optim.Optimizer):
     """Base of the fused optimizers; subclasses say which state they keep and which kernel they call.
 
@@ -173,8 +139,7 @@ class FusedOptimizer(StateDictLoading, torch.optim.Optimizer):
     def __init__(self, params: Any, hyperparameters: dict[str, Any], master_weights: bool) -> None:
         # When it was created or last stepped: a LossScaler that scaled a loss since may own its grads.
         self.last_step_tick = next_tick()
-        self._reset_pending()
-        self._reset_found_inf_buffers()
+        self._pending = PendingScaling()
         super().__init__(params, {**hyperparameters, "master_weights": master_weights})
 
     # ----------------------------------------------------------------------------------------
@@ -201,10 +166,8 @@ class FusedOptimizer(StateDictLoading, torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         # torch.optim.Optimizer.__getstate__ keeps only defaults/state/param_groups (deepcopy, pickle).
-        if "_pending_multipliers" not in self.__dict__:
-            self._reset_pending()
-        if "_found_inf_buffers" not in self.__dict__:
-            self._reset_found_inf_buffers()
+        if "_pending" not in self.__dict__:
+            self._pending = PendingScaling()
         self.__dict__.setdefault("last_step_tick", next_tick())
         # A copy (deepcopy, unpickling) holds new params: loads into their model must reach its masters.
         track_params(self, (p for group in self.param_groups for p in group["params"]))
@@ -237,19 +200,9 @@ class FusedOptimizer(StateDictLoading, torch.optim.Optimizer):
             >>> opt.state[opt.param_groups[1]["params"][0]]["master_param"].dtype
             torch.float32
         """
-        if not isinstance(param_group, dict):
-            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        param_group = dict(param_group)
-        params = param_group.get("params")
-        if isinstance(params, Tensor):
-            params = [params]
-        elif isinstance(params, set):
-            raise TypeError("optimizer parameters need to be organized in ordered collections, not a set")
-        elif params is None:
-            raise ValueError("param_group has no 'params' entry; pass {'params': [...], ...}")
-        param_group["params"] = list(params)
-        tensors = _param_tensors(param_group["params"])
-        self._check_params(tensors)
+        param_group = group_with_param_list(param_group)
+        tensors = param_tensors(param_group["params"])
+        check_params(type(self).__name__, tensors)
         merged = {**self.defaults, **param_group}
         self._check_hyperparameters(merged)
         super().add_param_group(param_group)  # torch's checks (duplicates, names) before it appends
@@ -259,40 +212,6 @@ class FusedOptimizer(StateDictLoading, torch.optim.Optimizer):
         for param in group["params"]:
             self._init_master(param, group)
         track_params(self, group["params"])
-
-    def _check_params(self, params: Sequence[Tensor]) -> None:
-        name = type(self).__name__
-        for i, param in enumerate(params):
-            if not isinstance(param, Tensor):
-                raise TypeError(
-                    f"{name} can only optimize tensors, but parameter {i} is {type(param).__name__}"
-                )
-            if param.dtype not in KERNEL_DTYPES:
-                raise ValueError(
-                    f"{name} updates fp16, bf16 and fp32 parameters; parameter {i} has dtype {param.dtype}. "
-                    "Keep it out of this optimizer or convert it with .float()"
-                )
-            if param.is_sparse or not is_dense(param):
-                raise ValueError(
-                    f"{name} needs dense parameters; parameter {i} (shape {tuple(param.shape)}, strides "
-                    f"{param.stride()}) is not. Make it contiguous before creating the optimizer"
-                )
-        first_index: dict[int, int] = {}
-        for i, param in enumerate(params):
-            earlier = first_index.setdefault(id(param), i)
-            if earlier != i:
-                # torch.optim only warns; here two programs of one launch would update the same
-                # elements at once and one update would be lost.
-                raise ValueError(
-                    f"parameter {i} of a param group of {name} is parameter {earlier} again; the fused "
-                    "step would update it twice at once. List each parameter once"
-                )
-        devices = {p.device for p in params}
-        if len(devices) > 1:
-            raise ValueError(
-                f"a param group of {name} holds parameters on several devices ({sorted(map(str, devices))}); "
-                "its step counter lives on one device, so put each device's parameters in their own group"
-            )
 
     def _master_expected(self, param: Tensor, group: dict[str, Any]) -> bool:
         """True for a low-precision param of a group that keeps FP32 masters."""
@@ -361,31 +280,11 @@ class FusedOptimizer(StateDictLoading, torch.optim.Optimizer):
             state[STEP_OFFSET_KEY] = group[STEP_KEY].detach().reshape(()).clone()
 
     # ----------------------------------------------------------------------------------------
-    # Pending loss scaling (set by unscale_grads_ and fold_grad_multiplier_, consumed by step)
+    # Pending loss scaling (a `PendingScaling`: set by unscale_grads_ and fold_grad_multiplier_,
+    # consumed by step; a load drops it)
 
     def _reset_pending(self) -> None:
-        self._pending_multipliers: dict[torch.device, Tensor] = {}
-        self._pending_found_infs: dict[torch.device, Tensor] = {}
-
-    def _reset_found_inf_buffers(self) -> None:
-        # One persistent overflow flag per device, so that a step allocates and fills none: the
-        # LossScaler's update kernel zeroes it after reading it and says so (finish_scaling).
-        self._found_inf_buffers: dict[torch.device, Tensor] = {}
-        self._zeroed_found_infs: set[torch.device] = set()
-
-    def _found_inf_buffer(self, device: torch.device) -> Tensor:
-        """This step's overflow flag on ``device`` (float32, shape (1,)), holding 0.
-
-        Zeroed here only when nothing is known to have zeroed it since it was last handed out (the
-        first step, an update(new_scale), amp_fx.amp's scaler, a step abandoned half-way).
-        """
-        buffer = self._found_inf_buffers.get(device)
-        if buffer is None:
-            buffer = self._found_inf_buffers[device] = torch.zeros(1, dtype=torch.float32, device=device)
-        elif device not in self._zeroed_found_infs:
-            buffer.zero_()
-        self._zeroed_found_infs.discard(device)
-        return buffer
+        self._pending.forget()
 
     # ----------------------------------------------------------------------------------------
     # The ScaledOptimizer protocol (amp_fx.optim.scaled_optimizer: the handshake, step by step)
@@ -407,24 +306,15 @@ class FusedOptimizer(StateDictLoading, torch.optim.Optimizer):
         the next ``step`` skips the update on the device when one of them is > 0. These tensors
         are the optimizer's persistent flags: the next call reuses (and rewrites) them.
         """
-        self._reset_pending()
-        for device, grads in self.grads_by_device().items():
-            found_inf = self._found_inf_buffer(device)
-            implementation_for(grads).check_finite_and_norm_(grads, found_inf)
-            self._pending_found_infs[device] = found_inf
-            self._pending_multipliers[device] = inv_scale.to(device, non_blocking=True).reshape(1)
-        return dict(self._pending_found_infs)
+        return self._pending.check(self.grads_by_device(), inv_scale)
 
     def pending_scaling(self, device: torch.device) -> tuple[Tensor | None, Tensor | None]:
         """(grad multiplier, found_inf) recorded for ``device`` since the last step, or None for each."""
-        return self._pending_multipliers.get(device), self._pending_found_infs.get(device)
+        return self._pending.multipliers.get(device), self._pending.found_infs.get(device)
 
     def fold_grad_multiplier_(self, factor: Tensor) -> None:
         """Multiply the pending grad multiplier of each device with grads by ``factor`` (a device tensor)."""
-        for device in self.grads_by_device():
-            local = factor.to(device, non_blocking=True).reshape(1)
-            current = self._pending_multipliers.get(device)
-            self._pending_multipliers[device] = local if current is None else current * local
+        self._pending.fold(self.grads_by_device(), factor)
 
     @torch.no_grad()
     def apply_grad_multiplier_(self) -> None:
@@ -450,18 +340,15 @@ class FusedOptimizer(StateDictLoading, torch.optim.Optimizer):
                 local = local_tensor(grad)
                 fp32_grads[local.device].append(local)
         for device, grads in fp32_grads.items():
-            multiplier = self._pending_multipliers.pop(device, None)
+            multiplier = self._pending.multipliers.pop(device, None)
             if multiplier is not None:
                 torch._foreach_mul_(grads, multiplier.reshape(()))
-        self._pending_multipliers.clear()
+        self._pending.multipliers.clear()
 
     def finish_scaling(self, zeroed_found_infs: Sequence[Tensor] = ()) -> None:
         """Forget the pending multiplier and found_inf; note which of this optimizer's flags are among
         ``zeroed_found_infs`` (set to 0 on the device by LossScaler.update)."""
-        for device, buffer in self._found_inf_buffers.items():
-            if any(flag is buffer for flag in zeroed_found_infs):
-                self._zeroed_found_infs.add(device)
-        self._reset_pending()
+        self._pending.finish(zeroed_found_infs)
 
     # ----------------------------------------------------------------------------------------
     # The step
@@ -545,19 +432,9 @@ class FusedOptimizer(StateDictLoading, torch.optim.Optimizer):
         Combines the pending values from LossScaler/clip_grad_norm_ with ``grad_scale``/``found_inf``
         set by torch.amp.GradScaler; all device arithmetic, computed once per device.
         """
-        if device in cache:
-            return cache[device]
-        multiplier, found_inf = self.pending_scaling(device)
-        grad_scale = getattr(self, "grad_scale", None)
-        if grad_scale is not None:
-            # GradScaler passes the scale itself; like GradScaler.unscale_, take the reciprocal in fp64.
-            inv_scale = grad_scale.to(device, non_blocking=True).double().reciprocal().float().reshape(1)
-            multiplier = inv_scale if multiplier is None else multiplier * inv_scale
-        torch_found_inf = getattr(self, "found_inf", None)
-        if torch_found_inf is not None:
-            local = torch_found_inf.to(device, torch.float32, non_blocking=True).reshape(1)
-            found_inf = local if found_inf is None else found_inf + local
-        cache[device] = (multiplier, found_inf)
+        if device not in cache:
+            grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+            cache[device] = self._pending.for_step(device, grad_scale, found_inf)
         return cache[device]
 
     @torch.no_grad()

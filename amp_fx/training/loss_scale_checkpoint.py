@@ -1,4 +1,5 @@
-"""`amp_fx.LossScaler`'s state dict: its settings, scale and trackers as plain Python numbers.
+"""`amp_fx.LossScaler`'s state dict (its settings, scale and trackers as plain Python numbers),
+and its pickles of earlier versions.
 
 A superset of torch.amp.GradScaler's format, so that either loads the other's: GradScaler's keys
 ``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``_growth_tracker``, then
@@ -15,15 +16,16 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any, NamedTuple
 
 from torch import Tensor
 
 from amp_fx.kernels.loss_scale.arguments import check_tracker_count
 from amp_fx.training.loss_scale_settings import LossScaleSettings, check_number, check_scale
+from amp_fx.training.loss_scale_tensors import ScaleTensors
 
-__all__ = ["ScalerState", "read_state_dict", "state_dict_of"]
+__all__ = ["ScalerState", "read_state_dict", "state_dict_of", "upgraded_pickle"]
 
 # The settings each state dict key holds; GradScaler writes the first three, not the others.
 _SETTING_KEYS = ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale", "max_scale")
@@ -101,3 +103,20 @@ def _number(state_dict: dict[str, Any], key: str, default: Any = None) -> Any:
             )
         value = value.item()
     return value
+
+
+def upgraded_pickle(state: dict[str, Any]) -> dict[str, Any]:
+    """The ``__dict__`` a LossScaler pickled by an earlier version holds, in today's layout (a
+    pickle of today's is returned as it is)."""
+    state = dict(state)
+    if "_settings" not in state:  # a version that kept each setting in an attribute
+        names = [field.name for field in fields(LossScaleSettings)]
+        state["_settings"] = LossScaleSettings(**{name: state.pop(f"_{name}") for name in names})
+    if "_tensors" not in state:  # a version that kept the device state in attributes
+        kinds = ("scale", "growth_tracker", "hysteresis_tracker")
+        initial = [state.pop(f"_init_{kind}") for kind in kinds]
+        for name in ("_scale", "_growth_tracker", "_hysteresis_tracker", "_inv_scale"):
+            state.pop(name, None)  # None: pickles hold no tensors
+        state["_tensors"] = ScaleTensors(*initial)
+    state.pop("_scaled_at", None)  # a version before active_scalers kept it here
+    return state

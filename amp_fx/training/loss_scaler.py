@@ -2,28 +2,12 @@
 
 ``scale``, ``unscale_``, ``step`` and ``update`` work as in ``torch.amp.GradScaler``, with the same
 defaults, so GradScaler code runs unchanged; on top of it: hysteresis, min/max scale, and a step
-with no host sync for amp_fx's fused optimizers.
-
-With `amp_fx.optim.FusedAdam` / `FusedSGD` (any `ScaledOptimizer`: `amp_fx.optim.scaled_optimizer`
-describes the handshake step by step):
-
-- the fast path never unscales: ``amp_fx.clip_grad_norm_(opt, max_norm)`` (or ``step`` itself)
-  calls ``defer_unscale_(opt)``, which checks the grads for inf/NaN on the device and records
-  ``1 / scale`` on the optimizer as a pending grad multiplier; clip folds its coefficient into
-  it; the optimizer's kernel applies it while it reads the grads.
-- ``unscale_(opt)`` is torch's: afterwards the grads are the true ones (fp16/bf16 grads become
-  FP32 tensors, so that no small value is flushed to zero), what user code does to them
-  (``torch.nn.utils.clip_grad_norm_``) is what ``step`` applies, and ``step`` does not unscale
-  again.
-- ``step(opt)`` always launches the update; on overflow the kernel writes nothing and the step
-  count stays, decided on the device. Nothing calls ``.item()``: scale, backward, step and update
-  run under ``torch.cuda.set_sync_debug_mode("error")`` and can be captured in a CUDA graph.
-
-With any other optimizer the scaler does what GradScaler does: ``unscale_`` divides the grads in
-place (fp16 grads are refused, as by GradScaler), and ``step`` reads ``found_inf`` on the host to
-decide whether to call ``optimizer.step()`` (a sync, as in GradScaler); optimizers with
-``_step_supports_amp_scaling`` (torch's ``fused=True`` Adam) get ``grad_scale``/``found_inf``
-(`amp_fx.optim.torch_optimizer_scaling`).
+with no host sync for amp_fx's fused optimizers (any `amp_fx.optim.scaled_optimizer.ScaledOptimizer`):
+``defer_unscale_`` (called by ``amp_fx.clip_grad_norm_`` or ``step``) hands ``1 / scale`` to the
+optimizer's kernel, ``unscale_`` gives the true grads, and an overflow skips the update on the
+device. Any other optimizer is scaled as GradScaler scales it
+(`amp_fx.optim.torch_optimizer_scaling`). docs/DESIGN.md ("Optimizers, master weights and loss
+scaling") tells both paths at length.
 
 Example:
     >>> import torch, amp_fx
@@ -41,18 +25,15 @@ Example:
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from amp_fx.kernels import implementation_for
-from amp_fx.kernels.reference import reciprocal_scale_
 from amp_fx.optim.scaled_optimizer import ScaledOptimizer
 from amp_fx.optim.torch_optimizer_scaling import (
     any_overflow_on_host,
@@ -64,23 +45,14 @@ from amp_fx.optim.torch_optimizer_scaling import (
 from amp_fx.optim.wrappers import unwrap_optimizer
 from amp_fx.training.active_scalers import note_scaled, note_stepped, note_updated
 from amp_fx.training.distributed import agree_on_overflow_
-from amp_fx.training.loss_scale_checkpoint import ScalerState, read_state_dict, state_dict_of
-from amp_fx.training.loss_scale_settings import LossScaleSettings, check_number, check_scale
+from amp_fx.training.loss_scale_checkpoint import ScalerState, read_state_dict, state_dict_of, upgraded_pickle
+from amp_fx.training.loss_scale_settings import LossScaleSettings, check_scale
+from amp_fx.training.loss_scale_stages import OptimizerRecord, Stage
+from amp_fx.training.loss_scale_tensors import ScaleTensors
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LossScaler"]
-
-
-class _Stage(enum.Enum):
-    READY = 0
-    DEFERRED = 1  # checked for inf/NaN, 1/scale pending in the optimizer (the fast path)
-    UNSCALED = 2  # the grads hold the true gradients (unscale_)
-    STEPPED = 3
-
-
-def _fresh_optimizer_state() -> dict[str, Any]:
-    return {"stage": _Stage.READY, "found_inf_per_device": {}, "optimizer": None}
 
 
 class LossScaler:
@@ -88,23 +60,15 @@ class LossScaler:
 
     The scale starts at ``init_scale``, is multiplied by ``growth_factor`` after
     ``growth_interval`` consecutive steps without inf/NaN grads (never above ``max_scale``) and
-    by ``backoff_factor`` on overflow (never below ``min_scale``).
+    by ``backoff_factor`` on overflow (never below ``min_scale``). With hysteresis it backs off
+    only at the ``hysteresis``-th consecutive overflowing step, and again at every further
+    consecutive one; a clean step refills the count (DeepSpeed's rule, docs/DESIGN.md). Every
+    overflowing step is skipped and resets the growth count, whether or not it backs off.
 
-    Hysteresis follows DeepSpeed's ``DynamicLossScaler`` with ``consecutive_hysteresis=True``
-    (the same rule as Apex's ``update_scale_hysteresis`` used by NeMo): the scale backs off only
-    at the ``hysteresis``-th consecutive overflowing step, and again at every further consecutive
-    overflow; a clean step refills the count. Every overflowing step is skipped and resets the
-    growth count, whether or not it backs off. (Megatron's ``DynamicGradScaler`` refills the count
-    only when the scale grows; with ``hysteresis=1`` all of these, and GradScaler, agree.)
-
-    The scale (float32), growth tracker and hysteresis tracker (int32) are 0-dim tensors created
-    on the device of the first scaled loss; ``update`` changes them in one kernel launch for up to
-    four overflow flags, i.e. optimizers x devices (`amp_fx.kernels` ``update_loss_scale_``: Triton
-    on CUDA, its torch reference elsewhere; more flags are summed by torch first),
-    which also leaves ``1 / scale`` ready for the next ``unscale_``.
-    ``enabled=False`` turns every method into a pass-through (bf16 training needs no scaling).
-    The settings are one frozen `amp_fx.training.loss_scale_settings.LossScaleSettings`, checked
-    whole before a setter or ``load_state_dict`` replaces them: a refused value changes nothing.
+    The scale and its trackers are 0-dim tensors on the device of the first scaled loss, which
+    ``update`` changes in one kernel launch (`amp_fx.training.loss_scale_tensors`). The settings
+    are one frozen `amp_fx.training.loss_scale_settings.LossScaleSettings`, checked whole before a
+    setter or ``load_state_dict`` replaces them: a refused value changes nothing.
 
     Args:
         init_scale: initial scale (GradScaler's default 2**16).
@@ -112,7 +76,7 @@ class LossScaler:
         hysteresis: consecutive overflowing steps before the scale backs off (1 = GradScaler).
         min_scale: lower bound of the scale (None: none).
         max_scale: upper bound of the scale (None: none; 2**24 by default).
-        enabled: False makes the scaler a pass-through.
+        enabled: False makes every method a pass-through (bf16 training needs no scaling).
         process_group: the data-parallel group whose ranks must agree on skipping a step (an
             overflow on one rank skips it on all); None means the default group when
             torch.distributed is initialised. See `amp_fx.training.distributed`.
@@ -157,37 +121,17 @@ class LossScaler:
         check_scale("init_scale", init_scale, self._settings)
         self._enabled = enabled
         self._process_group = process_group
-        # What the device state starts from, until it is created (load_state_dict and unpickling set them).
-        self._init_scale = float(init_scale)
-        self._init_growth_tracker = 0
-        self._init_hysteresis_tracker = self._settings.hysteresis
         # Created lazily on the device of the first scaled loss.
-        self._scale: Tensor | None = None
-        self._growth_tracker: Tensor | None = None
-        self._hysteresis_tracker: Tensor | None = None
-        # 1 / scale, kept current by every write of the scale, so unscale_ launches nothing for it.
-        self._inv_scale: Tensor | None = None
-        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
-
-    # ----------------------------------------------------------------------------------------
-    # Device state
-
-    def _lazy_init(self, device: torch.device) -> None:
-        self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=device)
-        self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=device)
-        self._hysteresis_tracker = torch.full(
-            (), self._init_hysteresis_tracker, dtype=torch.int32, device=device
-        )
-        self._inv_scale = torch.empty((), dtype=torch.float32, device=device)
-        reciprocal_scale_(self._inv_scale, self._scale)
+        self._tensors = ScaleTensors(float(init_scale), 0, self._settings.hysteresis)
+        self._per_optimizer_states: dict[int, OptimizerRecord] = defaultdict(OptimizerRecord)
 
     def _require_state(self, method: str) -> Tensor:
-        if self._scale is None:
+        if self._tensors.scale is None:
             raise RuntimeError(
                 f"LossScaler.{method}() was called before any loss was scaled; "
                 "call scaler.scale(loss).backward() first in each iteration"
             )
-        return self._scale
+        return self._tensors.scale
 
     # ----------------------------------------------------------------------------------------
     # The protocol
@@ -204,13 +148,14 @@ class LossScaler:
             return outputs
         note_scaled(self)
         copies: dict[torch.device, Tensor] = {}
+        tensors = self._tensors
 
         def apply(value: Any) -> Any:
             if isinstance(value, Tensor):
-                if self._scale is None:
-                    self._lazy_init(value.device)
+                if tensors.scale is None:
+                    tensors.create(value.device)
                 if value.device not in copies:
-                    copies[value.device] = self._scale.to(value.device, non_blocking=True)
+                    copies[value.device] = tensors.scale.to(value.device, non_blocking=True)
                 return value * copies[value.device]
             if isinstance(value, (list, tuple)):
                 return type(value)(apply(v) for v in value)
@@ -223,17 +168,12 @@ class LossScaler:
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s grads by the scale and check them for inf/NaN, as GradScaler does.
 
-        Afterwards ``param.grad`` holds the true gradients: what user code does to them (torch's
-        ``clip_grad_norm_`` over ``model.parameters()``, logging) is what ``step`` applies, and
-        ``step`` does not unscale again. For amp_fx optimizers an fp16/bf16 grad becomes an FP32
-        tensor (divided in fp16 its small values would flush to zero; +2 bytes per parameter until
-        ``zero_grad``) and an overflow still skips the step on the device, with no host sync. For
-        other optimizers the grads are divided in place (fp16 grads refused, as by GradScaler).
-        Call it at most once per optimizer between ``update()`` calls. Faster, when all you need
-        is clipping: skip it and call ``amp_fx.clip_grad_norm_(optimizer, max_norm)``, which leaves
-        the grads scaled and folds ``1 / scale`` and the clip into the optimizer's kernel.
-
-        ``optimizer`` may be a wrapper holding it at ``.optimizer`` (accelerate's, Lightning's).
+        Afterwards ``param.grad`` holds the true gradients, and what user code does to them is what
+        ``step`` applies. For amp_fx optimizers an fp16/bf16 grad becomes an FP32 tensor (until
+        ``zero_grad``) and an overflow still skips the step on the device; other optimizers' grads
+        are divided in place (fp16 grads refused, as by GradScaler). Call it at most once per
+        optimizer between ``update()`` calls; for clipping alone, ``amp_fx.clip_grad_norm_`` is
+        faster (the grads stay scaled). ``optimizer`` may be a wrapper holding it at ``.optimizer``.
 
         Example:
             >>> import torch, amp_fx
@@ -250,12 +190,7 @@ class LossScaler:
         self._require_state("unscale_")
         optimizer = unwrap_optimizer(optimizer)
         state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is _Stage.UNSCALED:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update()")
-        if state["stage"] is _Stage.STEPPED:
-            raise RuntimeError(
-                "unscale_() is being called after step(); call it between backward() and step()"
-            )
+        state.check_unscale()
         if isinstance(optimizer, ScaledOptimizer):
             # Checked (and 1/scale made pending) unless amp_fx.clip_grad_norm_ did it already; the
             # multiplier, with any clip folded into it, is then written into the grads.
@@ -263,10 +198,10 @@ class LossScaler:
             optimizer.apply_grad_multiplier_()
         else:
             # GradScaler's fp64 reciprocal, written by the last update (or scale change); read-only here.
-            found_infs = unscale_grads_in_place_(optimizer, self._inv_scale, allow_fp16=False)
+            found_infs = unscale_grads_in_place_(optimizer, self._tensors.inv_scale, allow_fp16=False)
             agree_on_overflow_(found_infs, self._process_group)
-            state.update(found_inf_per_device=found_infs, optimizer=optimizer)
-        state["stage"] = _Stage.UNSCALED
+            state.found_inf_per_device, state.optimizer = found_infs, optimizer
+        state.stage = Stage.UNSCALED
 
     def defer_unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Check ``optimizer``'s grads for inf/NaN and leave them scaled: ``1 / scale`` becomes a
@@ -289,15 +224,15 @@ class LossScaler:
         self._require_state("defer_unscale_")
         optimizer = unwrap_optimizer(optimizer)
         if not isinstance(optimizer, ScaledOptimizer):
-            if self._per_optimizer_states[id(optimizer)]["stage"] is _Stage.READY:
+            if self._per_optimizer_states[id(optimizer)].stage is Stage.READY:
                 self.unscale_(optimizer)
             return
         state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is not _Stage.READY:
+        if state.stage is not Stage.READY:
             return
-        found_infs = optimizer.unscale_grads_(self._inv_scale)
+        found_infs = optimizer.unscale_grads_(self._tensors.inv_scale)
         agree_on_overflow_(found_infs, self._process_group)
-        state.update(stage=_Stage.DEFERRED, found_inf_per_device=found_infs, optimizer=optimizer)
+        state.stage, state.found_inf_per_device, state.optimizer = Stage.DEFERRED, found_infs, optimizer
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless ``unscale_`` ran) and step ``optimizer``, skipping the update on inf/NaN grads.
@@ -317,53 +252,44 @@ class LossScaler:
             )
         scale = self._require_state("step")
         state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is _Stage.STEPPED:
-            raise RuntimeError("step() has already been called since the last update()")
+        state.check_step()
         note_stepped(self, optimizer)
 
         if isinstance(optimizer, ScaledOptimizer):
             self.defer_unscale_(optimizer)
-            self._require_inf_checks(state)
+            state.require_inf_checks()
             result = optimizer.step(**kwargs)
         elif reads_found_inf(optimizer):
             result = self._step_torch_fused(optimizer, state, scale, kwargs)
         else:
-            if state["stage"] is _Stage.READY:
+            if state.stage is Stage.READY:
                 self.unscale_(optimizer)
-            self._require_inf_checks(state)
+            state.require_inf_checks()
             # The GradScaler path for torch.optim optimizers: a host sync, by design of that protocol.
-            found = any_overflow_on_host(state["found_inf_per_device"])
+            found = any_overflow_on_host(state.found_inf_per_device)
             result = optimizer.step(**kwargs) if not found else None
-        state["stage"] = _Stage.STEPPED
+        state.stage = Stage.STEPPED
         return result
 
     def _step_torch_fused(
-        self, optimizer: torch.optim.Optimizer, state: dict[str, Any], scale: Tensor, kwargs: dict[str, Any]
+        self, optimizer: torch.optim.Optimizer, state: OptimizerRecord, scale: Tensor, kwargs: dict[str, Any]
     ) -> Any:
         """GradScaler's protocol for optimizers that unscale in their own kernel (torch's fused Adam)."""
-        if state["stage"] is _Stage.READY:
+        if state.stage is Stage.READY:
             dummy_inv_scale = torch.ones((), dtype=torch.float32, device=scale.device)
             infs = unscale_grads_in_place_(optimizer, dummy_inv_scale, allow_fp16=True)
             agree_on_overflow_(infs, self._process_group)
-            state.update(found_inf_per_device=infs, optimizer=optimizer)
-        self._require_inf_checks(state)
-        found_inf = total_found_inf(state["found_inf_per_device"], scale.device)
+            state.found_inf_per_device, state.optimizer = infs, optimizer
+        state.require_inf_checks()
+        found_inf = total_found_inf(state.found_inf_per_device, scale.device)
         # As GradScaler: after unscale_ the grads are already unscaled; otherwise hand over the scale
         # (times any grad_scale the user set).
         grad_scale = getattr(optimizer, "grad_scale", None)
-        if state["stage"] is not _Stage.UNSCALED:
+        if state.stage is not Stage.UNSCALED:
             grad_scale = scale if grad_scale is None else scale * grad_scale
         return step_reading_found_inf(
             optimizer, lambda: optimizer.step(**kwargs), found_inf, grad_scale=grad_scale
         )
-
-    @staticmethod
-    def _require_inf_checks(state: dict[str, Any]) -> None:
-        if not state["found_inf_per_device"]:
-            raise RuntimeError(
-                "no inf checks were recorded for this optimizer: none of its parameters has a gradient; call "
-                "scaler.scale(loss).backward() before scaler.step(optimizer)"
-            )
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
         """Update the scale from this iteration's overflow checks (or set it to ``new_scale``).
@@ -383,12 +309,12 @@ class LossScaler:
         scale = self._require_state("update")
         found_infs: list[Tensor] = []
         if new_scale is not None:
-            self._set_scale(new_scale)
+            self._tensors.set_scale(new_scale)
         else:
             found_infs = [
                 found_inf.to(scale.device, non_blocking=True)
                 for state in self._per_optimizer_states.values()
-                for found_inf in state["found_inf_per_device"].values()
+                for found_inf in state.found_inf_per_device.values()
             ]
             if not found_infs:
                 raise RuntimeError(
@@ -399,34 +325,19 @@ class LossScaler:
             # buffers, which their next unscale_ then reuses without a fill of its own.
             self.update_from_found_infs(found_infs, zero_found_infs=True)
         for state in self._per_optimizer_states.values():
-            if isinstance(state["optimizer"], ScaledOptimizer):
-                state["optimizer"].finish_scaling(zeroed_found_infs=found_infs)
-        self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+            if isinstance(state.optimizer, ScaledOptimizer):
+                state.optimizer.finish_scaling(zeroed_found_infs=found_infs)
+        self._per_optimizer_states = defaultdict(OptimizerRecord)
         note_updated(self)
-
-    def _set_scale(self, new_scale: float | Tensor) -> None:
-        if isinstance(new_scale, Tensor):
-            if new_scale.numel() != 1 or new_scale.requires_grad:
-                raise ValueError(
-                    "new_scale must be a float or a one-element tensor that does not require grad"
-                )
-            self._scale.copy_(new_scale.reshape(()))
-        else:
-            check_number("new_scale", new_scale)
-            if new_scale <= 0:
-                raise ValueError(f"new_scale must be > 0, got {new_scale}")
-            self._scale.fill_(float(new_scale))
-        reciprocal_scale_(self._inv_scale, self._scale)
 
     def update_from_found_infs(
         self, found_infs: Tensor | Sequence[Tensor], *, zero_found_infs: bool = False
     ) -> None:
-        """Apply the scale rule (class docstring) to overflow flags the caller collected itself.
+        """Apply the scale rule (class docstring) to overflow flags the caller collected itself, in
+        one kernel launch on the device (`amp_fx.training.loss_scale_tensors`).
 
-        ``update()`` calls it with this iteration's flags; `amp_fx.amp`, which checks the grads
-        after each backward, with one flag per loss. The flags (summed; on the scale's device) are
-        read in one kernel launch, which also writes ``1 / scale`` for the next ``unscale_``; no host
-        sync. ``zero_found_infs`` sets the flags to 0 after reading them (a `ScaledOptimizer`'s
+        ``update()`` calls it with this iteration's flags; `amp_fx.amp`, with one flag per loss.
+        ``zero_found_infs`` sets the flags to 0 after reading them (a `ScaledOptimizer`'s
         persistent flags then need no fill before their next use). A no-op when disabled.
 
         Example:
@@ -441,21 +352,7 @@ class LossScaler:
         self._require_state("update_from_found_infs")
         note_updated(self)
         flags = [found_infs] if isinstance(found_infs, Tensor) else found_infs
-        settings = self._settings
-        implementation_for([self._scale]).update_loss_scale_(
-            self._scale,
-            self._growth_tracker,
-            self._hysteresis_tracker,
-            [flag.float() for flag in flags],
-            growth_factor=settings.growth_factor,
-            backoff_factor=settings.backoff_factor,
-            growth_interval=settings.growth_interval,
-            hysteresis=settings.hysteresis,
-            min_scale=settings.min_scale,
-            max_scale=settings.max_scale,
-            inv_scale_out=self._inv_scale,
-            zero_found_infs=zero_found_infs,
-        )
+        self._tensors.update(flags, self._settings, zero_found_infs=zero_found_infs)
 
     # ----------------------------------------------------------------------------------------
     # Getters and setters (GradScaler's, and those of the settings GradScaler lacks)
@@ -464,19 +361,17 @@ class LossScaler:
         """The current scale as a Python float (1.0 when disabled). Reads the device: a host sync."""
         if not self._enabled:
             return 1.0
-        return self._init_scale if self._scale is None else float(self._scale.item())
+        return self._tensors.scale_value()
 
     def _get_growth_tracker(self) -> int:
         if not self._enabled:
             return 0
-        return self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
+        return self._tensors.growth_value()
 
     def _get_hysteresis_tracker(self) -> int:
         if not self._enabled:
             return 0
-        if self._hysteresis_tracker is None:
-            return self._init_hysteresis_tracker
-        return int(self._hysteresis_tracker.item())
+        return self._tensors.hysteresis_value()
 
     def get_growth_factor(self) -> float:
         """The factor the scale grows by after ``growth_interval`` clean steps."""
@@ -531,13 +426,13 @@ class LossScaler:
         >>> LossScaler(enabled=False).scale_tensor() is None
         True
         """
-        return self._scale
+        return self._tensors.scale
 
     # GradScaler's name for the same, which code written for GradScaler calls.
     _get_scale_async = scale_tensor
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Tensor]:
-        return self._per_optimizer_states[id(unwrap_optimizer(optimizer))]["found_inf_per_device"]
+        return self._per_optimizer_states[id(unwrap_optimizer(optimizer))].found_inf_per_device
 
     def is_enabled(self) -> bool:
         """False when the scaler was created with ``enabled=False`` (a pass-through)."""
@@ -547,11 +442,9 @@ class LossScaler:
     # Checkpoints and pickling
 
     def state_dict(self) -> dict[str, Any]:
-        """The scaler's state as plain Python numbers (empty when disabled); a superset of GradScaler's.
-
-        Keys: ``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
-        ``_growth_tracker`` (GradScaler's five) and ``hysteresis``, ``_hysteresis_tracker``,
-        ``min_scale``, ``max_scale``. Reads the device (a host sync): call it after ``update()``.
+        """The scaler's state as plain Python numbers (empty when disabled): GradScaler's five keys
+        and ours (`amp_fx.training.loss_scale_checkpoint` lists them). Reads the device (a host
+        sync): call it after ``update()``.
 
         Example:
             >>> from amp_fx import LossScaler
@@ -581,38 +474,20 @@ class LossScaler:
             return
         state = read_state_dict(state_dict, self._settings)
         self._settings = state.settings
-        self._init_scale = state.scale
-        self._init_growth_tracker = state.growth_tracker
-        self._init_hysteresis_tracker = state.hysteresis_tracker
-        if self._scale is not None:
-            self._scale.fill_(self._init_scale)
-            self._growth_tracker.fill_(self._init_growth_tracker)
-            self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
-            reciprocal_scale_(self._inv_scale, self._scale)
+        self._tensors.load(state.scale, state.growth_tracker, state.hysteresis_tracker)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        if self._enabled:
-            if self._per_optimizer_states:
-                raise RuntimeError(
-                    "a LossScaler may only be pickled at the start of an iteration or after scaler.update()"
-                )
-            # Device tensors are re-created lazily after unpickling, on the device of the first scaled loss.
-            state["_init_scale"] = self.get_scale()
-            state["_init_growth_tracker"] = self._get_growth_tracker()
-            state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
-            state["_scale"] = state["_growth_tracker"] = state["_hysteresis_tracker"] = None
-            state["_inv_scale"] = None
+        if self._enabled and self._per_optimizer_states:
+            raise RuntimeError(
+                "a LossScaler may only be pickled at the start of an iteration or after scaler.update()"
+            )
+        # Device tensors are re-created lazily after unpickling, on the device of the first scaled loss.
+        state["_tensors"] = self._tensors.on_host()
         state["_per_optimizer_states"] = {}
         state["_process_group"] = None  # process groups do not pickle: a copy agrees over the default group
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        if "_settings" not in state:  # pickled by a version that kept each setting in an attribute
-            state = dict(state)
-            names = [field.name for field in fields(LossScaleSettings)]
-            state["_settings"] = LossScaleSettings(**{name: state.pop(f"_{name}") for name in names})
-        self.__dict__.update(state)
-        self.__dict__.setdefault("_inv_scale", None)  # pickled by a version without it (no device state)
-        self.__dict__.pop("_scaled_at", None)  # a version before active_scalers kept it here
-        self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+        self.__dict__.update(upgraded_pickle(state))
+        self._per_optimizer_states = defaultdict(OptimizerRecord)

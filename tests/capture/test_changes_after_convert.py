@@ -10,7 +10,7 @@ hooks registered and removed (forward, forward pre, with kwargs); a submodule's 
 ``use_cache``, ``return_dict``), a classification head with more labels, a deleted decoder layer,
 an RMSNorm's eps, PEFT's LoRA put in after a first call; and under torch.compile.
 
-The torch.fx front end (`amp_fx.capture.changes.GraphFollower`): leaves replaced (a fused norm
+The torch.fx front end (`amp_fx.capture.graph_follower.GraphFollower`): leaves replaced (a fused norm
 among them), parameters replaced, added to a leaf or set to None, eps, hooks on leaves (a fused
 norm's too), a leaf's mode, dropout ``p``, train/eval, deepcopies; and the changes its graph cannot
 follow (a module or parameter it uses deleted, one added to traced-through code, a hook on a
@@ -343,7 +343,7 @@ def test_peft_lora_after_first_call_takes_effect() -> None:
     assert all(param.grad is None for name, param in converted_peft.named_parameters() if "lora_" not in name)
 
 
-# -- The torch.fx front end (`amp_fx.capture.changes.GraphFollower`). Its modules traced through
+# -- The torch.fx front end (`amp_fx.capture.graph_follower.GraphFollower`). Its modules traced through
 # are plain holders, so changes reach layers by name (``getattr(m.blocks, "1")``), as on the eager
 # model.
 

@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-import amp_fx.training.loss_scaler as loss_scaler_module
+import amp_fx.training.loss_scale_tensors as loss_scale_tensors_module
 from amp_fx import LossScaler, clip_grad_norm_
 from amp_fx.kernels import reference, triton_ops
 from amp_fx.optim import FusedAdam, FusedSGD, master_params
@@ -387,7 +387,7 @@ def test_bad_state_dict_is_refused_and_nothing_changes(change, error, match) -> 
     with pytest.raises(ValueError, match="disabled"):
         scaler.load_state_dict({})
     assert scaler.state_dict() == before
-    assert scaler._inv_scale.item() == 1 / 64.0  # unscale_ reads it: still the scale's reciprocal
+    assert scaler._tensors.inv_scale.item() == 1 / 64.0  # unscale_ reads it: still the scale's reciprocal
 
 
 def test_pickle_between_iterations() -> None:
@@ -416,6 +416,31 @@ def test_a_scaler_pickled_with_a_setting_per_attribute_loads() -> None:
     restored.__setstate__(state)
     assert restored.state_dict() == scaler.state_dict()
     for overflow in (True, True, False, False, False):
+        _iteration(scaler, optimizer, params, overflow)
+        _iteration(restored, optimizer, params, overflow)
+        assert restored.state_dict() == scaler.state_dict()
+
+
+def test_a_scaler_pickled_with_its_device_state_in_attributes_loads() -> None:
+    params = [_param()]
+    optimizer = FusedSGD(params, lr=1e-3)
+    scaler = LossScaler(init_scale=64.0, hysteresis=2, growth_interval=2)
+    _iteration(scaler, optimizer, params, overflow=True)
+    # What a version before `ScaleTensors` pickled: the numbers the tensors start from, no tensors.
+    state = scaler.__getstate__()
+    del state["_tensors"]
+    state.update(
+        _init_scale=scaler.get_scale(),
+        _init_growth_tracker=scaler._get_growth_tracker(),
+        _init_hysteresis_tracker=scaler._get_hysteresis_tracker(),
+        _scale=None,
+        _growth_tracker=None,
+        _hysteresis_tracker=None,
+    )
+    restored = LossScaler.__new__(LossScaler)
+    restored.__setstate__(state)
+    assert restored.state_dict() == scaler.state_dict()
+    for overflow in (True, False, False, False):
         _iteration(scaler, optimizer, params, overflow)
         _iteration(restored, optimizer, params, overflow)
         assert restored.state_dict() == scaler.state_dict()
@@ -478,7 +503,7 @@ def test_scale_sequence_is_the_same_on_the_triton_kernel(device, monkeypatch) ->
     # Triton); the optimizer's kernels are the device's.
     for implementation in (reference, triton_ops):
         monkeypatch.setattr(
-            loss_scaler_module, "implementation_for", lambda tensors, module=implementation: module
+            loss_scale_tensors_module, "implementation_for", lambda tensors, module=implementation: module
         )
         params = [torch.nn.Parameter(torch.ones(3, device=device))]
         optimizer = FusedAdam(params, lr=1e-3)
@@ -502,11 +527,11 @@ def test_overflow_flags_are_reused_and_start_every_step_at_zero() -> None:
     optimizer = FusedAdam(params, lr=1e-3)
     scaler = LossScaler(init_scale=64.0)
     _iteration(scaler, optimizer, params, overflow=True)
-    flag = optimizer._found_inf_buffers[torch.device("cpu")]
+    flag = optimizer._pending.flags[torch.device("cpu")]
     assert flag.item() == 0.0  # zeroed by the update that read it
     steps = optimizer.param_groups[0]["step"].item()
     _iteration(scaler, optimizer, params, overflow=False)
-    assert optimizer._found_inf_buffers[torch.device("cpu")] is flag
+    assert optimizer._pending.flags[torch.device("cpu")] is flag
     assert optimizer.param_groups[0]["step"].item() == steps + 1  # the old overflow did not stick
     # An overflowing iteration ended by update(new_scale) leaves its flag set; the next one clears it.
     scaler.scale(torch.zeros(()))
