@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 .PHONY: test demo lint slow thorough gpu-test clean
 
 # The first run installs everything (a few minutes, mostly torch); each step says what it does.
-$(STAMP): requirements-dev.txt pyproject.toml
+$(STAMP): requirements-dev.txt pyproject.toml setup.py
 	@echo "[1/4] creating $(VENV) with $(PYTHON)"
 	@$(PYTHON) -m venv $(VENV)
 	@echo "[2/4] installing pip, setuptools>=77, wheel"

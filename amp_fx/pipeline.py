@@ -17,29 +17,23 @@ passes, never their positions.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx
 
+from amp_fx.core.fusions import FUSIONS, Fusion
 from amp_fx.core.node_info import ORIGINAL_CODE_KEY, POLICY_KEY
 from amp_fx.core.policy import Policy
 from amp_fx.passes.cast_outputs import cast_outputs
 from amp_fx.passes.cast_parameters import cast_parameters
 from amp_fx.passes.classify import classify
 from amp_fx.passes.drop_empty_concats import drop_empty_concats
-from amp_fx.passes.fuse_activations import fuse_activations
-from amp_fx.passes.fuse_batch_norm import fuse_batch_norm
-from amp_fx.passes.fuse_chunked_linear_loss import fuse_chunked_linear_loss
-from amp_fx.passes.fuse_linear_loss import fuse_linear_loss
-from amp_fx.passes.fuse_losses import fuse_losses
-from amp_fx.passes.fuse_norms import fuse_norms
-from amp_fx.passes.fuse_rotary import fuse_rotary
 from amp_fx.passes.insert_casts import insert_casts
 from amp_fx.passes.normalize_ops import normalize_ops
 from amp_fx.passes.propagate_dtypes import propagate_dtypes
-from amp_fx.passes.replace_max_pool import replace_max_pool
 from amp_fx.passes.simplify_attention import simplify_attention
 from amp_fx.passes.simplify_casts import simplify_casts
 
@@ -69,7 +63,14 @@ class Pass:
         self.run(*arguments)
 
 
-# The passes after capture, in the order they run. Each pass's module docstring is its specification.
+def _fusion_pass(fusion: Fusion) -> Pass:
+    """The pass of a row of `amp_fx.core.fusions`: the function of module ``amp_fx.passes.<name>``."""
+    module = importlib.import_module(f"amp_fx.passes.{fusion.pass_name}")
+    return Pass(getattr(module, fusion.pass_name))
+
+
+# The passes after capture, in the order they run; the fused kernels' passes last, in the order of
+# their table (`amp_fx.core.fusions.FUSIONS`). Each pass's module docstring is its specification.
 PASSES: tuple[Pass, ...] = (
     Pass(drop_empty_concats, reads_policy=False),
     Pass(simplify_attention, reads_policy=False),
@@ -80,14 +81,7 @@ PASSES: tuple[Pass, ...] = (
     Pass(cast_parameters),
     Pass(simplify_casts),
     Pass(cast_outputs),
-    Pass(fuse_norms),
-    Pass(fuse_activations),
-    Pass(fuse_rotary),
-    Pass(fuse_losses),
-    Pass(fuse_linear_loss),
-    Pass(fuse_chunked_linear_loss),
-    Pass(fuse_batch_norm),
-    Pass(replace_max_pool),
+    *(_fusion_pass(fusion) for fusion in FUSIONS),
 )
 
 # `amp_fx.report` shows the graph's code after this pass as the model's code before amp_fx's casts:

@@ -135,8 +135,8 @@ MUTATIONS = [
         # and Llama's O2 graphs (their bytes are the same with and without it).
         "norms_not_fused",
         "amp_fx/pipeline.py",
-        "    Pass(fuse_norms),\n",
-        "",
+        "    *(_fusion_pass(fusion) for fusion in FUSIONS),\n",
+        '    *(_fusion_pass(fusion) for fusion in FUSIONS if fusion.pass_name != "fuse_norms"),\n',
         ("tests/test_bytes_written.py",),
     ),
     Mutation(

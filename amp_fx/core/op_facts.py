@@ -131,10 +131,6 @@ NORM_OPS = frozenset({"batch_norm", "instance_norm", "layer_norm", "group_norm",
 # Functional norms that update the running statistics they are given, and the argument that says
 # whether they do (while training).
 RUNNING_STATS_FLAGS = {"batch_norm": "training", "instance_norm": "use_input_stats"}
-# amp_fx's fused norms (``amp_fx.ops.norms``): the output is in the dtype their ``out_dtype=``
-# keyword names; the residual-add forms return (x + residual, that output).
-FUSED_NORM_OPS = frozenset({"rms_norm_fp32", "layer_norm_fp32"})
-FUSED_ADD_NORM_OPS = frozenset({"add_rms_norm_fp32", "add_layer_norm_fp32"})
 
 # ---------------------------------------------------------------------------------------------
 # Output dtypes of ops whose rule casts nothing (static dtype propagation)

@@ -34,6 +34,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from amp_fx.core.fusions import FUSED_OPS
+
 logger = logging.getLogger(__name__)
 
 DEVICE_TYPES = ("cuda", "cpu")
@@ -420,12 +422,6 @@ PASSTHROUGH_OPS = frozenset(
     {
         # names normalize_ops gives to spellings with no aten op of their own
         "identity",
-        # amp_fx's fused norms (amp_fx.ops.norms, put in graphs by fuse_norms): they read any float
-        # dtype and compute in fp32 themselves, and write the dtype their out_dtype= names
-        "rms_norm_fp32",
-        "layer_norm_fp32",
-        "add_rms_norm_fp32",
-        "add_layer_norm_fp32",
         "getattr",
         "positive",
         "_assert",
@@ -638,17 +634,18 @@ PASSTHROUGH_OPS = frozenset(
         # resampling that no list names
         "upsample",
         "affine_grid",
-        # amp_fx's fused activations (amp_fx.ops.activations): fp32 inside, the inputs' dtype out
-        "fp32_activation",
-        "fp32_gated_activation",
     }
+) | frozenset(
+    # amp_fx's fused ops of their own (`amp_fx.core.fusions`): they read any floating dtype and
+    # compute in fp32 themselves
+    name
+    for name, op in FUSED_OPS.items()
+    if op.same_as is None
 )
 
 # Spellings users write that are not the aten op name; `canonical_op_name` maps them.
 OP_ALIASES: dict[str, str] = {
     "cross_entropy": "cross_entropy_loss",
-    "fp32_cross_entropy": "cross_entropy_loss",  # amp_fx.ops.cross_entropy: same op, read from low precision
-    "chunked_linear_cross_entropy": "cross_entropy_loss",  # amp_fx.ops.chunked_cross_entropy: head + loss
     "nll_loss_nd": "nll_loss",  # what F.nll_loss calls (torch.export records it): nll_loss of any rank
     "grid_sample": "grid_sampler",
     "multi_dot": "linalg_multi_dot",
@@ -663,6 +660,8 @@ OP_ALIASES: dict[str, str] = {
     "divide": "div",
     "subtract": "sub",
     "negative": "neg",
+    # amp_fx's fused ops that are another spelling of an op (`amp_fx.core.fusions`)
+    **{name: op.same_as for name, op in FUSED_OPS.items() if op.same_as is not None},
 }
 
 # Matrix products on no autocast list: autocast runs them on what flows in (FP32 in an FP32 model),

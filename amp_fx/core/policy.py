@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from amp_fx.core.dtypes import dtype_name, short_repr
+from amp_fx.core.fusions import FUSIONS, Fusion, lookup_fusion
 from amp_fx.core.op_lists import PASSTHROUGH_OPS, canonical_op_name
 from amp_fx.core.opt_levels import OPT_LEVEL_TABLE, OptLevel, check_opt_level, lookup_opt_level
 from amp_fx.core.policy_checks import (
@@ -57,13 +58,10 @@ __all__ = ["Decision", "Policy", "Rule", "preset"]
 logger = logging.getLogger(__name__)
 
 
-def _fusion_flag(*, cuda_only: bool, needs: str | None = None) -> Any:
-    """A `Policy` field for one fused kernel: False unless set; None asks for the opt level's default.
-
-    The default is on at O2 only, and for `cuda_only` kernels only on CUDA (elsewhere they would
-    run their pure-torch references, slower than torch); `needs` names a flag it only acts after.
-    """
-    return field(default=False, metadata={"fusion": True, "cuda_only": cuda_only, "needs": needs})
+def _fusion_flag(flag: str) -> Any:
+    """The `Policy` field of the fused kernel `flag` (its row of `amp_fx.core.fusions`): False unless
+    set; None asks for its default (`Policy._fusion_default`)."""
+    return field(default=False, metadata={"fusion": lookup_fusion(flag)})
 
 
 @dataclass(eq=True)
@@ -98,33 +96,11 @@ class Policy:
     division by them, comparisons, losses): a series standardised by its own mean and std keeps its
     signal. An input a matmul or convolution reads first is cast there, once, as at the entry.
 
-    ``fused_losses`` (default True at O2 only): an FP32 cross_entropy whose input is a cast of
-    low-precision logits reads them directly (`amp_fx.ops.cross_entropy.fp32_cross_entropy`): the same
-    fp32 math without a float32 copy of the logits. O1 leaves it off to stay bit-identical to autocast.
-    ``fused_linear_loss`` (default True at O2 on CUDA; needs ``fused_losses``): such a loss whose logits
-    come, through row-keeping views only, from a linear layer nothing else reads runs with that layer as
-    one call (`amp_fx.ops.cross_entropy.linear_cross_entropy`: under torch.compile the gradient is
-    computed in the loss's forward kernel and the backward is matmuls only; eagerly the two calls run as
-    before, which measured faster there).
-    ``fused_batch_norm`` (default True at O2 on CUDA): BatchNorm2d followed by ReLU (or by a residual
-    add and ReLU) runs as one call (`amp_fx.ops.batch_norm.FusedBatchNormAct`) when its input is large.
-    ``fused_max_pool`` (default True at O2 on CUDA): large 2-D max-pools run through
-    `amp_fx.ops.max_pool.max_pool2d` (1-byte argmax offsets, a one-pass gather backward). Both kernels
-    are for GPUs: on other devices they would run their pure-torch references, slower than torch.
-    ``fused_chunked_linear_loss`` (default True at O2, any device): in a graph captured in training
-    mode, a language model's head and its cross-entropy (Hugging Face's ``ForCausalLMLoss`` included)
-    run chunk by chunk (`amp_fx.ops.chunked_cross_entropy.chunked_linear_cross_entropy`), never
-    holding the [rows, V] logits; logits the model returns become None, unless ``keep_logits=True``,
-    which leaves such heads unfused.
-    ``fused_activations`` (default True at O2): ``silu(gate) * up``, ``gelu(gate) * up`` and a tanh GELU
-    written out in torch ops (``gelu_new``), from low-precision inputs to their output and the casts
-    around them, run as one call (`amp_fx.ops.activations`: fp32 math, one rounding, the activation
-    recomputed in the backward); on CPU the call runs its pure-torch reference.
-    ``fused_rotary`` (default True at O2 only): rotary position embeddings (``q * cos + rotate_half(q)
-    * sin``, interleaved or partial) run as one call reading q in its dtype, fp32 math
-    (`amp_fx.ops.rotary.rotary_embedding`; on CPU its torch reference).
-    ``fused_norms`` (default True at O2, any device): RMSNorm / LayerNorm chains, with the residual add
-    before them, run as one call (`amp_fx.ops.norms`: fp32 math, low-precision reads and writes).
+    The fused-kernel switches (`fusion_flags`) are the rows of `amp_fx.core.fusions.FUSIONS`, whose
+    ``description`` says what each fuses. Each is True or False, or None for its default: on where the
+    opt level fuses kernels (O2; `OptLevel.fuses_kernels`), on CUDA only for a ``cuda_only`` row (its
+    kernels are for GPUs), and only where the switch its row ``needs`` is on.
+
     ``low_precision_residual`` (default False; O2 only, opt-in): embedding tables are stored and
     read low (`preset_rules.LOW_PRECISION_RESIDUAL_OPS`), so a transformer's residual stream and its
     adds run in the low dtype as in a model cast with ``.to(dtype)``, and the fused add + norm calls
@@ -142,15 +118,16 @@ class Policy:
     device_type: str | None = None
     keep_batchnorm_fp32: bool = False
     cast_model_outputs: torch.dtype | None = None
-    # The fused kernels (see `fusion_flags`); None while their default waits for the device type.
-    fused_losses: bool | None = _fusion_flag(cuda_only=False)
-    fused_linear_loss: bool | None = _fusion_flag(cuda_only=True, needs="fused_losses")
-    fused_batch_norm: bool | None = _fusion_flag(cuda_only=True)
-    fused_max_pool: bool | None = _fusion_flag(cuda_only=True)
-    fused_chunked_linear_loss: bool | None = _fusion_flag(cuda_only=False)
-    fused_activations: bool | None = _fusion_flag(cuda_only=False)
-    fused_rotary: bool | None = _fusion_flag(cuda_only=False)
-    fused_norms: bool | None = _fusion_flag(cuda_only=False)
+    # The fused kernels, one per row of `amp_fx.core.fusions` (see `fusion_flags`); None while their
+    # default waits for the device type.
+    fused_losses: bool | None = _fusion_flag("fused_losses")
+    fused_linear_loss: bool | None = _fusion_flag("fused_linear_loss")
+    fused_batch_norm: bool | None = _fusion_flag("fused_batch_norm")
+    fused_max_pool: bool | None = _fusion_flag("fused_max_pool")
+    fused_chunked_linear_loss: bool | None = _fusion_flag("fused_chunked_linear_loss")
+    fused_activations: bool | None = _fusion_flag("fused_activations")
+    fused_rotary: bool | None = _fusion_flag("fused_rotary")
+    fused_norms: bool | None = _fusion_flag("fused_norms")
     # Training graphs keep the logits they return instead of fusing their head with the loss.
     keep_logits: bool = False
     # Floating inputs cast low at the graph's entry (Apex); None: the opt level's default.
@@ -173,8 +150,8 @@ class Policy:
             self.device_type = check_device_type(self.device_type)
         self.keep_batchnorm_fp32 = check_keep_batchnorm_fp32(self.keep_batchnorm_fp32)
         self.cast_model_outputs = check_output_dtype(self.cast_model_outputs)
-        for flag in _FUSION_FLAGS:
-            setattr(self, flag.name, self._fusion_default(flag, getattr(self, flag.name)))
+        for fusion in FUSIONS:  # in the table's order: a flag's `needs` is decided before it
+            setattr(self, fusion.flag, self._fusion_default(fusion, getattr(self, fusion.flag)))
         self.keep_logits = check_flag("keep_logits", self.keep_logits)
         self.cast_inputs_at_entry = (
             self.level.casts_inputs_at_entry
@@ -200,21 +177,20 @@ class Policy:
             str(name): check_rule(rule) for name, rule in self.module_name_overrides.items()
         }
 
-    def _fusion_default(self, flag: dataclasses.Field, value: Any) -> bool | None:
+    def _fusion_default(self, fusion: Fusion, value: Any) -> bool | None:
         if value is not None:
-            return check_flag(flag.name, value)
-        if flag.metadata["cuda_only"] and self.device_type is None:
+            return check_flag(fusion.flag, value)
+        if fusion.cuda_only and self.device_type is None:
             return None  # decided by `for_device`
-        needs = flag.metadata["needs"]
         return (
             self.level.fuses_kernels
-            and (not flag.metadata["cuda_only"] or self.device_type == "cuda")
-            and (needs is None or bool(getattr(self, needs)))
+            and (not fusion.cuda_only or self.device_type == "cuda")
+            and (fusion.needs is None or bool(getattr(self, fusion.needs)))
         )
 
     @classmethod
     def fusion_flags(cls) -> tuple[str, ...]:
-        """The names of the fused-kernel switches (``fused_losses``, ``fused_max_pool``, ...).
+        """The names of the fused-kernel switches, the flags of `amp_fx.core.fusions`, in field order.
 
         >>> "fused_batch_norm" in Policy.fusion_flags()
         True
@@ -452,8 +428,8 @@ class Policy:
         return "\n".join(lines)
 
 
-# The fused-kernel switches, in field order (a flag's `needs` comes before it).
-_FUSION_FLAGS = tuple(flag for flag in dataclasses.fields(Policy) if flag.metadata.get("fusion"))
+# The fused-kernel switches, in field order.
+_FUSION_FLAGS = tuple(flag for flag in dataclasses.fields(Policy) if "fusion" in flag.metadata)
 
 
 def _check_fusion_flag_names(flags: dict[str, Any]) -> None:
@@ -485,11 +461,8 @@ def preset(
     `keep_batchnorm_fp32` defaults to True for O2 and False otherwise (Apex also accepts the strings
     "True"/"False"); `cast_model_outputs` defaults to float32 for O2/O3 (losses computed in fp32, as
     in Apex) and None (outputs as computed) for O0/O1. The fused-kernel switches
-    (`Policy.fusion_flags`: ``fused_losses``, ``fused_linear_loss``, ``fused_batch_norm``,
-    ``fused_max_pool``, ``fused_chunked_linear_loss``, ``fused_activations``, ``fused_rotary``,
-    ``fused_norms``) are True or False, or None for the default: ``fused_losses``,
-    ``fused_chunked_linear_loss``, ``fused_activations``, ``fused_rotary`` and ``fused_norms`` on
-    for O2, the others for O2 on CUDA only.
+    (`Policy.fusion_flags`, one per row of `amp_fx.core.fusions`) are True or False, or None for the
+    default: on for O2, those of ``cuda_only`` rows on CUDA only (see `Policy`).
     `keep_logits` (default False) keeps the logits a training graph returns (see `Policy`);
     `low_precision_residual` (default False, O2 only) runs the residual stream low (see `Policy`).
     `cast_inputs_at_entry` (default None: True at O3, False at O2) casts floating inputs low at the

@@ -13,7 +13,7 @@ its row keeps them. `Policy` and `preset` (`amp_fx.core.policy`) read `preset_op
 
 from __future__ import annotations
 
-from amp_fx.core.op_facts import FUSED_ADD_NORM_OPS, FUSED_NORM_OPS
+from amp_fx.core.fusions import lookup_fusion
 from amp_fx.core.op_lists import (
     OPAQUE_OP,
     ROUTER_OP,
@@ -243,7 +243,7 @@ def low_weight_rules(level: OptLevel, keep_batchnorm_fp32: bool) -> dict[str, Op
     if level.keeps_norms_fp32:
         for op, why in _FP32_PARAM_OPS.items():
             rules[op] = OpRule(Rule.FP32, f"{name}: {why}")
-        for op in FUSED_NORM_OPS | FUSED_ADD_NORM_OPS:  # what fuse_norms puts in place of the above
+        for op in lookup_fusion("fused_norms").op_names:  # what fuse_norms puts in place of the above
             rules[op] = OpRule(
                 Rule.PASSTHROUGH, f"{name}: fused norm, reads its inputs as they are and computes in FP32"
             )

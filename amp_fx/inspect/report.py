@@ -262,14 +262,8 @@ def _policy_summary(policy: Any) -> dict[str, Any] | None:
         "device_type": policy.device_type,
         "keep_batchnorm_fp32": policy.keep_batchnorm_fp32,
         "cast_model_outputs": _dtype_str(policy.cast_model_outputs),
-        "fused_losses": policy.fused_losses,
-        "fused_linear_loss": policy.fused_linear_loss,
-        "fused_batch_norm": policy.fused_batch_norm,
-        "fused_max_pool": policy.fused_max_pool,
-        "fused_chunked_linear_loss": policy.fused_chunked_linear_loss,
-        "fused_activations": policy.fused_activations,
-        "fused_rotary": policy.fused_rotary,
-        "fused_norms": policy.fused_norms,
+        # The fused-kernel switches (`amp_fx.core.fusions`), in the policy's field order.
+        **{flag: getattr(policy, flag) for flag in policy.fusion_flags()},
         "keep_logits": policy.keep_logits,
         "low_precision_residual": policy.low_precision_residual,
     }

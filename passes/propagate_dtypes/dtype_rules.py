@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from amp_fx.core.fusions import FUSED_OPS, OutputDtype
 from amp_fx.core.node_info import node_info
 from amp_fx.core.op_facts import (
     ALWAYS_VALUES_INDICES_OPS,
@@ -28,8 +29,6 @@ from amp_fx.core.op_facts import (
     CONVERSION_METHOD_DTYPES,
     FACTORY_FUNCTIONS,
     FIRST_ARGUMENT_DTYPE_OPS,
-    FUSED_ADD_NORM_OPS,
-    FUSED_NORM_OPS,
     INT64_ACCUMULATING_OPS,
     INT64_OPS,
     NON_TENSOR_ATTRIBUTES,
@@ -324,6 +323,11 @@ def _has_dim_argument(node: torch.fx.Node) -> bool:
     return len(node.args) > 1 and isinstance(node.args[1], int) and not isinstance(node.args[1], bool)
 
 
+# Fused ops typed by their ``out_dtype=`` keyword (`amp_fx.core.fusions`); the others among them
+# (`OutputDtype.PROMOTED`) are typed as any op the rules know nothing else about.
+_OUT_DTYPE_OUTPUTS = (OutputDtype.OUT_DTYPE, OutputDtype.SUM_AND_OUT_DTYPE)
+
+
 def _static_passthrough(
     node: torch.fx.Node, op: str, args: Sequence[Any], kwargs: dict[str, Any], params: dict[str, torch.dtype]
 ) -> Any:
@@ -356,9 +360,10 @@ def _static_passthrough(
         if isinstance(container, _Repeated):
             return container.element if isinstance(index, int) else container
         return container  # tensor indexing keeps the dtype; NOT_TENSOR/UNKNOWN stay so
-    if op in FUSED_NORM_OPS | FUSED_ADD_NORM_OPS and isinstance(kwargs.get("out_dtype"), torch.dtype):
+    fused_output = FUSED_OPS[op].output if op in FUSED_OPS else None
+    if fused_output in _OUT_DTYPE_OUTPUTS and isinstance(kwargs.get("out_dtype"), torch.dtype):
         out = kwargs["out_dtype"]
-        return (_promote(args[:2]), out) if op in FUSED_ADD_NORM_OPS else out
+        return (_promote(args[:2]), out) if fused_output is OutputDtype.SUM_AND_OUT_DTYPE else out
     if isinstance(kwargs.get("dtype"), torch.dtype):
         return kwargs["dtype"]
     if is_inplace_call(node) and node.target is not operator.setitem and args:

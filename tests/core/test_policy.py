@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from amp_fx.core.fusions import FUSIONS
 from amp_fx.core.op_lists import (
     register_op,
 )
@@ -195,26 +196,13 @@ def test_fusion_defaults_wait_for_the_device_type(level: str) -> None:
     undecided = preset(level)
     for device in DEVICES:
         assert undecided.for_device(device) == preset(level, device_type=device)
-    assert undecided.fused_losses == (level == "O2")  # the same on every device
-    assert undecided.fused_activations == (level == "O2")
-    cuda_only = ("fused_linear_loss", "fused_batch_norm", "fused_max_pool")
-    assert all(getattr(undecided, flag) is None for flag in cuda_only)
+    for fusion in FUSIONS:  # the CUDA-only ones wait; the others are the same on every device
+        assert getattr(undecided, fusion.flag) is (None if fusion.cuda_only else level == "O2")
     assert Policy.from_dict(json.loads(json.dumps(undecided.to_dict()))) == undecided
     assert preset(level, fused_max_pool=True).fused_max_pool is True
 
 
-def test_fusion_flags_are_read_from_the_fields_and_unknown_ones_refused() -> None:
-    flags = (
-        "fused_losses",
-        "fused_linear_loss",
-        "fused_batch_norm",
-        "fused_max_pool",
-        "fused_chunked_linear_loss",
-        "fused_activations",
-        "fused_rotary",
-        "fused_norms",
-    )
-    assert Policy.fusion_flags() == flags
+def test_fusion_flags_are_serialized_and_unknown_ones_refused() -> None:
     data = preset("O2", device_type="cuda").to_dict()
     assert {flag: data[flag] for flag in Policy.fusion_flags()} == dict.fromkeys(Policy.fusion_flags(), True)
     with pytest.raises(TypeError, match="unknown keyword 'fused_max_pol'; did you mean 'fused_max_pool'"):

@@ -17,6 +17,7 @@ import torch.fx
 from torch import nn
 
 import amp_fx
+from amp_fx.core.fusions import FUSIONS
 from amp_fx.core.node_info import node_info
 from amp_fx.inspect.report import REPORT_WIDTH
 
@@ -301,6 +302,10 @@ def test_to_dict_is_plain_data() -> None:
     rep = amp_fx.report(gm)
     data = json.loads(json.dumps(rep.to_dict()))
     assert data["policy"]["opt_level"] == "O2" and data["policy"]["dtype"] == "bfloat16"
+    # Every fused-kernel switch of the table, as the policy set it (all on at O2 on CPU but the
+    # CUDA-only ones).
+    switches = {fusion.flag: not fusion.cuda_only for fusion in FUSIONS}
+    assert {flag: data["policy"][flag] for flag in switches} == switches
     assert len(data["nodes"]) == len(rep.rows)
     assert data["summary"]["casts_inserted"] == rep.casts_inserted
     assert data["summary"]["ops_per_rule"] == dict(rep.rule_counts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import operator
 
 import pytest
 import torch
@@ -14,6 +15,9 @@ import amp_fx
 from amp_fx.capture.fx import trace
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Rule, preset
+from amp_fx.ops.activations import fp32_gated_activation
+from amp_fx.ops.norms import add_layer_norm_fp32, rms_norm_fp32
+from amp_fx.ops.rotary import rotary_embedding
 from amp_fx.passes.classify import classify
 from amp_fx.passes.normalize_ops import normalize_ops
 from amp_fx.passes.propagate_dtypes import ExampleInputsMismatch, propagate_dtypes
@@ -103,6 +107,28 @@ def test_static_isin_is_bool():
     assert dtypes["isin"][1] == torch.bool
     x, values = torch.randn(4), torch.randn(2)
     assert torch.isin(x, values).dtype == dtypes["isin"][1]  # the reference: what torch returns
+
+
+def test_static_fused_ops_are_typed_as_their_table_rows_say():
+    """A graph holding amp_fx's fused calls (a converted graph converted again): each output's
+    static dtype is what the call returns (`amp_fx.core.fusions`: ``out_dtype=``, the sum and
+    ``out_dtype=``, or the promoted inputs)."""
+    graph = torch.fx.Graph()
+    x, residual, weight, cos, sin = (graph.placeholder(n) for n in ("x", "residual", "weight", "cos", "sin"))
+    norm = graph.call_function(rms_norm_fp32, (x, weight, 1e-6), {"out_dtype": BF16})
+    pair = graph.call_function(add_layer_norm_fp32, (x, residual, [8], weight, None), {"out_dtype": BF16})
+    summed, normed = (graph.call_function(operator.getitem, (pair, index)) for index in (0, 1))
+    gated = graph.call_function(fp32_gated_activation, (norm, normed, "silu"))
+    rotated = graph.call_function(rotary_embedding, (gated, cos, sin))
+    graph.output((norm, summed, normed, gated, rotated))
+    gm = torch.fx.GraphModule(nn.Module(), graph)
+    policy = preset("O2", BF16, "cpu")
+    propagate_dtypes(classify(normalize_ops(gm), policy), policy)
+    static = [node_info(node).out_dtype for node in (norm, summed, normed, gated, rotated)]
+    assert static == [BF16, F32, BF16, BF16, F32]
+    inputs = (torch.randn(2, 4, 3, 8), torch.randn(2, 4, 3, 8), torch.rand(8), torch.randn(2, 1, 3, 8))
+    outputs = gm(*inputs, torch.randn(2, 1, 3, 8))
+    assert static == [output.dtype for output in outputs]  # the reference: what the calls return
 
 
 class Opaque(nn.Module):
