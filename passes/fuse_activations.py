@@ -56,9 +56,9 @@ import torch.fx
 
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES, dtype_name
 from amp_fx.core.node_info import FX_WRAPPED_KEY, META_KEY, NodeInfo, node_info
-from amp_fx.core.op_facts import RESHAPE_OPS
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.activations import fp32_activation, fp32_gated_activation
+from amp_fx.passes.shared.cast_walk import output_readers
 from amp_fx.passes.shared.dtypes import dtype_is_assumed
 from amp_fx.passes.shared.op_patterns import AnyOf, Const, Match, Op, Pattern, Var, match
 
@@ -116,24 +116,20 @@ def _output_casts(
     root: torch.fx.Node, low: torch.dtype
 ) -> tuple[list[torch.fx.Node], list[torch.fx.Node]] | None:
     """How the expression's value leaves it: ([], []) when the root has the inputs' dtype; for a
-    float32 root, (the reshapes it goes through, amp_fx's casts to ``low`` that alone read it);
-    else None."""
+    float32 root, (the reshapes it goes through, one after another, amp_fx's casts to ``low``
+    that alone read it); else None."""
     out_dtype = node_info(root).out_dtype
     if out_dtype == low:
         return [], []
     if out_dtype != torch.float32:
         return None
-    reshapes, end = [], root
-    while len(end.users) == 1:
-        (user,) = end.users
-        if node_info(user).op not in RESHAPE_OPS or not user.args or user.args[0] is not end:
-            break
-        reshapes.append(user)
-        end = user
-    casts = list(end.users)
-    if not casts or not all(node_info(c).is_cast and node_info(c).out_dtype == low for c in casts):
+    readers = output_readers(root)
+    casts = list(readers.ends)
+    if readers.metadata_reads or not readers.one_path or not casts:
         return None
-    return reshapes, casts
+    if not all(node_info(c).is_cast and node_info(c).out_dtype == low for c in casts):
+        return None
+    return list(readers.reshapes), casts
 
 
 def _replace(

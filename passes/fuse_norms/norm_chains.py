@@ -27,7 +27,6 @@ dtypes must say the chain computes in fp32 (so the fused kernel computes the sam
 
 from __future__ import annotations
 
-import builtins
 import operator
 from dataclasses import dataclass, field
 
@@ -36,18 +35,20 @@ import torch.fx
 
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.core.node_info import node_info
-from amp_fx.core.op_facts import METADATA_ATTRIBUTES, RESHAPE_OPS, SHAPE_METHODS
 from amp_fx.kernels.arguments import KERNEL_DTYPES
-from amp_fx.ops.casts import cast_if_floating
 from amp_fx.passes.shared.call_nodes import call_argument, is_inplace_call
+from amp_fx.passes.shared.cast_walk import (
+    attribute_under_casts,
+    cast_target,
+    is_dtype_cast,
+    known_dtype,
+    output_readers,
+    under_casts,
+)
 from amp_fx.passes.shared.dtypes import ASSUMED_DTYPE_NOTE, UNKNOWN_INPUT_DTYPE_NOTE
 from amp_fx.passes.shared.op_patterns import is_last_dim, is_number, only_user, read_only_inside, tensor_value
 
-__all__ = ["NormChain", "cast_target", "match_norm_chain"]
-
-_CONVERSION_METHOD_DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
-# Arguments of aten's to.dtype / to.dtype_layout that leave a cast a plain dtype conversion.
-_PLAIN_CAST_KEYWORDS = {"non_blocking": False, "copy": False, "memory_format": None, "pin_memory": None}
+__all__ = ["NormChain", "match_norm_chain"]
 
 
 @dataclass
@@ -74,22 +75,12 @@ class NormChain:
     replaced: list[torch.fx.Node] = field(default_factory=list)  # erased once rewired
 
 
-def _value_users(node: torch.fx.Node) -> list[torch.fx.Node]:
-    return [u for u in node.users if node_info(u).op not in SHAPE_METHODS | METADATA_ATTRIBUTES]
-
-
 def _dtype(node: torch.fx.Node) -> torch.dtype | None:
     """The node's floating dtype (None when unknown, not one the fused kernels take, or a model
     input's assumption). A value computed from a model input whose dtype is assumed is taken as
     recorded: it reaches a mean (which takes floating tensors only) and at O2 floating inputs are
     cast to the low dtype at the entry, so its dtype is the recorded one."""
-    if not isinstance(node, torch.fx.Node):
-        return None
-    if {ASSUMED_DTYPE_NOTE, UNKNOWN_INPUT_DTYPE_NOTE} & set(node_info(node).notes):
-        return None
-    dtype = node_info(node).out_dtype
-    if dtype is None and node_info(node).op == "to":
-        dtype = cast_target(node)
+    dtype = known_dtype(node)
     return dtype if dtype in KERNEL_DTYPES else None
 
 
@@ -106,78 +97,18 @@ def _operand_dtype(node: torch.fx.Node) -> torch.dtype | None:
     return _dtype(node)
 
 
-def _dtype_argument(value: object) -> torch.dtype | None:
-    """A dtype given as a constant, or as ``other.dtype`` (a getattr node) of a known dtype."""
-    if isinstance(value, torch.dtype):
-        return value
-    if (
-        isinstance(value, torch.fx.Node)
-        and value.op == "call_function"
-        and value.target is builtins.getattr
-        and value.args[1:] == ("dtype",)
-    ):
-        return _dtype(value.args[0])
-    return None
-
-
-def cast_target(node: torch.fx.Node) -> torch.dtype | None:
-    """The dtype a plain dtype cast converts to (``x.to(dtype)``, ``x.float()``, ``x.type_as(y)``,
-    ``x.to(y.dtype)``, amp_fx's casts, aten's ``to``), or None for anything else (a device move,
-    a copy, a cast of unknown target).
-
-    >>> gm = torch.fx.symbolic_trace(lambda x: x.to(torch.float16).float())
-    >>> [cast_target(n) for n in gm.graph.nodes if n.op == "call_method"]
-    [torch.float16, torch.float32]
-    """
-    if node_info(node).op not in (None, "to") or not node.args:
-        return None
-    target, rest, kwargs = node.target, node.args[1:], dict(node.kwargs)
-    if node.op == "call_function" and target is cast_if_floating:
-        return rest[0] if rest and isinstance(rest[0], torch.dtype) else None
-    if node.op == "call_method":
-        if target in _CONVERSION_METHOD_DTYPES and not rest and not kwargs:
-            return _CONVERSION_METHOD_DTYPES[target]
-        if target == "type_as" and len(rest) == 1 and not kwargs:
-            return _dtype(rest[0])
-        if target == "to" and len(rest) + len(kwargs) == 1:
-            return _dtype_argument(rest[0] if rest else kwargs.get("dtype"))
-        return None
-    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target._opname == "to":
-        dtype = rest[0] if rest else kwargs.pop("dtype", None)
-        if not isinstance(dtype, torch.dtype) or len(rest) > 1:
-            return None
-        if kwargs.pop("layout", torch.strided) != torch.strided:
-            return None
-        device = kwargs.pop("device", None)
-        value = tensor_value(node.args[0])
-        if device is not None and getattr(value, "device", None) != device:
-            return None
-        plain = all(_PLAIN_CAST_KEYWORDS.get(k, "other") in (v, None) or v is None for k, v in kwargs.items())
-        return dtype if plain else None
-    return None
-
-
-def _strip_casts(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
-    """(the value, the casts up to fp32 or identity casts on the way to ``node``)."""
-    casts = []
-    while node_info(node).op == "to" and node.args and isinstance(node.args[0], torch.fx.Node):
-        target, source = cast_target(node), node.args[0]
-        if target is None or _dtype(source) is None:
-            break
-        if target != _dtype(source) and target != torch.float32:
-            break
-        casts.append(node)
-        node = source
-    return node, casts
+def _up_to_fp32(cast: torch.fx.Node) -> bool:
+    """A cast up to fp32, or to the dtype it reads (an identity cast), of a value of known dtype."""
+    if not is_dtype_cast(cast):
+        return False
+    target, source = cast_target(cast), _dtype(cast.args[0])
+    return target is not None and source is not None and target in (source, torch.float32)
 
 
 def _is_parameter(node: object) -> bool:
     """A get_attr (a parameter), or a plain cast of one (``self.weight.float()``)."""
-    while isinstance(node, torch.fx.Node) and node.op != "get_attr":
-        if node_info(node).op != "to" or cast_target(node) is None:
-            return False
-        node = node.args[0]
-    return isinstance(node, torch.fx.Node)
+    value, _ = under_casts(node, lambda cast: is_dtype_cast(cast) and cast_target(cast) is not None)
+    return isinstance(value, torch.fx.Node) and value.op == "get_attr"
 
 
 def _other(node: torch.fx.Node, one: object) -> object:
@@ -294,8 +225,8 @@ def _match_rms(mean: torch.fx.Node, gm: torch.fx.GraphModule) -> NormChain | Non
         norm = _match_written_layer_norm(centered, normalize, eps, layer_chain, gm)
         if norm is not None:
             return norm
-    value, casts = _strip_casts(squared)
-    scaled_value, scaled_casts = _strip_casts(scaled)
+    value, casts = under_casts(squared, _up_to_fp32)
+    scaled_value, scaled_casts = under_casts(scaled, _up_to_fp32)
     if value is not scaled_value:
         return None
     norm = NormChain(subtract_mean=False, x=value, eps=eps)
@@ -331,7 +262,7 @@ def _centered(
     reads.append(center.args[0])
     if not all(isinstance(r, torch.fx.Node) and _dtype(r) == torch.float32 for r in reads):
         return None
-    stripped = [_strip_casts(r) for r in reads]
+    stripped = [under_casts(r, _up_to_fp32) for r in reads]
     if len({value for value, _ in stripped}) != 1:
         return None
     casts = [cast for _, found in stripped for cast in found]
@@ -342,17 +273,9 @@ def _shape(node: object, gm: torch.fx.GraphModule) -> tuple[int, ...] | None:
     """The shape of a node's value: recorded (``meta["val"]``), or that of the parameter a
     get_attr (through casts) reads; None when unknown."""
     value = tensor_value(node)
-    if value is not None:
-        return tuple(value.shape)
-    while isinstance(node, torch.fx.Node) and node.op != "get_attr" and node_info(node).op == "to":
-        node = node.args[0]
-    if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
-        return None
-    try:
-        attribute = operator.attrgetter(node.target)(gm)
-    except AttributeError:
-        return None
-    return tuple(attribute.shape) if isinstance(attribute, torch.Tensor) else None
+    if value is None:
+        value = attribute_under_casts(node, gm)
+    return tuple(value.shape) if value is not None else None
 
 
 def _affine_parameter(node: torch.fx.Node | None, op: str, previous: torch.fx.Node) -> torch.fx.Node | None:
@@ -524,40 +447,24 @@ def _match_norm_call(node: torch.fx.Node, gm: torch.fx.GraphModule, form: _CallF
     user = only_user(last)
     if user is not None and node_info(user).op == "to" and cast_target(user) in KERNEL_DTYPES:
         last, norm.out_dtype = chain.take(user), cast_target(user)
-    norm.x, casts = _strip_casts(norm.x)
+    norm.x, casts = under_casts(norm.x, _up_to_fp32)
     return _finish(norm, last, chain, casts)
 
 
-def _cast_readers(node: torch.fx.Node, retyped: list[torch.fx.Node]) -> list[torch.fx.Node] | None:
-    """The casts that read ``node`` (directly or through reshapes, collected in ``retyped``), when
-    every value reader is one; else None."""
-    casts = []
-    for user in _value_users(node):
-        op = node_info(user).op
-        if op == "to" and cast_target(user) is not None:
-            casts.append(user)
-        elif op in RESHAPE_OPS and user.args and user.args[0] is node and not is_inplace_call(user):
-            below = _cast_readers(user, retyped)
-            if below is None:
-                return None
-            retyped.append(user)
-            casts += below
-        else:
-            return None
-    return casts
-
-
 def _take_output_casts(norm: NormChain, last: torch.fx.Node, chain: _Chain) -> None:
-    """Write the output low when every reader casts it to one low dtype."""
-    retyped: list[torch.fx.Node] = []
-    casts = _cast_readers(last, retyped)
-    targets = {cast_target(cast) for cast in casts or ()}
-    if not casts or len(targets) != 1:
+    """Write the output low when every reader (through reshapes, which then reshape the low
+    output) casts it to one low dtype."""
+    readers = output_readers(last)
+    casts = readers.ends
+    if not casts or not all(node_info(cast).op == "to" and cast_target(cast) is not None for cast in casts):
+        return
+    targets = {cast_target(cast) for cast in casts}
+    if len(targets) != 1:
         return
     (low,) = targets
     if low not in LOW_PRECISION_DTYPES or norm.out_dtype not in (torch.float32, low):
         return
-    norm.out_dtype, norm.output_casts, norm.retyped = low, casts, retyped
+    norm.out_dtype, norm.output_casts, norm.retyped = low, list(casts), list(readers.reshapes)
     for cast in casts:
         chain.take(cast)
 

@@ -9,6 +9,8 @@ front ends' helpers in `amp_fx.capture` (`tests/test_layers.py` checks both).
 - `dtypes`: the notes on assumed dtypes and which casts are exact;
 - `decisions`: the policy's decision for one node and the storage dtype of every parameter;
 - `casts`: amp_fx's cast nodes, shared or one per user, and the casts a node's ``in_dtypes`` ask for;
+- `cast_walk`: walking dtype casts, the one way every matcher does: the dtype a cast converts to,
+  the value under a chain of casts, the reshapes and casts a value's readers go through;
 - `in_place_updates`: which inputs a node updates in place, through views, and the write-back of
   an update that lands on a cast;
 - `losses`: which cross-entropy calls the fused loss computes, read from either front end's spelling;

@@ -78,6 +78,7 @@ from amp_fx.core.policy import Rule
 from amp_fx.ops.cross_entropy import fp32_cross_entropy
 from amp_fx.ops.module_hooks import has_forward_hooks
 from amp_fx.passes.shared.call_nodes import call_argument, is_inplace_call
+from amp_fx.passes.shared.cast_walk import attribute_under_casts, is_dtype_cast, under_casts
 from amp_fx.passes.shared.dtypes import is_exact_widening
 from amp_fx.passes.shared.losses import (
     cross_entropy_call_arguments,
@@ -171,17 +172,9 @@ def _classes_of(gm: torch.fx.GraphModule, weight: torch.fx.Node) -> int | None:
     """The first dimension of the head's weight: from the captured value, else from the parameter
     that the weight node reads, through casts; None when unknown."""
     value = tensor_value(weight)
-    if value is not None and value.dim() == 2:
-        return int(value.shape[0])
-    while node_info(weight).op == "to" and weight.args and isinstance(weight.args[0], torch.fx.Node):
-        weight = weight.args[0]
-    if weight.op == "get_attr":
-        tensor = gm
-        for name in str(weight.target).split("."):
-            tensor = getattr(tensor, name, None)
-        if isinstance(tensor, torch.Tensor) and tensor.dim() == 2:
-            return int(tensor.shape[0])
-    return None
+    if value is None or value.dim() != 2:
+        value = attribute_under_casts(weight, gm)
+    return int(value.shape[0]) if value is not None and value.dim() == 2 else None
 
 
 def _recorded_shape(node: torch.fx.Node) -> tuple[Any, ...] | None:
@@ -322,18 +315,8 @@ class _Softcap:
     input: torch.fx.Node
 
 
-def _through_float_casts(node: Any, steps: list[torch.fx.Node]) -> Any:
-    """The value ``node`` casts, through casts to float dtypes (appended to ``steps``)."""
-    while (
-        isinstance(node, torch.fx.Node)
-        and node_info(node).op == "to"
-        and _is_float(node_info(node).out_dtype)
-        and node.args
-        and isinstance(node.args[0], torch.fx.Node)
-    ):
-        steps.append(node)
-        node = node.args[0]
-    return node
+def _is_float_cast(node: torch.fx.Node) -> bool:
+    return is_dtype_cast(node) and _is_float(node_info(node).out_dtype)
 
 
 def _is_float(dtype: Any) -> bool:
@@ -346,14 +329,14 @@ def _softcap_ending_at(node: torch.fx.Node) -> _Softcap | None:
     cap = _constant_factor(node)
     if node_info(node).op != "mul" or cap is None or not 0 < cap < math.inf:
         return None
-    steps = [node]
-    tanh = _through_float_casts(_logits_read(node), steps)
+    tanh, casts = under_casts(_logits_read(node), _is_float_cast)
+    steps = [node, *casts]
     if not isinstance(tanh, torch.fx.Node) or node_info(tanh).op != "tanh":
         return None
     if len(tanh.args) != 1 or tanh.kwargs or not isinstance(tanh.args[0], torch.fx.Node):
         return None
-    steps.append(tanh)
-    divide = _through_float_casts(tanh.args[0], steps)
+    divide, casts = under_casts(tanh.args[0], _is_float_cast)
+    steps += [tanh, *casts]
     factor = _constant_factor(divide)
     # x * (1/c) holds 1/c rounded to a float: equal to c's reciprocal up to that rounding.
     if factor is None or not math.isclose(factor * cap, 1.0, rel_tol=4 * sys.float_info.epsilon, abs_tol=0.0):

@@ -16,8 +16,8 @@ never leaves half an expression behind.
 
 The node facts the matchers written by hand (`amp_fx.passes.fuse_norms.norm_chains`,
 `amp_fx.passes.fuse_rotary.rotary_chains`) share with this one live here too: `call_operands` (a call
-of one op on its operands alone), `is_amp_fx_cast`, `only_user`, `read_only_inside`,
-`is_last_dim`, `tensor_value` and `is_number`.
+of one op on its operands alone), `only_user`, `read_only_inside`, `is_last_dim`, `tensor_value`
+and `is_number`; the casts they all walk through, `amp_fx.passes.shared.cast_walk`.
 
     >>> gm = torch.fx.symbolic_trace(lambda x, y: torch.sigmoid(x) * y)
     >>> from amp_fx.passes.normalize_ops import normalize_ops
@@ -40,6 +40,7 @@ from torch import nn
 from amp_fx.core.node_info import node_info
 from amp_fx.ops.module_hooks import has_forward_hooks
 from amp_fx.passes.shared.call_nodes import is_inplace_call
+from amp_fx.passes.shared.cast_walk import is_amp_fx_cast, under_casts
 
 __all__ = [
     "AnyOf",
@@ -51,7 +52,6 @@ __all__ = [
     "Pattern",
     "Var",
     "call_operands",
-    "is_amp_fx_cast",
     "is_last_dim",
     "is_number",
     "match",
@@ -202,30 +202,6 @@ def read_only_inside(
     return all(reads(user) for node in inside.difference(handed_on) for user in node.users)
 
 
-def is_amp_fx_cast(node: Any) -> bool:
-    """A cast amp_fx inserted (``node_info(node).is_cast``) of a node; a model's own casts are not.
-
-    >>> x, cast, _ = torch.fx.symbolic_trace(lambda x: x.float()).graph.nodes
-    >>> is_amp_fx_cast(cast)
-    False
-    """
-    return (
-        isinstance(node, torch.fx.Node)
-        and node_info(node).is_cast
-        and bool(node.args)
-        and isinstance(node.args[0], torch.fx.Node)
-    )
-
-
-def _through_casts(value: Any) -> tuple[Any, tuple[torch.fx.Node, ...]]:
-    """The value beneath amp_fx's casts of it, and those casts."""
-    casts: list[torch.fx.Node] = []
-    while is_amp_fx_cast(value):
-        casts.append(value)
-        value = value.args[0]
-    return value, tuple(casts)
-
-
 def call_operands(
     node: Any, gm: torch.fx.GraphModule, op: str, count: int, keywords: Mapping[str, Any] | None = None
 ) -> tuple[Any, ...] | None:
@@ -279,7 +255,7 @@ def _match(pattern: Pattern, value: Any, state: _State, gm: torch.fx.GraphModule
             if wide[0] == wide[1]:
                 yield state
         return
-    base, casts = _through_casts(value)
+    base, casts = under_casts(value, is_amp_fx_cast)
     if not isinstance(base, torch.fx.Node):
         return
     if isinstance(pattern, Var):
