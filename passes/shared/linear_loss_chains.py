@@ -30,10 +30,10 @@ It matches where the fused ops compute exactly what the graph does:
   smoothing, a mean, sum or no reduction, an int ignore_index.
 - A logit scale is a Python number whose product over the chain is a power of two, at most 1
   (`LinearLoss.scale`): the fused call reads ``h * scale`` and ``b * scale``
-  (`scaled_head_arguments`), whose rounding to fp16/bf16 scales exactly as the logits' would
-  (barring subnormals), so its logits are the graph's. Any other scale (one that rounds, one
-  above 1, which could overflow fp16 hidden states the graph never scales, a tensor, or one of
-  the log-probabilities) is left alone.
+  (`amp_fx.passes.shared.linear_loss_calls.head_arguments`), whose rounding to fp16/bf16 scales
+  exactly as the logits' would (barring subnormals), so its logits are the graph's. Any other
+  scale (one that rounds, one above 1, which could overflow fp16 hidden states the graph never
+  scales, a tensor, or one of the log-probabilities) is left alone.
 - A softcap ("final logit softcapping": ``c * tanh(x / c)``) is recorded as `LinearLoss.softcap`:
   a fused op computes it in float32 (`chunked_linear_cross_entropy`'s ``softcap``), where the graph
   rounds after each of its three steps, so it fuses only where a pass takes that; a tanh without
@@ -70,11 +70,9 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 from torch import nn
-from torch.fx.node import map_arg
 
 from amp_fx.core.node_info import node_info
 from amp_fx.core.op_facts import METADATA_ATTRIBUTES, RESHAPE_OPS, SHAPE_METHODS
-from amp_fx.core.policy import Rule
 from amp_fx.ops.cross_entropy import fp32_cross_entropy
 from amp_fx.ops.module_hooks import has_forward_hooks
 from amp_fx.passes.shared.call_nodes import call_argument, is_inplace_call
@@ -90,13 +88,7 @@ from amp_fx.passes.shared.losses import (
 from amp_fx.passes.shared.module_regions import module_paths
 from amp_fx.passes.shared.op_patterns import is_number, tensor_value
 
-__all__ = [
-    "LinearLoss",
-    "erase_head_and_loss",
-    "head_parameter_nodes",
-    "match_linear_loss",
-    "scaled_head_arguments",
-]
+__all__ = ["LinearLoss", "match_linear_loss"]
 
 # Ops that pass the logits on unchanged in value and row order (a widening cast included).
 _CHAIN_OPS = RESHAPE_OPS | {"alias", "to"}
@@ -114,7 +106,8 @@ class LinearLoss:
     arguments: dict[str, Any]  # F.cross_entropy's parameters by name
     head: torch.fx.Node  # the linear call
     input: torch.fx.Node  # the head's input, (*, d)
-    # Nodes, or the qualified names of a plain nn.Linear's parameters (`head_parameter_nodes`).
+    # Nodes, or the qualified names of a plain nn.Linear's parameters (read by the fused call's
+    # `amp_fx.passes.shared.linear_loss_calls.head_arguments`).
     weight: torch.fx.Node | str
     bias: torch.fx.Node | str | None
     # The head, every cast, view and log_softmax of its logits and the size reads only they use,
@@ -482,49 +475,3 @@ def match_linear_loss(
         return None
     cap = None if softcap is None else softcap.cap
     return LinearLoss(loss, arguments, head, input, weight, bias, nodes, returned, scale, cap)
-
-
-def head_parameter_nodes(
-    graph: torch.fx.Graph, match: LinearLoss
-) -> tuple[torch.fx.Node, torch.fx.Node | None]:
-    """The head's weight and bias as nodes, reading a module's parameters with new get_attr nodes
-    (inserted where the graph's insertion point is), typed as the head computes."""
-    nodes = []
-    for value in (match.weight, match.bias):
-        if isinstance(value, str):
-            value = graph.get_attr(value)
-            node_info(value).out_dtype = node_info(match.head).out_dtype
-        nodes.append(value)
-    return nodes[0], nodes[1]
-
-
-def scaled_head_arguments(
-    graph: torch.fx.Graph, match: LinearLoss, bias: torch.fx.Node | None
-) -> tuple[torch.fx.Node, torch.fx.Node | None]:
-    """The head's input and ``bias`` (its node, `head_parameter_nodes`) times the chain's logit
-    scale, inserted where the graph's insertion point is (``(h @ W.T + b) * c`` is
-    ``(h * c) @ W.T + b * c``), or themselves when there is none: what a fused call reads."""
-    if match.scale == 1.0:
-        return match.input, bias
-    return _scaled(graph, match, match.input), None if bias is None else _scaled(graph, match, bias)
-
-
-def _scaled(graph: torch.fx.Graph, match: LinearLoss, value: torch.fx.Node) -> torch.fx.Node:
-    scaled = graph.call_function(operator.mul, (value, match.scale))
-    info = node_info(scaled)
-    info.op, info.rule = "mul", Rule.PASSTHROUGH
-    info.in_dtypes, info.out_dtype = (node_info(value).out_dtype,), node_info(value).out_dtype
-    info.notes.append(f"the logit scale {match.scale:g} of the fused head, applied to its arguments (exact)")
-    for key in ("nn_module_stack", "stack_trace"):
-        if key in match.head.meta:
-            scaled.meta[key] = match.head.meta[key]
-    return scaled
-
-
-def erase_head_and_loss(graph: torch.fx.Graph, match: LinearLoss, output: torch.fx.Node) -> None:
-    """Erase the loss and every node it replaced, once its readers read the fused call; logits the
-    output returned become None there."""
-    dropped = set(match.removed)
-    output.args = map_arg(output.args, lambda node: None if node in dropped else node)
-    for node in reversed([*match.removed, match.loss]):
-        graph.erase_node(node)
