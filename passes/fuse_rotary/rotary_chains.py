@@ -46,8 +46,11 @@ from amp_fx.passes.shared.call_nodes import call_argument
 from amp_fx.passes.shared.cast_walk import is_amp_fx_cast, under_casts
 from amp_fx.passes.shared.dtypes import dtype_is_assumed, is_exact_widening
 from amp_fx.passes.shared.op_patterns import (
+    Op,
+    Var,
     call_operands,
     is_last_dim,
+    matches,
     only_user,
     read_only_inside,
     tensor_value,
@@ -227,32 +230,28 @@ def _rotated(node: Any, gm: torch.fx.GraphModule) -> _Rotation | None:
     return None
 
 
-def _product(node: Any, gm: torch.fx.GraphModule) -> tuple[torch.fx.Node, torch.fx.Node] | None:
-    operands = call_operands(node, gm, "mul", 2)
-    if operands is None or not all(isinstance(v, torch.fx.Node) for v in operands):
-        return None
-    return operands
+# x * cos + rotate(x) * sin, the products and the sum in any order.
+_ROTARY_SUM = Op(
+    "add",
+    (
+        Op("mul", (Var("x"), Var("cos")), commutative=True),
+        Op("mul", (Var("rotated"), Var("sin")), commutative=True),
+    ),
+    commutative=True,
+)
 
 
 def _match_rotary(add: torch.fx.Node, gm: torch.fx.GraphModule) -> RotaryChain | None:
     """The chain ``x * cos + rotate(x) * sin`` ending at ``add``, or None."""
-    terms = call_operands(add, gm, "add", 2)
-    if terms is None:
-        return None
-    for straight, turned in (terms, terms[::-1]):
-        plain, rotated = _product(straight, gm), _product(turned, gm)
-        if plain is None or rotated is None:
+    for found in matches(_ROTARY_SUM, add, gm, casts=None, closed=False):
+        x, cos, sin = found.inputs["x"], found.inputs["cos"], found.inputs["sin"]
+        rotation = _rotated(found.inputs["rotated"], gm)
+        if rotation is None or rotation[0] is not x or x is cos:
             continue
-        for rot_node, sin in (rotated, rotated[::-1]):
-            match = _rotated(rot_node, gm)
-            if match is None:
-                continue
-            x, interleaved, chunked, nodes = match
-            if x not in plain or plain[0] is plain[1]:
-                continue
-            cos = plain[1] if plain[0] is x else plain[0]
-            replaced = [straight, *nodes, turned, add]
-            return RotaryChain(x, cos, sin, interleaved, chunked, replaced)
+        _, interleaved, chunked, nodes = rotation
+        straight = next(term for term in add.args if set(term.args) == {x, cos})
+        turned = next(term for term in add.args if term is not straight)
+        return RotaryChain(x, cos, sin, interleaved, chunked, [straight, *nodes, turned, add])
     return None
 
 

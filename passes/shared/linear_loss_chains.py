@@ -75,8 +75,8 @@ from amp_fx.core.node_info import node_info
 from amp_fx.core.op_facts import METADATA_ATTRIBUTES, RESHAPE_OPS, SHAPE_METHODS
 from amp_fx.ops.cross_entropy import fp32_cross_entropy
 from amp_fx.ops.module_hooks import has_forward_hooks
-from amp_fx.passes.shared.call_nodes import call_argument, is_inplace_call
-from amp_fx.passes.shared.cast_walk import attribute_under_casts, is_dtype_cast, under_casts
+from amp_fx.passes.shared.call_nodes import call_argument
+from amp_fx.passes.shared.cast_walk import attribute_under_casts, is_dtype_cast
 from amp_fx.passes.shared.dtypes import is_exact_widening
 from amp_fx.passes.shared.losses import (
     cross_entropy_call_arguments,
@@ -86,7 +86,7 @@ from amp_fx.passes.shared.losses import (
     nll_loss_call_arguments,
 )
 from amp_fx.passes.shared.module_regions import module_paths
-from amp_fx.passes.shared.op_patterns import is_number, tensor_value
+from amp_fx.passes.shared.op_patterns import AnyOf, Match, Num, Op, Pattern, Var, match, tensor_value
 
 __all__ = ["LinearLoss", "match_linear_loss"]
 
@@ -277,25 +277,28 @@ def _keeps_values_in_float32(cast: torch.fx.Node) -> bool:
     return source == torch.float32 or (source is not None and is_exact_widening(source, torch.float32))
 
 
-def _constant_factor(node: Any) -> float | None:
-    """The factor of ``x * c``, ``c * x`` or ``x / c`` (c a nonzero Python number), else None."""
-    if not isinstance(node, torch.fx.Node):
-        return None
-    op = node_info(node).op
-    if op not in ("mul", "div") or len(node.args) != 2 or node.kwargs or is_inplace_call(node):
-        return None
-    value, constant = node.args
-    if op == "mul" and not isinstance(value, torch.fx.Node):
-        value, constant = constant, value
-    if not isinstance(value, torch.fx.Node) or not is_number(constant) or constant == 0:
-        return None
-    return 1.0 / constant if op == "div" else float(constant)
+def _scaled(x: Pattern) -> Pattern:
+    """``x * c``, ``c * x`` or ``x / c``, c a Python number (see `_factor`)."""
+    return AnyOf((Op("mul", (x, Num("factor")), commutative=True), Op("div", (x, Num("divisor")))))
 
 
-def _scale_factor(node: torch.fx.Node) -> float | None:
-    """The factor of a logit-scale step (``x * c``, ``c * x``, ``x / c``, c a Python number) when
-    it is a power of two; else None."""
-    factor = _constant_factor(node)
+_LOGIT_SCALE = _scaled(Var("logits"))
+# ``c * tanh(x / c)``, casts to float dtypes between its steps.
+_SOFTCAP = Op("mul", (Op("tanh", (_scaled(Var("x")),)), Num("cap")), commutative=True)
+
+
+def _factor(found: Match) -> float | None:
+    """The factor a matched scale multiplies by (None for a division by 0)."""
+    divisor = found.numbers.get("divisor")
+    if divisor is None:
+        return float(found.numbers["factor"])
+    return 1.0 / divisor if divisor != 0 else None
+
+
+def _scale_factor(gm: torch.fx.GraphModule, node: torch.fx.Node) -> float | None:
+    """The factor of a logit-scale step when it is a power of two; else None."""
+    found = match(_LOGIT_SCALE, node, gm, casts=None)
+    factor = _factor(found) if found is not None else None
     return factor if factor is not None and _is_power_of_two(factor) else None
 
 
@@ -316,31 +319,21 @@ def _is_float(dtype: Any) -> bool:
     return isinstance(dtype, torch.dtype) and dtype.is_floating_point
 
 
-def _softcap_ending_at(node: torch.fx.Node) -> _Softcap | None:
-    """The softcap whose ``* c`` is ``node``: ``x / c`` (or ``x * (1/c)``), tanh, ``* c`` with the
-    same positive c, casts to float dtypes between, each read by the next alone; else None."""
-    cap = _constant_factor(node)
-    if node_info(node).op != "mul" or cap is None or not 0 < cap < math.inf:
+def _softcap_ending_at(gm: torch.fx.GraphModule, node: torch.fx.Node) -> _Softcap | None:
+    """The softcap whose ``* c`` is ``node``, with the same positive c (up to the rounding of a
+    ``1/c``), every step of a float dtype and read by the next alone; else None."""
+    found = match(_SOFTCAP, node, gm, casts=_is_float_cast)
+    if found is None or not 0 < found.numbers["cap"] < math.inf:
         return None
-    tanh, casts = under_casts(_logits_read(node), _is_float_cast)
-    steps = [node, *casts]
-    if not isinstance(tanh, torch.fx.Node) or node_info(tanh).op != "tanh":
-        return None
-    if len(tanh.args) != 1 or tanh.kwargs or not isinstance(tanh.args[0], torch.fx.Node):
-        return None
-    divide, casts = under_casts(tanh.args[0], _is_float_cast)
-    steps += [tanh, *casts]
-    factor = _constant_factor(divide)
+    cap, factor = float(found.numbers["cap"]), _factor(found)
     # x * (1/c) holds 1/c rounded to a float: equal to c's reciprocal up to that rounding.
     if factor is None or not math.isclose(factor * cap, 1.0, rel_tol=4 * sys.float_info.epsilon, abs_tol=0.0):
         return None
-    steps.append(divide)
+    position = {step: index for index, step in enumerate(node.graph.nodes)}
+    steps = sorted(found.nodes, key=position.__getitem__)
     if not all(_is_float(node_info(step).out_dtype) for step in steps):
         return None
-    # The steps before the last are read by the next alone: the call computes none of them.
-    if any(set(step.users) != {later} for later, step in zip(steps, steps[1:], strict=False)):
-        return None
-    return _Softcap(cap, steps[::-1], _logits_read(divide))
+    return _Softcap(cap, steps, _logits_read(steps[0]))
 
 
 def _is_power_of_two(factor: float) -> bool:
@@ -367,14 +360,14 @@ def _chain_to_head(
     while (arguments := _head_arguments(gm, node)) is None:
         if not isinstance(node, torch.fx.Node):
             return None
-        if (found := _softcap_ending_at(node)) is not None:
+        if (found := _softcap_ending_at(gm, node)) is not None:
             if softcap is not None:
                 return None  # two caps: not the one the fused op computes
             softcap = found
             path.extend(reversed(found.steps))
             node = found.input
             continue
-        if _scale_factor(node) is None and (
+        if _scale_factor(gm, node) is None and (
             node_info(node).op not in _CHAIN_OPS | {"log_softmax"}
             or not node.args
             or not isinstance(node.args[0], torch.fx.Node)
@@ -465,11 +458,11 @@ def match_linear_loss(
     if removed is None:
         return None
     nodes, returned = removed
-    scales = [step for step in path if step not in softcap_steps and _scale_factor(step) is not None]
+    scales = [step for step in path if step not in softcap_steps and _scale_factor(gm, step) is not None]
     # The fused op scales the logits before the cap (it reads h * scale): none may follow it.
     if softcap is not None and any(path.index(step) > path.index(softcap.steps[-1]) for step in scales):
         return None
-    scale = math.prod(_scale_factor(step) for step in scales)
+    scale = math.prod(_scale_factor(gm, step) for step in scales)
     # Scaling up could overflow the fp16 hidden states where the graph scales fp32 logits.
     if not _is_power_of_two(scale) or scale > 1.0:
         return None
