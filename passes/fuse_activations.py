@@ -55,20 +55,17 @@ import torch
 import torch.fx
 
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES, dtype_name
-from amp_fx.core.node_info import FX_WRAPPED_KEY, META_KEY, NodeInfo, node_info
-from amp_fx.core.op_facts import RESHAPE_OPS
+from amp_fx.core.node_info import NodeInfo, node_info
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.activations import fp32_activation, fp32_gated_activation
+from amp_fx.passes.shared.cast_walk import output_readers
 from amp_fx.passes.shared.dtypes import dtype_is_assumed
+from amp_fx.passes.shared.fused_calls import insert_call, replace_chain
 from amp_fx.passes.shared.op_patterns import AnyOf, Const, Match, Op, Pattern, Var, match
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["fuse_activations", "GATED_PATTERNS", "TANH_GELU_PATTERN"]
-
-# node.meta keys the new call takes over from the expression's root: where it came from, for the
-# report, gradient checkpointing's regions (nn_module_stack) and error messages.
-_INHERITED_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "from_node", "seq_nr")
 
 
 def _mul(a: Pattern, b: Pattern) -> Op:
@@ -116,24 +113,20 @@ def _output_casts(
     root: torch.fx.Node, low: torch.dtype
 ) -> tuple[list[torch.fx.Node], list[torch.fx.Node]] | None:
     """How the expression's value leaves it: ([], []) when the root has the inputs' dtype; for a
-    float32 root, (the reshapes it goes through, amp_fx's casts to ``low`` that alone read it);
-    else None."""
+    float32 root, (the reshapes it goes through, one after another, amp_fx's casts to ``low``
+    that alone read it); else None."""
     out_dtype = node_info(root).out_dtype
     if out_dtype == low:
         return [], []
     if out_dtype != torch.float32:
         return None
-    reshapes, end = [], root
-    while len(end.users) == 1:
-        (user,) = end.users
-        if node_info(user).op not in RESHAPE_OPS or not user.args or user.args[0] is not end:
-            break
-        reshapes.append(user)
-        end = user
-    casts = list(end.users)
-    if not casts or not all(node_info(c).is_cast and node_info(c).out_dtype == low for c in casts):
+    readers = output_readers(root)
+    casts = list(readers.ends)
+    if readers.metadata_reads or not readers.one_path or not casts:
         return None
-    return reshapes, casts
+    if not all(node_info(c).is_cast and node_info(c).out_dtype == low for c in casts):
+        return None
+    return list(readers.reshapes), casts
 
 
 def _replace(
@@ -148,16 +141,6 @@ def _replace(
     root = found.root
     inputs = (found.inputs["gate"], found.inputs["up"]) if gated else (found.inputs["x"],)
     function = fp32_gated_activation if gated else fp32_activation
-    with gm.graph.inserting_before(root):
-        fused = gm.graph.call_function(function, (*inputs, activation))
-    # Recorded as one call if the graph is traced again (its checks read tensor shapes).
-    fused.meta[FX_WRAPPED_KEY] = True
-    for key in _INHERITED_META:
-        if key in root.meta:
-            fused.meta[key] = root.meta[key]
-    value = root.meta.get("val")
-    if isinstance(value, torch.Tensor):
-        fused.meta["val"] = value.to(low)
     order = {node: index for index, node in enumerate(gm.graph.nodes)}
     replaced = sorted(found.nodes | set(casts), key=order.__getitem__)
     names = [node.name for node in inputs]
@@ -167,7 +150,11 @@ def _replace(
         f"one rounding, the activation recomputed in the backward); replaced "
         + ", ".join(node.name for node in replaced)
     )
-    fused.meta[META_KEY] = NodeInfo(
+    # The inputs' casts go with the expression where nothing else reads them.
+    unread = [cast for cast in found.input_casts if set(cast.users) <= found.nodes]
+    if unread:
+        note += f", and {', '.join(cast.name for cast in unread)} (the inputs' casts nothing else read)"
+    info = NodeInfo(
         op=function.__name__,
         rule=Rule.PASSTHROUGH,
         reason=f"fused_activations: {expression}",
@@ -175,26 +162,29 @@ def _replace(
         out_dtype=low,
         notes=[note],
     )
-    root.replace_all_uses_with(fused)
+    value = root.meta.get("val")
+    # Recorded as one call if the graph is traced again (its checks read tensor shapes).
+    fused = insert_call(
+        gm,
+        function,
+        (*inputs, activation),
+        before=root,
+        info=info,
+        inherits=root,
+        value=value.to(low) if isinstance(value, torch.Tensor) else None,
+        wrapped=True,
+    )
     for reshape in reshapes:  # they now reshape the call's low-precision output
         node_info(reshape).out_dtype = low
         node_info(reshape).in_dtypes = tuple(
-            low if n in (fused, *reshapes) else node_info(n).out_dtype for n in reshape.all_input_nodes
+            low if n in (root, *reshapes) else node_info(n).out_dtype for n in reshape.all_input_nodes
         )
         if isinstance(reshape.meta.get("val"), torch.Tensor):
             reshape.meta["val"] = reshape.meta["val"].to(low)
-    end = reshapes[-1] if reshapes else fused
-    for cast in casts:
-        cast.replace_all_uses_with(end)
-        gm.graph.erase_node(cast)
-    for node in sorted(found.nodes, key=order.__getitem__, reverse=True):  # readers first
-        gm.graph.erase_node(node)
-    unread = [cast for cast in found.input_casts if not cast.users]
-    for cast in unread:
-        gm.graph.erase_node(cast)
-    if unread:
-        note += f", and {', '.join(cast.name for cast in unread)} (the inputs' casts nothing else read)"
-    fused.meta[META_KEY].notes[:] = [note]
+    # Each cast's readers read what it read (the call, or the last reshape), then the root's
+    # readers read the call.
+    values = {cast: cast.args[0] for cast in casts} | {root: fused}
+    replace_chain(gm, [*found.nodes, *casts, *unread], values)
     return fused
 
 

@@ -28,16 +28,18 @@ Example (O2, fp16; torchvision's Bottleneck)::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 
 import torch
 import torch.fx
 
-from amp_fx.core.node_info import META_KEY, node_info
+from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.batch_norm import FusedBatchNormAct, is_fusable_batch_norm
 from amp_fx.ops.module_hooks import has_forward_hooks
+from amp_fx.passes.shared.fused_calls import insert_call, replace_chain
 
 logger = logging.getLogger(__name__)
 
@@ -98,17 +100,13 @@ def _fuse(
     gm.add_submodule(path, FusedBatchNormAct(gm.get_submodule(bn.target), bn.target))
     fused_away = [n for n in relu.args[:1] if n is not bn]  # the add, when there is one
     inputs = (bn.args[0], residual) if residual is not None else (bn.args[0],)
-    # At the ReLU's place: the residual may be computed after the BatchNorm (a downsample branch).
-    with gm.graph.inserting_before(relu):
-        fused = gm.graph.call_module(path, inputs)
-    info = node_info(bn)
-    fused.meta[META_KEY] = info
-    info.in_dtypes = tuple(node_info(n).out_dtype for n in fused.all_input_nodes)
     what = "the residual add and the ReLU" if residual is not None else "the ReLU"
-    info.notes.append(f"fused with {what}: {path} (amp_fx.ops.batch_norm.batch_norm_act)")
-    relu.replace_all_uses_with(fused)
-    for node in (relu, *fused_away, bn):
-        gm.graph.erase_node(node)
+    note = f"fused with {what}: {path} (amp_fx.ops.batch_norm.batch_norm_act)"
+    # The BatchNorm's record (its rule and reason) with the new inputs' dtypes.
+    info = dataclasses.replace(node_info(bn), in_dtypes=(), notes=[*node_info(bn).notes, note])
+    # At the ReLU's place: the residual may be computed after the BatchNorm (a downsample branch).
+    fused = insert_call(gm, path, inputs, before=relu, info=info, kind="call_module")
+    replace_chain(gm, [relu, *fused_away, bn], {relu: fused})
 
 
 def fuse_batch_norm(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:

@@ -56,17 +56,11 @@ import logging
 import torch
 import torch.fx
 
-from amp_fx.core.node_info import FX_WRAPPED_KEY, META_KEY, TRAINING_MODE_KEY, node_info
-from amp_fx.core.policy import Policy, Rule
+from amp_fx.core.node_info import TRAINING_MODE_KEY
+from amp_fx.core.policy import Policy
 from amp_fx.ops.chunked_cross_entropy import chunked_linear_cross_entropy
-from amp_fx.passes.shared.linear_loss_chains import (
-    LinearLoss,
-    erase_head_and_loss,
-    head_parameter_nodes,
-    match_linear_loss,
-    scaled_head_arguments,
-)
-from amp_fx.passes.shared.module_regions import computed_by_module_of
+from amp_fx.passes.shared.linear_loss_calls import head_arguments, replace_head_and_loss
+from amp_fx.passes.shared.linear_loss_chains import LinearLoss, match_linear_loss
 
 logger = logging.getLogger(__name__)
 
@@ -77,34 +71,16 @@ _REDUCTIONS = ("mean", "sum")
 
 
 def _replace(gm: torch.fx.GraphModule, match: LinearLoss, output: torch.fx.Node) -> None:
-    graph = gm.graph
-    loss = match.loss
-    with graph.inserting_before(loss):
-        weight, bias = head_parameter_nodes(graph, match)
-        input, bias = scaled_head_arguments(graph, match, bias)
-        kwargs = {name: match.arguments[name] for name in ("ignore_index", "reduction")}
-        if match.softcap is not None:
-            kwargs["softcap"] = match.softcap
-        fused = graph.call_function(
-            chunked_linear_cross_entropy, (input, weight, bias, match.arguments["target"]), kwargs
-        )
-    # Recorded as one call if the graph is traced again.
-    fused.meta[FX_WRAPPED_KEY] = True
-    # The head's op: a sharded head's weight is gathered for it (an untied head is an FSDP2 group).
-    computed_by_module_of(fused, match.head)
-    info = node_info(loss)
-    fused.meta[META_KEY] = info
-    info.op, info.rule = "cross_entropy_loss", Rule.FP32
-    info.in_dtypes = tuple(node_info(n).out_dtype for n in fused.all_input_nodes)
+    kwargs = {name: match.arguments[name] for name in ("ignore_index", "reduction")}
+    if match.softcap is not None:
+        kwargs["softcap"] = match.softcap
     note = (
         f"fused with the language model's head {match.head_name}: amp_fx.ops.chunked_cross_entropy."
         "chunked_linear_cross_entropy (never the whole logits; gradients in the forward); replaced "
         + match.replaced_names
     )
-    if note not in info.notes:
-        info.notes.append(note)
-    loss.replace_all_uses_with(fused)
-    erase_head_and_loss(graph, match, output)
+    args = (*head_arguments(gm, match), match.arguments["target"])
+    replace_head_and_loss(gm, match, output, chunked_linear_cross_entropy, args, kwargs, note=note)
 
 
 def fuse_chunked_linear_loss(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:

@@ -37,17 +37,11 @@ import logging
 import torch
 import torch.fx
 
-from amp_fx.core.node_info import FX_WRAPPED_KEY, META_KEY, node_info
+from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.cross_entropy import linear_cross_entropy
-from amp_fx.passes.shared.linear_loss_chains import (
-    LinearLoss,
-    erase_head_and_loss,
-    head_parameter_nodes,
-    match_linear_loss,
-    scaled_head_arguments,
-)
-from amp_fx.passes.shared.module_regions import computed_by_module_of
+from amp_fx.passes.shared.linear_loss_calls import head_arguments, replace_head_and_loss
+from amp_fx.passes.shared.linear_loss_chains import LinearLoss, match_linear_loss
 
 logger = logging.getLogger(__name__)
 
@@ -56,36 +50,21 @@ __all__ = ["fuse_linear_loss"]
 
 def _replace(gm: torch.fx.GraphModule, match: LinearLoss, output: torch.fx.Node) -> None:
     graph = gm.graph
-    loss = match.loss
-    with graph.inserting_before(loss):
-        weight, bias = head_parameter_nodes(graph, match)
-        input, bias = scaled_head_arguments(graph, match, bias)
+    input, weight, bias = head_arguments(gm, match)
+    with graph.inserting_before(match.loss):
         size = graph.call_method("size", (input, -1))
         node_info(size).op, node_info(size).rule = "size", Rule.PASSTHROUGH
         rows = graph.call_method("reshape", (input, -1, size))
         rows_info = node_info(rows)
         rows_info.op, rows_info.rule = "reshape", Rule.PASSTHROUGH
         rows_info.in_dtypes, rows_info.out_dtype = (node_info(input).out_dtype,), node_info(input).out_dtype
-        kwargs = {name: match.arguments[name] for name in ("ignore_index", "reduction")}
-        fused = graph.call_function(
-            linear_cross_entropy, (rows, weight, bias, match.arguments["target"]), kwargs
-        )
-    # Recorded as one call if the graph is traced again.
-    fused.meta[FX_WRAPPED_KEY] = True
-    # The head's op: a sharded head's weight is gathered for it (FSDP2, `shard_regions`).
-    computed_by_module_of(fused, match.head)
-    info = node_info(loss)
-    fused.meta[META_KEY] = info
-    info.op, info.rule = "cross_entropy_loss", Rule.FP32
-    info.in_dtypes = tuple(node_info(n).out_dtype for n in fused.all_input_nodes)
+    kwargs = {name: match.arguments[name] for name in ("ignore_index", "reduction")}
     note = (
         f"fused with the linear layer {match.head_name}: amp_fx.ops.cross_entropy.linear_cross_entropy "
         f"(under torch.compile, the gradient in the forward); replaced {match.replaced_names}"
     )
-    if note not in info.notes:
-        info.notes.append(note)
-    loss.replace_all_uses_with(fused)
-    erase_head_and_loss(graph, match, output)
+    args = (rows, weight, bias, match.arguments["target"])
+    replace_head_and_loss(gm, match, output, linear_cross_entropy, args, kwargs, note=note)
 
 
 def fuse_linear_loss(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:

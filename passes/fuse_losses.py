@@ -41,12 +41,13 @@ import torch.fx
 from torch import nn
 
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES, dtype_name
-from amp_fx.core.node_info import FX_WRAPPED_KEY, node_info
+from amp_fx.core.node_info import node_info
 from amp_fx.core.op_facts import METADATA_ATTRIBUTES, OUTPUT_NOT_SAVED_OPS, RESHAPE_OPS, SHAPE_METHODS
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.cross_entropy import fp32_cross_entropy
 from amp_fx.ops.module_hooks import has_forward_hooks
 from amp_fx.passes.shared.dtypes import dtype_is_assumed
+from amp_fx.passes.shared.fused_calls import retarget_call
 from amp_fx.passes.shared.losses import (
     CROSS_ENTROPY_PARAMETERS,
     cross_entropy_call_arguments,
@@ -179,17 +180,12 @@ def fuse_losses(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModul
             continue
         seen = dict(zip(node.all_input_nodes, info.in_dtypes, strict=False))
         rest = {name: arguments[name] for name in CROSS_ENTROPY_PARAMETERS[1:]}
-        node.op, node.target = "call_function", fp32_cross_entropy
-        node.args, node.kwargs = (source,), rest
-        # Recorded as one call if the graph is traced again (its checks read tensor ranks).
-        node.meta[FX_WRAPPED_KEY] = True
+        low = dtype_name(node_info(source).out_dtype)
+        note = f"fused: reads the {low} logits, computes in float32 (no float32 copy)"
+        retarget_call(node, fp32_cross_entropy, (source,), rest, note=note)
         info.op = "cross_entropy_loss"  # an nll_loss of its log_softmax is one now
         seen[source] = node_info(source).out_dtype
         info.in_dtypes = tuple(seen.get(n) for n in node.all_input_nodes)
-        low = dtype_name(node_info(source).out_dtype)
-        note = f"fused: reads the {low} logits, computes in float32 (no float32 copy)"
-        if note not in info.notes:
-            info.notes.append(note)
         for step in (*reversed(replaced), cast):
             if not step.users:
                 gm.graph.erase_node(step)

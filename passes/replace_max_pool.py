@@ -30,10 +30,11 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from amp_fx.core.node_info import FX_WRAPPED_KEY, node_info
+from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.max_pool import max_pool2d
 from amp_fx.ops.module_hooks import has_forward_hooks
+from amp_fx.passes.shared.fused_calls import retarget_call
 
 logger = logging.getLogger(__name__)
 
@@ -109,13 +110,8 @@ def replace_max_pool(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.Graph
         if arguments is None or not isinstance(arguments.get("input"), torch.fx.Node):
             continue
         # An nn.MaxPool2d module stays in the model (no state; its name may still be referred to).
-        node.op, node.target = "call_function", max_pool2d
-        node.args = (arguments.pop("input"), arguments.pop("kernel_size"))
-        node.kwargs = arguments
-        # Recorded as one call if the graph is traced again (its checks read tensor layouts).
-        node.meta[FX_WRAPPED_KEY] = True
-        if _NOTE not in info.notes:
-            info.notes.append(_NOTE)
+        args = (arguments.pop("input"), arguments.pop("kernel_size"))
+        retarget_call(node, max_pool2d, args, arguments, note=_NOTE)
         replaced += 1
     if replaced:
         gm.recompile()

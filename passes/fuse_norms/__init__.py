@@ -36,29 +36,19 @@ import torch
 import torch.fx
 
 from amp_fx.core.dtypes import dtype_name
-from amp_fx.core.node_info import META_KEY, NodeInfo, node_info
+from amp_fx.core.node_info import NodeInfo, node_info
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.norms import add_layer_norm_fp32, add_rms_norm_fp32, layer_norm_fp32, rms_norm_fp32
 from amp_fx.passes.fuse_norms.norm_chains import NormChain, match_norm_chain
 from amp_fx.passes.shared.decisions import decide_node
+from amp_fx.passes.shared.fused_calls import insert_call, parameter_node, replace_chain
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["fuse_norms", "FUSED_NORM_FUNCTIONS"]
 
-# node.meta entries a fused call takes from the chain's output node.
-_COPIED_META = ("nn_module_stack", "stack_trace")
 # The functions a fused norm node calls.
 FUSED_NORM_FUNCTIONS = (rms_norm_fp32, add_rms_norm_fp32, layer_norm_fp32, add_layer_norm_fp32)
-
-
-def _parameter(gm: torch.fx.GraphModule, value: torch.fx.Node | str | None) -> torch.fx.Node | None:
-    """A node for the parameter: itself, or a get_attr of a norm module's parameter by name."""
-    if not isinstance(value, str):
-        return value
-    node = gm.graph.get_attr(value)
-    node_info(node).out_dtype = gm.get_parameter(value).dtype
-    return node
 
 
 def _hoist(node: torch.fx.Node, anchor: torch.fx.Node, order: dict[torch.fx.Node, int]) -> None:
@@ -106,52 +96,51 @@ def _describe(norm: NormChain) -> str:
 
 
 def _rewrite(gm: torch.fx.GraphModule, policy: Policy, norm: NormChain) -> None:
-    graph = gm.graph
-    order = {node: index for index, node in enumerate(graph.nodes)}
+    order = {node: index for index, node in enumerate(gm.graph.nodes)}
     anchor = min(norm.replaced, key=order.__getitem__)
-    with graph.inserting_before(anchor):
-        weight, bias = _parameter(gm, norm.weight), _parameter(gm, norm.bias)
+    with gm.graph.inserting_before(anchor):
+        weight, bias = parameter_node(gm, norm.weight), parameter_node(gm, norm.bias)
     for parameter in (weight, bias):
         if parameter is not None:
             _hoist(parameter, anchor, order)
     function, args, kwargs = _call(norm, weight, bias)
     kwargs["out_dtype"] = norm.out_dtype  # always written: the report and static dtypes read it
-    with graph.inserting_before(anchor):
-        # Not fx-wrapped: traced again (converting a converted model), the call records its torch
-        # expression, which this pass fuses again into the same call.
-        fused = graph.call_function(function, args, kwargs)
-        out, summed = fused, None
-        if norm.residual is not None:
-            summed = graph.call_function(operator.getitem, (fused, 0))
-            out = graph.call_function(operator.getitem, (fused, 1))
-    # Where the chain's output came from, for the report and for checkpoint_regions' layer cuts.
-    source = _computed_by(norm, weight)
-    for node in (fused, summed, out):
-        if node is not None:
-            node.meta.update({k: source.meta[k] for k in _COPIED_META if k in source.meta})
     inputs = [n for n in (norm.x, norm.residual, weight, bias) if n is not None]
-    # The op and rule classify gives this call when the graph is converted again.
-    decision = decide_node(fused, gm, policy)
-    fused.meta[META_KEY] = NodeInfo(
+    info = NodeInfo(
         op=function.__name__,
-        rule=decision.rule,
-        reason=decision.reason,
         in_dtypes=tuple(node_info(n).out_dtype for n in inputs),
-        out_dtype=None if summed is not None else norm.out_dtype,
+        out_dtype=None if norm.residual is not None else norm.out_dtype,
         notes=[_describe(norm)],
     )
-    if summed is not None:
+    # Where the chain's output came from, for the report and for checkpoint_regions' layer cuts.
+    # Not fx-wrapped: traced again (converting a converted model), the call records its torch
+    # expression, which this pass fuses again into the same call.
+    source = _computed_by(norm, weight)
+    fused = insert_call(gm, function, args, kwargs, before=anchor, info=info, inherits=source)
+    # The op and rule classify gives this call when the graph is converted again.
+    decision = decide_node(fused, gm, policy)
+    info.rule, info.reason = decision.rule, decision.reason
+    values = {}
+    out = fused
+    if norm.residual is not None:
         sum_dtype = node_info(norm.sum_node).out_dtype
-        summed.meta[META_KEY] = NodeInfo(op="getitem", rule=Rule.PASSTHROUGH, out_dtype=sum_dtype)
-        out.meta[META_KEY] = NodeInfo(op="getitem", rule=Rule.PASSTHROUGH, out_dtype=norm.out_dtype)
-        norm.sum_node.replace_all_uses_with(summed, delete_user_cb=lambda user: user not in norm.replaced)
-    for cast in norm.output_casts:
-        cast.replace_all_uses_with(cast.args[0])
-    norm.output.replace_all_uses_with(out, delete_user_cb=lambda user: user not in norm.replaced)
+        summed, out = (
+            insert_call(
+                gm,
+                operator.getitem,
+                (fused, index),
+                before=anchor,
+                info=NodeInfo(op="getitem", rule=Rule.PASSTHROUGH, out_dtype=dtype),
+                inherits=source,
+            )
+            for index, dtype in enumerate((sum_dtype, norm.out_dtype))
+        )
+        values[norm.sum_node] = summed
+    values |= {cast: cast.args[0] for cast in norm.output_casts}
+    values[norm.output] = out
     for reshape in norm.retyped:
         node_info(reshape).out_dtype = norm.out_dtype
-    for node in sorted(norm.replaced, key=order.__getitem__, reverse=True):
-        graph.erase_node(node)
+    replace_chain(gm, norm.replaced, values)
 
 
 def fuse_norms(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:

@@ -2,7 +2,8 @@
 
 One description serves both front ends: nodes are matched by their canonical op
 (``node_info(node).op``, set by `normalize_ops`), so ``x.pow(2)``, ``torch.pow(x, 2)``, ``x ** 2``
-and ``aten.pow.Tensor_Scalar`` are all ``pow``. An RMSNorm is::
+and ``aten.pow.Tensor_Scalar`` are all ``pow``. An RMSNorm is (from the squares to ``x * that``
+a pattern of `amp_fx.passes.shared.op_patterns`; around it, casts and parameters walked to)::
 
     x -> [cast up to fp32] -> pow(2) | x * x | square -> mean(-1, keepdim=True) -> + eps
       -> rsqrt | 1 / sqrt | pow(-0.5) -> x * that (or x / sqrt)
@@ -27,27 +28,43 @@ dtypes must say the chain computes in fp32 (so the fused kernel computes the sam
 
 from __future__ import annotations
 
-import builtins
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.fx
 
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.core.node_info import node_info
-from amp_fx.core.op_facts import METADATA_ATTRIBUTES, RESHAPE_OPS, SHAPE_METHODS
 from amp_fx.kernels.arguments import KERNEL_DTYPES
-from amp_fx.ops.casts import cast_if_floating
 from amp_fx.passes.shared.call_nodes import call_argument, is_inplace_call
+from amp_fx.passes.shared.cast_walk import (
+    attribute_under_casts,
+    cast_target,
+    is_dtype_cast,
+    known_dtype,
+    output_readers,
+    under_casts,
+)
 from amp_fx.passes.shared.dtypes import ASSUMED_DTYPE_NOTE, UNKNOWN_INPUT_DTYPE_NOTE
-from amp_fx.passes.shared.op_patterns import is_last_dim, is_number, only_user, read_only_inside, tensor_value
+from amp_fx.passes.shared.op_patterns import (
+    AnyOf,
+    Const,
+    Num,
+    Op,
+    Var,
+    is_last_dim,
+    is_number,
+    match,
+    only_user,
+    read_only_inside,
+    tensor_value,
+    updates_only_its_own,
+)
 
-__all__ = ["NormChain", "cast_target", "match_norm_chain"]
-
-_CONVERSION_METHOD_DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
-# Arguments of aten's to.dtype / to.dtype_layout that leave a cast a plain dtype conversion.
-_PLAIN_CAST_KEYWORDS = {"non_blocking": False, "copy": False, "memory_format": None, "pin_memory": None}
+__all__ = ["NormChain", "match_norm_chain"]
 
 
 @dataclass
@@ -74,22 +91,11 @@ class NormChain:
     replaced: list[torch.fx.Node] = field(default_factory=list)  # erased once rewired
 
 
-def _value_users(node: torch.fx.Node) -> list[torch.fx.Node]:
-    return [u for u in node.users if node_info(u).op not in SHAPE_METHODS | METADATA_ATTRIBUTES]
-
-
 def _dtype(node: torch.fx.Node) -> torch.dtype | None:
-    """The node's floating dtype (None when unknown, not one the fused kernels take, or a model
-    input's assumption). A value computed from a model input whose dtype is assumed is taken as
-    recorded: it reaches a mean (which takes floating tensors only) and at O2 floating inputs are
-    cast to the low dtype at the entry, so its dtype is the recorded one."""
-    if not isinstance(node, torch.fx.Node):
-        return None
-    if {ASSUMED_DTYPE_NOTE, UNKNOWN_INPUT_DTYPE_NOTE} & set(node_info(node).notes):
-        return None
-    dtype = node_info(node).out_dtype
-    if dtype is None and node_info(node).op == "to":
-        dtype = cast_target(node)
+    """The node's dtype where known (`known_dtype`) and one the fused kernels take, else None. A value
+    computed from a model input of assumed dtype is as recorded: it reaches a mean (which takes
+    floating tensors only), and at O2 floating inputs are cast to the low dtype at the entry."""
+    dtype = known_dtype(node)
     return dtype if dtype in KERNEL_DTYPES else None
 
 
@@ -100,84 +106,27 @@ def _operand_dtype(node: torch.fx.Node) -> torch.dtype | None:
     cast at the entry) need not have the dtype assumed for it; an optional input's (maybe None)
     is still unknown."""
     notes = set(node_info(node).notes)
-    if ASSUMED_DTYPE_NOTE in notes and UNKNOWN_INPUT_DTYPE_NOTE not in notes:
-        dtype = node_info(node).out_dtype
-        return dtype if dtype in KERNEL_DTYPES else None
-    return _dtype(node)
+    assumed = ASSUMED_DTYPE_NOTE in notes and UNKNOWN_INPUT_DTYPE_NOTE not in notes
+    dtype = node_info(node).out_dtype if assumed else known_dtype(node)
+    return dtype if dtype in KERNEL_DTYPES else None
 
 
-def _dtype_argument(value: object) -> torch.dtype | None:
-    """A dtype given as a constant, or as ``other.dtype`` (a getattr node) of a known dtype."""
-    if isinstance(value, torch.dtype):
-        return value
-    if (
-        isinstance(value, torch.fx.Node)
-        and value.op == "call_function"
-        and value.target is builtins.getattr
-        and value.args[1:] == ("dtype",)
-    ):
-        return _dtype(value.args[0])
-    return None
-
-
-def cast_target(node: torch.fx.Node) -> torch.dtype | None:
-    """The dtype a plain dtype cast converts to (``x.to(dtype)``, ``x.float()``, ``x.type_as(y)``,
-    ``x.to(y.dtype)``, amp_fx's casts, aten's ``to``), or None for anything else (a device move,
-    a copy, a cast of unknown target).
-
-    >>> gm = torch.fx.symbolic_trace(lambda x: x.to(torch.float16).float())
-    >>> [cast_target(n) for n in gm.graph.nodes if n.op == "call_method"]
-    [torch.float16, torch.float32]
-    """
-    if node_info(node).op not in (None, "to") or not node.args:
-        return None
-    target, rest, kwargs = node.target, node.args[1:], dict(node.kwargs)
-    if node.op == "call_function" and target is cast_if_floating:
-        return rest[0] if rest and isinstance(rest[0], torch.dtype) else None
-    if node.op == "call_method":
-        if target in _CONVERSION_METHOD_DTYPES and not rest and not kwargs:
-            return _CONVERSION_METHOD_DTYPES[target]
-        if target == "type_as" and len(rest) == 1 and not kwargs:
-            return _dtype(rest[0])
-        if target == "to" and len(rest) + len(kwargs) == 1:
-            return _dtype_argument(rest[0] if rest else kwargs.get("dtype"))
-        return None
-    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target._opname == "to":
-        dtype = rest[0] if rest else kwargs.pop("dtype", None)
-        if not isinstance(dtype, torch.dtype) or len(rest) > 1:
-            return None
-        if kwargs.pop("layout", torch.strided) != torch.strided:
-            return None
-        device = kwargs.pop("device", None)
-        value = tensor_value(node.args[0])
-        if device is not None and getattr(value, "device", None) != device:
-            return None
-        plain = all(_PLAIN_CAST_KEYWORDS.get(k, "other") in (v, None) or v is None for k, v in kwargs.items())
-        return dtype if plain else None
-    return None
-
-
-def _strip_casts(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
-    """(the value, the casts up to fp32 or identity casts on the way to ``node``)."""
-    casts = []
-    while node_info(node).op == "to" and node.args and isinstance(node.args[0], torch.fx.Node):
-        target, source = cast_target(node), node.args[0]
-        if target is None or _dtype(source) is None:
-            break
-        if target != _dtype(source) and target != torch.float32:
-            break
-        casts.append(node)
-        node = source
-    return node, casts
+def _up_to_fp32(cast: torch.fx.Node) -> bool:
+    """A cast up to fp32, or to the dtype it reads (an identity cast), of a value of known dtype."""
+    source = _dtype(cast.args[0]) if is_dtype_cast(cast) else None
+    return source is not None and cast_target(cast) in (source, torch.float32)
 
 
 def _is_parameter(node: object) -> bool:
     """A get_attr (a parameter), or a plain cast of one (``self.weight.float()``)."""
-    while isinstance(node, torch.fx.Node) and node.op != "get_attr":
-        if node_info(node).op != "to" or cast_target(node) is None:
-            return False
-        node = node.args[0]
-    return isinstance(node, torch.fx.Node)
+    value, _ = under_casts(node, lambda cast: is_dtype_cast(cast) and cast_target(cast) is not None)
+    return isinstance(value, torch.fx.Node) and value.op == "get_attr"
+
+
+def _kernel_cast(node: torch.fx.Node | None) -> torch.dtype | None:
+    """The dtype a plain cast ``node`` converts to, where the fused kernels write it; else None."""
+    target = cast_target(node) if node is not None and node_info(node).op == "to" else None
+    return target if target in KERNEL_DTYPES else None
 
 
 def _other(node: torch.fx.Node, one: object) -> object:
@@ -193,8 +142,8 @@ def _other(node: torch.fx.Node, one: object) -> object:
 class _Chain:
     """The nodes of one candidate chain, and the checks that they belong to it alone."""
 
-    def __init__(self) -> None:
-        self.nodes: list[torch.fx.Node] = []
+    def __init__(self, nodes: list[torch.fx.Node] | None = None) -> None:
+        self.nodes = list(nodes or [])
 
     def take(self, node: torch.fx.Node) -> torch.fx.Node:
         self.nodes.append(node)
@@ -204,98 +153,60 @@ class _Chain:
         """True when no node of the chain but those handed on has a reader outside it, and none
         updates in place a value something else reads (``x.pow_(2)`` changes what x's readers see;
         ``variance.add_(eps)`` on a variance read once does not)."""
-        if not read_only_inside(self.nodes, handed_on):
-            return False
-        for node in self.nodes:
-            updated = node.args[0] if is_inplace_call(node) and node.args else None
-            if isinstance(updated, torch.fx.Node) and set(updated.users) != {node}:
-                return False
-        return True
+        updates = [node for node in self.nodes if is_inplace_call(node)]
+        return read_only_inside(self.nodes, handed_on) and all(map(updates_only_its_own, updates))
 
 
-def _rms_root(mean: torch.fx.Node, chain: _Chain) -> tuple[torch.fx.Node, torch.fx.Node, float] | None:
-    """From the mean of squares to the normalization: (the squared value, the normalized
-    node, eps), or None."""
+def _exponent(value: float) -> Callable[[torch.fx.Node], bool]:
+    return lambda node: call_argument(node, 1, "exponent") == value
+
+
+def _over_last_dim(mean: torch.fx.Node) -> bool:
+    """A mean over the last dimension, keeping it, in the input's dtype."""
     dim, keepdim = call_argument(mean, 1, "dim"), call_argument(mean, 2, "keepdim", False)
-    if call_argument(mean, 3, "dtype") is not None or keepdim is not True or not is_last_dim(mean, dim):
-        return None
-    squares = mean.args[0]
-    if not isinstance(squares, torch.fx.Node) or _dtype(mean) != torch.float32:
-        return None
-    op = node_info(squares).op
-    exponent = call_argument(squares, 1, "exponent")
-    if op == "pow" and exponent == 2:
-        squared = squares.args[0]
-    elif op == "mul" and len(squares.args) == 2 and squares.args[0] is squares.args[1]:
-        squared = squares.args[0]
-    elif op == "square" and len(squares.args) == 1:
-        squared = squares.args[0]
-    else:
-        return None
-    chain.take(squares)
-    chain.take(mean)
-    add = only_user(mean)
-    if add is None or node_info(add).op != "add":
-        return None
-    eps = _other(add, mean)
-    if not is_number(eps):
-        return None
-    root = only_user(chain.take(add))
-    if root is None:
-        return None
-    root_op = node_info(chain.take(root)).op
-    if root_op == "rsqrt" or (root_op == "pow" and call_argument(root, 1, "exponent") == -0.5):
-        inverse = root
-    elif root_op == "sqrt":
-        user = only_user(root)
-        divides = user is not None and node_info(user).op == "div" and not user.kwargs
-        if divides and user.args[1:] == (root,) and isinstance(user.args[0], torch.fx.Node):
-            return squared, chain.take(user), float(eps)  # x / sqrt(var + eps)
-        if user is not None and node_info(user).op == "reciprocal":
-            inverse = chain.take(user)
-            times_one = only_user(inverse)  # ATen's ``1 / t``: reciprocal(t) * 1
-            if times_one is not None and node_info(times_one).op == "mul" and not times_one.kwargs:
-                one = _other(times_one, inverse)
-                if is_number(one) and one == 1:
-                    inverse = chain.take(times_one)
-        elif divides and user.args[1:] == (root,) and is_number(user.args[0]) and user.args[0] == 1:
-            inverse = chain.take(user)  # 1 / sqrt(var + eps)
-        else:
-            return None
-    else:
-        return None
-    normalize = only_user(inverse)
-    if normalize is None or node_info(normalize).op != "mul" or _other(normalize, inverse) is None:
-        return None
-    return squared, chain.take(normalize), float(eps)
+    return call_argument(mean, 3, "dtype") is None and keepdim is True and is_last_dim(mean, dim)
 
 
-def _normalized_value(normalize: torch.fx.Node, inverse_or_root: torch.fx.Node) -> object:
-    if node_info(normalize).op == "div":
-        return normalize.args[0]
-    return _other(normalize, inverse_or_root)
+_SQUARED = Var("squared")
+_SQUARES = AnyOf(
+    (Op("pow", (_SQUARED,), where=_exponent(2)), Op("mul", (_SQUARED, _SQUARED)), Op("square", (_SQUARED,)))
+)
+_VARIANCE = Op("add", (Op("mean", (_SQUARES,), where=_over_last_dim), Num("eps")), commutative=True)
+_ROOT = Op("sqrt", (_VARIANCE,))
+_INVERSE_ROOT = AnyOf(
+    (
+        Op("rsqrt", (_VARIANCE,)),
+        Op("pow", (_VARIANCE,), where=_exponent(-0.5)),
+        Op("mul", (Op("reciprocal", (_ROOT,)), Const(1.0)), commutative=True),  # ATen's 1 / t
+        Op("reciprocal", (_ROOT,)),
+        Op("div", (Const(1.0), _ROOT)),
+    )
+)
+# ``x * rsqrt(mean(x**2, -1, keepdim=True) + eps)`` as models write it (module docstring).
+_NORMALIZATION = AnyOf(
+    (Op("mul", (Var("scaled"), _INVERSE_ROOT), commutative=True), Op("div", (Var("scaled"), _ROOT)))
+)
 
 
-def _match_rms(mean: torch.fx.Node, gm: torch.fx.GraphModule) -> NormChain | None:
-    chain = _Chain()
-    found = _rms_root(mean, chain)
+def _match_rms(normalize: torch.fx.Node, gm: torch.fx.GraphModule) -> NormChain | None:
+    # In place, ``variance.add_(eps)`` computes what ``variance + eps`` does where nothing else
+    # reads the variance; the chain's other readers are checked once it is whole (`_finish`).
+    found = match(_NORMALIZATION, normalize, gm, casts=None, in_place=True, closed=False)
     if found is None:
         return None
-    squared, normalize, eps = found
-    scaled = _normalized_value(normalize, chain.nodes[-2])
-    if not isinstance(scaled, torch.fx.Node) or not isinstance(squared, torch.fx.Node):
-        return None
-    if _dtype(squared) != torch.float32 or _dtype(normalize) != torch.float32:
+    position = {node: index for index, node in enumerate(gm.graph.nodes)}
+    chain = _Chain(sorted(found.nodes, key=position.__getitem__))  # a path: the squares to normalize
+    squared, scaled, eps = found.inputs["squared"], found.inputs["scaled"], float(found.numbers["eps"])
+    mean = next(node for node in chain.nodes if node_info(node).op == "mean")
+    if not all(_dtype(node) == torch.float32 for node in (mean, squared, normalize)):
         return None
     centered = _centered(squared, scaled)
     if centered is not None:  # both reads are x - mean(x): a LayerNorm written out
-        layer_chain = _Chain()
-        layer_chain.nodes = list(chain.nodes)
-        norm = _match_written_layer_norm(centered, normalize, eps, layer_chain, gm)
+        norm = _match_written_layer_norm(centered, normalize, eps, _Chain(chain.nodes), gm)
         if norm is not None:
             return norm
-    value, casts = _strip_casts(squared)
-    scaled_value, scaled_casts = _strip_casts(scaled)
+    value, casts = under_casts(squared, _up_to_fp32)
+    scaled_value, scaled_casts = under_casts(scaled, _up_to_fp32)
     if value is not scaled_value:
         return None
     norm = NormChain(subtract_mean=False, x=value, eps=eps)
@@ -323,15 +234,14 @@ def _centered(
     if len(centers) != 1:
         return None
     (center,) = centers
-    dim, keepdim = call_argument(center, 1, "dim"), call_argument(center, 2, "keepdim", False)
-    if node_info(center).op != "mean" or not center.args or call_argument(center, 3, "dtype") is not None:
+    if node_info(center).op != "mean" or not center.args or not _over_last_dim(center):
         return None
-    if keepdim is not True or not is_last_dim(center, dim) or _dtype(center) != torch.float32:
+    if _dtype(center) != torch.float32:
         return None
     reads.append(center.args[0])
     if not all(isinstance(r, torch.fx.Node) and _dtype(r) == torch.float32 for r in reads):
         return None
-    stripped = [_strip_casts(r) for r in reads]
+    stripped = [under_casts(r, _up_to_fp32) for r in reads]
     if len({value for value, _ in stripped}) != 1:
         return None
     casts = [cast for _, found in stripped for cast in found]
@@ -342,17 +252,9 @@ def _shape(node: object, gm: torch.fx.GraphModule) -> tuple[int, ...] | None:
     """The shape of a node's value: recorded (``meta["val"]``), or that of the parameter a
     get_attr (through casts) reads; None when unknown."""
     value = tensor_value(node)
-    if value is not None:
-        return tuple(value.shape)
-    while isinstance(node, torch.fx.Node) and node.op != "get_attr" and node_info(node).op == "to":
-        node = node.args[0]
-    if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
-        return None
-    try:
-        attribute = operator.attrgetter(node.target)(gm)
-    except AttributeError:
-        return None
-    return tuple(attribute.shape) if isinstance(attribute, torch.Tensor) else None
+    if value is None:
+        value = attribute_under_casts(node, gm)
+    return tuple(value.shape) if value is not None else None
 
 
 def _affine_parameter(node: torch.fx.Node | None, op: str, previous: torch.fx.Node) -> torch.fx.Node | None:
@@ -381,7 +283,7 @@ def _match_written_layer_norm(
         chain.take(node)
     norm = NormChain(subtract_mean=True, x=x, eps=eps)
     node, user = normalize, only_user(normalize)
-    if user is not None and node_info(user).op == "to" and cast_target(user) == torch.float32:
+    if _kernel_cast(user) == torch.float32:
         node, user = chain.take(user), only_user(user)  # an identity cast (``.to(input_dtype)``)
     weight = _affine_parameter(user, "mul", node)
     if weight is not None:
@@ -392,8 +294,8 @@ def _match_written_layer_norm(
         norm.bias, node = bias, chain.take(user)
         user = only_user(node)
     norm.out_dtype = torch.float32
-    if user is not None and node_info(user).op == "to" and cast_target(user) in KERNEL_DTYPES:
-        node, norm.out_dtype = chain.take(user), cast_target(user)
+    if _kernel_cast(user) is not None:
+        node, norm.out_dtype = chain.take(user), _kernel_cast(user)
     # The width: x's last dimension where recorded, else the parameters'; a parameter of any
     # other shape (per-head weights over a head dimension) broadcasts otherwise than the kernel's.
     x_shape = _shape(x, gm)
@@ -412,9 +314,9 @@ def _rms_tail(node: torch.fx.Node, norm: NormChain, chain: _Chain) -> torch.fx.N
     """The cast, weight and cast after the normalization; returns the chain's last node."""
     product = torch.float32
     user = only_user(node)
-    if user is not None and node_info(user).op == "to" and cast_target(user) in KERNEL_DTYPES:
-        norm.mid_dtype = None if cast_target(user) == torch.float32 else cast_target(user)
-        product = cast_target(user)
+    if _kernel_cast(user) is not None:
+        product = _kernel_cast(user)
+        norm.mid_dtype = None if product == torch.float32 else product
         node = chain.take(user)
         for argument in (*user.args[1:], *user.kwargs.values()):  # ``x.to(other.dtype)``
             if isinstance(argument, torch.fx.Node) and only_user(argument) is user:
@@ -440,15 +342,13 @@ def _rms_tail(node: torch.fx.Node, norm: NormChain, chain: _Chain) -> torch.fx.N
             user = only_user(node)
         elif offset is not None:
             return None
-    if user is not None and node_info(user).op == "to" and cast_target(user) in KERNEL_DTYPES:
-        node = chain.take(user)
-        product = cast_target(user)
+    if _kernel_cast(user) is not None:
+        node, product = chain.take(user), _kernel_cast(user)
     norm.out_dtype = product
     return node
 
 
-@dataclass(frozen=True)
-class _CallForm:
+class _CallForm(NamedTuple):
     """A norm computed by one call: its torch module, the module's parameters, and the function's
     eps (its position, and its value when the call gives none)."""
 
@@ -510,54 +410,34 @@ def _match_norm_call(node: torch.fx.Node, gm: torch.fx.GraphModule, form: _CallF
     norm = _norm_call(node, gm, form)
     if norm is None or not isinstance(norm.x, torch.fx.Node) or _operand_dtype(norm.x) != torch.float32:
         return None
-    chain = _Chain()
-    chain.take(node)
-    last = node
+    chain, last = _Chain([node]), node
     if node_info(node).op == "native_layer_norm":  # (out, mean, rstd): only out may be read
-        users = list(node.users)
-        if len(users) != 1 or users[0].target is not operator.getitem or users[0].args[1] != 0:
+        last = only_user(node)
+        if last is None or last.target is not operator.getitem or last.args[1] != 0:
             return None
-        last = chain.take(users[0])
+        chain.take(last)
     if _dtype(last) != torch.float32:
         return None
     norm.out_dtype = torch.float32
     user = only_user(last)
-    if user is not None and node_info(user).op == "to" and cast_target(user) in KERNEL_DTYPES:
-        last, norm.out_dtype = chain.take(user), cast_target(user)
-    norm.x, casts = _strip_casts(norm.x)
+    if _kernel_cast(user) is not None:
+        last, norm.out_dtype = chain.take(user), _kernel_cast(user)
+    norm.x, casts = under_casts(norm.x, _up_to_fp32)
     return _finish(norm, last, chain, casts)
 
 
-def _cast_readers(node: torch.fx.Node, retyped: list[torch.fx.Node]) -> list[torch.fx.Node] | None:
-    """The casts that read ``node`` (directly or through reshapes, collected in ``retyped``), when
-    every value reader is one; else None."""
-    casts = []
-    for user in _value_users(node):
-        op = node_info(user).op
-        if op == "to" and cast_target(user) is not None:
-            casts.append(user)
-        elif op in RESHAPE_OPS and user.args and user.args[0] is node and not is_inplace_call(user):
-            below = _cast_readers(user, retyped)
-            if below is None:
-                return None
-            retyped.append(user)
-            casts += below
-        else:
-            return None
-    return casts
-
-
 def _take_output_casts(norm: NormChain, last: torch.fx.Node, chain: _Chain) -> None:
-    """Write the output low when every reader casts it to one low dtype."""
-    retyped: list[torch.fx.Node] = []
-    casts = _cast_readers(last, retyped)
-    targets = {cast_target(cast) for cast in casts or ()}
-    if not casts or len(targets) != 1:
+    """Write the output low when every reader (through reshapes, which then reshape the low
+    output) casts it to one low dtype."""
+    readers = output_readers(last)
+    casts = readers.ends
+    targets = {cast_target(cast) if node_info(cast).op == "to" else None for cast in casts}
+    if len(targets) != 1:
         return
     (low,) = targets
     if low not in LOW_PRECISION_DTYPES or norm.out_dtype not in (torch.float32, low):
         return
-    norm.out_dtype, norm.output_casts, norm.retyped = low, casts, retyped
+    norm.out_dtype, norm.output_casts, norm.retyped = low, list(casts), list(readers.reshapes)
     for cast in casts:
         chain.take(cast)
 
@@ -597,8 +477,8 @@ def _finish(
 
 
 def match_norm_chain(node: torch.fx.Node, gm: torch.fx.GraphModule) -> NormChain | None:
-    """The norm chain that ``node`` starts (an RMSNorm's mean of squares, a LayerNorm call), or
-    None when the graph around it is not exactly one (module docstring).
+    """The norm chain whose normalization ``node`` is (an RMSNorm's ``x * rsqrt(...)``, a
+    LayerNorm call), or None when the graph around it is not exactly one (module docstring).
 
     >>> from amp_fx.core.node_info import NodeInfo
     >>> from amp_fx.capture.fx import trace
@@ -611,7 +491,7 @@ def match_norm_chain(node: torch.fx.Node, gm: torch.fx.GraphModule) -> NormChain
     ((4,), '0.weight', torch.float32)
     """
     op = node_info(node).op
-    if op == "mean":
+    if op in ("mul", "div"):
         return _match_rms(node, gm)
     if op in _CALL_FORMS:
         return _match_norm_call(node, gm, _CALL_FORMS[op])

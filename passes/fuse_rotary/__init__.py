@@ -45,18 +45,17 @@ import torch
 import torch.fx
 
 from amp_fx.core.dtypes import dtype_name
-from amp_fx.core.node_info import FX_WRAPPED_KEY, META_KEY, NodeInfo, node_info
+from amp_fx.core.node_info import NodeInfo, node_info
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.rotary import rotary_embedding, rotary_embedding_pair
 from amp_fx.passes.fuse_rotary.rotary_chains import SIZE_OPS, RotaryChain, match_rotary_chain
+from amp_fx.passes.shared.fused_calls import insert_call, replace_chain
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["fuse_rotary"]
 
-# Metadata of the replaced output the fused call keeps (its layer, for checkpoint_regions; its
-# fake value, for passes that read shapes).
-_KEPT_META = ("nn_module_stack", "stack_trace", "val", "tensor_meta")
+_REASON = "fused rotary embedding (fused_rotary)"
 
 
 def _replace(gm: torch.fx.GraphModule, chain: RotaryChain) -> torch.fx.Node:
@@ -68,10 +67,6 @@ def _replace(gm: torch.fx.GraphModule, chain: RotaryChain) -> torch.fx.Node:
         kwargs["rotary_dim"] = chain.rotary_dim
     if chain.dtype is not None:
         kwargs["dtype"] = chain.dtype
-    with gm.graph.inserting_before(last):
-        fused = gm.graph.call_function(rotary_embedding, (chain.x, chain.cos, chain.sin), kwargs)
-    fused.meta.update({key: last.meta[key] for key in _KEPT_META if key in last.meta})
-    fused.meta[FX_WRAPPED_KEY] = True
     out_dtype = node_info(last).out_dtype
     x_dtype = node_info(chain.x).out_dtype
     reads = dtype_name(x_dtype) if x_dtype is not None else "its"
@@ -85,32 +80,40 @@ def _replace(gm: torch.fx.GraphModule, chain: RotaryChain) -> torch.fx.Node:
         f"(amp_fx.ops.rotary.rotary_embedding): reads {reads} {chain.x.name}, computes in float32, "
         f"writes {writes}"
     )
-    fused.meta[META_KEY] = NodeInfo(
-        op="rotary_embedding",
-        rule=Rule.PASSTHROUGH,
-        reason="fused rotary embedding (fused_rotary)",
-        in_dtypes=tuple(node_info(n).out_dtype for n in fused.all_input_nodes),
-        out_dtype=out_dtype,
-        notes=[note],
+    info = NodeInfo(
+        op="rotary_embedding", rule=Rule.PASSTHROUGH, reason=_REASON, out_dtype=out_dtype, notes=[note]
     )
-    last.replace_all_uses_with(fused)
-    _erase_with_their_sizes(gm, chain.nodes)
+    # The output's layer (for checkpoint_regions) and fake value (for passes that read shapes).
+    fused = insert_call(
+        gm,
+        rotary_embedding,
+        (chain.x, chain.cos, chain.sin),
+        kwargs,
+        before=last,
+        info=info,
+        inherits=last,
+        value=last.meta.get("val"),
+        wrapped=True,
+    )
+    replace_chain(gm, _with_unread_sizes(chain.nodes), {last: fused})
     return fused
 
 
-def _erase_with_their_sizes(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> None:
-    """Erase ``nodes`` and the size arithmetic (``x.shape[-1] // 2``) nothing else reads, users first."""
-    pending = set(nodes)
-    pending |= {user for node in nodes for user in node.users if node_info(user).op in SIZE_OPS}
-    pending |= {a for node in nodes for a in node.all_input_nodes if node_info(a).op in SIZE_OPS}
+def _with_unread_sizes(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    """``nodes`` and the size arithmetic (``x.shape[-1] // 2``) that only they read; sizes of the
+    last node, whose readers the fused call takes over, read the call."""
+    sizes = {user for node in nodes[:-1] for user in node.users if node_info(user).op in SIZE_OPS}
+    pending = [a for node in [*nodes, *sizes] for a in node.all_input_nodes if node_info(a).op in SIZE_OPS]
     while pending:
-        free = [node for node in pending if not node.users]
-        if not free:
-            break  # size nodes something else still reads stay (they read no erased node's value)
-        for node in free:
-            pending.discard(node)
-            pending |= {a for a in node.all_input_nodes if node_info(a).op in SIZE_OPS}
-            gm.graph.erase_node(node)
+        node = pending.pop()
+        if node not in sizes:
+            sizes.add(node)
+            pending += [a for a in node.all_input_nodes if node_info(a).op in SIZE_OPS]
+    chain = set(nodes) | sizes
+    # Size nodes something else still reads stay (they read no erased node's value).
+    while kept := {node for node in chain & sizes if any(user not in chain for user in node.users)}:
+        chain -= kept
+    return chain
 
 
 def fuse_rotary(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
@@ -191,26 +194,30 @@ def _merge(
     """One `rotary_embedding_pair` call for ``first`` and ``second``, inserted before ``place``."""
     options = {k: v for k, v in first.kwargs.items() if k != "dtype"}
     dtypes = (first.kwargs.get("dtype"), second.kwargs.get("dtype"))
-    with gm.graph.inserting_before(place):
-        pair = gm.graph.call_function(
-            rotary_embedding_pair,
-            (first.args[0], second.args[0], *first.args[1:]),
-            {**options, "dtypes": dtypes},
-        )
-        outputs = [gm.graph.call_function(operator.getitem, (pair, index)) for index in (0, 1)]
-    pair.meta.update({key: second.meta[key] for key in _KEPT_META if key in second.meta and key != "val"})
-    pair.meta[FX_WRAPPED_KEY] = True
-    if "val" in first.meta and "val" in second.meta:
-        pair.meta["val"] = (first.meta["val"], second.meta["val"])
-    pair.meta[META_KEY] = NodeInfo(
-        op="rotary_embedding",
-        rule=Rule.PASSTHROUGH,
-        reason="fused rotary embedding (fused_rotary)",
-        in_dtypes=tuple(node_info(n).out_dtype for n in pair.all_input_nodes),
-        notes=[f"{first.name} and {second.name} share cos and sin: rotated in one launch each way"],
+    values = (first.meta.get("val"), second.meta.get("val"))
+    note = f"{first.name} and {second.name} share cos and sin: rotated in one launch each way"
+    pair = insert_call(
+        gm,
+        rotary_embedding_pair,
+        (first.args[0], second.args[0], *first.args[1:]),
+        {**options, "dtypes": dtypes},
+        before=place,
+        info=NodeInfo(op="rotary_embedding", rule=Rule.PASSTHROUGH, reason=_REASON, notes=[note]),
+        inherits=second,
+        value=values if None not in values else None,
+        wrapped=True,
     )
+    outputs = [
+        insert_call(
+            gm,
+            operator.getitem,
+            (pair, index),
+            before=place,
+            info=node_info(call),
+            inherits=call,
+            value=call.meta.get("val"),
+        )
+        for index, call in enumerate((first, second))
+    ]
     for call, output in zip((first, second), outputs, strict=True):
-        output.meta.update({key: call.meta[key] for key in _KEPT_META if key in call.meta})
-        output.meta[META_KEY] = node_info(call)
-        call.replace_all_uses_with(output)
-        gm.graph.erase_node(call)
+        replace_chain(gm, [call], {call: output})

@@ -43,11 +43,14 @@ from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.core.node_info import node_info
 from amp_fx.ops.rotary import tables_fit
 from amp_fx.passes.shared.call_nodes import call_argument
+from amp_fx.passes.shared.cast_walk import is_amp_fx_cast, under_casts
 from amp_fx.passes.shared.dtypes import dtype_is_assumed, is_exact_widening
 from amp_fx.passes.shared.op_patterns import (
+    Op,
+    Var,
     call_operands,
-    is_amp_fx_cast,
     is_last_dim,
+    matches,
     only_user,
     read_only_inside,
     tensor_value,
@@ -227,42 +230,36 @@ def _rotated(node: Any, gm: torch.fx.GraphModule) -> _Rotation | None:
     return None
 
 
-def _product(node: Any, gm: torch.fx.GraphModule) -> tuple[torch.fx.Node, torch.fx.Node] | None:
-    operands = call_operands(node, gm, "mul", 2)
-    if operands is None or not all(isinstance(v, torch.fx.Node) for v in operands):
-        return None
-    return operands
+# x * cos + rotate(x) * sin, the products and the sum in any order.
+_ROTARY_SUM = Op(
+    "add",
+    (
+        Op("mul", (Var("x"), Var("cos")), commutative=True),
+        Op("mul", (Var("rotated"), Var("sin")), commutative=True),
+    ),
+    commutative=True,
+)
 
 
 def _match_rotary(add: torch.fx.Node, gm: torch.fx.GraphModule) -> RotaryChain | None:
     """The chain ``x * cos + rotate(x) * sin`` ending at ``add``, or None."""
-    terms = call_operands(add, gm, "add", 2)
-    if terms is None:
-        return None
-    for straight, turned in (terms, terms[::-1]):
-        plain, rotated = _product(straight, gm), _product(turned, gm)
-        if plain is None or rotated is None:
+    for found in matches(_ROTARY_SUM, add, gm, casts=None, closed=False):
+        x, cos, sin = found.inputs["x"], found.inputs["cos"], found.inputs["sin"]
+        rotation = _rotated(found.inputs["rotated"], gm)
+        if rotation is None or rotation[0] is not x or x is cos:
             continue
-        for rot_node, sin in (rotated, rotated[::-1]):
-            match = _rotated(rot_node, gm)
-            if match is None:
-                continue
-            x, interleaved, chunked, nodes = match
-            if x not in plain or plain[0] is plain[1]:
-                continue
-            cos = plain[1] if plain[0] is x else plain[0]
-            replaced = [straight, *nodes, turned, add]
-            return RotaryChain(x, cos, sin, interleaved, chunked, replaced)
+        _, interleaved, chunked, nodes = rotation
+        straight = next(term for term in add.args if set(term.args) == {x, cos})
+        turned = next(term for term in add.args if term is not straight)
+        return RotaryChain(x, cos, sin, interleaved, chunked, [straight, *nodes, turned, add])
     return None
 
 
-def _widened_source(node: Any) -> Any:
-    """The value under amp_fx's exact widening cast ``node`` (the passed-through features of a
-    partial rotary cast to fp32 for the concatenation), else ``node`` itself."""
-    if not is_amp_fx_cast(node):
-        return node
-    source, widened = node_info(node.args[0]).out_dtype, node_info(node).out_dtype
-    return node.args[0] if source is not None and is_exact_widening(source, widened) else node
+def _is_exact_widening_cast(cast: torch.fx.Node) -> bool:
+    """amp_fx's cast of a value to a dtype that holds it exactly (the passed-through features of a
+    partial rotary, cast to fp32 for the concatenation)."""
+    source, widened = node_info(cast.args[0]).out_dtype, node_info(cast).out_dtype
+    return is_amp_fx_cast(cast) and source is not None and is_exact_widening(source, widened)
 
 
 def _extend_to_partial(chain: RotaryChain) -> None:
@@ -275,13 +272,12 @@ def _extend_to_partial(chain: RotaryChain) -> None:
     tensors, dim = _tensors_and_dim(cat) if _op(cat) == "cat" else (None, None)
     if not isinstance(tensors, (list, tuple)) or len(tensors) != 2 or tensors[0] is not add:
         return
-    passed = _widened_source(tensors[1])
+    passed, casts = under_casts(tensors[1], _is_exact_widening_cast)
     rest = _last_dim_slice(passed)
     if start != 0 or step != 1 or r is None or rest is None or rest[0] is not q or rest[1:] != (r, None, 1):
         return
     if not is_last_dim(q, dim):
         return
-    casts = [tensors[1]] if tensors[1] is not passed else []
     chain.nodes = [chain.x, passed, *casts, *chain.nodes, cat]
     chain.x, chain.rotary_dim = q, r
 

@@ -9,11 +9,16 @@ front ends' helpers in `amp_fx.capture` (`tests/test_layers.py` checks both).
 - `dtypes`: the notes on assumed dtypes and which casts are exact;
 - `decisions`: the policy's decision for one node and the storage dtype of every parameter;
 - `casts`: amp_fx's cast nodes, shared or one per user, and the casts a node's ``in_dtypes`` ask for;
+- `cast_walk`: walking dtype casts, the one way every matcher does: the dtype a cast converts to,
+  the value under a chain of casts, the reshapes and casts a value's readers go through;
 - `in_place_updates`: which inputs a node updates in place, through views, and the write-back of
   an update that lands on a cast;
 - `losses`: which cross-entropy calls the fused loss computes, read from either front end's spelling;
+- `fused_calls`: putting a fused call in place of a matched chain, the one way every fusion pass
+  does (the call, its NodeInfo and inherited metadata, the readers rewired, the chain erased);
 - `linear_loss_chains`: a linear head and its cross-entropy, one description for both front ends
-  (the matcher of `fuse_linear_loss` and `fuse_chunked_linear_loss`);
+  (the matcher of `fuse_linear_loss` and `fuse_chunked_linear_loss`), and `linear_loss_calls`,
+  their one replacement of a matched head and loss;
 - `module_regions`: the ops one module computed, cut out of a graph into a submodule
   (`checkpoint_regions`, `shard_regions`);
 - `op_patterns`: expression patterns over canonical op names, matched whole in the graphs of

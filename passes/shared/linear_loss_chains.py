@@ -30,10 +30,10 @@ It matches where the fused ops compute exactly what the graph does:
   smoothing, a mean, sum or no reduction, an int ignore_index.
 - A logit scale is a Python number whose product over the chain is a power of two, at most 1
   (`LinearLoss.scale`): the fused call reads ``h * scale`` and ``b * scale``
-  (`scaled_head_arguments`), whose rounding to fp16/bf16 scales exactly as the logits' would
-  (barring subnormals), so its logits are the graph's. Any other scale (one that rounds, one
-  above 1, which could overflow fp16 hidden states the graph never scales, a tensor, or one of
-  the log-probabilities) is left alone.
+  (`amp_fx.passes.shared.linear_loss_calls.head_arguments`), whose rounding to fp16/bf16 scales
+  exactly as the logits' would (barring subnormals), so its logits are the graph's. Any other
+  scale (one that rounds, one above 1, which could overflow fp16 hidden states the graph never
+  scales, a tensor, or one of the log-probabilities) is left alone.
 - A softcap ("final logit softcapping": ``c * tanh(x / c)``) is recorded as `LinearLoss.softcap`:
   a fused op computes it in float32 (`chunked_linear_cross_entropy`'s ``softcap``), where the graph
   rounds after each of its three steps, so it fuses only where a pass takes that; a tanh without
@@ -70,14 +70,13 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 from torch import nn
-from torch.fx.node import map_arg
 
 from amp_fx.core.node_info import node_info
 from amp_fx.core.op_facts import METADATA_ATTRIBUTES, RESHAPE_OPS, SHAPE_METHODS
-from amp_fx.core.policy import Rule
 from amp_fx.ops.cross_entropy import fp32_cross_entropy
 from amp_fx.ops.module_hooks import has_forward_hooks
-from amp_fx.passes.shared.call_nodes import call_argument, is_inplace_call
+from amp_fx.passes.shared.call_nodes import call_argument
+from amp_fx.passes.shared.cast_walk import attribute_under_casts, is_dtype_cast
 from amp_fx.passes.shared.dtypes import is_exact_widening
 from amp_fx.passes.shared.losses import (
     cross_entropy_call_arguments,
@@ -87,15 +86,9 @@ from amp_fx.passes.shared.losses import (
     nll_loss_call_arguments,
 )
 from amp_fx.passes.shared.module_regions import module_paths
-from amp_fx.passes.shared.op_patterns import is_number, tensor_value
+from amp_fx.passes.shared.op_patterns import AnyOf, Match, Num, Op, Pattern, Var, match, tensor_value
 
-__all__ = [
-    "LinearLoss",
-    "erase_head_and_loss",
-    "head_parameter_nodes",
-    "match_linear_loss",
-    "scaled_head_arguments",
-]
+__all__ = ["LinearLoss", "match_linear_loss"]
 
 # Ops that pass the logits on unchanged in value and row order (a widening cast included).
 _CHAIN_OPS = RESHAPE_OPS | {"alias", "to"}
@@ -113,7 +106,8 @@ class LinearLoss:
     arguments: dict[str, Any]  # F.cross_entropy's parameters by name
     head: torch.fx.Node  # the linear call
     input: torch.fx.Node  # the head's input, (*, d)
-    # Nodes, or the qualified names of a plain nn.Linear's parameters (`head_parameter_nodes`).
+    # Nodes, or the qualified names of a plain nn.Linear's parameters (read by the fused call's
+    # `amp_fx.passes.shared.linear_loss_calls.head_arguments`).
     weight: torch.fx.Node | str
     bias: torch.fx.Node | str | None
     # The head, every cast, view and log_softmax of its logits and the size reads only they use,
@@ -171,17 +165,9 @@ def _classes_of(gm: torch.fx.GraphModule, weight: torch.fx.Node) -> int | None:
     """The first dimension of the head's weight: from the captured value, else from the parameter
     that the weight node reads, through casts; None when unknown."""
     value = tensor_value(weight)
-    if value is not None and value.dim() == 2:
-        return int(value.shape[0])
-    while node_info(weight).op == "to" and weight.args and isinstance(weight.args[0], torch.fx.Node):
-        weight = weight.args[0]
-    if weight.op == "get_attr":
-        tensor = gm
-        for name in str(weight.target).split("."):
-            tensor = getattr(tensor, name, None)
-        if isinstance(tensor, torch.Tensor) and tensor.dim() == 2:
-            return int(tensor.shape[0])
-    return None
+    if value is None or value.dim() != 2:
+        value = attribute_under_casts(weight, gm)
+    return int(value.shape[0]) if value is not None and value.dim() == 2 else None
 
 
 def _recorded_shape(node: torch.fx.Node) -> tuple[Any, ...] | None:
@@ -291,25 +277,28 @@ def _keeps_values_in_float32(cast: torch.fx.Node) -> bool:
     return source == torch.float32 or (source is not None and is_exact_widening(source, torch.float32))
 
 
-def _constant_factor(node: Any) -> float | None:
-    """The factor of ``x * c``, ``c * x`` or ``x / c`` (c a nonzero Python number), else None."""
-    if not isinstance(node, torch.fx.Node):
-        return None
-    op = node_info(node).op
-    if op not in ("mul", "div") or len(node.args) != 2 or node.kwargs or is_inplace_call(node):
-        return None
-    value, constant = node.args
-    if op == "mul" and not isinstance(value, torch.fx.Node):
-        value, constant = constant, value
-    if not isinstance(value, torch.fx.Node) or not is_number(constant) or constant == 0:
-        return None
-    return 1.0 / constant if op == "div" else float(constant)
+def _scaled(x: Pattern) -> Pattern:
+    """``x * c``, ``c * x`` or ``x / c``, c a Python number (see `_factor`)."""
+    return AnyOf((Op("mul", (x, Num("factor")), commutative=True), Op("div", (x, Num("divisor")))))
 
 
-def _scale_factor(node: torch.fx.Node) -> float | None:
-    """The factor of a logit-scale step (``x * c``, ``c * x``, ``x / c``, c a Python number) when
-    it is a power of two; else None."""
-    factor = _constant_factor(node)
+_LOGIT_SCALE = _scaled(Var("logits"))
+# ``c * tanh(x / c)``, casts to float dtypes between its steps.
+_SOFTCAP = Op("mul", (Op("tanh", (_scaled(Var("x")),)), Num("cap")), commutative=True)
+
+
+def _factor(found: Match) -> float | None:
+    """The factor a matched scale multiplies by (None for a division by 0)."""
+    divisor = found.numbers.get("divisor")
+    if divisor is None:
+        return float(found.numbers["factor"])
+    return 1.0 / divisor if divisor != 0 else None
+
+
+def _scale_factor(gm: torch.fx.GraphModule, node: torch.fx.Node) -> float | None:
+    """The factor of a logit-scale step when it is a power of two; else None."""
+    found = match(_LOGIT_SCALE, node, gm, casts=None)
+    factor = _factor(found) if found is not None else None
     return factor if factor is not None and _is_power_of_two(factor) else None
 
 
@@ -322,49 +311,29 @@ class _Softcap:
     input: torch.fx.Node
 
 
-def _through_float_casts(node: Any, steps: list[torch.fx.Node]) -> Any:
-    """The value ``node`` casts, through casts to float dtypes (appended to ``steps``)."""
-    while (
-        isinstance(node, torch.fx.Node)
-        and node_info(node).op == "to"
-        and _is_float(node_info(node).out_dtype)
-        and node.args
-        and isinstance(node.args[0], torch.fx.Node)
-    ):
-        steps.append(node)
-        node = node.args[0]
-    return node
+def _is_float_cast(node: torch.fx.Node) -> bool:
+    return is_dtype_cast(node) and _is_float(node_info(node).out_dtype)
 
 
 def _is_float(dtype: Any) -> bool:
     return isinstance(dtype, torch.dtype) and dtype.is_floating_point
 
 
-def _softcap_ending_at(node: torch.fx.Node) -> _Softcap | None:
-    """The softcap whose ``* c`` is ``node``: ``x / c`` (or ``x * (1/c)``), tanh, ``* c`` with the
-    same positive c, casts to float dtypes between, each read by the next alone; else None."""
-    cap = _constant_factor(node)
-    if node_info(node).op != "mul" or cap is None or not 0 < cap < math.inf:
+def _softcap_ending_at(gm: torch.fx.GraphModule, node: torch.fx.Node) -> _Softcap | None:
+    """The softcap whose ``* c`` is ``node``, with the same positive c (up to the rounding of a
+    ``1/c``), every step of a float dtype and read by the next alone; else None."""
+    found = match(_SOFTCAP, node, gm, casts=_is_float_cast)
+    if found is None or not 0 < found.numbers["cap"] < math.inf:
         return None
-    steps = [node]
-    tanh = _through_float_casts(_logits_read(node), steps)
-    if not isinstance(tanh, torch.fx.Node) or node_info(tanh).op != "tanh":
-        return None
-    if len(tanh.args) != 1 or tanh.kwargs or not isinstance(tanh.args[0], torch.fx.Node):
-        return None
-    steps.append(tanh)
-    divide = _through_float_casts(tanh.args[0], steps)
-    factor = _constant_factor(divide)
+    cap, factor = float(found.numbers["cap"]), _factor(found)
     # x * (1/c) holds 1/c rounded to a float: equal to c's reciprocal up to that rounding.
     if factor is None or not math.isclose(factor * cap, 1.0, rel_tol=4 * sys.float_info.epsilon, abs_tol=0.0):
         return None
-    steps.append(divide)
+    position = {step: index for index, step in enumerate(node.graph.nodes)}
+    steps = sorted(found.nodes, key=position.__getitem__)
     if not all(_is_float(node_info(step).out_dtype) for step in steps):
         return None
-    # The steps before the last are read by the next alone: the call computes none of them.
-    if any(set(step.users) != {later} for later, step in zip(steps, steps[1:], strict=False)):
-        return None
-    return _Softcap(cap, steps[::-1], _logits_read(divide))
+    return _Softcap(cap, steps, _logits_read(steps[0]))
 
 
 def _is_power_of_two(factor: float) -> bool:
@@ -391,14 +360,14 @@ def _chain_to_head(
     while (arguments := _head_arguments(gm, node)) is None:
         if not isinstance(node, torch.fx.Node):
             return None
-        if (found := _softcap_ending_at(node)) is not None:
+        if (found := _softcap_ending_at(gm, node)) is not None:
             if softcap is not None:
                 return None  # two caps: not the one the fused op computes
             softcap = found
             path.extend(reversed(found.steps))
             node = found.input
             continue
-        if _scale_factor(node) is None and (
+        if _scale_factor(gm, node) is None and (
             node_info(node).op not in _CHAIN_OPS | {"log_softmax"}
             or not node.args
             or not isinstance(node.args[0], torch.fx.Node)
@@ -489,59 +458,13 @@ def match_linear_loss(
     if removed is None:
         return None
     nodes, returned = removed
-    scales = [step for step in path if step not in softcap_steps and _scale_factor(step) is not None]
+    scales = [step for step in path if step not in softcap_steps and _scale_factor(gm, step) is not None]
     # The fused op scales the logits before the cap (it reads h * scale): none may follow it.
     if softcap is not None and any(path.index(step) > path.index(softcap.steps[-1]) for step in scales):
         return None
-    scale = math.prod(_scale_factor(step) for step in scales)
+    scale = math.prod(_scale_factor(gm, step) for step in scales)
     # Scaling up could overflow the fp16 hidden states where the graph scales fp32 logits.
     if not _is_power_of_two(scale) or scale > 1.0:
         return None
     cap = None if softcap is None else softcap.cap
     return LinearLoss(loss, arguments, head, input, weight, bias, nodes, returned, scale, cap)
-
-
-def head_parameter_nodes(
-    graph: torch.fx.Graph, match: LinearLoss
-) -> tuple[torch.fx.Node, torch.fx.Node | None]:
-    """The head's weight and bias as nodes, reading a module's parameters with new get_attr nodes
-    (inserted where the graph's insertion point is), typed as the head computes."""
-    nodes = []
-    for value in (match.weight, match.bias):
-        if isinstance(value, str):
-            value = graph.get_attr(value)
-            node_info(value).out_dtype = node_info(match.head).out_dtype
-        nodes.append(value)
-    return nodes[0], nodes[1]
-
-
-def scaled_head_arguments(
-    graph: torch.fx.Graph, match: LinearLoss, bias: torch.fx.Node | None
-) -> tuple[torch.fx.Node, torch.fx.Node | None]:
-    """The head's input and ``bias`` (its node, `head_parameter_nodes`) times the chain's logit
-    scale, inserted where the graph's insertion point is (``(h @ W.T + b) * c`` is
-    ``(h * c) @ W.T + b * c``), or themselves when there is none: what a fused call reads."""
-    if match.scale == 1.0:
-        return match.input, bias
-    return _scaled(graph, match, match.input), None if bias is None else _scaled(graph, match, bias)
-
-
-def _scaled(graph: torch.fx.Graph, match: LinearLoss, value: torch.fx.Node) -> torch.fx.Node:
-    scaled = graph.call_function(operator.mul, (value, match.scale))
-    info = node_info(scaled)
-    info.op, info.rule = "mul", Rule.PASSTHROUGH
-    info.in_dtypes, info.out_dtype = (node_info(value).out_dtype,), node_info(value).out_dtype
-    info.notes.append(f"the logit scale {match.scale:g} of the fused head, applied to its arguments (exact)")
-    for key in ("nn_module_stack", "stack_trace"):
-        if key in match.head.meta:
-            scaled.meta[key] = match.head.meta[key]
-    return scaled
-
-
-def erase_head_and_loss(graph: torch.fx.Graph, match: LinearLoss, output: torch.fx.Node) -> None:
-    """Erase the loss and every node it replaced, once its readers read the fused call; logits the
-    output returned become None there."""
-    dropped = set(match.removed)
-    output.args = map_arg(output.args, lambda node: None if node in dropped else node)
-    for node in reversed([*match.removed, match.loss]):
-        graph.erase_node(node)

@@ -27,7 +27,7 @@ from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from amp_fx.passes.shared.call_nodes import is_inplace_call
 
-__all__ = ["module_paths", "computed_by_module_of", "cut_module_regions"]
+__all__ = ["module_paths", "cut_module_regions"]
 
 _COMPUTING = ("call_function", "call_method", "call_module")
 
@@ -37,25 +37,6 @@ def module_paths(node: torch.fx.Node) -> list[str]:
     module itself is ``""``); empty for a node the passes added."""
     stack = node.meta.get("nn_module_stack") or {}
     return [path for path, _ in stack.values()]
-
-
-def computed_by_module_of(node: torch.fx.Node, source: torch.fx.Node) -> None:
-    """Record ``node`` (a call a pass made) as computed by the module that computed ``source``.
-
-    A fused call that reads a module's parameters belongs to that module's region: one that
-    replaces a language model's head and its loss is the head's (the loss reads no parameters),
-    so that FSDP2 gathers the head's weight around it (`shard_regions`). Without a module of its
-    own, a node joins its users' region, which for a loss is the model's.
-
-    >>> graph = torch.fx.Graph()
-    >>> head, fused = graph.placeholder("head"), graph.placeholder("fused")
-    >>> head.meta["nn_module_stack"] = {"lm_head": ("lm_head", torch.nn.Linear)}
-    >>> computed_by_module_of(fused, head)
-    >>> module_paths(fused)
-    ['lm_head']
-    """
-    if "nn_module_stack" in source.meta:
-        node.meta["nn_module_stack"] = dict(source.meta["nn_module_stack"])
 
 
 def _region_keys(

@@ -3,21 +3,24 @@ ends.
 
 A pattern is a tree of `Op` (a call whose canonical op name, ``node_info(node).op`` from
 `normalize_ops`, is given, with sub-patterns for its operands), `Const` (a Python number, equal
-in float32), `Var` (any value, the same node wherever the name recurs) and `AnyOf`
-(alternatives). ``torch.tanh(x)``, ``x.tanh()``, ``nn.Tanh()(x)`` and ``aten.tanh.default(x)`` are
-all ``Op("tanh", (x,))``; a commutative op matches its operands in either order, so ``0.5 * x``
-(torch.fx records ``mul(0.5, x)``) and ATen's ``mul(x, 0.5)`` are one pattern. Casts amp_fx
-inserted (``node_info(node).is_cast``) are looked through: inside the pattern they belong to the
-match, at a `Var` they are the input's casts.
+in float32), `Num` (any Python number, bound to a name), `Var` (any value, the same node wherever
+the name recurs) and `AnyOf` (alternatives). ``torch.tanh(x)``, ``x.tanh()``, ``nn.Tanh()(x)``
+and ``aten.tanh.default(x)`` are all ``Op("tanh", (x,))``; a commutative op matches its operands
+in either order, so ``0.5 * x`` (torch.fx records ``mul(0.5, x)``) and ATen's ``mul(x, 0.5)`` are
+one pattern. Casts amp_fx inserted (``node_info(node).is_cast``) are looked through: inside the
+pattern they belong to the match, at a `Var` they are the input's casts (a matcher may name other
+casts, or none).
 
-`match` returns a `Match` (the nodes of the expression, the bound inputs) only when the whole
-expression is there and nothing outside it reads a value inside it (the root aside): a replacement
-never leaves half an expression behind.
+`match` returns a `Match` (the nodes of the expression, the bound inputs and numbers) only when
+the whole expression is there and nothing outside it reads a value inside it (the root aside): a
+replacement never leaves half an expression behind. A matcher whose chain goes on past the
+pattern asks for every match (`matches`) and checks the readers of the whole chain itself.
 
-The node facts the matchers written by hand (`amp_fx.passes.fuse_norms.norm_chains`,
-`amp_fx.passes.fuse_rotary.rotary_chains`) share with this one live here too: `call_operands` (a call
-of one op on its operands alone), `is_amp_fx_cast`, `only_user`, `read_only_inside`,
-`is_last_dim`, `tensor_value` and `is_number`.
+The node facts the parts of matchers written by hand (`amp_fx.passes.fuse_norms.norm_chains`,
+`amp_fx.passes.fuse_rotary.rotary_chains`, `amp_fx.passes.shared.linear_loss_chains`) share with
+patterns live here too: `call_operands` (a call of one op on its operands alone), `only_user`,
+`read_only_inside`, `updates_only_its_own`, `is_last_dim`, `tensor_value` and `is_number`; the
+casts they all walk through, `amp_fx.passes.shared.cast_walk`.
 
     >>> gm = torch.fx.symbolic_trace(lambda x, y: torch.sigmoid(x) * y)
     >>> from amp_fx.passes.normalize_ops import normalize_ops
@@ -40,6 +43,7 @@ from torch import nn
 from amp_fx.core.node_info import node_info
 from amp_fx.ops.module_hooks import has_forward_hooks
 from amp_fx.passes.shared.call_nodes import is_inplace_call
+from amp_fx.passes.shared.cast_walk import is_amp_fx_cast, under_casts
 
 __all__ = [
     "AnyOf",
@@ -47,17 +51,19 @@ __all__ = [
     "CallForm",
     "Const",
     "Match",
+    "Num",
     "Op",
     "Pattern",
     "Var",
     "call_operands",
-    "is_amp_fx_cast",
     "is_last_dim",
     "is_number",
     "match",
+    "matches",
     "only_user",
     "read_only_inside",
     "tensor_value",
+    "updates_only_its_own",
 ]
 
 
@@ -76,15 +82,27 @@ class Const:
 
 
 @dataclasses.dataclass(frozen=True)
+class Num:
+    """Any Python number (not a bool), bound to its name: every occurrence of the name must be the
+    same number (an eps, a softcap)."""
+
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Op:
     """A call of canonical op ``op`` on ``operands`` (positional, in order unless ``commutative``)
     with ``keywords``: the values its keyword parameters must have (see `CALL_FORMS`; a parameter
-    not given here must have its default). In-place calls never match."""
+    not given here must have its default). Or, with ``where``, a function or method call whose
+    other arguments (positional or by keyword) pass that check instead: ``mean(x, -1, True)``,
+    ``mean(x, [-1], keepdim=True)`` and ``mean(x, dim=2, keepdim=True)`` of a 3-D x all average
+    over the last dimension. In-place calls match only where `match` lets them."""
 
     op: str
     operands: tuple[Pattern, ...]
     commutative: bool = False
     keywords: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    where: Callable[[torch.fx.Node], bool] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +112,7 @@ class AnyOf:
     alternatives: tuple[Pattern, ...]
 
 
-Pattern = Var | Const | Op | AnyOf
+Pattern = Var | Num | Const | Op | AnyOf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,14 +136,15 @@ CALL_FORMS: dict[str, CallForm] = {
 
 @dataclasses.dataclass(frozen=True)
 class Match:
-    """A matched expression: ``nodes``, every node it replaces (the root and amp_fx's casts inside
-    included); ``inputs``, each `Var`'s node; ``input_casts``, amp_fx's casts of the inputs that the
-    expression read (they may have other readers)."""
+    """A matched expression: ``nodes``, every node it replaces (the root and the casts inside
+    included); ``inputs``, each `Var`'s node; ``input_casts``, the casts of the inputs that the
+    expression read (they may have other readers); ``numbers``, each `Num`'s number."""
 
     root: torch.fx.Node
     nodes: frozenset[torch.fx.Node]
     inputs: Mapping[str, torch.fx.Node]
     input_casts: frozenset[torch.fx.Node]
+    numbers: Mapping[str, int | float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +152,13 @@ class _State:
     inputs: Mapping[str, torch.fx.Node]
     nodes: frozenset[torch.fx.Node]
     input_casts: frozenset[torch.fx.Node]
+    numbers: Mapping[str, int | float]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rules:
+    casts: Callable[[torch.fx.Node], bool] | None  # the casts looked through
+    in_place: bool  # in-place calls of a value read by them alone match
 
 
 def is_number(value: object) -> bool:
@@ -202,36 +228,31 @@ def read_only_inside(
     return all(reads(user) for node in inside.difference(handed_on) for user in node.users)
 
 
-def is_amp_fx_cast(node: Any) -> bool:
-    """A cast amp_fx inserted (``node_info(node).is_cast``) of a node; a model's own casts are not.
+def updates_only_its_own(node: torch.fx.Node) -> bool:
+    """Whether a call that updates its first argument in place updates a value nothing else
+    reads: it then computes what the call that is not in place would (``variance.add_(eps)``).
 
-    >>> x, cast, _ = torch.fx.symbolic_trace(lambda x: x.float()).graph.nodes
-    >>> is_amp_fx_cast(cast)
-    False
+    >>> x, exp, add, _ = torch.fx.symbolic_trace(lambda x: x.exp().add_(1)).graph.nodes
+    >>> updates_only_its_own(add)
+    True
     """
-    return (
-        isinstance(node, torch.fx.Node)
-        and node_info(node).is_cast
-        and bool(node.args)
-        and isinstance(node.args[0], torch.fx.Node)
-    )
-
-
-def _through_casts(value: Any) -> tuple[Any, tuple[torch.fx.Node, ...]]:
-    """The value beneath amp_fx's casts of it, and those casts."""
-    casts: list[torch.fx.Node] = []
-    while is_amp_fx_cast(value):
-        casts.append(value)
-        value = value.args[0]
-    return value, tuple(casts)
+    updated = node.args[0] if node.args else None
+    return not isinstance(updated, torch.fx.Node) or set(updated.users) == {node}
 
 
 def call_operands(
-    node: Any, gm: torch.fx.GraphModule, op: str, count: int, keywords: Mapping[str, Any] | None = None
+    node: Any,
+    gm: torch.fx.GraphModule,
+    op: str,
+    count: int,
+    keywords: Mapping[str, Any] | None = None,
+    *,
+    in_place: bool = False,
 ) -> tuple[Any, ...] | None:
     """``node``'s ``count`` operands when it is a call of canonical op ``op`` on them, not in
-    place, with ``keywords``' values for the op's keyword parameters (`CALL_FORMS`; any other at
-    its default) and nothing else; else None.
+    place (or, with ``in_place``, in place on a value only it reads), with ``keywords``' values
+    for the op's keyword parameters (`CALL_FORMS`; any other at its default) and nothing else;
+    else None.
 
     >>> from amp_fx.passes.normalize_ops import normalize_ops
     >>> gm = normalize_ops(torch.fx.symbolic_trace(lambda x: x.neg() * 2))
@@ -239,7 +260,9 @@ def call_operands(
     >>> call_operands(mul, gm, "mul", 2)[1], call_operands(mul, gm, "add", 2)
     (2, None)
     """
-    if not isinstance(node, torch.fx.Node) or node_info(node).op != op or is_inplace_call(node):
+    if not isinstance(node, torch.fx.Node) or node_info(node).op != op:
+        return None
+    if is_inplace_call(node) and not (in_place and updates_only_its_own(node)):
         return None
     keywords = keywords or {}
     form = CALL_FORMS.get(op, CallForm())
@@ -267,11 +290,26 @@ def call_operands(
     return tuple(node.args[:count])
 
 
-def _match(pattern: Pattern, value: Any, state: _State, gm: torch.fx.GraphModule) -> Iterator[_State]:
+def _operands(
+    node: torch.fx.Node, gm: torch.fx.GraphModule, pattern: Op, rules: _Rules
+) -> tuple[Any, ...] | None:
+    count = len(pattern.operands)
+    if pattern.where is None:
+        return call_operands(node, gm, pattern.op, count, pattern.keywords, in_place=rules.in_place)
+    if node_info(node).op != pattern.op or node.op not in ("call_function", "call_method"):
+        return None
+    if is_inplace_call(node) and not (rules.in_place and updates_only_its_own(node)):
+        return None
+    return tuple(node.args[:count]) if len(node.args) >= count and pattern.where(node) else None
+
+
+def _match(
+    pattern: Pattern, value: Any, state: _State, gm: torch.fx.GraphModule, rules: _Rules
+) -> Iterator[_State]:
     """Every way ``value`` matches ``pattern`` given ``state``, each as the state after it."""
     if isinstance(pattern, AnyOf):
         for alternative in pattern.alternatives:
-            yield from _match(alternative, value, state, gm)
+            yield from _match(alternative, value, state, gm, rules)
         return
     if isinstance(pattern, Const):
         if is_number(value):
@@ -279,19 +317,25 @@ def _match(pattern: Pattern, value: Any, state: _State, gm: torch.fx.GraphModule
             if wide[0] == wide[1]:
                 yield state
         return
-    base, casts = _through_casts(value)
+    if isinstance(pattern, Num):
+        bound = state.numbers.get(pattern.name)
+        if is_number(value) and (bound is None or bound == value):
+            yield dataclasses.replace(state, numbers={**state.numbers, pattern.name: value})
+        return
+    base, casts = under_casts(value, rules.casts) if rules.casts is not None else (value, [])
     if not isinstance(base, torch.fx.Node):
         return
     if isinstance(pattern, Var):
         bound = state.inputs.get(pattern.name)
         if bound is None:
-            yield _State({**state.inputs, pattern.name: base}, state.nodes, state.input_casts | set(casts))
+            inputs = {**state.inputs, pattern.name: base}
+            yield dataclasses.replace(state, inputs=inputs, input_casts=state.input_casts | set(casts))
         elif bound is base:
             yield dataclasses.replace(state, input_casts=state.input_casts | set(casts))
         return
     if base in state.nodes:
         return  # an expression is a tree of nodes: no node twice
-    operands = call_operands(base, gm, pattern.op, len(pattern.operands), pattern.keywords)
+    operands = _operands(base, gm, pattern, rules)
     if operands is None:
         return
     inner = dataclasses.replace(state, nodes=state.nodes | {base, *casts})
@@ -299,23 +343,67 @@ def _match(pattern: Pattern, value: Any, state: _State, gm: torch.fx.GraphModule
     if pattern.commutative and len(operands) == 2 and operands[0] is not operands[1]:
         orders.append(operands[::-1])
     for order in orders:
-        yield from _match_all(pattern.operands, order, inner, gm)
+        yield from _match_all(pattern.operands, order, inner, gm, rules)
 
 
 def _match_all(
-    patterns: tuple[Pattern, ...], values: tuple[Any, ...], state: _State, gm: torch.fx.GraphModule
+    patterns: tuple[Pattern, ...],
+    values: tuple[Any, ...],
+    state: _State,
+    gm: torch.fx.GraphModule,
+    rules: _Rules,
 ) -> Iterator[_State]:
     if not patterns:
         yield state
         return
-    for after_first in _match(patterns[0], values[0], state, gm):
-        yield from _match_all(patterns[1:], values[1:], after_first, gm)
+    for after_first in _match(patterns[0], values[0], state, gm, rules):
+        yield from _match_all(patterns[1:], values[1:], after_first, gm, rules)
 
 
-def match(pattern: Pattern, root: torch.fx.Node, gm: torch.fx.GraphModule) -> Match | None:
-    """``root`` as the value of ``pattern``, or None: the first complete match in which nothing
-    outside the expression reads a node inside it (the root's own readers aside), and no input is
-    a node of the expression.
+def matches(
+    pattern: Pattern,
+    root: torch.fx.Node,
+    gm: torch.fx.GraphModule,
+    *,
+    casts: Callable[[torch.fx.Node], bool] | None = is_amp_fx_cast,
+    in_place: bool = False,
+    closed: bool = True,
+) -> Iterator[Match]:
+    """Every match of ``pattern`` whose value is ``root``, in the order of its alternatives and
+    operand orders: no input is a node of the expression and, where ``closed``, nothing outside
+    the expression reads a node inside it (the root's own readers aside). ``casts``: the casts
+    looked through (default amp_fx's; None for none); ``in_place``: in-place calls match where
+    the value they update is read by them alone.
+
+    >>> from amp_fx.passes.normalize_ops import normalize_ops
+    >>> gm = normalize_ops(torch.fx.symbolic_trace(lambda x, y: x * (y + 2)))
+    >>> root = list(gm.graph.nodes)[-2]
+    >>> pattern = Op("mul", (Var("a"), Op("add", (Var("b"), Num("c")))), commutative=True)
+    >>> [(m.inputs["a"].name, m.numbers["c"]) for m in matches(pattern, root, gm)]
+    [('x', 2)]
+    """
+    if casts is not None and under_casts(root, casts)[1]:
+        return  # the expression's value is its root's; a cast there is the reader's
+    rules = _Rules(casts, in_place)
+    for state in _match(pattern, root, _State({}, frozenset(), frozenset(), {}), gm, rules):
+        inside = state.nodes
+        if closed and not read_only_inside(inside, handed_on=(root,)):
+            continue
+        if any(node in inside for node in state.inputs.values()):
+            continue
+        yield Match(root, inside, dict(state.inputs), state.input_casts - inside, dict(state.numbers))
+
+
+def match(
+    pattern: Pattern,
+    root: torch.fx.Node,
+    gm: torch.fx.GraphModule,
+    *,
+    casts: Callable[[torch.fx.Node], bool] | None = is_amp_fx_cast,
+    in_place: bool = False,
+    closed: bool = True,
+) -> Match | None:
+    """``root`` as the value of ``pattern``, or None: the first of its `matches`.
 
     Example:
         >>> gm = torch.fx.symbolic_trace(lambda x: torch.tanh(x) * 2.0)
@@ -326,13 +414,4 @@ def match(pattern: Pattern, root: torch.fx.Node, gm: torch.fx.GraphModule) -> Ma
         >>> match(Op("mul", (Op("tanh", (Var("x"),)), Const(3.0))), root, gm) is None
         True
     """
-    if is_amp_fx_cast(root):
-        return None  # the expression's value is its root's; a cast there is the reader's
-    for state in _match(pattern, root, _State({}, frozenset(), frozenset()), gm):
-        inside = state.nodes
-        if not read_only_inside(inside, handed_on=(root,)):
-            continue
-        if any(node in inside for node in state.inputs.values()):
-            continue
-        return Match(root, inside, dict(state.inputs), state.input_casts - inside)
-    return None
+    return next(matches(pattern, root, gm, casts=casts, in_place=in_place, closed=closed), None)
