@@ -34,6 +34,9 @@ _EXPORTS = {
     "fp32_cross_entropy": "amp_fx.ops.cross_entropy",
     "master_state_dict": "amp_fx.training.saving",
     "CudaGraphStep": "amp_fx.training.cuda_graph_step",
+    "watch": "amp_fx.inspect.ranges",
+    "watching": "amp_fx.inspect.ranges",
+    "RangeWatch": "amp_fx.inspect.ranges",
 }
 _SUBMODULES = {
     "optim", "testing", "amp", "passes", "kernels", "core", "ops", "capture", "training", "inspect"

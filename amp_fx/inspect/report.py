@@ -60,10 +60,11 @@ from typing import Any
 import torch
 import torch.fx
 
-from amp_fx.capture.captured_model import CapturedModel, capture_states
+from amp_fx.capture.captured_model import capture_states
 from amp_fx.core.dtypes import short_dtype_name
 from amp_fx.core.node_info import META_KEY, ORIGINAL_CODE_KEY, POLICY_KEY, NodeInfo
 from amp_fx.inspect.dot import write_dot
+from amp_fx.inspect.graphs import labelled_graphs
 from amp_fx.inspect.report_rows import InputCast, NodeRow, ParameterRow, _dtype_str
 from amp_fx.inspect.report_text import REPORT_WIDTH, format_summary, format_table
 
@@ -337,7 +338,7 @@ def report(model: torch.nn.Module) -> Report:
     Raises TypeError for a model not converted, ValueError for one of the torch.export front end
     that has not been called yet.
     """
-    sections = _labelled_graphs(model)
+    sections = labelled_graphs(model)
     if not sections:
         raise ValueError(
             f"this {type(model).__name__} has captured no graph yet: the torch.export front end captures "
@@ -350,25 +351,6 @@ def report(model: torch.nn.Module) -> Report:
         result = _combined_report(sections, _parameter_rows(model))
     result.islands = {name: why for name, state in capture_states(model) for why in state.islands.values()}
     return result
-
-
-def _labelled_graphs(model: torch.nn.Module) -> dict[str, torch.fx.GraphModule]:
-    """Label -> each rewritten graph of ``model``: its own (a torch.fx front-end model) and those
-    its torch.export-captured modules hold."""
-    if not isinstance(model, (torch.fx.GraphModule, CapturedModel)):
-        raise TypeError(
-            f"report expects a model returned by amp_fx.convert, got {type(model).__name__}; "
-            "call amp_fx.report(amp_fx.convert(model, opt_level))"
-        )
-    # A torch.export front-end model runs only the graphs it captures, also where the model given
-    # to convert was a GraphModule (an ExportedProgram's ``.module()``): its own graph is not run.
-    own = isinstance(model, torch.fx.GraphModule) and not isinstance(model, CapturedModel)
-    sections = {"<model>": model} if own else {}
-    for name, state in capture_states(model):
-        for index, graph in enumerate(state.graphs):
-            label = name or "<model>"
-            sections[label if index == 0 else f"{label} #{index + 1}"] = graph
-    return sections
 
 
 def _input_casts(gm: torch.fx.GraphModule, label: str) -> list[InputCast]:
