@@ -37,6 +37,8 @@ _EXPORTS = {
     "watch": "amp_fx.inspect.ranges",
     "watching": "amp_fx.inspect.ranges",
     "RangeWatch": "amp_fx.inspect.ranges",
+    "find_overflow": "amp_fx.inspect.overflow",
+    "Overflow": "amp_fx.inspect.overflow",
 }
 _SUBMODULES = {
     "optim", "testing", "amp", "passes", "kernels", "core", "ops", "capture", "training", "inspect"

@@ -64,6 +64,7 @@ from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.core.node_info import OTHER_MODE_GRAPH_KEY, node_info
 from amp_fx.core.op_facts import BOOL_OPS, NON_TENSOR_METHODS, VIEW_OPS
 from amp_fx.inspect.graphs import ModelGraph, model_graphs
+from amp_fx.kernels import reference as kernels_reference
 from amp_fx.ops.range_record import BACKWARD, FORWARD, RangeClock, RangeRecorder, range_begin, record_range
 from amp_fx.passes.shared.call_nodes import calling_module
 
@@ -72,10 +73,13 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DEFAULT_EVERY",
     "DEFAULT_HISTORY",
+    "MOVING_OPS",
     "NodeRange",
     "RangeStats",
     "RangeWatch",
     "is_range_record",
+    "measure",
+    "source_line",
     "watch",
     "watching",
 ]
@@ -91,7 +95,9 @@ NODE_CHOICES = ("low", "all")
 RECORDER_ATTR = "_amp_fx_ranges"
 RECORD_KEY = "amp_fx_range_record"
 # Ops whose values are other nodes' values moved, not computed: not watched.
-_MOVING_OPS = VIEW_OPS | {"cat", "stack", "clone", "repeat", "tile", "expand_copy"}
+MOVING_OPS = VIEW_OPS | {
+    "cat", "stack", "clone", "repeat", "tile", "expand_copy", "broadcast_tensors", "broadcast_to"
+}  # fmt: skip
 _CALLS = ("call_function", "call_method", "call_module")
 
 
@@ -277,6 +283,20 @@ class RangeWatch:
                 found.append((watched.graph.label, watched.slots[slot].name, direction))
         return list(dict.fromkeys(found))
 
+    def graphs(self) -> dict[str, ModelGraph]:
+        """Label -> each watched graph the model holds now."""
+        return {watched.graph.label: watched.graph for watched in self._current()}
+
+    def watched_nodes(self) -> dict[tuple[str, str], torch.fx.Node]:
+        """(graph label, node name) -> the watched node, for each node `ranges` reports (of a
+        graph module with a graph per mode, the node of its current graph where both have it)."""
+        found: dict[tuple[str, str], torch.fx.Node] = {}
+        for watched in self._current():
+            current = watched.graph.gm.graph
+            for node in sorted(watched.slots, key=lambda n: n.graph is not current):
+                found.setdefault((watched.graph.label, node.name), node)
+        return found
+
     def _row_of(self, step: int) -> int:
         for row, held in self.clock.row_steps.items():
             if held == step:
@@ -430,6 +450,17 @@ def watch(
     return handle
 
 
+def measure(tensor: torch.Tensor) -> RangeStats:
+    """The statistics a watched node records, of one tensor now (reads it on the host).
+
+    >>> measure(torch.tensor([0.0, -2.0, float("nan")], dtype=torch.bfloat16))
+    RangeStats(amax=2.0, underflow=0, nonfinite=1, numel=3, dtype=torch.bfloat16)
+    """
+    amax, counts = torch.zeros(1), torch.zeros(3, dtype=torch.int64)
+    kernels_reference.record_range_(tensor.detach().cpu(), amax, counts, 0)
+    return RangeStats(float(amax[0]), *(int(c) for c in counts), dtype=tensor.dtype)
+
+
 def _graphs_of(gm: torch.fx.GraphModule) -> list[torch.fx.Graph]:
     """The graphs a graph module runs: its own, and the other mode's where it holds one."""
     graphs = [gm.graph]
@@ -450,9 +481,9 @@ def _watches(node: torch.fx.Node, nodes: str) -> bool:
     elif info.op == "getitem":
         # An element of a tuple an op computed (not of a split of a value, which moves values).
         source = node.args[0] if node.args else None
-        if not isinstance(source, torch.fx.Node) or node_info(source).op in _MOVING_OPS:
+        if not isinstance(source, torch.fx.Node) or node_info(source).op in MOVING_OPS:
             return False
-    elif info.op in _MOVING_OPS or info.op in NON_TENSOR_METHODS or info.op in BOOL_OPS:
+    elif info.op in MOVING_OPS or info.op in NON_TENSOR_METHODS or info.op in BOOL_OPS:
         return False
     if node.op == "call_function" and node.target is getattr:
         return False  # an attribute (x.shape, x.T is a view)

@@ -77,8 +77,7 @@ class _Recording(torch.fx.Interpreter):
         if not self.float64:
             return module(*args, **kwargs)
         tensors = {
-            name: _double(tensor)
-            for name, tensor in [*module.named_parameters(), *module.named_buffers()]
+            name: _double(tensor) for name, tensor in [*module.named_parameters(), *module.named_buffers()]
         }
         return torch.func.functional_call(module, tensors, args, kwargs)
 

@@ -57,7 +57,9 @@ def _inputs(seed: int = 0, rows: int = 5) -> torch.Tensor:
     return torch.randn(rows, 4, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def _converted(model: nn.Module, dtype: torch.dtype = torch.float16, level: str = "O2") -> torch.fx.GraphModule:
+def _converted(
+    model: nn.Module, dtype: torch.dtype = torch.float16, level: str = "O2"
+) -> torch.fx.GraphModule:
     torch.manual_seed(0)
     return amp_fx.convert(model, level, dtype=dtype, device_type="cpu", front_end="fx")
 
@@ -89,7 +91,9 @@ def test_recorded_statistics_are_the_values_and_gradients(dtype, level) -> None:
             assert not node.backward.recorded, name
         else:
             stats = node.backward
-            assert (stats.amax, stats.underflow, stats.nonfinite, stats.numel) == python_statistics(grad, dtype)
+            assert (stats.amax, stats.underflow, stats.nonfinite, stats.numel) == python_statistics(
+                grad, dtype
+            )
 
 
 def test_statistics_accumulate_over_steps_and_steps_are_kept_apart() -> None:
