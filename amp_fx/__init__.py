@@ -39,9 +39,20 @@ _EXPORTS = {
     "RangeWatch": "amp_fx.inspect.ranges",
     "find_overflow": "amp_fx.inspect.overflow",
     "Overflow": "amp_fx.inspect.overflow",
+    "propose_policy": "amp_fx.inspect.proposals",
+    "PolicyProposal": "amp_fx.inspect.proposals",
 }
 _SUBMODULES = {
-    "optim", "testing", "amp", "passes", "kernels", "core", "ops", "capture", "training", "inspect"
+    "optim",
+    "testing",
+    "amp",
+    "passes",
+    "kernels",
+    "core",
+    "ops",
+    "capture",
+    "training",
+    "inspect",
 }
 
 __all__ = [*_EXPORTS, *_SUBMODULES]

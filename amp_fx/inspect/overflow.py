@@ -3,9 +3,9 @@ loss scaler skipped, the op that overflowed first, the line of the model that ma
 of what it read, and whether the values or the loss scale were the cause, in one call.
 
 It reads what `amp_fx.watch` recorded (`amp_fx.inspect.ranges`): the newest recorded step in which
-a watched node overflowed (an inf or NaN value, or one that reached the dtype's largest finite
-value), and in it the first such record in execution order: the forward in graph order, then the
-backward in the order autograd ran it (the host keeps that order as the records are made).
+a watched node overflowed (an inf or NaN value: a value past the dtype's largest finite value
+rounds to inf), and in it the first such record in execution order: the forward in graph order,
+then the backward in the order autograd ran it (the host keeps that order as the records are made).
 
     >>> import torch, amp_fx
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
@@ -37,6 +37,7 @@ import torch.fx
 from torch import nn
 
 from amp_fx.core.node_info import node_info
+from amp_fx.inspect.graphs import ModelGraph
 from amp_fx.inspect.ranges import (
     MOVING_OPS,
     NodeRange,
@@ -51,7 +52,7 @@ from amp_fx.ops.range_record import BACKWARD, FORWARD
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["InputRange", "Overflow", "find_overflow"]
+__all__ = ["InputRange", "Overflow", "consumers_of", "find_overflow", "origin", "read_ranges"]
 
 DIRECTIONS = {FORWARD: "forward", BACKWARD: "backward"}
 # Overflowing records listed after the first one in `Overflow.__str__`.
@@ -187,12 +188,11 @@ def _first_overflow(watch: RangeWatch, model: nn.Module, step: int) -> Overflow 
     label, name, direction = bad[0]
     node = watch.watched_nodes()[(label, name)]
     graph = watch.graphs()[label]
-    gm, prefix = graph.gm, f"{graph.module}." if graph.module else ""
     if direction == FORWARD:
-        inputs = [_source(arg, label, ranges, gm, prefix) for arg in _read(node)]
+        inputs = read_ranges(node, graph, ranges)
         consumers: list[torch.fx.Node] = []
     else:
-        consumers = _consumers(node)
+        consumers = consumers_of(node)
         inputs = []
         for consumer in consumers:
             grad = ranges.get((label, consumer.name))
@@ -201,37 +201,44 @@ def _first_overflow(watch: RangeWatch, model: nn.Module, step: int) -> Overflow 
                 if grad is not None
                 else InputRange(consumer.name, "gradient", None, _not_watched(consumer))
             )
-            inputs += [
-                _source(arg, label, ranges, gm, prefix) for arg in _read(consumer) if _origin(arg) is not node
-            ]
+            inputs += read_ranges(consumer, graph, ranges, leaving_out=node)
     return Overflow(
         step=step,
         node=ranges[(label, name)],
         direction=DIRECTIONS[direction],
         cause="values" if any(d == FORWARD for _, _, d in bad) else "loss scale",
-        inputs=tuple(_with_parameters(inputs, node if direction == FORWARD else None, gm, prefix, consumers)),
+        inputs=tuple({(entry.name, entry.kind): entry for entry in inputs}.values()),
         consumers=tuple(f"{c.name} ({node_info(c).op or c.target})" for c in consumers),
         later=tuple((g, n, DIRECTIONS[d]) for g, n, d in bad[1:]),
     )
 
 
-def _in(node_range: NodeRange, direction: int) -> RangeStats:
-    return node_range.forward if direction == FORWARD else node_range.backward
+def read_ranges(
+    node: torch.fx.Node,
+    graph: ModelGraph,
+    ranges: dict[tuple[str, str], NodeRange],
+    leaving_out: torch.fx.Node | None = None,
+) -> list[InputRange]:
+    """What ``node`` read, with the ranges recorded in ``ranges`` (keyed by graph label and node
+    name): each value it reads, named by the watched node it comes from (through views, copies and
+    casts), and the parameters of the module it calls, measured now; ``leaving_out`` the value of
+    that node."""
+    prefix = f"{graph.module}." if graph.module else ""
+    found = [
+        _source(arg, graph.label, ranges, graph.gm, prefix)
+        for arg in node.all_input_nodes
+        if leaving_out is None or origin(arg) is not leaving_out
+    ]
+    if node.op == "call_module":
+        for name, parameter in graph.gm.get_submodule(node.target).named_parameters(recurse=False):
+            entry = InputRange(
+                f"{prefix}{node.target}.{name}", "parameter", measure(parameter), "measured now"
+            )
+            found.append(entry)
+    return found
 
 
-def _read(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The nodes ``node`` reads (amp_fx's recording calls among them: `_origin` looks through)."""
-    return list(node.all_input_nodes)
-
-
-def _origin(node: torch.fx.Node) -> torch.fx.Node:
-    """The node a value comes from, through recording calls."""
-    while is_range_record(node) and isinstance(node.args[0], torch.fx.Node):
-        node = node.args[0]
-    return node
-
-
-def _consumers(node: torch.fx.Node) -> list[torch.fx.Node]:
+def consumers_of(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The ops that read ``node``'s value: through recording calls and ops that only move values."""
     found: dict[torch.fx.Node, None] = {}
     pending = list(node.users)
@@ -242,6 +249,17 @@ def _consumers(node: torch.fx.Node) -> list[torch.fx.Node]:
         elif user.op != "output":
             found[user] = None
     return list(found)
+
+
+def _in(node_range: NodeRange, direction: int) -> RangeStats:
+    return node_range.forward if direction == FORWARD else node_range.backward
+
+
+def origin(node: torch.fx.Node) -> torch.fx.Node:
+    """The node a value comes from, through amp_fx's recording calls."""
+    while is_range_record(node) and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node
 
 
 def _source(
@@ -257,9 +275,9 @@ def _source(
     cast_to: torch.dtype | None = None
     node = arg
     while True:
-        node = _origin(node)
+        node = origin(node)
         watched = ranges.get((label, node.name))
-        if watched is not None:
+        if watched is not None and watched.forward.recorded:
             note = f"via {', '.join(passed)}" if passed else ""
             return InputRange(node.name, "value", watched.forward, note)
         info = node_info(node)
@@ -285,25 +303,6 @@ def _not_watched(node: torch.fx.Node) -> str:
     dtype = node_info(node).out_dtype
     shown = str(dtype).removeprefix("torch.") if dtype is not None else "dtype unknown"
     return f"{shown}; amp_fx.watch(nodes='all') records it"
-
-
-def _with_parameters(
-    inputs: list[InputRange],
-    node: torch.fx.Node | None,
-    gm: torch.fx.GraphModule,
-    prefix: str,
-    consumers: list[torch.fx.Node],
-) -> list[InputRange]:
-    """``inputs`` and the parameters of the module the op calls (a ``call_module`` reads them
-    inside), measured now; each entry once."""
-    calls = [n for n in ([node] if node is not None else consumers) if n.op == "call_module"]
-    for call in calls:
-        for name, parameter in gm.get_submodule(call.target).named_parameters(recurse=False):
-            entry = InputRange(
-                f"{prefix}{call.target}.{name}", "parameter", measure(parameter), "measured now"
-            )
-            inputs.append(entry)
-    return list({(entry.name, entry.kind): entry for entry in inputs}.values())
 
 
 def _attribute(gm: torch.fx.GraphModule, target: str) -> Any:

@@ -140,11 +140,22 @@ class RangeStats:
 
     @property
     def overflowed(self) -> bool:
-        """An inf or NaN value, or one that reached the dtype's largest finite value (a value
-        past it before rounding rounds to it or to inf)."""
+        """An inf or NaN value: a value past the dtype's largest finite value rounds to inf (one
+        within half a unit of it rounds down to it, and is counted `saturated`)."""
         if not self.recorded or self.dtype is None:
             return False
-        return self.nonfinite > 0 or self.amax >= torch.finfo(self.dtype).max
+        return self.nonfinite > 0 or self.amax > torch.finfo(self.dtype).max
+
+    @property
+    def saturated(self) -> bool:
+        """No inf or NaN, and a value of exactly the dtype's largest finite magnitude: what code
+        writes for minus infinity (``torch.finfo(dtype).min`` in attention masks), or a value that
+        rounded down to it.
+
+        >>> RangeStats(65504.0, 0, 0, 4, torch.float16).saturated
+        True
+        """
+        return self.recorded and not self.overflowed and self.amax == torch.finfo(self.dtype).max
 
     def describe(self) -> str:
         """One line: largest magnitude, headroom, underflow share, non-finite count.

@@ -4,17 +4,19 @@ a line naming the nodes closest to overflow. `amp_fx.inspect.report.Report` hold
 (`recorded_ranges`) and calls `format_ranges` for ``str(report)``.
 
     >>> import torch, amp_fx
-    >>> gm = amp_fx.convert(torch.nn.Linear(4, 2), "O2", device_type="cpu")
+    >>> linear = torch.nn.Linear(4, 2)
+    >>> _ = torch.nn.init.constant_(linear.weight, 0.5), torch.nn.init.zeros_(linear.bias)
+    >>> gm = amp_fx.convert(linear, "O2", device_type="cpu")
     >>> watch = amp_fx.watch(gm)
     >>> gm(torch.full((3, 4), 1000.0)).sum().backward()
-    >>> print(amp_fx.report(gm).ranges_text())  # doctest: +ELLIPSIS
-    value ranges recorded (totals over the steps watched; bits: log2(the dtype's largest value /
-    amax), the doublings left before overflow; under: share of the values that underflowed, non-zero
-    and below the dtype's smallest normal):
-    node                op      dtype  amax     bits  under  grad amax  bits  under  inf/NaN
-    input_1_to_float16  to      fp16   1e+03    6.0   0.0%   -          -     -      0/-
-    linear              linear  fp16   ...
-    lowest headroom: values input_1_to_float16 (6.0 bits), gradients linear (16.0 bits)
+    >>> print(amp_fx.report(gm).ranges_text())
+    value ranges recorded (totals over the steps watched; bits: log2(the dtype's largest value / amax),
+    the doublings left before overflow; under: share of the values that underflowed, non-zero and below
+    the dtype's smallest normal):
+    node                op      dtype  amax   bits  under  grad amax  bits  under  inf/NaN
+    input_1_to_float16  to      fp16   1e+03  6.0   0.0%   -          -     -      0/-
+    linear              linear  fp16   2e+03  5.0   0.0%   1          16.0  0.0%   0/0
+    lowest headroom: values linear (5.0 bits), gradients linear (16.0 bits)
 """
 
 from __future__ import annotations
