@@ -169,14 +169,14 @@ def find_overflow(model: nn.Module, step: int | None = None) -> Overflow | None:
         )
     steps = [step] if step is not None else list(reversed(watch.steps))
     for candidate in steps:
-        found = _first_overflow(watch, model, candidate)
+        found = _first_overflow(watch, candidate)
         if found is not None:
             return found
     logger.info("no overflow in the recorded steps kept (%s)", watch.steps)
     return None
 
 
-def _first_overflow(watch: RangeWatch, model: nn.Module, step: int) -> Overflow | None:
+def _first_overflow(watch: RangeWatch, step: int) -> Overflow | None:
     ranges = {(r.graph, r.node): r for r in watch.ranges(step)}
     bad = []
     for label, name, direction in watch.order(step):

@@ -18,7 +18,7 @@ float32 too), but views and copies of values (reshape, transpose, getitem of a s
 which hold values a watched node computed, and amp_fx's casts of parameters. A fused op of ours
 (norms, activations, rotary embeddings) is watched at its output: its kernel computes in fp32 and
 rounds once, so the output is inf exactly where the fp32 value passed the dtype's largest finite
-value. What is recorded per node and step, for its value and for the gradient flowing back to it:
+value (by half a unit or more). What is recorded per node and step, for its value and for the gradient flowing back to it:
 the largest magnitude (inf included, NaN not), and the counts of underflowing values (non-zero,
 below the dtype's smallest normal), of inf/NaN values and of all values
 (`amp_fx.ops.range_record`, one kernel launch per value). Nothing is read on the host while the
@@ -372,6 +372,8 @@ class RangeWatch:
 
     # --- instrumenting --------------------------------------------------------------------------
     def _instrument(self, graph: ModelGraph) -> None:
+        if any(is_range_record(node) for g in _graphs_of(graph.gm) for node in g.nodes):
+            _uninstrument(graph.gm)  # a copy of a watched model: its recording calls start afresh
         slots = [node for g in _graphs_of(graph.gm) for node in g.nodes if _watches(node, self.nodes)]
         recorder = RangeRecorder(self.clock, len(slots), graph.root, low_only=self.nodes == "low")
         graph.gm.__dict__[RECORDER_ATTR] = recorder  # before the graph reads it

@@ -232,6 +232,12 @@ def test_pause_reset_and_copies() -> None:
     copied = copy.deepcopy(gm)
     copied(_inputs() * 100)  # records apart from the original
     assert _by_node(watch.ranges())["up"].forward.numel == 5 * 8
+    copied_watch = amp_fx.watch(copied)  # watched on its own, its copied recording calls replaced
+    copied(_inputs())
+    assert _by_node(copied_watch.ranges())["up"].forward.numel == 5 * 8
+    assert sum(is_range_record(n) for n in copied.graph.nodes) == sum(
+        is_range_record(n) for n in gm.graph.nodes
+    )
     loaded = pickle.loads(pickle.dumps(gm))
     assert torch.equal(loaded(_inputs()), gm(_inputs()))
     watch.reset()
