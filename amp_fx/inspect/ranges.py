@@ -18,10 +18,10 @@ float32 too), but views and copies of values (reshape, transpose, getitem of a s
 which hold values a watched node computed, and amp_fx's casts of parameters. A fused op of ours
 (norms, activations, rotary embeddings) is watched at its output: its kernel computes in fp32 and
 rounds once, so the output is inf exactly where the fp32 value passed the dtype's largest finite
-value (by half a unit or more). What is recorded per node and step, for its value and for the gradient flowing back to it:
-the largest magnitude (inf included, NaN not), and the counts of underflowing values (non-zero,
-below the dtype's smallest normal), of inf/NaN values and of all values
-(`amp_fx.ops.range_record`, one kernel launch per value). Nothing is read on the host while the
+value (by half a unit or more). What is recorded per node and step, for its value and for the
+gradient flowing back to it: the largest magnitude (inf included, NaN not), and the counts of
+underflowing values (non-zero, below the dtype's smallest normal), of inf/NaN values and of all
+values (`amp_fx.ops.range_record`, one kernel launch per value). Nothing is read on the host while the
 model runs; `RangeWatch.ranges` reads the statistics when asked (one host sync).
 
 Steps: one step is one call of the model (its forward and the backward that follows). By default
