@@ -34,9 +34,25 @@ _EXPORTS = {
     "fp32_cross_entropy": "amp_fx.ops.cross_entropy",
     "master_state_dict": "amp_fx.training.saving",
     "CudaGraphStep": "amp_fx.training.cuda_graph_step",
+    "watch": "amp_fx.inspect.ranges",
+    "watching": "amp_fx.inspect.ranges",
+    "RangeWatch": "amp_fx.inspect.ranges",
+    "find_overflow": "amp_fx.inspect.overflow",
+    "Overflow": "amp_fx.inspect.overflow",
+    "propose_policy": "amp_fx.inspect.proposals",
+    "PolicyProposal": "amp_fx.inspect.proposals",
 }
 _SUBMODULES = {
-    "optim", "testing", "amp", "passes", "kernels", "core", "ops", "capture", "training", "inspect"
+    "optim",
+    "testing",
+    "amp",
+    "passes",
+    "kernels",
+    "core",
+    "ops",
+    "capture",
+    "training",
+    "inspect",
 }
 
 __all__ = [*_EXPORTS, *_SUBMODULES]

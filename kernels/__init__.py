@@ -4,7 +4,8 @@ Each family (``amp_fx.kernels.families.FAMILIES``) keeps its contract in its ``_
 math, the kernels' signatures), its pure-torch ``reference`` and its ``triton`` kernels beside it,
 and the ``arguments`` checks both run: ``overflow_check``, ``adam``, ``sgd``, ``loss_scale``
 (behind the optimizers and `amp_fx.LossScaler`), ``cross_entropy``, ``batch_norm``, ``max_pool``,
-``activations``, ``norms``, ``rotary`` (behind the ops of the same names in ``amp_fx.ops``). Shared
+``activations``, ``norms``, ``rotary`` (behind the ops of the same names in ``amp_fx.ops``),
+``range_stats`` (behind ``amp_fx.ops.range_record``, what `amp_fx.watch` records with). Shared
 pieces: ``arguments`` (dtype, layout and update checks), ``optimizer_step`` (the skip rule and step
 counter), and for the Triton kernels ``pointer_table``, ``optimizer_launch`` (the optimizers' launch
 per dtype group), ``rounding`` and ``devices``.

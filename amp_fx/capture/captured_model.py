@@ -417,6 +417,8 @@ def _capture(
         graph = checkpoint_regions(graph, checkpoints)
         if sharded:
             graph = shard_regions(graph, module, sharded_modules(module))
+        for hook in state.capture_hooks:
+            hook(graph)
     else:
         _become_island(module, state, key, failure)
         graph = None

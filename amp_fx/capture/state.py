@@ -49,6 +49,9 @@ class CaptureState:
     # The model as its graphs were captured (`amp_fx.capture.changes.Watch`); None until the first
     # call. A call on a model changed since drops the graphs and captures again.
     watch: Any = None
+    # Called with each graph this module captures, once it is rewritten, before it runs (how
+    # `amp_fx.watch` instruments graphs captured after it was called); not copied with the model.
+    capture_hooks: list[Callable[[torch.fx.GraphModule], None]] = dataclasses.field(default_factory=list)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CaptureState:
         # Graphs hold the model's tensors; a copy of the model captures its own. Through ``memo``

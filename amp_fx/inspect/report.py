@@ -60,10 +60,13 @@ from typing import Any
 import torch
 import torch.fx
 
-from amp_fx.capture.captured_model import CapturedModel, capture_states
+from amp_fx.capture.captured_model import capture_states
 from amp_fx.core.dtypes import short_dtype_name
 from amp_fx.core.node_info import META_KEY, ORIGINAL_CODE_KEY, POLICY_KEY, NodeInfo
 from amp_fx.inspect.dot import write_dot
+from amp_fx.inspect.graphs import labelled_graphs
+from amp_fx.inspect.ranges import NodeRange, is_range_record
+from amp_fx.inspect.report_ranges import format_ranges, recorded_ranges
 from amp_fx.inspect.report_rows import InputCast, NodeRow, ParameterRow, _dtype_str
 from amp_fx.inspect.report_text import REPORT_WIDTH, format_summary, format_table
 
@@ -90,6 +93,8 @@ class Report:
     graphs: dict[str, torch.fx.GraphModule] = field(default_factory=dict, repr=False)
     # Module (qualified name, "" for the model) -> why it runs in an autocast island.
     islands: dict[str, str] = field(default_factory=dict)
+    # What `amp_fx.watch` recorded per node (totals), where the model is watched.
+    ranges: list[NodeRange] = field(default_factory=list, repr=False)
 
     # --- counts -------------------------------------------------------------------------------
     @property
@@ -204,6 +209,7 @@ class Report:
                 "graphs": list(self.graphs),
                 "islands": dict(self.islands),
             },
+            "ranges": [r.to_dict() for r in self.ranges],
         }
 
     def write_dot(self, path: str | os.PathLike[str]) -> list[str]:
@@ -236,8 +242,13 @@ class Report:
             islands=self.islands,
         )
 
+    def ranges_text(self) -> str:
+        """The recorded value ranges per node (`amp_fx.inspect.report_ranges.format_ranges`)."""
+        return format_ranges(self.ranges)
+
     def __str__(self) -> str:
-        return f"{self._header}\n{self.table()}\n\n{self.summary()}"
+        ranges = f"\n\n{self.ranges_text()}" if self.ranges else ""
+        return f"{self._header}\n{self.table()}\n\n{self.summary()}{ranges}"
 
 
 def _unified_diff(before: str, after: str, label: str, context: int) -> str:
@@ -331,7 +342,7 @@ def report(model: torch.nn.Module) -> Report:
     Raises TypeError for a model not converted, ValueError for one of the torch.export front end
     that has not been called yet.
     """
-    sections = _labelled_graphs(model)
+    sections = labelled_graphs(model)
     if not sections:
         raise ValueError(
             f"this {type(model).__name__} has captured no graph yet: the torch.export front end captures "
@@ -343,26 +354,8 @@ def report(model: torch.nn.Module) -> Report:
     else:
         result = _combined_report(sections, _parameter_rows(model))
     result.islands = {name: why for name, state in capture_states(model) for why in state.islands.values()}
+    result.ranges = recorded_ranges(model)
     return result
-
-
-def _labelled_graphs(model: torch.nn.Module) -> dict[str, torch.fx.GraphModule]:
-    """Label -> each rewritten graph of ``model``: its own (a torch.fx front-end model) and those
-    its torch.export-captured modules hold."""
-    if not isinstance(model, (torch.fx.GraphModule, CapturedModel)):
-        raise TypeError(
-            f"report expects a model returned by amp_fx.convert, got {type(model).__name__}; "
-            "call amp_fx.report(amp_fx.convert(model, opt_level))"
-        )
-    # A torch.export front-end model runs only the graphs it captures, also where the model given
-    # to convert was a GraphModule (an ExportedProgram's ``.module()``): its own graph is not run.
-    own = isinstance(model, torch.fx.GraphModule) and not isinstance(model, CapturedModel)
-    sections = {"<model>": model} if own else {}
-    for name, state in capture_states(model):
-        for index, graph in enumerate(state.graphs):
-            label = name or "<model>"
-            sections[label if index == 0 else f"{label} #{index + 1}"] = graph
-    return sections
 
 
 def _input_casts(gm: torch.fx.GraphModule, label: str) -> list[InputCast]:
@@ -376,7 +369,7 @@ def _input_casts(gm: torch.fx.GraphModule, label: str) -> list[InputCast]:
             continue
         casts: dict[torch.fx.Node, None] = {}
         readers: dict[torch.fx.Node, None] = {}
-        frontier, seen = list(placeholder.users), set()
+        frontier, seen = _users(placeholder), set()
         while frontier:
             node = frontier.pop()
             if node in seen or node.op == "output":
@@ -389,13 +382,13 @@ def _input_casts(gm: torch.fx.GraphModule, label: str) -> list[InputCast]:
             readers[node] = None
             # A value still carrying the input's precision: float32 (or unknown) and floating.
             if info.out_dtype is None or info.out_dtype == torch.float32:
-                frontier.extend(node.users)
+                frontier.extend(_users(node))
         if dtype is None and not casts:
             continue  # an optional or non-tensor argument nothing casts
         order = {node: index for index, node in enumerate(gm.graph.nodes)}
         read = tuple(sorted(readers, key=order.__getitem__))
         ordered = sorted(casts, key=order.__getitem__)
-        consumers = tuple(dict.fromkeys(user.name for cast in ordered for user in cast.users))
+        consumers = tuple(dict.fromkeys(user.name for cast in ordered for user in _users(cast)))
         found.append(
             InputCast(
                 graph=label,
@@ -420,7 +413,9 @@ def _input_cast_reason(
         return f"not cast: read as it is by {ops}, no op that runs in the low dtype reads it"
     dtype = short_dtype_name(_info(low[0]).out_dtype)
     readers = ", ".join(
-        dict.fromkeys(f"{user.name} ({_info(user).op or user.target})" for cast in low for user in cast.users)
+        dict.fromkeys(
+            f"{user.name} ({_info(user).op or user.target})" for cast in low for user in _users(cast)
+        )
     )
     if all(cast.args and cast.args[0] is placeholder for cast in low) and not read:
         if policy is not None and policy.cast_inputs_at_entry and policy.entry_cast_dtype is not None:
@@ -432,6 +427,11 @@ def _input_cast_reason(
     )
 
 
+def _users(node: torch.fx.Node) -> list[torch.fx.Node]:
+    # The nodes reading ``node``'s value, through the recording calls of `amp_fx.watch`.
+    return [reader for user in node.users for reader in (user.users if is_range_record(user) else [user])]
+
+
 def _info(node: torch.fx.Node) -> NodeInfo:
     return node.meta.get(META_KEY) or NodeInfo()
 
@@ -439,7 +439,7 @@ def _info(node: torch.fx.Node) -> NodeInfo:
 def _graph_report(gm: torch.fx.GraphModule, label: str = "") -> Report:
     policy = gm.meta.get(POLICY_KEY)
     return Report(
-        rows=[_row(node, label) for node in gm.graph.nodes],
+        rows=[_row(node, label) for node in gm.graph.nodes if not is_range_record(node)],
         parameters=_parameter_rows(gm),
         code=gm.code,
         original_code=gm.meta.get(ORIGINAL_CODE_KEY),

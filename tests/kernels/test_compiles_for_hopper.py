@@ -13,8 +13,8 @@ and compiles each through ptxas for ``GPUTarget("cuda", 90, 32)``.
 
 The default run compiles a fixed subset (`_default_subset`): each kernel's first launch per 16-bit
 type (fp16, bf16, none) and per combination of its other constexprs (flags, block and window sizes)
-and launch options, so every kernel, every dtype and every constexpr branch is compiled: 74 of the
-89 distinct launches of the 16 kernels, about 25 s of compiler time shared by one compiler process
+and launch options, so every kernel, every dtype and every constexpr branch is compiled: 105 of the
+133 distinct launches of the 21 kernels, about 25 s of compiler time shared by one compiler process
 per core. ``-m slow`` compiles the other 15, which repeat a compiled combination in another dtype or
 differ only in non-constexpr sizes. Ints are specialized by their recorded values (== 1, divisible
 by 16) as the JIT would for these shapes; other sizes give other variants of the same code.
@@ -358,6 +358,14 @@ def _activation_calls() -> None:
             triton_ops.activation_backward(triton_ops.activation_forward(x, activation), x, activation)
 
 
+def _range_stats_calls() -> None:
+    # A GPT activation in each dtype (many programs, each looping), and a one-element value.
+    amax, counts = torch.zeros(8), torch.zeros(24, dtype=torch.int64)
+    for dtype in ALL_DTYPES:
+        triton_ops.record_range_(torch.zeros(16, 1024, 768, dtype=dtype), amax, counts, 3)
+    triton_ops.record_range_(torch.zeros(1, dtype=torch.float16), amax, counts, 0)
+
+
 WRAPPER_CALLS: list[Callable[[], None]] = [
     _check_finite_calls,
     _adam_calls,
@@ -369,6 +377,7 @@ WRAPPER_CALLS: list[Callable[[], None]] = [
     _rotary_calls,
     _activation_calls,
     _norms_calls,
+    _range_stats_calls,
 ]
 
 
@@ -477,7 +486,7 @@ def test_every_launched_kernel_is_recorded(launches: list[dict]) -> None:
     recorded = {_kernel_name(launch) for launch in launches}
     missing = _launched_kernels() - recorded
     assert not missing, f"kernels launched by amp_fx.kernels but not by WRAPPER_CALLS: {sorted(missing)}"
-    assert len(recorded) == 20, sorted(recorded)
+    assert len(recorded) == 21, sorted(recorded)
 
 
 def test_fp16_and_bf16_variants_are_recorded(launches: list[dict]) -> None:

@@ -1,0 +1,278 @@
+"""Recording value ranges in a converted graph: what `amp_fx.watch` puts into it, and the
+statistics the recorded values accumulate into on the device.
+
+A watched graph begins with a call of `range_begin` and holds, after each node it watches, a call
+of `record_range` that returns the node's value unchanged (the same tensor, or a detached alias
+whose backward records the gradient flowing back through it and passes it on unchanged), so the
+graph computes the same bits as without it::
+
+    ranges = amp_fx_ops_range_record_range_begin(self._amp_fx_ranges)
+    fc = self.fc(x_to_float16)
+    fc_range = amp_fx_ops_range_record_record_range(fc, ranges, 0)
+
+Each record is one launch of ``amp_fx.kernels`` ``record_range_`` (Triton on CUDA, its torch
+reference elsewhere) into the statistics row of the step in progress: the largest magnitude, and
+the counts of underflowing values (non-zero, below the dtype's smallest normal), of inf and NaN
+values and of all values, per watched node, for the forward value and for its gradient. Nothing is
+read on the host while the model runs.
+
+What the recorders of one model share is a `RangeClock`: which steps record, the steps still in
+its history, and the order each recorded step's records ran in (kept on the host: it is known
+there without reading the device). A step begins at each call of the model's own graph (a "root"
+graph); for a model whose own call runs no watched graph (a torch.export front-end model whose
+top module is an island), a step begins at the first graph call after a backward.
+
+This module is the runtime half; `amp_fx.inspect.ranges` inserts the calls and reads the
+statistics.
+
+Example:
+    >>> clock = RangeClock(every=1, history=2)
+    >>> recorder = RangeRecorder(clock, size=1, root=True, low_only=True)
+    >>> x = torch.tensor([1e-6, 3.0], dtype=torch.float16, requires_grad=True)
+    >>> y = record_range(x, range_begin(recorder), 0)
+    >>> y.sum().backward()
+    >>> amax, counts = recorder.totals()
+    >>> amax[0].tolist(), counts[0].tolist()
+    ([3.0, 1.0], [[1, 0, 2], [0, 0, 2]])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
+from amp_fx.kernels import implementation_for
+from amp_fx.kernels.range_stats import COUNT_FIELDS
+
+__all__ = [
+    "BACKWARD",
+    "FORWARD",
+    "RangeClock",
+    "RangeRecorder",
+    "range_begin",
+    "record_range",
+]
+
+# The two directions each watched node records: its value, and the gradient flowing back to it.
+FORWARD, BACKWARD = 0, 1
+# The dtypes a record reads (float64 values are not watched: nothing rounds them low).
+_RECORDED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# The clock and the recorders have no ``__dict__`` (slots): a converted model holds its recorders,
+# and `amp_fx.capture.changes` compares the ``__dict__`` of plain objects a model holds to see
+# changes, which a record, changing these every step, is not.
+@dataclasses.dataclass(slots=True)
+class RangeClock:
+    """The steps of one watched model: which record (every ``every``-th, counted from the first),
+    and for the last ``history`` recorded ones, the statistics row each went to and the order its
+    records ran in (entries ``(recorder, slot, direction)``, each once, at its first record)."""
+
+    every: int
+    history: int
+    step: int = -1
+    recording: bool = False
+    paused: bool = False
+    # No root graph is watched: steps are told apart by the backward, which then records always.
+    tracks_backward: bool = False
+    in_backward: bool = False
+    recorded_steps: int = 0
+    # Row (1..history) -> the step it holds, and that step's records in the order they ran.
+    row_steps: dict[int, int] = dataclasses.field(default_factory=dict)
+    order: dict[int, dict[tuple[Any, int, int], None]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def row(self) -> int:
+        """The statistics row of the step in progress (row 0 holds older steps' totals)."""
+        return 1 + (self.recorded_steps - 1) % self.history
+
+    def begin(self, root: bool) -> None:
+        """A watched graph is called: a new step where it is the model's own graph, or where a
+        backward ran since the last step began."""
+        if not (root or self.in_backward or self.step < 0):
+            return
+        self.step += 1
+        self.in_backward = False
+        self.recording = not self.paused and self.step % self.every == 0
+        if self.recording:
+            self.recorded_steps += 1
+            self.row_steps[self.row] = self.step
+            self.order[self.row] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled without its history (the recorders pickle without statistics).
+        state = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        return {**state, "order": {}, "row_steps": {}, "recorded_steps": 0}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+
+    def reset(self) -> None:
+        """Forget the recorded steps (their statistics are zeroed by each recorder's `reset`)."""
+        self.recorded_steps = 0
+        self.row_steps.clear()
+        self.order.clear()
+        self.recording = False
+
+
+class RangeRecorder:
+    """The statistics of one watched graph: per device, ``amax`` (float32) and ``counts`` (int64,
+    `COUNT_FIELDS` per entry) of shapes ``[1 + history, size, 2]`` and ``[1 + history, size, 2,
+    3]``, indexed by row, slot (the watched node) and direction (`FORWARD`, `BACKWARD`). Row ``r``
+    of 1..history holds the step ``clock.row_steps[r]``; a row is folded into row 0 when a later
+    step takes it, so that the totals since the watch began are the reduction over all rows.
+
+    ``low_only`` records fp16 and bf16 values only (a node whose dtype the graph does not know
+    is checked at run time); otherwise float32 values too. ``dtypes[slot]`` is the dtype the slot
+    recorded last."""
+
+    __slots__ = ("clock", "size", "root", "low_only", "dtypes", "buffers", "_row_steps")
+
+    def __init__(self, clock: RangeClock, size: int, root: bool, low_only: bool) -> None:
+        self.clock = clock
+        self.size = size
+        self.root = root
+        self.low_only = low_only
+        self.dtypes: list[torch.dtype | None] = [None] * size
+        self.buffers: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        # (device, row) -> the step the row holds on that device.
+        self._row_steps: dict[tuple[torch.device, int], int] = {}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RangeRecorder:
+        # A copy of the watched model records apart from it, with a clock of its own.
+        clock = memo.get(id(self.clock))
+        if clock is None:
+            clock = memo[id(self.clock)] = dataclasses.replace(self.clock, order={}, row_steps={})
+        copied = RangeRecorder(clock, self.size, self.root, self.low_only)
+        copied.dtypes = list(self.dtypes)
+        return copied
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled without statistics: a loaded model records from its first step.
+        return {"clock": self.clock, "size": self.size, "root": self.root, "low_only": self.low_only}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+    def wants(self, value: Any) -> bool:
+        """Whether ``value`` is a tensor this recorder records."""
+        if not isinstance(value, Tensor):
+            return False
+        return value.dtype in (LOW_PRECISION_DTYPES if self.low_only else _RECORDED_DTYPES)
+
+    def record(self, value: Tensor, slot: int, direction: int) -> None:
+        """Accumulate ``value``'s statistics into the row of the step in progress."""
+        clock = self.clock
+        if direction == BACKWARD:
+            clock.in_backward = True
+        if not clock.recording:
+            return
+        amax, counts = self._row(value.device, clock.row, clock.step)
+        self.dtypes[slot] = value.dtype
+        implementation_for([value]).record_range_(value.detach(), amax, counts, 2 * slot + direction)
+        clock.order[clock.row].setdefault((self, slot, direction), None)
+
+    def _row(self, device: torch.device, row: int, step: int) -> tuple[Tensor, Tensor]:
+        if device not in self.buffers:
+            rows = 1 + self.clock.history
+            self.buffers[device] = (
+                torch.zeros(rows, self.size, 2, device=device),
+                torch.zeros(rows, self.size, 2, len(COUNT_FIELDS), dtype=torch.int64, device=device),
+            )
+        amax, counts = self.buffers[device]
+        if self._row_steps.get((device, row)) != step:
+            # The row held an older step: fold it into the totals, then start this one at zero.
+            torch.maximum(amax[0], amax[row], out=amax[0])
+            counts[0].add_(counts[row])
+            amax[row].zero_()
+            counts[row].zero_()
+            self._row_steps[(device, row)] = step
+        return amax[row], counts[row]
+
+    def step_statistics(self, row: int) -> tuple[Tensor, Tensor] | None:
+        """(amax ``[size, 2]``, counts ``[size, 2, 3]``) on the CPU that row ``row`` recorded for the
+        step the clock says it holds, summed over devices; None where this recorder recorded
+        nothing in that step. Reads the device (a host sync)."""
+        step = self.clock.row_steps.get(row)
+        parts = [
+            (amax[row].cpu(), counts[row].cpu())
+            for device, (amax, counts) in self.buffers.items()
+            if step is not None and self._row_steps.get((device, row)) == step
+        ]
+        return _combined(parts)
+
+    def totals(self) -> tuple[Tensor, Tensor]:
+        """(amax ``[size, 2]``, counts ``[size, 2, 3]``) on the CPU over every recorded step since
+        the watch began or was reset, summed over devices. Reads the device (a host sync)."""
+        parts = [(amax.amax(0).cpu(), counts.sum(0).cpu()) for amax, counts in self.buffers.values()]
+        combined = _combined(parts)
+        if combined is None:
+            return torch.zeros(self.size, 2), torch.zeros(self.size, 2, len(COUNT_FIELDS), dtype=torch.int64)
+        return combined
+
+    def reset(self) -> None:
+        """Zero every statistic (the next record starts afresh)."""
+        for amax, counts in self.buffers.values():
+            amax.zero_()
+            counts.zero_()
+        self._row_steps.clear()
+
+
+def _combined(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor] | None:
+    if not parts:
+        return None
+    amax = torch.stack([part[0] for part in parts]).amax(0)
+    counts = torch.stack([part[1] for part in parts]).sum(0)
+    return amax, counts
+
+
+class _RecordRange(torch.autograd.Function):
+    """Records the value in the forward and the gradient in the backward; passes both on as they
+    are. The forward returns a detached alias of the value (no copy): autograd then lets a later
+    in-place op modify it, as it may modify the value itself in the graph without the recorder."""
+
+    @staticmethod
+    def forward(ctx: Any, value: Tensor, recorder: RangeRecorder, slot: int) -> Tensor:
+        recorder.record(value, slot, FORWARD)
+        ctx.recorder, ctx.slot = recorder, slot
+        return value.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor | None) -> tuple[Tensor | None, None, None]:
+        if grad is not None and ctx.recorder.wants(grad):
+            ctx.recorder.record(grad, ctx.slot, BACKWARD)
+        return grad, None, None
+
+
+def range_begin(recorder: RangeRecorder) -> RangeRecorder | None:
+    """Called first by a watched graph: tells the clock a graph began, and returns the recorder
+    where this call records (or must see its backward), else None.
+
+    Example:
+        >>> recorder = RangeRecorder(RangeClock(every=2, history=1), size=1, root=True, low_only=True)
+        >>> [range_begin(recorder) is recorder for _ in range(3)]
+        [True, False, True]
+    """
+    clock = recorder.clock
+    clock.begin(recorder.root)
+    return recorder if clock.recording or clock.tracks_backward else None
+
+
+def record_range(value: Any, recorder: RangeRecorder | None, slot: int) -> Any:
+    """``value``, with its statistics recorded in ``slot`` (and its gradient's, in the backward)
+    where ``recorder`` (`range_begin`'s answer) records this call and ``value`` is a tensor of a
+    recorded dtype; else ``value`` itself.
+
+    Example:
+        >>> x = torch.ones(2)
+        >>> record_range(x, None, 0) is x
+        True
+    """
+    if recorder is None or not recorder.wants(value):
+        return value
+    return _RecordRange.apply(value, recorder, slot)

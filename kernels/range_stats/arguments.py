@@ -1,0 +1,40 @@
+"""The range statistics' argument checks, shared by the reference and the Triton kernel (metadata
+only: they never read a value)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from amp_fx.kernels.arguments import PARAM_DTYPES, check_dtype
+from amp_fx.kernels.range_stats import COUNT_FIELDS
+
+__all__ = ["check_record_range"]
+
+
+def check_record_range(value: Tensor, amax: Tensor, counts: Tensor, index: int) -> None:
+    """Validate the arguments of ``record_range_``; raise TypeError/ValueError.
+
+    Example:
+        >>> check_record_range(torch.ones(2), torch.zeros(4), torch.zeros(12, dtype=torch.int64), 3)
+    """
+    for name, tensor in (("value", value), ("amax", amax), ("counts", counts)):
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
+    check_dtype("value", value.dtype, PARAM_DTYPES)
+    if amax.dtype != torch.float32 or not amax.is_contiguous():
+        raise ValueError(f"amax must be a contiguous float32 tensor, got {amax.dtype}")
+    if counts.dtype != torch.int64 or not counts.is_contiguous():
+        raise ValueError(f"counts must be a contiguous int64 tensor, got {counts.dtype}")
+    if counts.numel() != len(COUNT_FIELDS) * amax.numel():
+        raise ValueError(
+            f"counts must hold {len(COUNT_FIELDS)} entries per entry of amax ({amax.numel()}), "
+            f"got {counts.numel()}"
+        )
+    if not isinstance(index, int) or not 0 <= index < amax.numel():
+        raise ValueError(f"index must be an int in [0, {amax.numel()}), got {index!r}")
+    for name, tensor in (("amax", amax), ("counts", counts)):
+        if tensor.device != value.device:
+            raise ValueError(
+                f"{name} is on {tensor.device} but value is on {value.device}; keep them on one device"
+            )

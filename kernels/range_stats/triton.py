@@ -1,0 +1,118 @@
+"""Range statistics of one tensor in one launch.
+
+What: the family's contract, ``amp_fx.kernels.range_stats``: each program reads a run of
+consecutive blocks of the value (its storage span, when the value is dense at any strides: the
+statistics do not depend on the order), keeps the largest magnitude and the two counts in
+registers, and adds them to the entry with one atomic each. The value is read once, in its own
+dtype and widened to fp32 (exactly: fp16 and bf16 hold no value fp32 cannot).
+
+Why atomics: a watched training step records a few hundred values, one launch each; a second
+launch to combine partial results per value would double the launches. A maximum and integer sums
+are the same whatever order the atomics land in, so the results are deterministic.
+
+Grid: at most ``_PROGRAMS_PER_SM`` programs per streaming multiprocessor (each then loops over
+``blocks_per_program`` blocks), so a large value costs a few hundred atomics per entry, not one
+per block.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from amp_fx.kernels.arguments import is_dense
+from amp_fx.kernels.devices import on_device
+from amp_fx.kernels.range_stats.arguments import check_record_range
+
+__all__ = ["record_range_"]
+
+# Per value dtype: the integer type of its width, its exponent bits, every bit but the sign.
+_BIT_LAYOUTS = {
+    torch.float16: (torch.int16, tl.float16, 0x7C00, 0x7FFF),
+    torch.bfloat16: (torch.int16, tl.bfloat16, 0x7F80, 0x7FFF),
+    torch.float32: (torch.int32, tl.float32, 0x7F800000, 0x7FFFFFFF),
+}
+_BLOCK_SIZE = 1024
+_NUM_WARPS = 4
+_PROGRAMS_PER_SM = 4
+# Programs for a launch on the CPU (the interpreter): few, so a test runs quickly.
+_CPU_PROGRAMS = 4
+
+
+# numel is never specialized (a one-element value would make it a constant, which has no ``.to``).
+@triton.jit(do_not_specialize=["numel"])
+def _record_range_kernel(
+    bits_ptr,  # the value's storage span: numel elements, read as integers of their width
+    numel,
+    blocks_per_program,
+    amax_ptr,  # float32: the entry's largest magnitude (atomic max)
+    counts_ptr,  # int64 [3]: the entry's underflow, non-finite and element counts (atomic adds)
+    VALUE_DTYPE: tl.constexpr,  # fp16, bf16 or fp32: the value's element type
+    EXPONENT_MASK: tl.constexpr,  # the bits of its exponent
+    MAGNITUDE_MASK: tl.constexpr,  # every bit but the sign
+    BLOCK_SIZE: tl.constexpr,
+):
+    program = tl.program_id(0).to(tl.int64)
+    block = tl.arange(0, BLOCK_SIZE)
+    largest = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
+    underflow = tl.zeros([BLOCK_SIZE], dtype=tl.int32)
+    nonfinite = tl.zeros([BLOCK_SIZE], dtype=tl.int32)
+    first = program * blocks_per_program * BLOCK_SIZE
+    for i in range(blocks_per_program):
+        offsets = first + i * BLOCK_SIZE + block
+        inside = offsets < numel
+        bits = tl.load(bits_ptr + offsets, mask=inside, other=0)
+        magnitude = tl.abs(bits.to(VALUE_DTYPE, bitcast=True).to(tl.float32))
+        is_nan = magnitude != magnitude
+        largest = tl.maximum(largest, tl.where(is_nan, 0.0, magnitude))
+        # |v| < inf is False exactly for inf and NaN.
+        nonfinite += (~(magnitude < float("inf"))).to(tl.int32)
+        # Subnormal: no exponent bits and not zero. Read from the bits, not compared as floats: a
+        # GPU may flush an fp32 subnormal to zero in arithmetic.
+        subnormal = ((bits & EXPONENT_MASK) == 0) & ((bits & MAGNITUDE_MASK) != 0)
+        underflow += subnormal.to(tl.int32)
+    tl.atomic_max(amax_ptr, tl.max(largest, axis=0))
+    tl.atomic_add(counts_ptr, tl.sum(underflow, axis=0).to(tl.int64))
+    tl.atomic_add(counts_ptr + 1, tl.sum(nonfinite, axis=0).to(tl.int64))
+    if program == 0:
+        tl.atomic_add(counts_ptr + 2, numel.to(tl.int64))
+
+
+@functools.cache
+def _max_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _CPU_PROGRAMS
+    return _PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def record_range_(value: Tensor, amax: Tensor, counts: Tensor, index: int) -> None:
+    """Accumulate the largest magnitude and the underflow, non-finite and element counts of
+    ``value`` into entry ``index``: the contract of ``amp_fx.kernels.range_stats``."""
+    check_record_range(value, amax, counts, index)
+    numel = value.numel()
+    if numel == 0:
+        return  # adds 0 to every count and leaves the maximum
+    # A dense value at any strides is read as its storage span; another (a slice) is copied.
+    flat = value.as_strided((numel,), (1,)) if is_dense(value) else value.reshape(-1)
+    blocks = triton.cdiv(numel, _BLOCK_SIZE)
+    programs = min(blocks, _max_programs(value.device))
+    blocks_per_program = triton.cdiv(blocks, programs)
+    programs = triton.cdiv(blocks, blocks_per_program)
+    bits_dtype, value_dtype, exponent_mask, magnitude_mask = _BIT_LAYOUTS[value.dtype]
+    with on_device(value.device):
+        _record_range_kernel[(programs,)](
+            flat.view(bits_dtype),
+            numel,
+            blocks_per_program,
+            amax.view(-1)[index:],
+            counts.view(-1)[3 * index :],
+            VALUE_DTYPE=value_dtype,
+            EXPONENT_MASK=exponent_mask,
+            MAGNITUDE_MASK=magnitude_mask,
+            BLOCK_SIZE=_BLOCK_SIZE,
+            num_warps=_NUM_WARPS,
+        )
