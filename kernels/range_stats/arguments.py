@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from amp_fx.kernels.arguments import PARAM_DTYPES, check_dtype
+from amp_fx.kernels.arguments import KERNEL_DTYPES, check_dtype
 from amp_fx.kernels.range_stats import COUNT_FIELDS
 
 __all__ = ["check_record_range"]
@@ -21,7 +21,7 @@ def check_record_range(value: Tensor, amax: Tensor, counts: Tensor, index: int) 
     for name, tensor in (("value", value), ("amax", amax), ("counts", counts)):
         if not isinstance(tensor, Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
-    check_dtype("value", value.dtype, PARAM_DTYPES)
+    check_dtype("value", value.dtype, KERNEL_DTYPES)
     if amax.dtype != torch.float32 or not amax.is_contiguous():
         raise ValueError(f"amax must be a contiguous float32 tensor, got {amax.dtype}")
     if counts.dtype != torch.int64 or not counts.is_contiguous():
