@@ -548,7 +548,7 @@ def preset(
         cast_inputs_at_entry=cast_inputs_at_entry,
         fp8=fp8,
         fp8_head=fp8_head,
-        fp8_skip_modules=list(fp8_skip_modules),
+        fp8_skip_modules=fp8_skip_modules,
         # None asks the policy for the opt level's (and device's) default.
         **{flag: fusion_flags.get(flag) for flag in Policy.fusion_flags()},
         op_rules=op_rules,
