@@ -36,6 +36,7 @@ from amp_fx.passes.normalize_ops import normalize_ops
 from amp_fx.passes.propagate_dtypes import propagate_dtypes
 from amp_fx.passes.simplify_attention import simplify_attention
 from amp_fx.passes.simplify_casts import simplify_casts
+from amp_fx.passes.use_fp8_linears import use_fp8_linears
 
 __all__ = ["Pass", "PASSES", "ORIGINAL_CODE_AFTER", "rewrite_graph"]
 
@@ -81,6 +82,7 @@ PASSES: tuple[Pass, ...] = (
     Pass(cast_parameters),
     Pass(simplify_casts),
     Pass(cast_outputs),
+    Pass(use_fp8_linears),
     *(_fusion_pass(fusion) for fusion in FUSIONS),
 )
 

@@ -70,6 +70,9 @@ class NodeInfo:
     opaque_reason: str | None = None
     # Free-form extras a pass wants to show in the report (e.g. which params were kept fp32).
     notes: list[str] = field(default_factory=list)
+    # For a linear layer of a policy with ``fp8``: "FP8, recipe ..." or "not FP8: <why>"
+    # (`amp_fx.passes.use_fp8_linears`); "" where no FP8 decision was made.
+    fp8: str = ""
 
 
 def node_info(node: torch.fx.Node) -> NodeInfo:

@@ -39,6 +39,8 @@ from amp_fx.core.opt_levels import OPT_LEVEL_TABLE, OptLevel, check_opt_level, l
 from amp_fx.core.policy_checks import (
     check_device_type,
     check_flag,
+    check_fp8,
+    check_fp8_skip_modules,
     check_keep_batchnorm_fp32,
     check_low_dtype,
     check_low_precision_residual,
@@ -106,6 +108,11 @@ class Policy:
     adds run in the low dtype as in a model cast with ``.to(dtype)``, and the fused add + norm calls
     read and write a low stream; norms keep FP32 math and FP32 weights, the optimizer FP32 masters.
     Faster (half the stream's bytes), further from FP32 than autocast (docs/DESIGN.md, "Fused norms").
+    ``fp8`` (default None; O2 only, opt-in): the name of an FP8 recipe (``"tensorwise"``,
+    ``"rowwise"``, ``"rowwise_hp_wgrad"``: `amp_fx.kernels.fp8.recipes`); each linear layer the
+    policy runs low then runs its three products through `amp_fx.ops.fp8_linear.fp8_linear`
+    (`amp_fx.passes.use_fp8_linears` says which: not the model's output layers unless
+    ``fp8_head=True``, not a module ``fp8_skip_modules`` matches, not a size CUDA refuses).
 
     >>> policy = preset("O1", device_type="cpu", dtype=torch.bfloat16)
     >>> policy.decide("conv2d")
@@ -134,6 +141,11 @@ class Policy:
     cast_inputs_at_entry: bool | None = None
     # Opt-in (O2): the residual stream in the low dtype (embedding tables stored low).
     low_precision_residual: bool = False
+    # Opt-in (O2): linear layers' products in FP8 with this recipe (`use_fp8_linears`); the model's
+    # output layers too with fp8_head; never the modules fp8_skip_modules matches (re.fullmatch).
+    fp8: str | None = None
+    fp8_head: bool = False
+    fp8_skip_modules: list[str] = field(default_factory=list)
     op_rules: dict[str, OpRule] = field(default_factory=dict)
     global_rule: Rule = Rule.PASSTHROUGH
     op_overrides: dict[str, Rule] = field(default_factory=dict)
@@ -161,6 +173,10 @@ class Policy:
         self.low_precision_residual = check_low_precision_residual(
             self.low_precision_residual, self.opt_level, self.level.keeps_norms_fp32
         )
+        mixes_low_and_fp32 = self.level.stores_weights_low and self.level.keeps_fp32_islands
+        self.fp8 = check_fp8(self.fp8, self.opt_level, mixes_low_and_fp32, self.dtype)
+        self.fp8_head = check_flag("fp8_head", self.fp8_head)
+        self.fp8_skip_modules = check_fp8_skip_modules(self.fp8_skip_modules)
         self.global_rule = check_rule(self.global_rule)
         self.op_rules = {
             check_op(op): OpRule(check_rule(entry.rule), str(entry.reason))
@@ -396,7 +412,8 @@ class Policy:
             f"keep_batchnorm_fp32={self.keep_batchnorm_fp32} cast_model_outputs={outputs} "
             + " ".join(f"{flag}={getattr(self, flag)}" for flag in self.fusion_flags())
             + f" keep_logits={self.keep_logits} low_precision_residual={self.low_precision_residual}"
-            + f" cast_inputs_at_entry={self.cast_inputs_at_entry}",
+            + f" cast_inputs_at_entry={self.cast_inputs_at_entry}"
+            + f" fp8={self.fp8} fp8_head={self.fp8_head} fp8_skip_modules={self.fp8_skip_modules}",
             f"  stores_weights_low={self.stores_weights_low} cast_inputs_dtype="
             f"{None if self.cast_inputs_dtype is None else dtype_name(self.cast_inputs_dtype)} "
             f"autocast_opaque={self.autocast_opaque}",
@@ -452,6 +469,9 @@ def preset(
     keep_logits: bool = False,
     low_precision_residual: bool = False,
     cast_inputs_at_entry: bool | None = None,
+    fp8: str | None = None,
+    fp8_head: bool = False,
+    fp8_skip_modules: list[str] | tuple[str, ...] = (),
     **fusion_flags: bool | None,
 ) -> Policy:
     """The policy for an Apex opt level; see `Policy` for the table.
@@ -467,6 +487,8 @@ def preset(
     `low_precision_residual` (default False, O2 only) runs the residual stream low (see `Policy`).
     `cast_inputs_at_entry` (default None: True at O3, False at O2) casts floating inputs low at the
     graph's entry, as Apex, instead of at their first lowered consumer (see `Policy`).
+    `fp8` (default None; O2 only) names an FP8 recipe for the linear layers, `fp8_head` puts the
+    model's output layers in FP8 too, `fp8_skip_modules` keeps the modules it matches out (see `Policy`).
 
     >>> p = preset("O2", dtype=torch.bfloat16)
     >>> p.stores_weights_low, p.keep_batchnorm_fp32, p.cast_model_outputs, p.fused_losses
@@ -497,6 +519,9 @@ def preset(
         keep_logits=keep_logits,
         low_precision_residual=low_precision_residual,
         cast_inputs_at_entry=cast_inputs_at_entry,
+        fp8=fp8,
+        fp8_head=fp8_head,
+        fp8_skip_modules=fp8_skip_modules,
         # None asks the policy for the opt level's (and device's) default.
         **{flag: fusion_flags.get(flag) for flag in Policy.fusion_flags()},
         op_rules=op_rules,

@@ -20,6 +20,8 @@ from amp_fx.core.rules import Rule
 __all__ = [
     "check_device_type",
     "check_flag",
+    "check_fp8",
+    "check_fp8_skip_modules",
     "check_keep_batchnorm_fp32",
     "check_low_dtype",
     "check_low_precision_residual",
@@ -105,6 +107,49 @@ def check_low_precision_residual(value: Any, opt_level: str, keeps_residual_fp32
             "no FP32 stream to lower (O3 runs it low already, O1 follows torch.autocast)"
         )
     return value
+
+
+def check_fp8(recipe: Any, opt_level: str, mixes_low_and_fp32: bool, dtype: torch.dtype) -> str | None:
+    """None (no FP8), or the name of an FP8 recipe (`amp_fx.kernels.fp8.recipes`) that runs on
+    ``dtype`` at ``opt_level``: FP8 products are for O2 (`mixes_low_and_fp32`: weights stored in the
+    low dtype the products read and write, FP32 islands), and rowwise scaling writes bfloat16 only.
+
+    >>> check_fp8("rowwise", "O2", True, torch.bfloat16)
+    'rowwise'
+    """
+    if recipe is None:
+        return None
+    # Imported here: amp_fx.core reads no kernel package at import.
+    from amp_fx.kernels.fp8.arguments import OUTPUT_DTYPES
+    from amp_fx.kernels.fp8.recipes import recipe_named
+
+    scaling = recipe_named(recipe).scaling
+    if not mixes_low_and_fp32:
+        raise ValueError(
+            f"fp8={recipe!r} is for O2 (low-precision weights, FP32 masters), not {opt_level}: use "
+            f"preset('O2', dtype=torch.bfloat16, fp8={recipe!r})"
+        )
+    if dtype not in OUTPUT_DTYPES[scaling]:
+        names = " or ".join(str(d) for d in OUTPUT_DTYPES[scaling] if d != torch.float32)
+        raise ValueError(
+            f"fp8={recipe!r} ({scaling} scaling) writes {names}, not {dtype}: pass dtype=torch.bfloat16"
+            + (", or use fp8='tensorwise'" if scaling == "rowwise" else "")
+        )
+    return recipe
+
+
+def check_fp8_skip_modules(patterns: Any) -> list[str]:
+    """Module-name patterns (``re.fullmatch``) whose linear layers stay out of FP8.
+
+    >>> check_fp8_skip_modules(("lm_head", "blocks[.]0[.].*"))
+    ['lm_head', 'blocks[.]0[.].*']
+    """
+    if isinstance(patterns, str) or not isinstance(patterns, (list, tuple)):
+        raise TypeError(
+            "fp8_skip_modules must be a list of module names or patterns such as ['lm_head', "
+            f"'blocks[.]0[.].*'], got {short_repr(patterns)}"
+        )
+    return [check_regex(pattern) for pattern in patterns]
 
 
 def check_rule(rule: Any) -> Rule:

@@ -68,6 +68,9 @@ def policy_fields_to_dict(fields: Mapping[str, Any], fusion_flags: tuple[str, ..
         "keep_logits": fields["keep_logits"],
         "low_precision_residual": fields["low_precision_residual"],
         "cast_inputs_at_entry": fields["cast_inputs_at_entry"],
+        "fp8": fields["fp8"],
+        "fp8_head": fields["fp8_head"],
+        "fp8_skip_modules": list(fields["fp8_skip_modules"]),
         "global": fields["global_rule"].value,
         "op_rules": {
             op: {"rule": e.rule.value, "reason": e.reason} for op, e in sorted(fields["op_rules"].items())
@@ -101,6 +104,9 @@ def policy_fields_from_dict(data: dict[str, Any], fusion_flags: tuple[str, ...])
         low_precision_residual=data.get("low_precision_residual", False),
         # Absent from dicts written before the field existed: the opt level's default.
         cast_inputs_at_entry=data.get("cast_inputs_at_entry"),
+        fp8=data.get("fp8"),
+        fp8_head=data.get("fp8_head", False),
+        fp8_skip_modules=list(data.get("fp8_skip_modules", [])),
         op_rules={
             op: OpRule(check_rule(entry["rule"]), entry.get("reason", ""))
             for op, entry in data.get("op_rules", {}).items()

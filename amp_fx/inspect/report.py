@@ -161,6 +161,12 @@ class Report:
         return [r for r in self.ops if r.rule == "fp32"]
 
     @property
+    def fp8_products(self) -> list[NodeRow]:
+        """The linear layers of a policy with ``fp8``: each one's ``fp8`` says FP8 and the recipe,
+        or why not (`amp_fx.passes.use_fp8_linears`)."""
+        return [r for r in self.rows if r.fp8]
+
+    @property
     def opaque(self) -> list[NodeRow]:
         """Nodes amp_fx could not trace into, and why (leaf_modules, fx.wrap, untraceable line)."""
         return [r for r in self.rows if r.opaque_reason or r.rule == "opaque"]
@@ -206,6 +212,7 @@ class Report:
                     for r in self.opaque
                 ],
                 "inputs": [cast.to_dict() for cast in self.input_casts],
+                "fp8_products": [{"name": r.name, "graph": r.graph, "fp8": r.fp8} for r in self.fp8_products],
                 "graphs": list(self.graphs),
                 "islands": dict(self.islands),
             },
@@ -239,6 +246,7 @@ class Report:
             input_casts=self.input_casts,
             fp32_ops=self.fp32_ops,
             opaque=self.opaque,
+            fp8_products=self.fp8_products,
             islands=self.islands,
         )
 
@@ -308,6 +316,7 @@ def _row(node: torch.fx.Node, graph: str = "") -> NodeRow:
         cast_reason=info.cast_reason,
         opaque_reason=info.opaque_reason,
         notes=tuple(info.notes),
+        fp8=info.fp8,
         graph=graph,
     )
 

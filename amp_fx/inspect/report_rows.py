@@ -37,6 +37,8 @@ class NodeRow:
     cast_reason: str
     opaque_reason: str | None
     notes: tuple[str, ...]
+    # For a linear layer under a policy with ``fp8``: whether it runs in FP8, and why not.
+    fp8: str = ""
     # The graph the node belongs to, where a report covers several (the torch.export front end's
     # graphs, labelled by module name); "" for a report of one graph.
     graph: str = ""
@@ -70,6 +72,7 @@ class NodeRow:
             "cast_reason": self.cast_reason,
             "opaque_reason": self.opaque_reason,
             "notes": list(self.notes),
+            "fp8": self.fp8,
             "graph": self.graph,
         }
 

@@ -79,6 +79,7 @@ def format_summary(
     fp32_ops: Sequence[NodeRow],
     opaque: Sequence[NodeRow],
     islands: Mapping[str, str],
+    fp8_products: Sequence[NodeRow] = (),
 ) -> str:
     """Counts, the ops kept in FP32 and why, and the opaque nodes (lines wrapped at REPORT_WIDTH);
     the arguments are `amp_fx.inspect.report.Report`'s properties of those names (`ops` a count).
@@ -114,6 +115,10 @@ def format_summary(
         lines.append("stayed FP32:")
         for r in fp32_ops:
             lines += _wrap(f"{_where(r)}{r.name} ({r.op}): {r.reason}", REPORT_WIDTH, "  ", "    ")
+    if fp8_products:
+        lines.append("linear layers' products (output, input and weight gradients) in FP8:")
+        for r in fp8_products:
+            lines += _wrap(f"{_where(r)}{r.name}: {r.fp8}", REPORT_WIDTH, "  ", "    ")
     if opaque:
         lines.append("opaque:")
         for r in opaque:

@@ -40,7 +40,7 @@ from amp_fx.kernels.fp8.arguments import fp8_product_refusal
 from amp_fx.kernels.fp8.recipes import PRODUCTS, Fp8Recipe, recipe_named
 from amp_fx.ops.outputs import reshaped_output
 
-__all__ = ["fp8_linear", "fp8_linear_refusals", "fp8_linear_unchecked"]
+__all__ = ["fp8_linear", "fp8_linear_or_linear", "fp8_linear_refusals", "fp8_linear_unchecked"]
 
 _HIGH_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Each product as the layer's tensors make it, for the refusals.
@@ -99,6 +99,16 @@ def fp8_linear_refusals(
     return refusals
 
 
+def _products_run(input: Tensor, weight: Tensor) -> dict[str, bool]:
+    """Which products a call runs: the gradients only where autograd will ask for them."""
+    grad = torch.is_grad_enabled()
+    return {
+        "output": True,
+        "grad_input": grad and input.requires_grad,
+        "grad_weight": grad and weight.requires_grad,
+    }
+
+
 def _check_arguments(input: Tensor, weight: Tensor, bias: Tensor | None, recipe: str) -> None:
     """Refuse what F.linear refuses, and what CUDA's FP8 product would refuse in any product this
     call runs (the gradients' only where autograd will ask for them)."""
@@ -126,12 +136,7 @@ def _check_arguments(input: Tensor, weight: Tensor, bias: Tensor | None, recipe:
     refusals = fp8_linear_refusals(
         tokens, weight.shape[1], weight.shape[0], input.dtype, None if bias is None else bias.dtype, recipe
     )
-    grad = torch.is_grad_enabled()
-    runs = {
-        "output": True,
-        "grad_input": grad and input.requires_grad,
-        "grad_weight": grad and weight.requires_grad,
-    }
+    runs = _products_run(input, weight)
     for product in PRODUCTS:
         if runs[product] and refusals[product] is not None:
             raise ValueError(f"fp8_linear with recipe {recipe!r} cannot run {refusals[product]}")
@@ -234,3 +239,28 @@ def fp8_linear(
     """
     _check_arguments(input, weight, bias, recipe)
     return fp8_linear_unchecked(input, weight, bias, recipe)
+
+
+def fp8_linear_or_linear(
+    input: Tensor, weight: Tensor, bias: Tensor | None = None, *, recipe: str = "rowwise"
+) -> Tensor:
+    """`fp8_linear`, or ``F.linear`` for a call whose token count CUDA's FP8 product refuses: what
+    `amp_fx.passes.use_fp8_linears` puts in graphs. The pass checks the layer's sizes when it
+    converts; the tokens (input's rows, the sum of the weight-gradient product) are known only
+    per call, and a ragged batch (tokens not a multiple of 16) must not stop a training step, so
+    such a call runs its three products in the high dtype instead. Shapes only: no host sync.
+
+    Example:
+        >>> w = torch.randn(32, 32, dtype=torch.bfloat16, requires_grad=True)
+        >>> x = torch.randn(5, 32, dtype=torch.bfloat16)  # 5 tokens: the weight gradient refused
+        >>> torch.equal(fp8_linear_or_linear(x, w), torch.nn.functional.linear(x, w))
+        True
+    """
+    tokens = input.numel() // input.shape[-1] if input.dim() else 0
+    refusals = fp8_linear_refusals(
+        tokens, weight.shape[1], weight.shape[0], input.dtype, None if bias is None else bias.dtype, recipe
+    )
+    runs = _products_run(input, weight)
+    if tokens == 0 or any(runs[product] and refusals[product] for product in PRODUCTS):
+        return torch.nn.functional.linear(input, weight, bias)
+    return fp8_linear(input, weight, bias, recipe=recipe)

@@ -88,7 +88,7 @@ from amp_fx.passes.shared.losses import (
 from amp_fx.passes.shared.module_regions import module_paths
 from amp_fx.passes.shared.op_patterns import AnyOf, Match, Num, Op, Pattern, Var, match, tensor_value
 
-__all__ = ["LinearLoss", "match_linear_loss"]
+__all__ = ["LinearLoss", "linear_call_arguments", "match_linear_loss"]
 
 # Ops that pass the logits on unchanged in value and row order (a widening cast included).
 _CHAIN_OPS = RESHAPE_OPS | {"alias", "to"}
@@ -131,9 +131,10 @@ class LinearLoss:
         return paths[-1] if paths else self.head.name
 
 
-def _head_arguments(gm: torch.fx.GraphModule, linear: Any) -> tuple[Any, Any, Any, int | None] | None:
-    """(input, weight, bias, number of classes or None) of a head call; the weight and bias are
-    nodes, or the qualified names of a plain nn.Linear's parameters; None when not a head."""
+def linear_call_arguments(gm: torch.fx.GraphModule, linear: Any) -> tuple[Any, Any, Any, int | None] | None:
+    """(input, weight, bias, number of classes or None) of a linear call (a head's, or any other's:
+    `use_fp8_linears` reads it too); the weight and bias are nodes, or the qualified names of a
+    plain nn.Linear's parameters; None for a call these passes cannot replace (a hooked module)."""
     if not isinstance(linear, torch.fx.Node) or node_info(linear).op != "linear":
         return None
     if linear.op == "call_module":
@@ -357,7 +358,7 @@ def _chain_to_head(
     path: list[torch.fx.Node] = []
     node = value
     softcap = None
-    while (arguments := _head_arguments(gm, node)) is None:
+    while (arguments := linear_call_arguments(gm, node)) is None:
         if not isinstance(node, torch.fx.Node):
             return None
         if (found := _softcap_ending_at(gm, node)) is not None:
