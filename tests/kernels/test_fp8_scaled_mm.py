@@ -1,14 +1,19 @@
 """The FP8 scaled product (``amp_fx.kernels.fp8``'s ``fp8_scaled_mm``): its value is the product of
-the dequantised operands, rounded once; and its checks refuse on the CPU what CUDA refuses, where
-``torch._scaled_mm`` on the CPU accepts it (on a GPU, marked `gpu`: CUDA refuses each of them too,
-as torch 2.11 does, and takes every product the checks let through).
+the dequantised operands, summed as the device sums it (the contract's "How the product sums")
+and rounded once; and its checks refuse on the CPU what CUDA refuses, where ``torch._scaled_mm``
+on the CPU accepts it (on a GPU, marked `gpu`: CUDA refuses each of them too, as torch 2.11 does,
+and takes every product the checks let through).
 
 The bounds the FP8 tests compare with are built here, from each dtype's rounding error
-(``amp_fx.testing.dtype_tolerances.rounding_error``): `product_tolerance` (two float32 sums of the
-same products) and `operand_error` (an operand against its FP8 quantisation).
+(``amp_fx.testing.dtype_tolerances.rounding_error``) and the FP8 tensor cores' sums:
+`product_tolerance` (two sums of the same products: float32's, or with `tensor_core_magnitudes`
+a CUDA one), `operand_error` (an operand against its FP8 quantisation). `tensor_core_sums`
+emulates CUDA's sums on the CPU, to check the CUDA bound where no GPU runs.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -29,16 +34,69 @@ FORMAT_PAIRS = [(E4M3, E4M3), (E4M3, E5M2), (E5M2, E4M3)]
 # ---- the bounds the FP8 tests share -----------------------------------------------------------
 
 
+# CUDA's FP8 tensor cores (``amp_fx.kernels.fp8``): 32 products an MMA instruction, each addend
+# and the sum truncated to 13 fraction bits.
+MMA_PRODUCTS, MMA_FRACTION_BITS = 32, 13
+
+
 def product_tolerance(
-    expected: torch.Tensor, magnitude: torch.Tensor, k: int, dtype: torch.dtype
+    expected: torch.Tensor,
+    magnitude: torch.Tensor,
+    k: int,
+    dtype: torch.dtype,
+    tensor_core_magnitude: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """How far a float32-accumulated product of k terms, rounded to ``dtype``, may lie from another
-    evaluation of the same products (``expected``, any float dtype) element-wise: one rounding to
-    ``dtype`` plus, for each of the two sums, float32's error of k additions and the scales'
-    multiplications, relative to ``magnitude`` (the sum of the terms' magnitudes)."""
+    """How far a product of k terms, rounded to ``dtype``, may lie from another evaluation of the
+    same products (``expected``, any float dtype) element-wise: one rounding to ``dtype`` plus, for
+    each of the two sums, float32's error of k additions and the scales' multiplications, relative
+    to ``magnitude`` (the sum of the terms' magnitudes). With ``tensor_core_magnitude`` (the sum of
+    `tensor_core_magnitudes`), one sum ran on CUDA's FP8 tensor cores: plus their truncations, at
+    most k + 2 per instruction units of 2^-13 of it (the arithmetic is in ``amp_fx.kernels.fp8``)."""
     relative, absolute = rounding_error(dtype)
     float32_relative = rounding_error(torch.float32)[0]
-    return relative * expected.double().abs() + absolute + 2 * (k + 2) * float32_relative * magnitude.double()
+    bound = relative * expected.double().abs() + absolute
+    bound = bound + 2 * (k + 2) * float32_relative * magnitude.double()
+    if tensor_core_magnitude is not None:
+        truncations = k + 2 * math.ceil(k / MMA_PRODUCTS)
+        bound = bound + truncations * 2.0**-MMA_FRACTION_BITS * tensor_core_magnitude.double()
+    return bound
+
+
+def tensor_core_magnitudes(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``|data| * scale`` (float64) with each nonzero FP8 subnormal counted as the format's least
+    normal: a tensor core truncates a product's addends at 2^-13 of 2^(e_a + e_b), the operands'
+    exponents (a subnormal's is the least normal's), which these values' product bounds."""
+    values = data.double().abs()
+    counted = torch.where(values == 0, values, values.clamp(min=torch.finfo(data.dtype).smallest_normal))
+    return counted * scale.double()
+
+
+def _binade(x: torch.Tensor) -> torch.Tensor:
+    """2^floor(log2 |x|), 0 for 0."""
+    return torch.exp2(torch.floor(torch.log2(x.abs())))
+
+
+def _truncated(x: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+    """x rounded toward zero to a multiple of ``unit`` (x itself where the unit is 0: x is 0)."""
+    return torch.where(unit == 0, x, torch.trunc(x / unit) * unit)
+
+
+def tensor_core_sums(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of FP8 matrices (unscaled, (M, K) and (K, N)) in float64, as an FP8 tensor core
+    sums it (MMA-Sim's model of Hopper's, ``amp_fx.kernels.fp8``): per instruction the running sum
+    and 32 products, each truncated at 2^-13 of the largest addend's 2^e, added exactly, the sum
+    truncated to 13 fraction bits; never moved to float32 (an H100's sums of up to 64 terms)."""
+    one = torch.tensor(1.0)
+    products = a.double()[:, None, :] * b.double().t()[None, :, :]
+    a_weights, b_weights = (_binade(tensor_core_magnitudes(t, one)) for t in (a, b))
+    weights = a_weights[:, None, :] * b_weights.t()[None, :, :]
+    total = torch.zeros(products.shape[:2], dtype=torch.float64)
+    for start in range(0, a.shape[1], MMA_PRODUCTS):
+        part = slice(start, start + MMA_PRODUCTS)
+        unit = torch.maximum(weights[..., part].amax(-1), _binade(total)) * 2.0**-MMA_FRACTION_BITS
+        step = _truncated(total, unit) + _truncated(products[..., part], unit[..., None]).sum(-1)
+        total = _truncated(step, _binade(step) * 2.0**-MMA_FRACTION_BITS)
+    return total
 
 
 def operand_error(operand: torch.Tensor, fp8_dtype: torch.dtype | None, along: int | None) -> torch.Tensor:
@@ -92,15 +150,58 @@ def product_cases(draw):
     return a_data, b_data, a_scale, b_scale, bias, out_dtype
 
 
-@given(product_cases())
-def test_scaled_mm_is_the_dequantised_product_rounded_once(case) -> None:
-    a, b, scale_a, scale_b, bias, out_dtype = case
-    out = reference.fp8_scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
+def assert_is_the_product(out: torch.Tensor, arguments: tuple, tensor_cores: bool) -> None:
+    """``out`` is ``fp8_scaled_mm(*arguments)`` (a, b, scale_a, scale_b, bias, out_dtype) to within
+    `product_tolerance` of the exact product: summed in float32, or on CUDA's ``tensor_cores``."""
+    a, b, scale_a, scale_b, bias, out_dtype = arguments
     assert out.dtype == out_dtype and out.shape == (a.shape[0], b.shape[1])
     a_values, b_values = a.double() * scale_a.double(), b.double() * scale_b.double()
     exact = a_values @ b_values + (0 if bias is None else bias.double())
     magnitude = a_values.abs() @ b_values.abs() + (0 if bias is None else bias.double().abs())
-    assert ((out.double() - exact).abs() <= product_tolerance(exact, magnitude, a.shape[1], out_dtype)).all()
+    summed = None
+    if tensor_cores:
+        summed = tensor_core_magnitudes(a, scale_a) @ tensor_core_magnitudes(b, scale_b)
+    bound = product_tolerance(exact, magnitude, a.shape[1], out_dtype, summed)
+    assert ((out.double() - exact).abs() <= bound).all()
+
+
+def emulated_cuda_scaled_mm(a, b, scale_a, scale_b, *, bias=None, out_dtype) -> torch.Tensor:
+    """``fp8_scaled_mm`` as CUDA computes it, on the CPU: `tensor_core_sums`, then the scales and
+    the bias in float32, rounded once to ``out_dtype``."""
+    out = tensor_core_sums(a, b).float() * scale_a * scale_b
+    return (out if bias is None else out + bias.float()).to(out_dtype)
+
+
+@given(product_cases())
+def test_scaled_mm_is_the_dequantised_product_rounded_once(case) -> None:
+    a, b, scale_a, scale_b, bias, out_dtype = case
+    out = reference.fp8_scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
+    assert_is_the_product(out, case, tensor_cores=False)
+
+
+@given(product_cases())
+def test_the_cuda_bound_holds_for_tensor_core_sums(case) -> None:
+    """The bound the GPU tests use, against CUDA's arithmetic emulated: it holds in any case."""
+    a, b, scale_a, scale_b, bias, out_dtype = case
+    out = emulated_cuda_scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
+    assert_is_the_product(out, case, tensor_cores=True)
+
+
+@pytest.mark.parametrize(
+    ("terms", "expected"),
+    [
+        ({0: (16.0, 16.0), 1: (0.125, 0.125)}, 256.0),  # 2^-6 is below 2^-13 of 256's 2^8: dropped
+        ({0: (16.0, 16.0), 1: (0.25, 0.125)}, 256.0 + 2.0**-5),  # 2^-5 is 2^-13 of it: kept
+        ({0: (16.0, 16.0), 32: (0.125, 0.125)}, 256.0),  # the running sum aligns the next instruction
+        ({0: (2.0**-9, 448.0), 1: (2.0**-4, 2.0**-9)}, 0.875),  # a subnormal aligns at 2^-6: 2^-13 < 2^-11
+    ],
+)
+def test_tensor_core_sums_truncate_as_the_model_says(terms: dict, expected: float) -> None:
+    """`tensor_core_sums` on worked sums of e4m3 products ``a_i * b_i`` (K = 64)."""
+    a, b = torch.zeros(1, 64), torch.zeros(64, 16)
+    for i, (a_i, b_i) in terms.items():
+        a[0, i], b[i, 0] = a_i, b_i
+    assert tensor_core_sums(a.to(E4M3), b.to(E4M3))[0, 0].item() == expected
 
 
 # ---- CUDA's rules ---------------------------------------------------------------------------------
@@ -252,12 +353,9 @@ def test_cuda_refuses_each_refused_product() -> None:
 @pytest.mark.parametrize("formats", FORMAT_PAIRS, ids=lambda f: f"{f[0]}x{f[1]}".replace("torch.float8_", ""))
 def test_cuda_takes_what_the_checks_let_through(scaling: str, formats: tuple) -> None:
     """Each format pair and output dtype the checks let through runs on CUDA (17 rows: M is free),
-    and is the product rounded once."""
+    and is the product within the bound of CUDA's FP8 sums."""
     a, b, scale_a, scale_b = operands(17, 64, 48, *formats, scaling=scaling, device="cuda")
     for out_dtype in OUTPUT_DTYPES:
         bias = None if out_dtype == torch.float32 else _bias(out_dtype, "cuda", 48)
         out = reference.fp8_scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
-        a_values, b_values = a.double() * scale_a.double(), b.double() * scale_b.double()
-        exact = a_values @ b_values + (0 if bias is None else bias.double())
-        magnitude = a_values.abs() @ b_values.abs() + (0 if bias is None else bias.double().abs())
-        assert ((out.double() - exact).abs() <= product_tolerance(exact, magnitude, 64, out_dtype)).all()
+        assert_is_the_product(out, (a, b, scale_a, scale_b, bias, out_dtype), tensor_cores=True)
