@@ -224,10 +224,10 @@ def fp8_linear(
     ``amp_fx.kernels.fp8.recipes``). Output and input gradient in input's dtype, weight gradient in
     weight's, bias gradient in bias's.
 
-    input (..., K) and weight (N, K) share one dtype (bfloat16 for the rowwise recipes, which write
-    bfloat16 only; float16 or float32 too for tensorwise); K and N are multiples of 16, and so are
-    the tokens (input's rows) when the weight gradient runs in FP8; a bias has the output's dtype
-    (none with float32 output). A ValueError names the rule broken and the fix, on every device.
+    input (..., K) and weight (N, K) share one dtype (float16, bfloat16 or float32); K and N are
+    multiples of 16, and so are the tokens (input's rows) when the weight gradient runs in FP8; a
+    bias has the output's dtype (none with float32 output). A ValueError names the rule broken and
+    the fix, on every device.
 
     Example:
         >>> x = torch.randn(16, 32, dtype=torch.bfloat16)

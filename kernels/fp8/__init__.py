@@ -4,7 +4,7 @@ Hopper multiplies float8 at twice the bf16 rate. A product ``a @ b`` runs in FP8
 
     a (M, K)  ->  a_q, s_a = fp8_quantize(a, ...)      the dequantised a is a_q * s_a
     b (K, N)  ->  b_q, s_b = fp8_quantize(b, ...)
-    out       =   fp8_scaled_mm(a_q, b_q, s_a, s_b)     = (a_q * s_a) @ (b_q * s_b), in fp32, rounded once
+    out       =   fp8_scaled_mm(a_q, b_q, s_a, s_b)     = (a_q * s_a) @ (b_q * s_b), summed as below
 
 Each operand is scaled along K, the dimension the product sums over, so that a scale is constant
 over every sum it enters: one scale per tensor ("tensorwise"), or one per row of ``a`` and one
@@ -45,10 +45,22 @@ The kernels (``KERNELS``):
   refuses. ``out`` (M, N) in ``out_dtype``, plus ``bias`` (N,) when given.
 
 ``reference`` implements both with torch ops; ``torch._scaled_mm`` is cuBLAS's (or CUTLASS's)
-kernel on CUDA and a plain loop on the CPU (exactly the dequantised fp32 product for float32
-output). There is no Triton kernel yet: ``triton`` serves the reference's functions, which run
-on CUDA as they are, until a fused quantiser (one read of t for amax and cast) replaces
-``fp8_quantize`` there. ``arguments`` holds the checks both run.
+kernel on CUDA and a plain loop on the CPU. There is no Triton kernel yet: ``triton`` serves the
+reference's functions, which run on CUDA as they are, until a fused quantiser (one read of t for
+amax and cast) replaces ``fp8_quantize`` there. ``arguments`` holds the checks both run.
+
+How the product sums. The CPU sums ``a_q @ b_q`` in fp32 (exactly the dequantised fp32 product
+for float32 output), applies the scales and bias in fp32 and rounds once to ``out_dtype``. CUDA's
+FP8 tensor cores (Ada, Hopper) sum with 13 fraction bits, not fp32's 23: each MMA instruction adds
+the running sum and 32 products exactly after truncating each to 13 fraction bits below the
+largest one's exponent, then truncates the sum to 13 fraction bits (the bit-accurate model of
+MMA-Sim, arXiv 2511.10909; DeepSeek-V3 reports about 14 bits). cuBLAS moves the running sum to
+fp32 only every few instructions: an H100's errors over 64 terms are those of no move at all. A
+CUDA product of K terms thus errs by up to ``(K + 2 * ceil(K / 32)) * 2**-13 * sum |a_i b_i|``,
+each FP8 subnormal counted as the least normal, before its scales, bias and rounding, in any
+order and with any split of K: per instruction, under 2**-13 of the largest addend's power of 2
+(a subnormal's is the least normal's) for each nonzero addend, the running sum included, and for
+its result. That is well below the error of quantising the operands (e4m3's is 2**-4).
 """
 
 import torch

@@ -6,10 +6,13 @@ multiple of 16, a row-major second operand, bf16 scales, a bias with float32 out
 only on the CPU would then fail on the first GPU run. `fp8_product_refusal` states CUDA's rules on
 shapes and dtypes alone, so that a caller (the op's up-front check, a policy deciding which
 products run in FP8) can ask before any tensor exists; `check_fp8_scaled_mm_arguments` adds the
-rules on tensors (formats, layouts, scales, devices). The rules are those of torch 2.5 to 2.11 on an
-H100 where they agree, and the stricter where they differ (rowwise scaling: e4m3 operands and bf16
-output only, what CUTLASS's rowwise kernel takes, which torch uses where cuBLAS cannot). All checks
-read metadata only, never a value: they never synchronize with the device.
+rules on tensors (formats, layouts, scales, devices). The rules are those of torch 2.11 on an H100,
+the oldest torch the project runs on GPUs: there both scalings run on cuBLASLt (rowwise through
+its outer-vector scales, cuBLAS >= 12.9) and take the same formats and output dtypes. Older torch
+ran rowwise products on CUTLASS's kernel, which took e4m3 operands and wrote bf16 only. One
+product 2.11 runs is refused here: scales that mix the scalings (per-row for a, one for b), which
+`scaling_of` does not name, no product of this family makes, and the CPU's product refuses. All
+checks read metadata only, never a value: they never synchronize with the device.
 """
 
 from __future__ import annotations
@@ -29,14 +32,9 @@ __all__ = [
     "scaling_of",
 ]
 
-# The output dtypes CUDA's FP8 product writes, per scaling (float8 outputs exist for tensorwise
-# scaling but are no product's here).
-OUTPUT_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
-    "tensorwise": (torch.bfloat16, torch.float16, torch.float32),
-    "rowwise": (torch.bfloat16,),
-}
-# The operand formats CUDA's rowwise product takes.
-_ROWWISE_FORMATS = (torch.float8_e4m3fn,)
+# The output dtypes CUDA's FP8 product writes, with either scaling (float8 outputs exist for
+# tensorwise scaling but are no product's here).
+OUTPUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 _MULTIPLE = 16
 _RULE = "CUDA's FP8 matrix product (torch._scaled_mm) requires"
 
@@ -53,7 +51,8 @@ def fp8_product_refusal(
 ) -> str | None:
     """Why CUDA refuses the FP8 product of an (m, k) ``first`` and a (k, n) ``second`` operand
     with ``scaling`` writing ``out_dtype`` (plus a bias of ``bias_dtype``), with the fix; None when
-    it takes it. Shapes and dtypes only.
+    it takes it. Shapes and dtypes only. ``scaling`` is checked by name; on torch 2.11 both
+    scalings take the same products.
 
     Example:
         >>> e4m3 = torch.float8_e4m3fn
@@ -82,16 +81,9 @@ def fp8_product_refusal(
             f"both operands are float8_e5m2, which {_RULE} not to be (cuBLASLt has no e5m2 x e5m2 "
             "kernel); quantise one of them to float8_e4m3fn"
         )
-    if scaling == "rowwise" and not (first in _ROWWISE_FORMATS and second in _ROWWISE_FORMATS):
-        return (
-            f"rowwise scaling takes float8_e4m3fn operands only, got {first} and {second}; quantise "
-            "both to float8_e4m3fn, or use tensorwise scaling"
-        )
-    allowed = OUTPUT_DTYPES[scaling]
-    if out_dtype not in allowed:
-        names = ", ".join(str(d) for d in allowed)
-        other = " or use tensorwise scaling" if scaling == "rowwise" else ""
-        return f"{scaling} scaling writes {names} only, not {out_dtype}; run the layer in {allowed[0]}{other}"
+    if out_dtype not in OUTPUT_DTYPES:
+        names = ", ".join(str(d) for d in OUTPUT_DTYPES)
+        return f"{_RULE} an output of {names}, not {out_dtype}; run the layer in one of those"
     if bias_dtype is not None:
         if out_dtype == torch.float32:
             return (
