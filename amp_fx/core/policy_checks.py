@@ -112,7 +112,7 @@ def check_low_precision_residual(value: Any, opt_level: str, keeps_residual_fp32
 def check_fp8(recipe: Any, opt_level: str, mixes_low_and_fp32: bool, dtype: torch.dtype) -> str | None:
     """None (no FP8), or the name of an FP8 recipe (`amp_fx.kernels.fp8.recipes`) that runs on
     ``dtype`` at ``opt_level``: FP8 products are for O2 (`mixes_low_and_fp32`: weights stored in the
-    low dtype the products read and write, FP32 islands), and rowwise scaling writes bfloat16 only.
+    low dtype the products read and write, FP32 islands), in a dtype CUDA's FP8 product writes.
 
     >>> check_fp8("rowwise", "O2", True, torch.bfloat16)
     'rowwise'
@@ -123,18 +123,15 @@ def check_fp8(recipe: Any, opt_level: str, mixes_low_and_fp32: bool, dtype: torc
     from amp_fx.kernels.fp8.arguments import OUTPUT_DTYPES
     from amp_fx.kernels.fp8.recipes import recipe_named
 
-    scaling = recipe_named(recipe).scaling
+    recipe_named(recipe)
     if not mixes_low_and_fp32:
         raise ValueError(
             f"fp8={recipe!r} is for O2 (low-precision weights, FP32 masters), not {opt_level}: use "
             f"preset('O2', dtype=torch.bfloat16, fp8={recipe!r})"
         )
-    if dtype not in OUTPUT_DTYPES[scaling]:
-        names = " or ".join(str(d) for d in OUTPUT_DTYPES[scaling] if d != torch.float32)
-        raise ValueError(
-            f"fp8={recipe!r} ({scaling} scaling) writes {names}, not {dtype}: pass dtype=torch.bfloat16"
-            + (", or use fp8='tensorwise'" if scaling == "rowwise" else "")
-        )
+    if dtype not in OUTPUT_DTYPES:
+        names = ", ".join(str(d) for d in OUTPUT_DTYPES)
+        raise ValueError(f"fp8={recipe!r} writes {names}, not {dtype}: pass dtype=torch.bfloat16")
     return recipe
 
 
