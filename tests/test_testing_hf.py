@@ -65,7 +65,13 @@ def _umt5() -> nn.Module:
         vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
         decoder_start_token_id=0,
     )  # fmt: skip
-    return transformers.UMT5ForConditionalGeneration(config)
+    model = transformers.UMT5ForConditionalGeneration(config)
+    # transformers 5.17 builds the decoder's self-attention with is_causal=False: with nothing
+    # padded, its SDPA path then attends to later tokens eagerly, while a traced graph (torch.export,
+    # torch.compile) is given the causal mask. Causal, as transformers 5.24 builds it.
+    for block in model.decoder.block:
+        block.layer[0].SelfAttention.is_causal = True
+    return model
 
 
 @pytest.mark.parametrize("name", ["t5", "umt5"])

@@ -61,10 +61,10 @@ class Layer(nn.Module):
         return {"hidden": h, "none": None, "pair": (keys, None)}
 
 
-def _scaled(model: nn.Module) -> nn.Module:
+def _scaled(model: nn.Module, factor: float = 1.01) -> nn.Module:
     wrong = copy.deepcopy(model)
     with torch.no_grad():
-        wrong.proj.weight.mul_(1.01)
+        wrong.proj.weight.mul_(factor)
     return wrong
 
 
@@ -108,6 +108,39 @@ def test_counts_a_cache_holds_are_compared() -> None:
     wrong = Miscounts("cache")
     with pytest.raises(AssertionError, match=r"output\[1\]\.seen: 4 != expected 3"):
         assert_equivalent(model, wrong, (torch.randn(3, 4),), exact=True)
+
+
+class TypedCache(Cache):
+    """A cache that records its tensors' dtype, as transformers 5.17's ``DynamicLayer`` does."""
+
+    def update(self, key: torch.Tensor) -> torch.Tensor:
+        self.dtype = key.dtype
+        return super().update(key)
+
+
+class TypedLayer(nn.Module):
+    """Fills a `TypedCache` with keys in ``dtype``: a converted model's cache is low, the original's FP32."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(4, 4)
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> TypedCache:
+        cache = TypedCache()
+        cache.update(self.proj(x).tanh().to(self.dtype))
+        return cache
+
+
+@pytest.mark.parametrize("measure", ["relative", "fixed"])
+def test_a_dtype_a_cache_records_is_compared_as_its_tensors_are(measure: str) -> None:
+    """Not as structure: the converted model's cache records bfloat16, the original's float32."""
+    x = torch.randn(3, 4)
+    low = TypedLayer(torch.bfloat16)
+    assert_equivalent(TypedLayer(), low, (x,), dtype=torch.bfloat16, measure=measure)
+    with pytest.raises(AssertionError, match=r"output\.keys\[0\]"):
+        assert_equivalent(TypedLayer(), _scaled(low, 1.5), (x,), dtype=torch.bfloat16, measure=measure)
 
 
 class Head(nn.Module):
