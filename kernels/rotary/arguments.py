@@ -13,6 +13,16 @@ from amp_fx.kernels.arguments import check_dtype
 __all__ = ["check_rotary_arguments", "check_rotary_tensors", "rotary_width_problem"]
 
 
+def _broadcasts_within(shape: Sequence[int], target: Sequence[int]) -> bool:
+    """Whether ``shape`` broadcasts to ``target`` without enlarging it: no more dimensions, and each
+    of its trailing ones 1 or target's. Python comparisons only: every call of the ops runs it
+    (``torch.broadcast_shapes`` costs tens of microseconds)."""
+    if len(shape) > len(target):
+        return False
+    aligned = target[len(target) - len(shape) :]
+    return all(size == 1 or size == other for size, other in zip(shape, aligned, strict=True))
+
+
 def rotary_width_problem(x_shape: torch.Size, cos_shape: torch.Size, sin_shape: torch.Size) -> str | None:
     """Why cos and sin of these shapes do not fit the contract for an x of ``x_shape`` (None when
     they do): R = cos.shape[-1] even, 0 < R <= D, and cos, sin broadcastable to x[..., :R]
@@ -35,11 +45,7 @@ def rotary_width_problem(x_shape: torch.Size, cos_shape: torch.Size, sin_shape: 
         return f"cos has {width} features; it must have between 2 and x's {x_shape[-1]}"
     rotated = (*x_shape[:-1], width)
     for name, shape in (("cos", cos_shape), ("sin", sin_shape)):
-        try:
-            broadcast = torch.broadcast_shapes(rotated, shape)
-        except RuntimeError:
-            broadcast = None
-        if len(shape) > len(x_shape) or broadcast != torch.Size(rotated):
+        if not _broadcasts_within(shape, rotated):
             return (
                 f"{name} of shape {tuple(shape)} does not broadcast to x[..., :{width}] of shape "
                 f"{rotated}; unsqueeze it at x's head dimension "
