@@ -14,7 +14,8 @@ compute (other dtypes, a weight that is not a vector of the row's width, a resid
 broadcasts) return exactly that expression. The kernels are wrapped as the custom ops
 ``amp_fx::fused_norm`` and ``amp_fx::fused_norm_backward``, with fake implementations and
 autograd, so the functions work under autograd and compile under ``torch.compile`` and
-``torch.export`` as one op. They run the Triton kernels on CUDA tensors and the pure-torch
+``torch.export`` as one op; eager calls skip the custom ops' dispatch
+(`amp_fx.ops.dispatch.fused_op`). They run the Triton kernels on CUDA tensors and the pure-torch
 reference elsewhere (``amp_fx.kernels.implementation_for``).
 
     >>> x = torch.randn(4, 64, dtype=torch.bfloat16)
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from amp_fx.kernels.arguments import KERNEL_DTYPES
-from amp_fx.ops.dispatch import compiler_fuses, is_traced_backward
+from amp_fx.ops.dispatch import compiler_fuses, fused_op, is_traced_backward
 from amp_fx.ops.outputs import reshaped_output
 
 __all__ = [
@@ -73,7 +74,7 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty((0,), dtype=torch.float32)
 
 
-@torch.library.custom_op("amp_fx::fused_norm", mutates_args=())
+@fused_op("amp_fx::fused_norm")
 def fused_norm(
     x: Tensor,
     residual: Tensor | None,
@@ -129,7 +130,7 @@ def _fused_norm_fake(
     return x.new_empty(x.shape, dtype=out_dtype), summed, mean, x.new_empty((rows,), dtype=torch.float32)
 
 
-@torch.library.custom_op("amp_fx::fused_norm_backward", mutates_args=())
+@fused_op("amp_fx::fused_norm_backward")
 def fused_norm_backward(
     grad_out: Tensor,
     grad_sum: Tensor | None,
