@@ -86,6 +86,9 @@ class FusedOp:
         self.implementation = implementation
         self._signature = inspect.signature(implementation)
         self._arity = len(self._signature.parameters)
+        # The positions of the arguments the op writes, whose version counters a direct call
+        # bumps as the custom op does (a Triton kernel's write does not).
+        self._mutated = tuple(i for i, arg in enumerate(self._signature.parameters) if arg in mutates_args)
         self._function: type[torch.autograd.Function] | None = None
 
     def register_fake(self, fake: Callable[..., Any]) -> Callable[..., Any]:
@@ -94,7 +97,10 @@ class FusedOp:
         return fake
 
     def register_autograd(self, backward: Callable[..., Any], *, setup_context: Callable[..., Any]) -> None:
-        """The op's autograd (``CustomOpDef.register_autograd``), and the eager path's Function."""
+        """The op's autograd (``CustomOpDef.register_autograd``), and the eager path's Function.
+        Only for ops that write none of their arguments."""
+        if self._mutated:
+            raise ValueError(f"{self.name} writes its arguments; fused_op gives autograd to functional ops")
         self.op.register_autograd(backward, setup_context=setup_context)
         implementation = self.implementation
 
@@ -112,16 +118,28 @@ class FusedOp:
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not is_eager(*args, *kwargs.values()):
+        records_autograd = _records_autograd((*args, *kwargs.values()))
+        # An op without autograd called where autograd records (a double backward) takes the
+        # custom op too, which raises as it always did rather than give no gradient.
+        if not is_eager(*args, *kwargs.values()) or (records_autograd and self._function is None):
             return self.op(*args, **kwargs)
-        if self._function is None or not _records_autograd((*args, *kwargs.values())):
-            return self.implementation(*args, **kwargs)
+        if not records_autograd:
+            output = self.implementation(*args, **kwargs)
+            if self._mutated:
+                self._mark_written(args, kwargs)
+            return output
         if kwargs or len(args) != self._arity:
             # setup_context reads every argument positionally, as the custom op passes them.
             bound = self._signature.bind(*args, **kwargs)
             bound.apply_defaults()
             args = bound.args
         return self._function.apply(*args)
+
+    def _mark_written(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        names = list(self._signature.parameters)
+        for i in self._mutated:
+            tensor = args[i] if i < len(args) else kwargs[names[i]]
+            torch.autograd.graph.increment_version(tensor)
 
     def __repr__(self) -> str:
         return f"FusedOp({self.name})"

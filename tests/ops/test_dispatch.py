@@ -83,3 +83,20 @@ def test_is_eager() -> None:
     # Traced by Dynamo: not eager, so t + False.
     compiled = torch.compile(lambda t: t + is_eager(t), backend="eager", fullgraph=True)
     assert compiled(plain).tolist() == [1.0, 1.0]
+
+
+@fused_op("amp_fx_tests::zero_", mutates_args=("x",))
+def zero_(x: Tensor) -> None:
+    x.data.zero_()  # a write autograd does not see, as a Triton kernel's
+
+
+@zero_.register_fake
+def _zero_fake(x: Tensor) -> None:
+    return None
+
+
+def test_an_eager_call_marks_what_the_op_writes() -> None:
+    x = torch.ones(3)
+    version = x._version
+    zero_(x)
+    assert x._version > version and not x.any()
