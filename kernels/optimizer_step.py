@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["advance_step_", "own_steps", "scaled_grad", "skip_flag", "write_unless_skipped"]
+__all__ = ["advance_step_", "own_steps", "scaled_grad", "scaled_grads", "skip_flag", "write_unless_skipped"]
 
 
 def skip_flag(found_inf: Tensor | None) -> Tensor | None:
@@ -23,12 +23,27 @@ def skip_flag(found_inf: Tensor | None) -> Tensor | None:
     return None if found_inf is None else found_inf.reshape(()) > 0
 
 
-def write_unless_skipped(target: Tensor, new_value: Tensor, skip: Tensor | None) -> None:
-    """target <- new_value in target's dtype, unless skip is set (then target keeps its bits)."""
-    new_value = new_value.to(target.dtype)
+def write_unless_skipped(
+    targets: Sequence[Tensor], new_values: Sequence[Tensor], skip: Tensor | None
+) -> None:
+    """Each target <- its new value in the target's dtype (one foreach copy), unless skip is set
+    (then every target keeps its bits).
+
+    Example:
+        >>> target = torch.zeros(2, dtype=torch.bfloat16)
+        >>> write_unless_skipped([target], [torch.tensor([1.0, 1 / 3])], skip_flag(torch.zeros(1)))
+        >>> target
+        tensor([1.0000, 0.3340], dtype=torch.bfloat16)
+    """
+    if not targets:
+        return
     if skip is not None:
-        new_value = torch.where(skip, target, new_value)
-    target.copy_(new_value)
+        new_values = [
+            torch.where(skip, target, new.to(target.dtype))
+            for target, new in zip(targets, new_values, strict=True)
+        ]
+    # copy_ rounds to the target's dtype as .to does (to nearest even).
+    torch._foreach_copy_(list(targets), list(new_values))
 
 
 def own_steps(step: Tensor, step_offsets: Sequence[Tensor] | None, count: int) -> Tensor:
@@ -52,6 +67,18 @@ def scaled_grad(grad: Tensor, grad_multiplier: Tensor | None) -> Tensor:
     """``grad`` in fp32, times ``grad_multiplier`` (e.g. 1 / loss_scale) when given."""
     grad = grad.float()
     return grad if grad_multiplier is None else grad * grad_multiplier.reshape(())
+
+
+def scaled_grads(grads: Sequence[Tensor], grad_multiplier: Tensor | None) -> list[Tensor]:
+    """`scaled_grad` of each grad, the multiplier applied in one foreach op. Read only: an fp32
+    grad without a multiplier comes back as itself.
+
+    Example:
+        >>> scaled_grads([torch.ones(2, dtype=torch.float16)], torch.full((1,), 0.5))
+        [tensor([0.5000, 0.5000])]
+    """
+    fp32 = [grad.float() for grad in grads]
+    return fp32 if grad_multiplier is None else list(torch._foreach_mul(fp32, grad_multiplier.reshape(())))
 
 
 @torch.no_grad()
