@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+# amp_fx.kernels loads Triton only when a CUDA tensor's kernels are asked for.
+from amp_fx.kernels import implementation_for, reference
 from amp_fx.kernels.activations import ACTIVATIONS
 from amp_fx.kernels.arguments import KERNEL_DTYPES
 from amp_fx.ops.dispatch import compiler_fuses, fused_op, is_traced_backward
@@ -49,9 +51,6 @@ def _rows(tensor: Tensor) -> Tensor:
 
 
 def _kernels(tensor: Tensor) -> ModuleType:
-    # Imported on first use: importing amp_fx must not load Triton.
-    from amp_fx.kernels import implementation_for
-
     return implementation_for([tensor])
 
 
@@ -114,8 +113,6 @@ def _activation_backward_fake(grad_out: Tensor, input: Tensor, activation: str) 
 
 def _traced_backward(grad_out: Tensor, input: Tensor, up: Tensor | None, name: str) -> tuple[Tensor, ...]:
     """The backward as the reference's torch math, for torch.compile to fuse with its neighbours."""
-    from amp_fx.kernels import reference
-
     rows = (_rows(grad_out), _rows(input))
     if up is None:
         return (reference.activation_backward(*rows, name).view(input.shape),)

@@ -40,9 +40,21 @@ def is_eager(*tensors: object) -> bool:
         >>> is_eager(torch.ones(2), torch.nn.Parameter(torch.ones(2)), None, 1e-6)
         True
     """
+    return _eager_and_recorded(tensors)[0]
+
+
+def _eager_and_recorded(arguments: Iterable[object]) -> tuple[bool, bool]:
+    """(`is_eager`, whether autograd records the call) in one pass over a call's arguments: every
+    call of a fused op pays for it."""
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        return False
-    return all(type(t) in _PLAIN_TENSOR_TYPES for t in tensors if isinstance(t, Tensor))
+        return False, False
+    requires_grad = False
+    for argument in arguments:
+        if isinstance(argument, Tensor):
+            if type(argument) not in _PLAIN_TENSOR_TYPES:
+                return False, False
+            requires_grad = requires_grad or argument.requires_grad
+    return True, requires_grad and torch.is_grad_enabled()
 
 
 def compiler_fuses() -> bool:
@@ -67,10 +79,6 @@ def is_traced_backward(saved: Tensor) -> bool:
         False
     """
     return torch.compiler.is_compiling() or isinstance(saved, FunctionalTensor)
-
-
-def _records_autograd(arguments: Iterable[object]) -> bool:
-    return torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in arguments)
 
 
 class FusedOp:
@@ -118,10 +126,10 @@ class FusedOp:
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        records_autograd = _records_autograd((*args, *kwargs.values()))
+        eager, records_autograd = _eager_and_recorded((*args, *kwargs.values()) if kwargs else args)
         # An op without autograd called where autograd records (a double backward) takes the
         # custom op too, which raises as it always did rather than give no gradient.
-        if not is_eager(*args, *kwargs.values()) or (records_autograd and self._function is None):
+        if not eager or (records_autograd and self._function is None):
             return self.op(*args, **kwargs)
         if not records_autograd:
             output = self.implementation(*args, **kwargs)

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# amp_fx.kernels loads Triton only when a CUDA tensor's kernels are asked for.
+from amp_fx.kernels import implementation_for, reference
 from amp_fx.kernels.arguments import KERNEL_DTYPES
 from amp_fx.ops.dispatch import compiler_fuses, fused_op, is_traced_backward
 from amp_fx.ops.outputs import reshaped_output
@@ -50,8 +52,6 @@ __all__ = [
 def _implementation(x: Tensor):
     """The kernels for ``x``: Triton on CUDA, the reference elsewhere and for rows wider than the
     Triton kernels hold."""
-    from amp_fx.kernels import implementation_for, reference
-
     kernels = implementation_for([x])
     if kernels is not reference and x.shape[-1] > _max_triton_width():
         return reference
@@ -231,8 +231,6 @@ def _backward(ctx, grad_out: Tensor, grad_summed: Tensor | None, _grad_mean, _gr
     # AOT autograd traces this backward with functional tensors: plain torch math there, which
     # the compiler can fuse with its neighbours.
     if is_traced_backward(normalized):
-        from amp_fx.kernels import reference
-
         grads = _backward_kernel(reference, *tensors, **ctx.options)
     else:
         grads = fused_norm_backward(*tensors, **ctx.options)

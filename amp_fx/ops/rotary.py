@@ -29,7 +29,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+# amp_fx.kernels loads Triton only when a CUDA tensor's kernels are asked for.
+from amp_fx.kernels import implementation_for, reference
 from amp_fx.kernels.arguments import KERNEL_DTYPES
+from amp_fx.kernels.rotary.arguments import rotary_width_problem
 from amp_fx.ops.dispatch import compiler_fuses, fused_op
 
 __all__ = [
@@ -48,9 +51,6 @@ _TRITON_MAX_DIMS = 4
 
 
 def _implementation(*xs: Tensor):
-    # Imported on first use: convert imports this module, and Triton need not load until it runs.
-    from amp_fx.kernels import implementation_for, reference
-
     return implementation_for(xs) if all(x.dim() <= _TRITON_MAX_DIMS for x in xs) else reference
 
 
@@ -283,9 +283,6 @@ def tables_fit(
         >>> tables_fit((2, 4, 8, 16), (8, 1), (8, 1), None)  # one angle for every feature
         False
     """
-    # Imported on first use, as the kernels are.
-    from amp_fx.kernels.rotary.arguments import rotary_width_problem
-
     if len(x_shape) == 0 or len(cos_shape) == 0:
         return False
     width = x_shape[-1]
