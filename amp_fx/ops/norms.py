@@ -66,7 +66,7 @@ def _max_triton_width() -> int:
 
 def _rows(tensor: Tensor, width: int) -> Tensor:
     """``tensor`` as (rows, width) with contiguous rows (a view where it can be)."""
-    rows = tensor.reshape(-1, width)
+    rows = tensor if tensor.dim() == 2 else tensor.reshape(-1, width)
     return rows if rows.stride(1) == 1 or width == 1 else rows.contiguous()
 
 

@@ -62,8 +62,11 @@ def norm_forward(
     )
     summed = None
     if residual is not None:
-        sum_dtype = sum_dtype or torch.promote_types(x.dtype, residual.dtype)
-        summed = (x.float() + residual.float()).to(sum_dtype)
+        promoted = torch.promote_types(x.dtype, residual.dtype)
+        if sum_dtype is None or sum_dtype == promoted:
+            summed = x + residual  # torch adds in fp32 and rounds once to the promoted dtype
+        else:
+            summed = (x.float() + residual.float()).to(sum_dtype)
         s = summed.float()
     else:
         s = x.float()
