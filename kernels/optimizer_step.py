@@ -15,7 +15,15 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["advance_step_", "own_steps", "scaled_grad", "scaled_grads", "skip_flag", "write_unless_skipped"]
+__all__ = [
+    "advance_step_",
+    "own_steps",
+    "scaled_grad",
+    "scaled_grads",
+    "skip_flag",
+    "working_copies",
+    "write_unless_skipped",
+]
 
 
 def skip_flag(found_inf: Tensor | None) -> Tensor | None:
@@ -35,15 +43,34 @@ def write_unless_skipped(
         >>> target
         tensor([1.0000, 0.3340], dtype=torch.bfloat16)
     """
-    if not targets:
+    # A target that is its own new value was updated in place (`working_copies` without a skip).
+    pairs = [(target, new) for target, new in zip(targets, new_values, strict=True) if target is not new]
+    if not pairs:
         return
+    targets, new_values = [target for target, _ in pairs], [new for _, new in pairs]
     if skip is not None:
         new_values = [
             torch.where(skip, target, new.to(target.dtype))
             for target, new in zip(targets, new_values, strict=True)
         ]
     # copy_ rounds to the target's dtype as .to does (to nearest even).
-    torch._foreach_copy_(list(targets), list(new_values))
+    torch._foreach_copy_(targets, new_values)
+
+
+def working_copies(tensors: Sequence[Tensor], skip: Tensor | None) -> list[Tensor]:
+    """What an update computes on, in place, for ``tensors``: each in fp32, itself where it is fp32
+    and no skip flag is given (written in place), else an fp32 copy that `write_unless_skipped`
+    writes back (a skipped step must leave every bit of the originals).
+
+    Example:
+        >>> state, skip = torch.zeros(2), torch.tensor(False)
+        >>> working_copies([state], None)[0] is state, working_copies([state], skip)[0] is state
+        (True, False)
+    """
+    work = [tensor.float() for tensor in tensors]
+    if skip is None:
+        return work
+    return [copy.clone() if copy is tensor else copy for copy, tensor in zip(work, tensors, strict=True)]
 
 
 def own_steps(step: Tensor, step_offsets: Sequence[Tensor] | None, count: int) -> Tensor:

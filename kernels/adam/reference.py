@@ -10,7 +10,13 @@ from torch import Tensor
 
 from amp_fx.kernels.adam.arguments import check_adam_hyperparameters, log_beta
 from amp_fx.kernels.arguments import check_update
-from amp_fx.kernels.optimizer_step import own_steps, scaled_grads, skip_flag, write_unless_skipped
+from amp_fx.kernels.optimizer_step import (
+    own_steps,
+    scaled_grads,
+    skip_flag,
+    working_copies,
+    write_unless_skipped,
+)
 
 __all__ = ["adam_step_"]
 
@@ -69,31 +75,34 @@ def adam_step_(
     step_sizes = (lr / _bias_correction(beta1, t)).unbind()
     bias_corrections2_sqrt = _bias_correction(beta2, t).sqrt().unbind()
     masters = [None] * len(params) if masters is None else masters
-    # The torch expression of the contract, op for op, each op one foreach call over the list.
-    weights = [
-        (param if master is None else master).float() for param, master in zip(params, masters, strict=True)
-    ]
+    # Each param's fp32 weight is its master, or the param itself.
+    sources = [param if master is None else master for param, master in zip(params, masters, strict=True)]
+    weights, new_exp_avgs, new_exp_avg_sqs = (
+        working_copies(tensors, skip) for tensors in (sources, exp_avgs, exp_avg_sqs)
+    )
+    # The torch expression of the contract, op for op, each op one foreach call over the list,
+    # in place on the working copies.
     g = scaled_grads(grads, grad_multiplier)
     if weight_decay != 0.0:
         if adam_w_mode:
-            weights = torch._foreach_mul(weights, 1.0 - lr * weight_decay)
+            torch._foreach_mul_(weights, 1.0 - lr * weight_decay)
         else:
             g = torch._foreach_add(g, torch._foreach_mul(weights, weight_decay))
-    new_exp_avgs = torch._foreach_mul(exp_avgs, beta1)
+    torch._foreach_mul_(new_exp_avgs, beta1)
     torch._foreach_add_(new_exp_avgs, torch._foreach_mul(g, 1.0 - beta1))
     squares = torch._foreach_mul(g, 1.0 - beta2)
     torch._foreach_mul_(squares, g)
-    new_exp_avg_sqs = torch._foreach_mul(exp_avg_sqs, beta2)
+    torch._foreach_mul_(new_exp_avg_sqs, beta2)
     torch._foreach_add_(new_exp_avg_sqs, squares)
     denoms = torch._foreach_sqrt(new_exp_avg_sqs)
     torch._foreach_div_(denoms, bias_corrections2_sqrt)
     torch._foreach_add_(denoms, eps)
     steps = torch._foreach_div(new_exp_avgs, denoms)
     torch._foreach_mul_(steps, step_sizes)
-    new_weights = torch._foreach_sub(weights, steps)
+    torch._foreach_sub_(weights, steps)
     with_master = [i for i, master in enumerate(masters) if master is not None]
     write_unless_skipped(
-        [*exp_avgs, *exp_avg_sqs, *(masters[i] for i in with_master), *params],
-        [*new_exp_avgs, *new_exp_avg_sqs, *(new_weights[i] for i in with_master), *new_weights],
+        [*exp_avgs, *exp_avg_sqs, *sources, *(params[i] for i in with_master)],
+        [*new_exp_avgs, *new_exp_avg_sqs, *weights, *(weights[i] for i in with_master)],
         skip,
     )

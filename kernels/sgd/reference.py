@@ -9,7 +9,13 @@ import torch
 from torch import Tensor
 
 from amp_fx.kernels.arguments import check_update
-from amp_fx.kernels.optimizer_step import own_steps, scaled_grads, skip_flag, write_unless_skipped
+from amp_fx.kernels.optimizer_step import (
+    own_steps,
+    scaled_grads,
+    skip_flag,
+    working_copies,
+    write_unless_skipped,
+)
 from amp_fx.kernels.sgd.arguments import check_sgd_hyperparameters
 
 __all__ = ["sgd_step_"]
@@ -57,10 +63,10 @@ def sgd_step_(
         return
     skip = skip_flag(found_inf)
     masters = [None] * len(params) if masters is None else masters
+    # Each param's fp32 weight is its master, or the param itself.
+    sources = [param if master is None else master for param, master in zip(params, masters, strict=True)]
+    weights = working_copies(sources, skip)
     # The torch expression of the contract, op for op, each op one foreach call over the list.
-    weights = [
-        (param if master is None else master).float() for param, master in zip(params, masters, strict=True)
-    ]
     g = scaled_grads(grads, grad_multiplier)
     if weight_decay != 0.0:
         g = torch._foreach_add(g, torch._foreach_mul(weights, weight_decay))
@@ -74,10 +80,10 @@ def sgd_step_(
         ]
         g = torch._foreach_add(g, torch._foreach_mul(new_bufs, momentum)) if nesterov else new_bufs
         targets, new_values = list(momentum_buffers), new_bufs
-    new_weights = torch._foreach_sub(weights, torch._foreach_mul(g, lr))
+    torch._foreach_sub_(weights, torch._foreach_mul(g, lr))
     with_master = [i for i, master in enumerate(masters) if master is not None]
     write_unless_skipped(
-        [*targets, *(masters[i] for i in with_master), *params],
-        [*new_values, *(new_weights[i] for i in with_master), *new_weights],
+        [*targets, *sources, *(params[i] for i in with_master)],
+        [*new_values, *weights, *(weights[i] for i in with_master)],
         skip,
     )
