@@ -152,21 +152,9 @@ def fused_norm_backward(
         bias_dtype=bias_dtype, subtract_mean=subtract_mean, weight_offset=weight_offset,
         mid_dtype=mid_dtype, grad_dtype=grad_dtype, residual_grad_dtype=residual_grad_dtype,
     )  # fmt: skip
-    inputs = (grad_out, grad_sum, normalized, weight, mean, rstd)
-    return _unaliased(tuple(_empty(normalized) if grad is None else grad for grad in grads), inputs)
-
-
-def _unaliased(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...]) -> tuple[Tensor, ...]:
-    """``outputs``, each copied where it shares memory with an input or an earlier output (a
-    gradient that passes through unchanged): a custom op's outputs may alias nothing."""
-    taken = {t.untyped_storage().data_ptr() for t in inputs if t is not None and t.numel()}
-    fresh = []
-    for tensor in outputs:
-        if tensor.numel() and tensor.untyped_storage().data_ptr() in taken:
-            tensor = tensor.clone()
-        taken.add(tensor.untyped_storage().data_ptr())
-        fresh.append(tensor)
-    return tuple(fresh)
+    # The kernels' outputs alias no input and no other output (their contract): a custom op's
+    # outputs may alias nothing.
+    return tuple(_empty(normalized) if grad is None else grad for grad in grads)
 
 
 def _backward_kernel(

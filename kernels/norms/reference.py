@@ -130,5 +130,9 @@ def norm_backward(
         # n rounded to mid_dtype: the product with fp32 dy computes in fp32 from its values.
         grad_weight = (dy * (n if mid_dtype is None else n.to(mid_dtype))).sum(dim=0).to(weight.dtype)
     grad_bias = dy.sum(dim=0).to(bias_dtype) if bias_dtype is not None else None
-    grad_residual = ds.to(residual_grad_dtype) if residual_grad_dtype is not None else None
-    return ds.to(grad_dtype), grad_residual, grad_weight, grad_bias
+    grad_x = ds.to(grad_dtype)
+    grad_residual = None
+    if residual_grad_dtype is not None:
+        # A tensor of its own even where both gradients are ds in one dtype (the contract).
+        grad_residual = ds.to(residual_grad_dtype, copy=residual_grad_dtype == grad_dtype)
+    return grad_x, grad_residual, grad_weight, grad_bias
