@@ -41,6 +41,7 @@ from amp_fx.ops.activations import fp32_activation, fp32_gated_activation
 from amp_fx.ops.batch_norm import batch_norm_act
 from amp_fx.ops.chunked_cross_entropy import chunked_linear_cross_entropy
 from amp_fx.ops.cross_entropy import fp32_cross_entropy, linear_cross_entropy
+from amp_fx.ops.fp8_linear import fp8_linear
 from amp_fx.ops.norms import add_layer_norm_fp32, add_rms_norm_fp32, layer_norm_fp32, rms_norm_fp32
 from amp_fx.ops.rotary import rotary_chain, rotary_embedding, rotary_embedding_pair
 
@@ -99,6 +100,7 @@ def cases() -> list[Case]:
 
     target = torch.randint(0, vocab, (rows[0] * rows[1],))
     head = _randn(vocab, width)
+    fp8_weight = _randn(48, width)  # FP8 products take multiples of 16
     tables = (torch.randn(rows[0], 1, rows[1], 8), torch.randn(rows[0], 1, rows[1], 8))
     return [
         Case(
@@ -172,6 +174,12 @@ def cases() -> list[Case]:
             lambda x, mean, var: batch_norm_act(x, bn_weight, bn_bias, mean, var, 0.1, 1e-5),
             lambda x, mean, var: F.relu(F.batch_norm(x, mean, var, bn_weight, bn_bias, True, 0.1, 1e-5)),
             bn_inputs,
+        ),
+        Case(
+            "fp8_linear (rowwise)",
+            lambda h: fp8_linear(h, fp8_weight, recipe="rowwise"),
+            lambda h: F.linear(h, fp8_weight),
+            lambda: (_randn(16, width),),
         ),
         Case(
             "max_pool2d (fused at any size)",
