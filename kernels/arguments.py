@@ -89,7 +89,8 @@ def check_tensor_list(
     for i, tensor in enumerate(tensors):
         if not isinstance(tensor, Tensor):
             raise TypeError(f"{name}[{i}] must be a tensor, got {type(tensor).__name__}")
-        check_dtype(f"{name}[{i}] has", tensor.dtype, allowed_dtypes)
+        if tensor.dtype not in allowed_dtypes:  # checked inline: every step runs this per tensor
+            check_dtype(f"{name}[{i}] has", tensor.dtype, allowed_dtypes)
         if check_dense and not is_dense(tensor):
             raise ValueError(
                 f"{name}[{i}] is not dense (strides {tensor.stride()} for shape {tuple(tensor.shape)}); "
@@ -150,12 +151,16 @@ def check_update(
         if len(tensors) != len(params):
             raise ValueError(f"got {len(params)} params but {len(tensors)} {name}; pass one per param")
         matched[name] = tensors
-    for i, param in enumerate(params):
-        layout = (param.shape, param.stride(), param.device)
-        for name, tensors in matched.items():
-            tensor = tensors[i]
-            if tensor is not None and (tensor.shape, tensor.stride(), tensor.device) != layout:
-                _raise_mismatch(name, i, tensor, param)
+    # One list comparison per name (the error path finds the index).
+    layouts = [(param.shape, param.stride(), param.device) for param in params]
+    for name, tensors in matched.items():
+        theirs = [
+            layout if tensor is None else (tensor.shape, tensor.stride(), tensor.device)
+            for tensor, layout in zip(tensors, layouts, strict=True)
+        ]
+        if theirs != layouts:
+            i = next(i for i, layout in enumerate(layouts) if theirs[i] != layout)
+            _raise_mismatch(name, i, tensors[i], params[i])
     device = params[0].device if params else step.device
     for name, value in (("step", step), ("grad_multiplier", grad_multiplier), ("found_inf", found_inf)):
         check_scalar_tensor(name, value, device)

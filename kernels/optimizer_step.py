@@ -15,7 +15,15 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["advance_step_", "own_steps", "scaled_grad", "skip_flag", "write_unless_skipped"]
+__all__ = [
+    "advance_step_",
+    "own_steps",
+    "scaled_grad",
+    "scaled_grads",
+    "skip_flag",
+    "working_copies",
+    "write_unless_skipped",
+]
 
 
 def skip_flag(found_inf: Tensor | None) -> Tensor | None:
@@ -23,12 +31,46 @@ def skip_flag(found_inf: Tensor | None) -> Tensor | None:
     return None if found_inf is None else found_inf.reshape(()) > 0
 
 
-def write_unless_skipped(target: Tensor, new_value: Tensor, skip: Tensor | None) -> None:
-    """target <- new_value in target's dtype, unless skip is set (then target keeps its bits)."""
-    new_value = new_value.to(target.dtype)
+def write_unless_skipped(
+    targets: Sequence[Tensor], new_values: Sequence[Tensor], skip: Tensor | None
+) -> None:
+    """Each target <- its new value in the target's dtype (one foreach copy), unless skip is set
+    (then every target keeps its bits).
+
+    Example:
+        >>> target = torch.zeros(2, dtype=torch.bfloat16)
+        >>> write_unless_skipped([target], [torch.tensor([1.0, 1 / 3])], skip_flag(torch.zeros(1)))
+        >>> target
+        tensor([1.0000, 0.3340], dtype=torch.bfloat16)
+    """
+    # A target that is its own new value was updated in place (`working_copies` without a skip).
+    pairs = [(target, new) for target, new in zip(targets, new_values, strict=True) if target is not new]
+    if not pairs:
+        return
+    targets, new_values = [target for target, _ in pairs], [new for _, new in pairs]
     if skip is not None:
-        new_value = torch.where(skip, target, new_value)
-    target.copy_(new_value)
+        new_values = [
+            torch.where(skip, target, new.to(target.dtype))
+            for target, new in zip(targets, new_values, strict=True)
+        ]
+    # copy_ rounds to the target's dtype as .to does (to nearest even).
+    torch._foreach_copy_(targets, new_values)
+
+
+def working_copies(tensors: Sequence[Tensor], skip: Tensor | None) -> list[Tensor]:
+    """What an update computes on, in place, for ``tensors``: each in fp32, itself where it is fp32
+    and no skip flag is given (written in place), else an fp32 copy that `write_unless_skipped`
+    writes back (a skipped step must leave every bit of the originals).
+
+    Example:
+        >>> state, skip = torch.zeros(2), torch.tensor(False)
+        >>> working_copies([state], None)[0] is state, working_copies([state], skip)[0] is state
+        (True, False)
+    """
+    work = [tensor.float() for tensor in tensors]
+    if skip is None:
+        return work
+    return [copy.clone() if copy is tensor else copy for copy, tensor in zip(work, tensors, strict=True)]
 
 
 def own_steps(step: Tensor, step_offsets: Sequence[Tensor] | None, count: int) -> Tensor:
@@ -52,6 +94,18 @@ def scaled_grad(grad: Tensor, grad_multiplier: Tensor | None) -> Tensor:
     """``grad`` in fp32, times ``grad_multiplier`` (e.g. 1 / loss_scale) when given."""
     grad = grad.float()
     return grad if grad_multiplier is None else grad * grad_multiplier.reshape(())
+
+
+def scaled_grads(grads: Sequence[Tensor], grad_multiplier: Tensor | None) -> list[Tensor]:
+    """`scaled_grad` of each grad, the multiplier applied in one foreach op. Read only: an fp32
+    grad without a multiplier comes back as itself.
+
+    Example:
+        >>> scaled_grads([torch.ones(2, dtype=torch.float16)], torch.full((1,), 0.5))
+        [tensor([0.5000, 0.5000])]
+    """
+    fp32 = [grad.float() for grad in grads]
+    return fp32 if grad_multiplier is None else list(torch._foreach_mul(fp32, grad_multiplier.reshape(())))
 
 
 @torch.no_grad()

@@ -8,12 +8,13 @@ These functions compute the same math in fp32 from the low-precision inputs and 
 once to their dtype (``amp_fx.kernels.activations``: one read of each input and one write each
 way; the backward recomputes the activation from the inputs, which are all it saves).
 
-Eager calls go through a ``torch.autograd.Function`` that calls the kernel functions directly
-(``amp_fx.kernels.implementation_for``: the Triton kernels on CUDA tensors, the pure-torch
-reference elsewhere). Tracers (torch.compile, torch.export, fake or functional tensors) get the
-custom ops ``amp_fx::gated_activation`` / ``amp_fx::activation`` and their backward ops, with fake
-implementations and autograd; a backward that torch.compile traces is the reference's torch math,
-which Inductor fuses with its neighbours.
+The kernels (``amp_fx.kernels.implementation_for``: the Triton kernels on CUDA tensors, the
+pure-torch reference elsewhere) are the custom ops ``amp_fx::gated_activation`` /
+``amp_fx::activation`` and their backward ops, with fake implementations and autograd, which
+tracers (torch.export, fake or functional tensors) see; eager calls run them directly, without the
+custom ops' dispatch (`amp_fx.ops.dispatch.fused_op`). Under torch.compile the functions are their
+torch expression, and a backward that torch.compile traces is the reference's torch math, both
+for Inductor to fuse with its neighbours.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+# amp_fx.kernels loads Triton only when a CUDA tensor's kernels are asked for.
+from amp_fx.kernels import implementation_for, reference
 from amp_fx.kernels.activations import ACTIVATIONS
 from amp_fx.kernels.arguments import KERNEL_DTYPES
-from amp_fx.ops.dispatch import compiler_fuses, is_eager, is_traced_backward
+from amp_fx.ops.dispatch import compiler_fuses, fused_op, is_traced_backward
 from amp_fx.ops.outputs import reshaped_output
 
 __all__ = [
@@ -48,16 +51,13 @@ def _rows(tensor: Tensor) -> Tensor:
 
 
 def _kernels(tensor: Tensor) -> ModuleType:
-    # Imported on first use: importing amp_fx must not load Triton.
-    from amp_fx.kernels import implementation_for
-
     return implementation_for([tensor])
 
 
-# ---- custom ops, for tracers ------------------------------------------------------------------
+# ---- the custom ops -----------------------------------------------------------------------------
 
 
-@torch.library.custom_op("amp_fx::gated_activation", mutates_args=())
+@fused_op("amp_fx::gated_activation")
 def fused_gated_activation(gate: Tensor, up: Tensor, activation: str) -> Tensor:
     """``act(gate) * up`` in fp32, rounded once: gate and up of one shape, dtype and device; the
     output contiguous, in their dtype (the kernel contract of ``amp_fx.kernels.activations``)."""
@@ -70,7 +70,7 @@ def _gated_activation_fake(gate: Tensor, up: Tensor, activation: str) -> Tensor:
     return gate.new_empty(gate.shape)
 
 
-@torch.library.custom_op("amp_fx::gated_activation_backward", mutates_args=())
+@fused_op("amp_fx::gated_activation_backward")
 def fused_gated_activation_backward(
     grad_out: Tensor, gate: Tensor, up: Tensor, activation: str
 ) -> tuple[Tensor, Tensor]:
@@ -88,7 +88,7 @@ def _gated_activation_backward_fake(
     return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
 
 
-@torch.library.custom_op("amp_fx::activation", mutates_args=())
+@fused_op("amp_fx::activation")
 def fused_activation(input: Tensor, activation: str) -> Tensor:
     """``act(input)`` in fp32, rounded once; contiguous, in the input's dtype."""
     return reshaped_output(_kernels(input).activation_forward(_rows(input), activation), input.shape)
@@ -99,7 +99,7 @@ def _activation_fake(input: Tensor, activation: str) -> Tensor:
     return input.new_empty(input.shape)
 
 
-@torch.library.custom_op("amp_fx::activation_backward", mutates_args=())
+@fused_op("amp_fx::activation_backward")
 def fused_activation_backward(grad_out: Tensor, input: Tensor, activation: str) -> Tensor:
     """Gradient of `fused_activation` w.r.t. its input, the activation recomputed."""
     grad = _kernels(input).activation_backward(_rows(grad_out), _rows(input), activation)
@@ -113,8 +113,6 @@ def _activation_backward_fake(grad_out: Tensor, input: Tensor, activation: str) 
 
 def _traced_backward(grad_out: Tensor, input: Tensor, up: Tensor | None, name: str) -> tuple[Tensor, ...]:
     """The backward as the reference's torch math, for torch.compile to fuse with its neighbours."""
-    from amp_fx.kernels import reference
-
     rows = (_rows(grad_out), _rows(input))
     if up is None:
         return (reference.activation_backward(*rows, name).view(input.shape),)
@@ -158,34 +156,6 @@ def _backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, None]:
 
 
 fused_activation.register_autograd(_backward, setup_context=_setup_context)
-
-
-# ---- the eager path ---------------------------------------------------------------------------
-
-
-class _FusedActivation(torch.autograd.Function):
-    """The eager path: the kernel functions called directly, without the custom ops' dispatch.
-    Saves the inputs only; ``up`` None is the activation alone."""
-
-    @staticmethod
-    def forward(ctx, input: Tensor, up: Tensor | None, name: str, kernels: ModuleType) -> Tensor:
-        ctx.activation, ctx.kernels = name, kernels
-        ctx.save_for_backward(input, up)
-        # An output of its own, not a view: the next op may modify it in place.
-        if up is None:
-            return reshaped_output(kernels.activation_forward(_rows(input), name), input.shape)
-        return reshaped_output(kernels.gated_activation_forward(_rows(input), _rows(up), name), input.shape)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
-        input, up = ctx.saved_tensors
-        rows = (_rows(grad_out), _rows(input))
-        if up is None:
-            grad_input = ctx.kernels.activation_backward(*rows, ctx.activation)
-            return grad_input.view(input.shape), None, None, None
-        grad_input, grad_up = ctx.kernels.gated_activation_backward(*rows, _rows(up), ctx.activation)
-        return grad_input.view(input.shape), grad_up.view(input.shape), None, None
 
 
 # ---- what the converted graphs call -----------------------------------------------------------
@@ -245,8 +215,6 @@ def fp32_gated_activation(gate: Tensor, up: Tensor, activation: str = "silu") ->
     if not _runs_fused(gate, up):
         dtype = torch.promote_types(gate.dtype, up.dtype)
         return (_torch_activation(gate.float(), activation) * up.float()).to(dtype)
-    if not torch.compiler.is_compiling() and is_eager(gate):
-        return _FusedActivation.apply(gate, up, activation, _kernels(gate))
     return fused_gated_activation(gate, up, activation)
 
 
@@ -264,6 +232,4 @@ def fp32_activation(input: Tensor, activation: str = "gelu_tanh") -> Tensor:
     _check_activation(activation)
     if not _runs_fused(input):
         return _torch_activation(input.float(), activation).to(input.dtype)
-    if not torch.compiler.is_compiling() and is_eager(input):
-        return _FusedActivation.apply(input, None, activation, _kernels(input))
     return fused_activation(input, activation)

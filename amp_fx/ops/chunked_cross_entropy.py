@@ -24,7 +24,8 @@ loss scale before the one rounding at the end. Without gradients (``torch.no_gra
 input requiring one) the forward computes the loss only, still chunk by chunk.
 
 The custom op ``amp_fx::chunked_linear_cross_entropy`` has a fake implementation and autograd, so
-it works eagerly and under ``torch.compile(fullgraph=True)``. On CUDA the kernel is Triton's and
+it works eagerly (without the custom op's dispatch: `amp_fx.ops.dispatch.fused_op`) and under
+``torch.compile(fullgraph=True)``. On CUDA the kernel is Triton's and
 the matmuls accumulate in float32 straight into float32 outputs; elsewhere the kernel is the
 pure-torch reference and the matmuls run on float32 copies (the same products, exact in float32).
 """
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from amp_fx.ops.dispatch import fused_op
 from amp_fx.ops.head_matmuls import mask_padding, matmul_fp32, padded_classes, padded_target
 
 __all__ = ["chunked_linear_cross_entropy", "chunked_linear_cross_entropy_sum", "default_chunk_rows"]
@@ -71,7 +73,7 @@ def _accumulate_fp32(total: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
     return product if total is None else total.add_(product)
 
 
-@torch.library.custom_op("amp_fx::chunked_linear_cross_entropy", mutates_args=())
+@fused_op("amp_fx::chunked_linear_cross_entropy")
 def chunked_linear_cross_entropy_sum(
     input: Tensor,
     weight: Tensor,

@@ -13,8 +13,9 @@ loss is float32 and equals the cast path's up to float32 summation order.
 The kernels are wrapped as the custom ops ``amp_fx::cross_entropy_rows`` (logits, target,
 ignore_index) -> (losses, lse) and ``amp_fx::cross_entropy_rows_backward``, with fake
 implementations and autograd, so the loss works under autograd and compiles under
-``torch.compile(fullgraph=True)`` without graph breaks. They run the Triton kernels on CUDA tensors
-and the pure-torch reference elsewhere (``amp_fx.kernels.implementation_for``).
+``torch.compile(fullgraph=True)`` without graph breaks; eager calls skip the custom ops' dispatch
+(`amp_fx.ops.dispatch.fused_op`). They run the Triton kernels on CUDA tensors and the pure-torch
+reference elsewhere (``amp_fx.kernels.implementation_for``).
 
 `linear_cross_entropy` goes one step further for logits made by a linear layer, under
 torch.compile: the custom op ``amp_fx::linear_cross_entropy_rows`` (input, weight, bias, target,
@@ -34,7 +35,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from amp_fx.kernels.arguments import KERNEL_DTYPES
-from amp_fx.ops.dispatch import is_eager, is_traced_backward
+from amp_fx.ops.dispatch import fused_op, is_eager, is_traced_backward
 from amp_fx.ops.head_matmuls import (
     mask_padding,
     matmul_fp32,
@@ -56,7 +57,7 @@ __all__ = [
 _FUSED_REDUCTIONS = ("mean", "sum", "none")
 
 
-@torch.library.custom_op("amp_fx::cross_entropy_rows", mutates_args=())
+@fused_op("amp_fx::cross_entropy_rows")
 def cross_entropy_rows(
     logits: Tensor, target: Tensor, ignore_index: int, grad_into_logits: bool = False
 ) -> tuple[Tensor, Tensor]:
@@ -82,7 +83,7 @@ def _cross_entropy_rows_fake(
     )
 
 
-@torch.library.custom_op("amp_fx::cross_entropy_rows_backward", mutates_args=())
+@fused_op("amp_fx::cross_entropy_rows_backward")
 def cross_entropy_rows_backward(
     grad_losses: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int
 ) -> Tensor:
@@ -100,7 +101,7 @@ def _cross_entropy_rows_backward_fake(
     return logits.new_empty(logits.shape)
 
 
-@torch.library.custom_op("amp_fx::cross_entropy_rows_backward_", mutates_args=("logits",))
+@fused_op("amp_fx::cross_entropy_rows_backward_", mutates_args=("logits",))
 def cross_entropy_rows_backward_(
     grad_losses: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int
 ) -> None:
@@ -322,7 +323,7 @@ def linear_cross_entropy_grads(
     return grad_input, grad_weight, grad_bias
 
 
-@torch.library.custom_op("amp_fx::linear_cross_entropy_rows", mutates_args=())
+@fused_op("amp_fx::linear_cross_entropy_rows")
 def linear_cross_entropy_rows(
     input: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, ignore_index: int
 ) -> tuple[Tensor, Tensor]:
@@ -474,7 +475,7 @@ def linear_cross_entropy(
         return loss.reshape(target.shape) if rows and reduction == "none" else loss
     rows_input = input.reshape(-1, input.shape[-1])
     rows_target = target.reshape(-1)
-    if torch.compiler.is_compiling() or not is_eager(input):
+    if not is_eager(input):
         losses, _ = linear_cross_entropy_rows(rows_input, weight, bias, rows_target, ignore_index)
         return _reduce(losses, target, ignore_index, reduction)
     # Eagerly: the linear layer, then the fused loss whose backward writes the gradient over the

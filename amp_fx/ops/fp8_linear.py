@@ -10,7 +10,8 @@ the math). The others run in the high dtype, as ``F.linear`` would.
 
 The three products are one op, ``amp_fx::fp8_linear``, a ``torch.library`` custom op whose
 autograd formula runs the two gradient products: it works eagerly, under ``torch.compile`` (the
-backward is traced as torch ops, which Inductor fuses) and in ``torch.export`` graphs as one node.
+backward is traced as torch ops, which Inductor fuses) and in ``torch.export`` graphs as one node;
+eager calls skip the custom op's dispatch (`amp_fx.ops.dispatch.fused_op`).
 The forward saves the high-precision x and w, as ``F.linear`` does, and the backward quantises
 them again along the axes its products need.
 
@@ -38,6 +39,7 @@ from torch import Tensor
 
 from amp_fx.kernels.fp8.arguments import fp8_product_refusal
 from amp_fx.kernels.fp8.recipes import PRODUCTS, Fp8Recipe, recipe_named
+from amp_fx.ops.dispatch import fused_op
 from amp_fx.ops.outputs import reshaped_output
 
 __all__ = ["fp8_linear", "fp8_linear_or_linear", "fp8_linear_refusals", "fp8_linear_unchecked"]
@@ -175,7 +177,7 @@ def _rows(tensor: Tensor) -> Tensor:
     return tensor.reshape(-1, tensor.shape[-1])
 
 
-@torch.library.custom_op("amp_fx::fp8_linear", mutates_args=())
+@fused_op("amp_fx::fp8_linear")
 def fp8_linear_unchecked(input: Tensor, weight: Tensor, bias: Tensor | None, recipe: str) -> Tensor:
     """``F.linear(input, weight, bias)`` with the output product as ``recipe`` says, the custom op
     `fp8_linear` calls after its checks (a call that breaks CUDA's rules runs on the CPU here and

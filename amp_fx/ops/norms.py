@@ -14,7 +14,8 @@ compute (other dtypes, a weight that is not a vector of the row's width, a resid
 broadcasts) return exactly that expression. The kernels are wrapped as the custom ops
 ``amp_fx::fused_norm`` and ``amp_fx::fused_norm_backward``, with fake implementations and
 autograd, so the functions work under autograd and compile under ``torch.compile`` and
-``torch.export`` as one op. They run the Triton kernels on CUDA tensors and the pure-torch
+``torch.export`` as one op; eager calls skip the custom ops' dispatch
+(`amp_fx.ops.dispatch.fused_op`). They run the Triton kernels on CUDA tensors and the pure-torch
 reference elsewhere (``amp_fx.kernels.implementation_for``).
 
     >>> x = torch.randn(4, 64, dtype=torch.bfloat16)
@@ -32,8 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# amp_fx.kernels loads Triton only when a CUDA tensor's kernels are asked for.
+from amp_fx.kernels import implementation_for, reference
 from amp_fx.kernels.arguments import KERNEL_DTYPES
-from amp_fx.ops.dispatch import compiler_fuses, is_traced_backward
+from amp_fx.ops.dispatch import compiler_fuses, fused_op, is_traced_backward
 from amp_fx.ops.outputs import reshaped_output
 
 __all__ = [
@@ -49,8 +52,6 @@ __all__ = [
 def _implementation(x: Tensor):
     """The kernels for ``x``: Triton on CUDA, the reference elsewhere and for rows wider than the
     Triton kernels hold."""
-    from amp_fx.kernels import implementation_for, reference
-
     kernels = implementation_for([x])
     if kernels is not reference and x.shape[-1] > _max_triton_width():
         return reference
@@ -65,7 +66,7 @@ def _max_triton_width() -> int:
 
 def _rows(tensor: Tensor, width: int) -> Tensor:
     """``tensor`` as (rows, width) with contiguous rows (a view where it can be)."""
-    rows = tensor.reshape(-1, width)
+    rows = tensor if tensor.dim() == 2 else tensor.reshape(-1, width)
     return rows if rows.stride(1) == 1 or width == 1 else rows.contiguous()
 
 
@@ -73,7 +74,7 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty((0,), dtype=torch.float32)
 
 
-@torch.library.custom_op("amp_fx::fused_norm", mutates_args=())
+@fused_op("amp_fx::fused_norm")
 def fused_norm(
     x: Tensor,
     residual: Tensor | None,
@@ -129,7 +130,7 @@ def _fused_norm_fake(
     return x.new_empty(x.shape, dtype=out_dtype), summed, mean, x.new_empty((rows,), dtype=torch.float32)
 
 
-@torch.library.custom_op("amp_fx::fused_norm_backward", mutates_args=())
+@fused_op("amp_fx::fused_norm_backward")
 def fused_norm_backward(
     grad_out: Tensor,
     grad_sum: Tensor | None,
@@ -151,21 +152,9 @@ def fused_norm_backward(
         bias_dtype=bias_dtype, subtract_mean=subtract_mean, weight_offset=weight_offset,
         mid_dtype=mid_dtype, grad_dtype=grad_dtype, residual_grad_dtype=residual_grad_dtype,
     )  # fmt: skip
-    inputs = (grad_out, grad_sum, normalized, weight, mean, rstd)
-    return _unaliased(tuple(_empty(normalized) if grad is None else grad for grad in grads), inputs)
-
-
-def _unaliased(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...]) -> tuple[Tensor, ...]:
-    """``outputs``, each copied where it shares memory with an input or an earlier output (a
-    gradient that passes through unchanged): a custom op's outputs may alias nothing."""
-    taken = {t.untyped_storage().data_ptr() for t in inputs if t is not None and t.numel()}
-    fresh = []
-    for tensor in outputs:
-        if tensor.numel() and tensor.untyped_storage().data_ptr() in taken:
-            tensor = tensor.clone()
-        taken.add(tensor.untyped_storage().data_ptr())
-        fresh.append(tensor)
-    return tuple(fresh)
+    # The kernels' outputs alias no input and no other output (their contract): a custom op's
+    # outputs may alias nothing.
+    return tuple(_empty(normalized) if grad is None else grad for grad in grads)
 
 
 def _backward_kernel(
@@ -230,8 +219,6 @@ def _backward(ctx, grad_out: Tensor, grad_summed: Tensor | None, _grad_mean, _gr
     # AOT autograd traces this backward with functional tensors: plain torch math there, which
     # the compiler can fuse with its neighbours.
     if is_traced_backward(normalized):
-        from amp_fx.kernels import reference
-
         grads = _backward_kernel(reference, *tensors, **ctx.options)
     else:
         grads = fused_norm_backward(*tensors, **ctx.options)

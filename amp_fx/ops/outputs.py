@@ -28,7 +28,8 @@ def reshaped_output(buffer: Tensor, shape: Sequence[int]) -> Tensor:
         >>> out.shape, out._is_view()
         (torch.Size([2, 3, 4]), False)
     """
-    if tuple(buffer.shape) == tuple(shape) and not buffer._is_view():
+    if buffer.shape == tuple(shape) and not buffer._is_view():
         return buffer
-    # A detached tensor shares the storage (no copy) and carries no view record.
-    return buffer.view(shape).detach()
+    # A detached tensor shares the storage (no copy) and carries no view record. (view of ints,
+    # not of a torch.Size: the latter parses slower, and every fused call pays it.)
+    return buffer.view(*shape).detach()

@@ -10,11 +10,11 @@ rotation, written once in q's dtype (``amp_fx.kernels.rotary`` has the math).
 
 The kernels are wrapped as the custom ops ``amp_fx::rotary_embedding`` (x, cos, sin, interleaved,
 out_dtype) and ``amp_fx::rotary_embedding_backward``, with fake implementations and autograd, so
-the call works under autograd and ``torch.export``; under ``torch.compile`` the chain is traced
-instead, for Inductor to fuse with its neighbours (`amp_fx.ops.dispatch.compiler_fuses`). The ops
-run the Triton kernels on CUDA tensors of at most 4 dimensions, the pure-torch reference elsewhere.
-Gradients flow to x and, when they require it, to cos and sin (plain torch math: position tables
-rarely need one).
+the call works under autograd and ``torch.export`` (eager calls skip the custom ops' dispatch:
+`amp_fx.ops.dispatch.fused_op`); under ``torch.compile`` the chain is traced instead, for Inductor
+to fuse with its neighbours (`amp_fx.ops.dispatch.compiler_fuses`). The ops run the Triton kernels
+on CUDA tensors of at most 4 dimensions, the pure-torch reference elsewhere. Gradients flow to x
+and, when they require it, to cos and sin (plain torch math: position tables rarely need one).
 
 A call whose tensors do not fit the kernels' contract (odd or mismatched widths, cos not
 broadcastable to x without enlarging it, float64) computes the chain it replaces with torch ops,
@@ -29,8 +29,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+# amp_fx.kernels loads Triton only when a CUDA tensor's kernels are asked for.
+from amp_fx.kernels import implementation_for, reference
 from amp_fx.kernels.arguments import KERNEL_DTYPES
-from amp_fx.ops.dispatch import compiler_fuses
+from amp_fx.kernels.rotary.arguments import rotary_width_problem
+from amp_fx.ops.dispatch import compiler_fuses, fused_op
 
 __all__ = [
     "tables_fit",
@@ -48,13 +51,10 @@ _TRITON_MAX_DIMS = 4
 
 
 def _implementation(*xs: Tensor):
-    # Imported on first use: convert imports this module, and Triton need not load until it runs.
-    from amp_fx.kernels import implementation_for, reference
-
     return implementation_for(xs) if all(x.dim() <= _TRITON_MAX_DIMS for x in xs) else reference
 
 
-@torch.library.custom_op("amp_fx::rotary_embedding", mutates_args=())
+@fused_op("amp_fx::rotary_embedding")
 def rotary_embedding_op(
     x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, out_dtype: torch.dtype
 ) -> Tensor:
@@ -70,7 +70,7 @@ def _rotary_embedding_fake(
     return torch.empty_like(x, dtype=out_dtype)
 
 
-@torch.library.custom_op("amp_fx::rotary_embedding_backward", mutates_args=())
+@fused_op("amp_fx::rotary_embedding_backward")
 def rotary_embedding_backward(
     grad_out: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, out_dtype: torch.dtype
 ) -> Tensor:
@@ -85,7 +85,7 @@ def _rotary_embedding_backward_fake(
     return torch.empty_like(grad_out, dtype=out_dtype)
 
 
-@torch.library.custom_op("amp_fx::rotary_embedding_pair", mutates_args=())
+@fused_op("amp_fx::rotary_embedding_pair")
 def rotary_embedding_pair_op(
     q: Tensor,
     k: Tensor,
@@ -114,7 +114,7 @@ def _rotary_embedding_pair_fake(
     return torch.empty_like(q, dtype=q_dtype), torch.empty_like(k, dtype=k_dtype)
 
 
-@torch.library.custom_op("amp_fx::rotary_embedding_pair_backward", mutates_args=())
+@fused_op("amp_fx::rotary_embedding_pair_backward")
 def rotary_embedding_pair_backward(
     grad_q: Tensor,
     grad_k: Tensor,
@@ -283,9 +283,6 @@ def tables_fit(
         >>> tables_fit((2, 4, 8, 16), (8, 1), (8, 1), None)  # one angle for every feature
         False
     """
-    # Imported on first use, as the kernels are.
-    from amp_fx.kernels.rotary.arguments import rotary_width_problem
-
     if len(x_shape) == 0 or len(cos_shape) == 0:
         return False
     width = x_shape[-1]

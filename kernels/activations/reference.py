@@ -42,7 +42,8 @@ def gated_activation_forward(gate: Tensor, up: Tensor, activation: str) -> Tenso
         tensor([[-0.5391,  0.0000,  3.5156]], dtype=torch.bfloat16)
     """
     check_activation_arguments(activation, gate=gate, up=up)
-    return (_act(gate.float(), activation) * up.float()).to(gate.dtype).contiguous()
+    # fp32 * up promotes: the product reads up's values as the fp32 copy would hold them.
+    return (_act(gate.float(), activation) * up).to(gate.dtype).contiguous()
 
 
 def gated_activation_backward(
@@ -58,8 +59,8 @@ def gated_activation_backward(
         tensor([[-0.1587,  0.0000,  1.9541]], dtype=torch.float16)
     """
     check_activation_arguments(activation, grad_out=grad_out, gate=gate, up=up)
-    dy, g, u = grad_out.float(), gate.float(), up.float()
-    grad_gate = _act_backward(dy * u, g, activation)
+    dy, g = grad_out.float(), gate.float()
+    grad_gate = _act_backward(dy * up, g, activation)  # fp32 * up promotes, as above
     grad_up = dy * _act(g, activation)
     return grad_gate.to(gate.dtype).contiguous(), grad_up.to(up.dtype).contiguous()
 

@@ -10,7 +10,13 @@ from torch import Tensor
 
 from amp_fx.kernels.adam.arguments import check_adam_hyperparameters, log_beta
 from amp_fx.kernels.arguments import check_update
-from amp_fx.kernels.optimizer_step import own_steps, scaled_grad, skip_flag, write_unless_skipped
+from amp_fx.kernels.optimizer_step import (
+    own_steps,
+    scaled_grads,
+    skip_flag,
+    working_copies,
+    write_unless_skipped,
+)
 
 __all__ = ["adam_step_"]
 
@@ -68,24 +74,35 @@ def adam_step_(
     t = own_steps(step, step_offsets, len(params)) + 1
     step_sizes = (lr / _bias_correction(beta1, t)).unbind()
     bias_corrections2_sqrt = _bias_correction(beta2, t).sqrt().unbind()
-    for i, (param, grad, exp_avg, exp_avg_sq) in enumerate(
-        zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)
-    ):
-        step_size, bias_correction2_sqrt = step_sizes[i], bias_corrections2_sqrt[i]
-        master = None if masters is None else masters[i]
-        weight = (param if master is None else master).float()
-        g = scaled_grad(grad, grad_multiplier)
-        if weight_decay != 0.0:
-            if adam_w_mode:
-                weight = weight * (1.0 - lr * weight_decay)
-            else:
-                g = g + weight_decay * weight
-        new_exp_avg = beta1 * exp_avg + (1.0 - beta1) * g
-        new_exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * g * g
-        denom = new_exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
-        new_weight = weight - step_size * (new_exp_avg / denom)
-        write_unless_skipped(exp_avg, new_exp_avg, skip)
-        write_unless_skipped(exp_avg_sq, new_exp_avg_sq, skip)
-        if master is not None:
-            write_unless_skipped(master, new_weight, skip)
-        write_unless_skipped(param, new_weight, skip)
+    masters = [None] * len(params) if masters is None else masters
+    # Each param's fp32 weight is its master, or the param itself.
+    sources = [param if master is None else master for param, master in zip(params, masters, strict=True)]
+    weights, new_exp_avgs, new_exp_avg_sqs = (
+        working_copies(tensors, skip) for tensors in (sources, exp_avgs, exp_avg_sqs)
+    )
+    # The torch expression of the contract, op for op, each op one foreach call over the list,
+    # in place on the working copies.
+    g = scaled_grads(grads, grad_multiplier)
+    if weight_decay != 0.0:
+        if adam_w_mode:
+            torch._foreach_mul_(weights, 1.0 - lr * weight_decay)
+        else:
+            g = torch._foreach_add(g, torch._foreach_mul(weights, weight_decay))
+    torch._foreach_mul_(new_exp_avgs, beta1)
+    torch._foreach_add_(new_exp_avgs, torch._foreach_mul(g, 1.0 - beta1))
+    squares = torch._foreach_mul(g, 1.0 - beta2)
+    torch._foreach_mul_(squares, g)
+    torch._foreach_mul_(new_exp_avg_sqs, beta2)
+    torch._foreach_add_(new_exp_avg_sqs, squares)
+    denoms = torch._foreach_sqrt(new_exp_avg_sqs)
+    torch._foreach_div_(denoms, bias_corrections2_sqrt)
+    torch._foreach_add_(denoms, eps)
+    steps = torch._foreach_div(new_exp_avgs, denoms)
+    torch._foreach_mul_(steps, step_sizes)
+    torch._foreach_sub_(weights, steps)
+    with_master = [i for i, master in enumerate(masters) if master is not None]
+    write_unless_skipped(
+        [*exp_avgs, *exp_avg_sqs, *sources, *(params[i] for i in with_master)],
+        [*new_exp_avgs, *new_exp_avg_sqs, *weights, *(weights[i] for i in with_master)],
+        skip,
+    )

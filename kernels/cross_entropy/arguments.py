@@ -66,6 +66,7 @@ def check_cross_entropy_arguments(
     # an out that overlaps the logits elsewhere would have programs overwrite rows others still read.
     if (
         out is not None
+        and out is not logits
         and byte_ranges_overlap(out, logits)
         and (out.data_ptr() != logits.data_ptr() or out.stride() != logits.stride())
     ):

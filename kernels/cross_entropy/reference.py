@@ -12,6 +12,29 @@ from amp_fx.kernels.cross_entropy.arguments import check_cross_entropy_arguments
 __all__ = ["cross_entropy_backward", "cross_entropy_forward", "cross_entropy_forward_with_grad"]
 
 
+def _losses(x: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(losses, lse, out_of_range, ignored)`` of the fp32 logits ``x``: what the forward and the
+    gradient share (each computed once where both run, in `cross_entropy_forward_with_grad`)."""
+    lse = torch.logsumexp(x, dim=1)
+    out_of_range = (target < 0) | (target >= x.shape[1])
+    # Out-of-range targets read column 0 and are replaced by NaN: never an out-of-bounds gather.
+    target_logit = x.gather(1, target.masked_fill(out_of_range, 0).unsqueeze(1)).squeeze(1)
+    ignored = target == ignore_index
+    losses = (lse - target_logit).masked_fill_(out_of_range, float("nan")).masked_fill_(ignored, 0.0)
+    return losses, lse, out_of_range, ignored
+
+
+def _gradient(
+    grad_losses: Tensor, x: Tensor, target: Tensor, lse: Tensor, out_of_range: Tensor, ignored: Tensor
+) -> Tensor:
+    """The fp32 gradient of the losses w.r.t. ``x``: g * p - g at the target, in the order torch's
+    log_softmax backward computes it (the - g added at the target alone: a + (-b) is a - b)."""
+    grad_loss = grad_losses.masked_fill(out_of_range, float("nan")).unsqueeze(1)
+    grad = (x - lse.unsqueeze(1)).exp_().mul_(grad_loss)
+    grad.scatter_add_(1, target.masked_fill(out_of_range, 0).unsqueeze(1), -grad_loss)
+    return grad.masked_fill_(ignored.unsqueeze(1), 0.0)
+
+
 def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
     """Per-row cross-entropy of ``logits`` (N, C; fp16, bf16 or fp32) against class indices
     ``target`` (N,; int64), in fp32: ``(losses, lse)``, the contract of
@@ -24,13 +47,7 @@ def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int) -> 
         (tensor([0.6931, 0.0000]), tensor([0.6931, 3.1269]))
     """
     check_cross_entropy_arguments(logits, target, ignore_index)
-    x = logits.float()
-    lse = torch.logsumexp(x, dim=1)
-    in_range = (target >= 0) & (target < x.shape[1])
-    # Out-of-range targets read column 0 and are replaced by NaN: never an out-of-bounds gather.
-    target_logit = x.gather(1, torch.where(in_range, target, 0).unsqueeze(1)).squeeze(1)
-    losses = torch.where(in_range, lse - target_logit, float("nan"))
-    losses = torch.where(target == ignore_index, 0.0, losses)
+    losses, lse, _, _ = _losses(logits.float(), target, ignore_index)
     return losses, lse
 
 
@@ -54,13 +71,8 @@ def cross_entropy_backward(
                 [ 0.0000,  0.0000]], dtype=torch.float16)
     """
     check_cross_entropy_arguments(logits, target, ignore_index, lse=lse, grad_losses=grad_losses, out=out)
-    x = logits.float()
-    in_range = (target >= 0) & (target < x.shape[1])
-    grad_loss = torch.where(in_range, grad_losses, float("nan")).unsqueeze(1)
-    is_target = torch.arange(x.shape[1], device=x.device) == target.unsqueeze(1)
-    # g * p - g at the target, in the order torch's log_softmax backward computes it.
-    grad = grad_loss * torch.exp(x - lse.unsqueeze(1)) - torch.where(is_target, grad_loss, 0.0)
-    grad = torch.where((target == ignore_index).unsqueeze(1), 0.0, grad)
+    out_of_range = (target < 0) | (target >= logits.shape[1])
+    grad = _gradient(grad_losses, logits.float(), target, lse, out_of_range, target == ignore_index)
     if out is not None:
         return out.copy_(grad)
     # Contiguous whatever the logits' strides, as the Triton kernel and the op's fake allocate it.
@@ -81,7 +93,7 @@ def cross_entropy_forward_with_grad(logits: Tensor, target: Tensor, ignore_index
     """
     check_cross_entropy_arguments(logits, target, ignore_index)
     check_logits_overwritable(logits)
-    losses, lse = cross_entropy_forward(logits, target, ignore_index)
-    unit = torch.ones_like(losses)
-    cross_entropy_backward(unit, logits, target, lse, ignore_index, out=logits)
+    x = logits.float()
+    losses, lse, out_of_range, ignored = _losses(x, target, ignore_index)
+    logits.copy_(_gradient(torch.ones_like(losses), x, target, lse, out_of_range, ignored))
     return losses

@@ -45,7 +45,9 @@ The kernels (``KERNELS``), on 2-D (rows, D) tensors whose rows are contiguous:
   ``residual_grad_dtype``, None when that is None; grad_weight in weight's dtype (None without a
   weight), grad_bias in ``bias_dtype`` (None when that is None).
 
-Neither implementation reads a tensor value on the host.
+Every output is a tensor of its own: none shares memory with an input or another output (the
+op returns them as a custom op's outputs, which may alias nothing). Neither implementation reads a
+tensor value on the host.
 """
 
 KERNELS = ("norm_forward", "norm_backward")

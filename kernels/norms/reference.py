@@ -25,11 +25,13 @@ def _weight_row(weight: Tensor, weight_offset: float) -> Tensor:
 
 
 def _normalized(s: Tensor, eps: float, subtract_mean: bool, mid_dtype: torch.dtype | None):
-    """(n, mean, rstd) of the fp32 rows ``s``."""
-    mean = s.mean(dim=1) if subtract_mean else None
-    centered = s - mean[:, None] if subtract_mean else s
-    rstd = torch.rsqrt(centered.pow(2).mean(dim=1) + eps)
-    return _rounded(centered * rstd[:, None], mid_dtype), mean, rstd
+    """(n, mean, rstd) of the fp32 rows ``s``; n in ``mid_dtype`` when given (its values rounded
+    there: a product with an fp32 tensor computes in fp32 from them, as from the rounded fp32)."""
+    mean = s.mean(dim=1, keepdim=True) if subtract_mean else None
+    centered = s - mean if subtract_mean else s
+    rstd = centered.pow(2).mean(dim=1, keepdim=True).add_(eps).rsqrt_()
+    n = centered * rstd
+    return (n if mid_dtype is None else n.to(mid_dtype)), mean, rstd
 
 
 def norm_forward(
@@ -60,8 +62,11 @@ def norm_forward(
     )
     summed = None
     if residual is not None:
-        sum_dtype = sum_dtype or torch.promote_types(x.dtype, residual.dtype)
-        summed = (x.float() + residual.float()).to(sum_dtype)
+        promoted = torch.promote_types(x.dtype, residual.dtype)
+        if sum_dtype is None or sum_dtype == promoted:
+            summed = x + residual  # torch adds in fp32 and rounds once to the promoted dtype
+        else:
+            summed = (x.float() + residual.float()).to(sum_dtype)
         s = summed.float()
     else:
         s = x.float()
@@ -71,8 +76,12 @@ def norm_forward(
         y = y * _weight_row(weight, weight_offset)
     if bias is not None:
         y = y + bias.float()
-    out = _rounded(y, product_dtype).to(out_dtype or x.dtype)
-    return out, summed, mean, rstd
+    # Rounded to the product's dtype, then converted (a conversion between two of the kernel
+    # dtypes goes through fp32, so rounding to an fp32 product is none).
+    if product_dtype != torch.float32:
+        y = y.to(product_dtype)
+    out = y.to(out_dtype or x.dtype)
+    return out, summed, None if mean is None else mean.view(-1), rstd.view(-1)
 
 
 def norm_backward(
@@ -104,20 +113,26 @@ def norm_backward(
         residual_grad_dtype, bias_dtype,
     )  # fmt: skip
     s = normalized.float()
+    rstd = rstd[:, None]
     centered = s - mean[:, None] if subtract_mean else s
-    n = centered * rstd[:, None]
+    n = centered * rstd
     dy = grad_out.float()
     dn = dy * _weight_row(weight, weight_offset) if weight is not None else dy
     width = s.shape[1]
     correction = n * ((dn * n).sum(dim=1, keepdim=True) / width)
     if subtract_mean:
         correction = correction + dn.sum(dim=1, keepdim=True) / width
-    ds = rstd[:, None] * (dn - correction)
+    ds = rstd * (dn - correction)
     if grad_sum is not None:
         ds = ds + grad_sum.float()
     grad_weight = None
     if weight is not None:
-        grad_weight = (dy * _rounded(n, mid_dtype)).sum(dim=0).to(weight.dtype)
+        # n rounded to mid_dtype: the product with fp32 dy computes in fp32 from its values.
+        grad_weight = (dy * (n if mid_dtype is None else n.to(mid_dtype))).sum(dim=0).to(weight.dtype)
     grad_bias = dy.sum(dim=0).to(bias_dtype) if bias_dtype is not None else None
-    grad_residual = ds.to(residual_grad_dtype) if residual_grad_dtype is not None else None
-    return ds.to(grad_dtype), grad_residual, grad_weight, grad_bias
+    grad_x = ds.to(grad_dtype)
+    grad_residual = None
+    if residual_grad_dtype is not None:
+        # A tensor of its own even where both gradients are ds in one dtype (the contract).
+        grad_residual = ds.to(residual_grad_dtype, copy=residual_grad_dtype == grad_dtype)
+    return grad_x, grad_residual, grad_weight, grad_bias

@@ -38,12 +38,14 @@ def _rotate(
     # product and the sum rounded once, as the contract says, with no fp32 copy of x.
     width = cos.shape[-1]
     c, s = cos.float(), sin.float()
-    part = x[..., :width]
+    part = x if width == x.shape[-1] else x[..., :width]
     if transposed:
         rotated = part * c + _turn_back(part * s, interleaved)
     else:
         rotated = part * c + _turn(part, interleaved) * s
-    out = torch.empty_like(x, dtype=out_dtype)
+    out = torch.empty_like(x, dtype=out_dtype)  # x's layout, as the fake implementation's
+    if part is x:  # nothing passed through
+        return out.copy_(rotated)
     out[..., :width] = rotated
     out[..., width:] = x[..., width:]
     return out

@@ -9,7 +9,13 @@ import torch
 from torch import Tensor
 
 from amp_fx.kernels.arguments import check_update
-from amp_fx.kernels.optimizer_step import own_steps, scaled_grad, skip_flag, write_unless_skipped
+from amp_fx.kernels.optimizer_step import (
+    own_steps,
+    scaled_grads,
+    skip_flag,
+    working_copies,
+    write_unless_skipped,
+)
 from amp_fx.kernels.sgd.arguments import check_sgd_hyperparameters
 
 __all__ = ["sgd_step_"]
@@ -56,20 +62,28 @@ def sgd_step_(
     if len(params) == 0:
         return
     skip = skip_flag(found_inf)
+    masters = [None] * len(params) if masters is None else masters
+    # Each param's fp32 weight is its master, or the param itself.
+    sources = [param if master is None else master for param, master in zip(params, masters, strict=True)]
+    weights = working_copies(sources, skip)
+    # The torch expression of the contract, op for op, each op one foreach call over the list.
+    g = scaled_grads(grads, grad_multiplier)
+    if weight_decay != 0.0:
+        g = torch._foreach_add(g, torch._foreach_mul(weights, weight_decay))
+    targets, new_values = [], []
     if momentum != 0.0:
         first_steps = (own_steps(step, step_offsets, len(params)) == 0).unbind()
-    for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
-        master = None if masters is None else masters[i]
-        weight = (param if master is None else master).float()
-        g = scaled_grad(grad, grad_multiplier)
-        if weight_decay != 0.0:
-            g = g + weight_decay * weight
-        if momentum != 0.0:
-            buf = momentum_buffers[i]
-            new_buf = torch.where(first_steps[i], g, momentum * buf + (1.0 - dampening) * g)
-            g = g + momentum * new_buf if nesterov else new_buf
-            write_unless_skipped(buf, new_buf, skip)
-        new_weight = weight - lr * g
-        if master is not None:
-            write_unless_skipped(master, new_weight, skip)
-        write_unless_skipped(param, new_weight, skip)
+        blends = torch._foreach_mul(momentum_buffers, momentum)
+        torch._foreach_add_(blends, torch._foreach_mul(g, 1.0 - dampening))
+        new_bufs = [
+            torch.where(first, grad, blend) for first, grad, blend in zip(first_steps, g, blends, strict=True)
+        ]
+        g = torch._foreach_add(g, torch._foreach_mul(new_bufs, momentum)) if nesterov else new_bufs
+        targets, new_values = list(momentum_buffers), new_bufs
+    torch._foreach_sub_(weights, torch._foreach_mul(g, lr))
+    with_master = [i for i, master in enumerate(masters) if master is not None]
+    write_unless_skipped(
+        [*targets, *sources, *(params[i] for i in with_master)],
+        [*new_values, *weights, *(weights[i] for i in with_master)],
+        skip,
+    )

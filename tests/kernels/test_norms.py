@@ -287,6 +287,29 @@ def test_strided_rows_and_no_rows(device) -> None:
     assert out.shape == (0, 8) and torch.equal(grads["weight"], torch.zeros(8, device=device))
 
 
+@pytest.mark.parametrize("implementation", ["reference", "triton"])
+def test_outputs_are_tensors_of_their_own(device, implementation) -> None:
+    """The op returns the kernels' outputs as a custom op's, which may alias nothing: no output
+    shares memory with an input or another one, where the gradients of an fp32 x and an fp32
+    residual are the same values too."""
+    if implementation == "triton" and triton_ops is None:
+        pytest.skip("needs Triton")
+    kernels = reference if implementation == "reference" else triton_ops
+    x, residual, weight = (torch.randn(shape, device=device) for shape in ((4, 32), (4, 32), (32,)))
+    out, summed, mean, rstd = kernels.norm_forward(x, weight, None, EPS, residual=residual)
+    grad_out, grad_sum = torch.randn_like(x), torch.randn_like(x)
+    grads = kernels.norm_backward(
+        grad_out, grad_sum, summed, weight, mean, rstd, bias_dtype=torch.float32,
+        grad_dtype=torch.float32, residual_grad_dtype=torch.float32,
+    )  # fmt: skip
+    for tensors in (
+        (x, residual, weight, out, summed, rstd),
+        (grad_out, grad_sum, summed, weight, rstd, *grads),
+    ):
+        storages = [tensor.untyped_storage().data_ptr() for tensor in tensors]
+        assert len(set(storages)) == len(storages)
+
+
 def test_bad_arguments_are_refused_before_any_work() -> None:
     x = torch.randn(3, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"must be 2-D \(rows, D\)"):

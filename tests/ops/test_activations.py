@@ -96,8 +96,8 @@ def test_other_calls_fall_back_to_the_expression() -> None:
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_custom_ops_pass_opcheck(activation) -> None:
     gate, up, _ = leaves(2, 3, 5, dtype=torch.float16)
-    torch.library.opcheck(fused_gated_activation, (gate, up, activation))
-    torch.library.opcheck(fused_activation, (gate, activation))
+    torch.library.opcheck(fused_gated_activation.op, (gate, up, activation))
+    torch.library.opcheck(fused_activation.op, (gate, activation))
 
 
 def test_tracers_see_one_op_each_way() -> None:

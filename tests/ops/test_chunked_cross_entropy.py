@@ -233,7 +233,7 @@ def test_the_op_registration_is_consistent():
     )
     for softcap in (None, 4.0):
         torch.library.opcheck(
-            chunked_linear_cross_entropy_sum,
+            chunked_linear_cross_entropy_sum.op,
             (*arguments, softcap),
             test_utils=("test_schema", "test_faketensor"),
         )

@@ -294,10 +294,10 @@ def test_opcheck() -> None:
         pytest.skip("torch.library.opcheck needs torch >= 2.4")
     logits = make_logits((3, 6), torch.float16, seed=4)
     target = torch.tensor([5, -100, 0])
-    opcheck(cross_entropy_rows, (logits, target, -100))
+    opcheck(cross_entropy_rows.op, (logits, target, -100))
     _, lse = reference.cross_entropy_forward(logits.detach(), target, -100)
-    opcheck(cross_entropy_rows_backward, (torch.rand(3), logits.detach(), target, lse, -100))
-    opcheck(cross_entropy_rows_backward_, (torch.rand(3), logits.detach().clone(), target, lse, -100))
+    opcheck(cross_entropy_rows_backward.op, (torch.rand(3), logits.detach(), target, lse, -100))
+    opcheck(cross_entropy_rows_backward_.op, (torch.rand(3), logits.detach().clone(), target, lse, -100))
 
 
 @pytest.mark.gpu

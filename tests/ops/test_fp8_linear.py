@@ -368,7 +368,7 @@ def test_opcheck() -> None:
     x, w, bias, _ = _compile_case()
     for recipe in RECIPE_NAMES:
         arguments = (x.requires_grad_(), w.requires_grad_(), bias.requires_grad_(), recipe)
-        torch.library.opcheck(fp8_linear_unchecked, arguments)
+        torch.library.opcheck(fp8_linear_unchecked.op, arguments)
 
 
 def test_exports_as_one_node() -> None:

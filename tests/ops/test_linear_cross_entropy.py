@@ -395,8 +395,8 @@ def test_opcheck() -> None:
     h, w, b, target = make_problem(3, 8, 6, torch.float16, seed=13)
     target[1] = IGNORE_INDEX
     args = [t.requires_grad_() for t in (h, w, b)]
-    opcheck(linear_cross_entropy_rows, (*args, target, IGNORE_INDEX))
-    opcheck(linear_cross_entropy_rows, (args[0], args[1], None, target, IGNORE_INDEX))
+    opcheck(linear_cross_entropy_rows.op, (*args, target, IGNORE_INDEX))
+    opcheck(linear_cross_entropy_rows.op, (args[0], args[1], None, target, IGNORE_INDEX))
 
 
 @pytest.mark.gpu

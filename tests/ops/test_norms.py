@@ -256,10 +256,10 @@ def test_opcheck() -> None:
         torch.bfloat16,
         None,
     )
-    torch.library.opcheck(fused_norm, arguments)
+    torch.library.opcheck(fused_norm.op, arguments)
     _, summed, mean, rstd = (t.detach() for t in fused_norm(*arguments))
     backward = (torch.randn(3, 8), None, summed, weight.detach(), mean, rstd, torch.float32, True, 0.0, None)
-    torch.library.opcheck(fused_norm_backward, (*backward, torch.bfloat16, torch.float32))
+    torch.library.opcheck(fused_norm_backward.op, (*backward, torch.bfloat16, torch.float32))
 
 
 def test_a_sum_or_an_output_read_alone(fused_calls) -> None:
