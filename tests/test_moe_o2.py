@@ -41,12 +41,15 @@ HIDDEN, FFN, EXPERTS, TOKENS = 16, 32, 4, 24  # 16-byte aligned rows: _grouped_m
 
 _aten = torch.ops.aten
 _MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten._grouped_mm}
+_ADDED_TO_FIRST = {_aten.addmm, _aten.baddbmm}  # their first argument is what the product is added to
 _ROUTER_OPS = {_aten.topk, _aten._softmax, _aten.softmax, _aten.sigmoid}
 
 
 class OpDtypes(TorchDispatchMode):
     """Counts, per (op, dtype it computed in), the output elements of matrix products and the
-    calls of router ops (softmax, sigmoid, top-k) by their input's dtype."""
+    calls of router ops (softmax, sigmoid, top-k) by their input's dtype. Outer products (inner
+    dimension 1) sum nothing and are left out: transformers 5.17 computes its rotary angles as
+    one (``inv_freq @ position_ids``, FP32 with autocast off), 5.24 as a product of elements."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -58,7 +61,7 @@ class OpDtypes(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         packet = func.overloadpacket
-        if packet in _MATMULS:
+        if packet in _MATMULS and (args[1] if packet in _ADDED_TO_FIRST else args[0]).shape[-1] > 1:
             operand = next(a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2)
             self.matmul_elements[(packet.__name__, operand.dtype)] += out.numel()
             if operand.dtype == FP32:
