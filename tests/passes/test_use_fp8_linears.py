@@ -35,8 +35,8 @@ class Mlp(nn.Module):
         return self.head(torch.relu(self.mid(h)))
 
 
-def _policy(**fp8: object) -> Policy:
-    return preset("O2", torch.bfloat16, "cpu", **fp8)
+def _policy(device: str = "cpu", **fp8: object) -> Policy:
+    return preset("O2", torch.bfloat16, device, **fp8)
 
 
 def _unit_roundoff(dtype: torch.dtype) -> float:
@@ -246,7 +246,7 @@ def test_tiny_lm_trains_on_cuda_close_to_its_cpu_run(recipe: str) -> None:
     """Five FusedAdam steps on CUDA: finite, in FP8 (report rows), and the loss within what two
     runs each within the FP8 bound of the exact loss can differ: bf16 O2's relative error is about
     bf16's unit roundoff, so each FP8 run errs by at most ``fp8_error_ratio_bound * u_bf16``."""
-    cuda, model = _train(_policy(fp8=recipe), steps=5, device="cuda")
+    cuda, model = _train(_policy("cuda", fp8=recipe), steps=5, device="cuda")
     cpu, _ = _train(_policy(fp8=recipe), steps=5)
     assert all(torch.isfinite(torch.tensor(cuda))), cuda
     assert len([d for d in _decisions(model).values() if d.startswith("FP8")]) == 4, _decisions(model)
