@@ -131,7 +131,7 @@ class RangeRecorder:
     is checked at run time); otherwise float32 values too. ``dtypes[slot]`` is the dtype the slot
     recorded last."""
 
-    __slots__ = ("clock", "size", "root", "low_only", "dtypes", "buffers", "_row_steps")
+    __slots__ = ("clock", "size", "root", "low_only", "dtypes", "buffers", "_row_steps", "_rows")
 
     def __init__(self, clock: RangeClock, size: int, root: bool, low_only: bool) -> None:
         self.clock = clock
@@ -142,6 +142,8 @@ class RangeRecorder:
         self.buffers: dict[torch.device, tuple[Tensor, Tensor]] = {}
         # (device, row) -> the step the row holds on that device.
         self._row_steps: dict[tuple[torch.device, int], int] = {}
+        # (device, row) -> that row's (amax, counts) views, while it holds the step above.
+        self._rows: dict[tuple[torch.device, int], tuple[Tensor, Tensor]] = {}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> RangeRecorder:
         # A copy of the watched model records apart from it, with a clock of its own.
@@ -174,7 +176,8 @@ class RangeRecorder:
             return
         amax, counts = self._row(value.device, clock.row, clock.step)
         self.dtypes[slot] = value.dtype
-        implementation_for([value]).record_range_(value.detach(), amax, counts, 2 * slot + direction)
+        # No detach: neither kernel records autograd (the reference runs under no_grad).
+        implementation_for((value,)).record_range_(value, amax, counts, 2 * slot + direction)
         clock.order[clock.row].setdefault((self, slot, direction), None)
 
     def _row(self, device: torch.device, row: int, step: int) -> tuple[Tensor, Tensor]:
@@ -185,14 +188,17 @@ class RangeRecorder:
                 torch.zeros(rows, self.size, 2, len(COUNT_FIELDS), dtype=torch.int64, device=device),
             )
         amax, counts = self.buffers[device]
-        if self._row_steps.get((device, row)) != step:
+        key = (device, row)
+        if self._row_steps.get(key) != step:
             # The row held an older step: fold it into the totals, then start this one at zero.
             torch.maximum(amax[0], amax[row], out=amax[0])
             counts[0].add_(counts[row])
             amax[row].zero_()
             counts[row].zero_()
-            self._row_steps[(device, row)] = step
-        return amax[row], counts[row]
+            self._row_steps[key] = step
+            # Every record of the step writes into these views: made once a step, not per record.
+            self._rows[key] = (amax[row], counts[row])
+        return self._rows[key]
 
     def step_statistics(self, row: int) -> tuple[Tensor, Tensor] | None:
         """(amax ``[size, 2]``, counts ``[size, 2, 3]``) on the CPU that row ``row`` recorded for the
@@ -221,6 +227,7 @@ class RangeRecorder:
             amax.zero_()
             counts.zero_()
         self._row_steps.clear()
+        self._rows.clear()
 
 
 def _combined(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor] | None:

@@ -43,20 +43,24 @@ _PROGRAMS_PER_SM = 4
 _CPU_PROGRAMS = 4
 
 
-# numel is never specialized (a one-element value would make it a constant, which has no ``.to``).
-@triton.jit(do_not_specialize=["numel"])
+# numel is never specialized (a one-element value would make it a constant, which has no ``.to``),
+# nor the entry: each watched node records at an index of its own, and one compiled kernel serves them.
+@triton.jit(do_not_specialize=["numel", "index"])
 def _record_range_kernel(
     bits_ptr,  # the value's storage span: numel elements, read as integers of their width
     numel,
     blocks_per_program,
-    amax_ptr,  # float32: the entry's largest magnitude (atomic max)
-    counts_ptr,  # int64 [3]: the entry's underflow, non-finite and element counts (atomic adds)
+    amax_ptr,  # float32: the statistics' largest magnitudes (atomic max into entry ``index``)
+    counts_ptr,  # int64: three counts per entry: underflow, non-finite, elements (atomic adds)
+    index,
     VALUE_DTYPE: tl.constexpr,  # fp16, bf16 or fp32: the value's element type
     EXPONENT_MASK: tl.constexpr,  # the bits of its exponent
     MAGNITUDE_MASK: tl.constexpr,  # every bit but the sign
     BLOCK_SIZE: tl.constexpr,
 ):
     program = tl.program_id(0).to(tl.int64)
+    amax_ptr += index
+    counts_ptr += 3 * index
     block = tl.arange(0, BLOCK_SIZE)
     largest = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
     underflow = tl.zeros([BLOCK_SIZE], dtype=tl.int32)
@@ -108,8 +112,9 @@ def record_range_(value: Tensor, amax: Tensor, counts: Tensor, index: int) -> No
             flat.view(bits_dtype),
             numel,
             blocks_per_program,
-            amax.view(-1)[index:],
-            counts.view(-1)[3 * index :],
+            amax,
+            counts,
+            index,
             VALUE_DTYPE=value_dtype,
             EXPONENT_MASK=exponent_mask,
             MAGNITUDE_MASK=magnitude_mask,
