@@ -40,6 +40,7 @@ from amp_fx.core.policy_checks import (
     check_device_type,
     check_flag,
     check_fp8,
+    check_fp8_device,
     check_fp8_skip_modules,
     check_keep_batchnorm_fp32,
     check_low_dtype,
@@ -175,6 +176,7 @@ class Policy:
         )
         mixes_low_and_fp32 = self.level.stores_weights_low and self.level.keeps_fp32_islands
         self.fp8 = check_fp8(self.fp8, self.opt_level, mixes_low_and_fp32, self.dtype)
+        check_fp8_device(self.fp8, self.device_type)
         self.fp8_head = check_flag("fp8_head", self.fp8_head)
         self.fp8_skip_modules = check_fp8_skip_modules(self.fp8_skip_modules)
         self.global_rule = check_rule(self.global_rule)

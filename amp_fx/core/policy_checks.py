@@ -21,6 +21,7 @@ __all__ = [
     "check_device_type",
     "check_flag",
     "check_fp8",
+    "check_fp8_device",
     "check_fp8_skip_modules",
     "check_keep_batchnorm_fp32",
     "check_low_dtype",
@@ -133,6 +134,26 @@ def check_fp8(recipe: Any, opt_level: str, mixes_low_and_fp32: bool, dtype: torc
         names = ", ".join(str(d) for d in OUTPUT_DTYPES)
         raise ValueError(f"fp8={recipe!r} writes {names}, not {dtype}: pass dtype=torch.bfloat16")
     return recipe
+
+
+def check_fp8_device(recipe: str | None, device_type: str | None) -> None:
+    """Raise ValueError where ``recipe``'s products cannot run on ``device_type`` with this torch:
+    per-row scaling on a CPU whose ``torch._scaled_mm`` has per-tensor scales only (before 2.14).
+
+    >>> check_fp8_device("tensorwise", "cpu")
+    """
+    if recipe is None or device_type != "cpu":
+        return
+    # Imported here: amp_fx.core reads no kernel package at import.
+    from amp_fx.kernels.fp8.arguments import cpu_scales_per_row
+    from amp_fx.kernels.fp8.recipes import recipe_named
+
+    if recipe_named(recipe).scaling == "rowwise" and not cpu_scales_per_row():
+        raise ValueError(
+            f"fp8={recipe!r} scales per row, which torch {torch.__version__}'s CPU FP8 product "
+            "(torch._scaled_mm) does not do: use fp8='tensorwise' on the CPU, run on CUDA, or "
+            "install torch 2.14 or later"
+        )
 
 
 def check_fp8_skip_modules(patterns: Any) -> list[str]:

@@ -17,6 +17,8 @@ checks read metadata only, never a value: they never synchronize with the device
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -28,6 +30,7 @@ __all__ = [
     "OUTPUT_DTYPES",
     "check_fp8_quantize_arguments",
     "check_fp8_scaled_mm_arguments",
+    "cpu_scales_per_row",
     "fp8_product_refusal",
     "scaling_of",
 ]
@@ -196,3 +199,20 @@ def check_fp8_quantize_arguments(
     for name, flag in (("power_of_two", power_of_two), ("column_major", column_major)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
+
+
+@functools.cache
+def cpu_scales_per_row() -> bool:
+    """Whether this torch's CPU ``torch._scaled_mm`` takes per-row scales (torch 2.14 does; 2.11
+    asserts "only supports per-tensor scaling for CPU backend"). Asked once, on a 16 x 16 product.
+
+    Example:
+        >>> isinstance(cpu_scales_per_row(), bool)
+        True
+    """
+    a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True

@@ -12,6 +12,8 @@ from torch import nn
 
 import amp_fx
 from amp_fx.core.policy import Policy, preset
+from amp_fx.kernels.fp8 import arguments as fp8_arguments
+from amp_fx.kernels.fp8.arguments import cpu_scales_per_row
 from amp_fx.kernels.fp8.recipes import PRODUCTS, recipe_named
 from amp_fx.ops.fp8_linear import fp8_linear_or_linear
 from amp_fx.testing import RELATIVE_BOUND, error_ratio
@@ -142,6 +144,21 @@ def test_policy_field_checks_and_round_trip() -> None:
     assert [preset("O2", torch.float16, fp8=recipe).fp8 for recipe in RECIPES] == list(RECIPES)
 
 
+def test_per_row_scaling_on_a_cpu_without_it_is_refused_at_the_policy(monkeypatch) -> None:
+    """torch 2.11's CPU FP8 product has per-tensor scales only: a rowwise recipe for the CPU is
+    refused when the policy is made, naming the fix, not by an internal assert at the first call."""
+    # The probe itself: torch 2.14 added per-row scales to the CPU product.
+    assert cpu_scales_per_row() is (torch.__version__ >= "2.14")
+    monkeypatch.setattr(fp8_arguments, "cpu_scales_per_row", lambda: False)
+    for recipe in ("rowwise", "rowwise_hp_wgrad"):
+        with pytest.raises(ValueError, match="scales per row.*fp8='tensorwise'"):
+            _policy(fp8=recipe)
+        with pytest.raises(ValueError, match="scales per row"):
+            preset("O2", torch.bfloat16, fp8=recipe).for_device("cpu")
+        assert _policy("cuda", fp8=recipe).fp8 == recipe
+    assert _policy(fp8="tensorwise").fp8 == "tensorwise"
+
+
 class TinyLm(nn.Module):
     def __init__(self, vocab: int = 64, hidden: int = 32) -> None:
         super().__init__()
@@ -242,14 +259,15 @@ def test_torch_compile_runs_fp8_linears_as_eager_does() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_tiny_lm_trains_on_cuda_close_to_its_cpu_run(recipe: str) -> None:
+def test_tiny_lm_trains_on_cuda_close_to_bf16_o2(recipe: str) -> None:
     """Five FusedAdam steps on CUDA: finite, in FP8 (report rows), and the loss within what two
-    runs each within the FP8 bound of the exact loss can differ: bf16 O2's relative error is about
-    bf16's unit roundoff, so each FP8 run errs by at most ``fp8_error_ratio_bound * u_bf16``."""
-    cuda, model = _train(_policy("cuda", fp8=recipe), steps=5, device="cuda")
-    cpu, _ = _train(_policy(fp8=recipe), steps=5)
-    assert all(torch.isfinite(torch.tensor(cuda))), cuda
+    runs can differ when one errs by at most the FP8 bound (``fp8_error_ratio_bound * u_bf16``) and
+    the other, bf16 O2, by at most the oracle's ``RELATIVE_BOUND * u_bf16``. The reference is bf16
+    O2 on CUDA, not an FP8 run on the CPU: torch 2.11's CPU ``_scaled_mm`` has no per-row scales."""
+    fp8, model = _train(_policy("cuda", fp8=recipe), steps=5, device="cuda")
+    bf16, _ = _train(_policy("cuda"), steps=5, device="cuda")
+    assert all(torch.isfinite(torch.tensor(fp8))), fp8
     assert len([d for d in _decisions(model).values() if d.startswith("FP8")]) == 4, _decisions(model)
-    tolerance = 2 * fp8_error_ratio_bound(recipe) * _unit_roundoff(torch.bfloat16)
-    for step, (on_cuda, on_cpu) in enumerate(zip(cuda, cpu, strict=True)):
-        assert abs(on_cuda - on_cpu) <= tolerance * abs(on_cpu), (step, on_cuda, on_cpu, tolerance)
+    tolerance = (fp8_error_ratio_bound(recipe) + RELATIVE_BOUND) * _unit_roundoff(torch.bfloat16)
+    for step, (in_fp8, in_bf16) in enumerate(zip(fp8, bf16, strict=True)):
+        assert abs(in_fp8 - in_bf16) <= tolerance * abs(in_bf16), (step, in_fp8, in_bf16, tolerance)
