@@ -158,21 +158,27 @@ def find_overflow(model: nn.Module, step: int | None = None) -> Overflow | None:
     watch's kept `RangeWatch.steps`); None where no kept step overflowed. Reads the device.
 
     Raises ValueError for a model `amp_fx.watch` does not watch (watch it before training: the
-    step that overflows must be recorded).
+    step that overflows must be recorded, which ``every=1``, or ``watch.every = 1`` set before
+    the step, makes sure of).
     """
     watch = watching(model)
     if watch is None:
         raise ValueError(
             f"this {type(model).__name__} is not watched, so nothing recorded its values: call "
-            "amp_fx.watch(model) before training (every step records by default), then call "
-            "find_overflow after the step that overflowed"
+            "amp_fx.watch(model) before training (every=1 records every step; the default, every "
+            "16th), then call find_overflow after the step that overflowed"
         )
     steps = [step] if step is not None else list(reversed(watch.steps))
     for candidate in steps:
         found = _first_overflow(watch, candidate)
         if found is not None:
             return found
-    logger.info("no overflow in the recorded steps kept (%s)", watch.steps)
+    logger.info(
+        "no overflow in the recorded steps kept (%s); the watch records every %d-th step: set "
+        "watch.every = 1 and run the step again to record the one that overflows",
+        watch.steps,
+        watch.every,
+    )
     return None
 
 

@@ -24,12 +24,15 @@ underflowing values (non-zero, below the dtype's smallest normal), of inf/NaN va
 values (`amp_fx.ops.range_record`, one kernel launch per value). Nothing is read on the host while the
 model runs; `RangeWatch.ranges` reads the statistics when asked (one host sync).
 
-Steps: one step is one call of the model (its forward and the backward that follows). By default
-every step records (``every=1``; measured in ``benchmarks/bench_watch.py``); ``every=N`` records
-the steps 0, N, 2N, ... and leaves the others as they would run unwatched but for a Python call
-per watched node. The last ``history`` recorded steps are kept apart (`RangeWatch.ranges` of one
-step, what `amp_fx.find_overflow` reads); `RangeWatch.ranges` without a step gives the totals since
-the watch began or was reset.
+Steps: one step is one call of the model (its forward and the backward that follows). ``every=N``
+records the steps 0, N, 2N, ... and leaves the others as they would run unwatched but for a Python
+call per watched node. The default, `DEFAULT_EVERY` (16), keeps the cost within 5% of a training
+step (``benchmarks/bench_watch.py``); ``every=1`` records every step, so that the step that
+overflows is always among those recorded (a recorded step costs about a third of a step more on
+GPT-2 small), and ``watch.every = 1`` switches to it on a running watch: after a run starts
+skipping steps or returns NaN, one more step then names the op. The last ``history`` recorded
+steps are kept apart (`RangeWatch.ranges` of one step, what `amp_fx.find_overflow` reads);
+`RangeWatch.ranges` without a step gives the totals since the watch began or was reset.
 
 The graph is changed in place: a call of `amp_fx.ops.range_record.range_begin` first and a call of
 `record_range` after each watched node, which returns the value unchanged (outputs and gradients are
@@ -84,9 +87,11 @@ __all__ = [
     "watching",
 ]
 
-# Record every step by default: a step that overflows is then always recorded (what
-# `amp_fx.find_overflow` needs), at the cost measured by benchmarks/bench_watch.py.
-DEFAULT_EVERY = 1
+# Record every 16th step by default: on an H100 (benchmarks/bench_watch.py, BENCHMARKS.md) a
+# recorded step of GPT-2 small costs 1.32x an unwatched one, so recording every step is over issue
+# 42's 5% bound, while every 8th cost 1.2% on GPT-2 and every 16th 0.5% on the Llama 0.5B. Set
+# ``every=1`` (or ``watch.every = 1`` later) to record the very step that overflows.
+DEFAULT_EVERY = 16
 # Recorded steps kept apart, newest last: room for a few gradient-accumulation micro-steps.
 DEFAULT_HISTORY = 8
 NODE_CHOICES = ("low", "all")
@@ -250,12 +255,22 @@ class RangeWatch:
 
     def __init__(self, model: nn.Module, every: int, history: int, nodes: str) -> None:
         self.model = model
-        self.every, self.history, self.nodes = every, history, nodes
+        self.history, self.nodes = history, nodes
         self.clock = RangeClock(every=every, history=history)
         self._watched: dict[int, _Watched] = {}  # id(graph module) -> what it records
         self._removed = False
         self._hooks: list[tuple[Any, Any]] = []  # (capture state, its hook)
         self._rewrite: Any = None  # the fx GraphFollower's rewrite, which `_follow_rewrites` wraps
+
+    @property
+    def every(self) -> int:
+        """Record the steps that are multiples of ``every``; settable on a running watch
+        (``watch.every = 1``: every step from the next one on)."""
+        return self.clock.every
+
+    @every.setter
+    def every(self, every: int) -> None:
+        self.clock.every = _count("every", every)
 
     # --- reading --------------------------------------------------------------------------------
     @property
@@ -414,7 +429,7 @@ def watch(
     Args:
         model: a converted model, either front end (a torch.export front-end model is watched in
             the graphs it has captured and in those it captures later).
-        every: record every ``every``-th step (default `DEFAULT_EVERY`, 1: every step).
+        every: record every ``every``-th step (default `DEFAULT_EVERY`, 16; 1: every step).
         history: recorded steps kept apart for `amp_fx.find_overflow` (default `DEFAULT_HISTORY`).
         nodes: "low" (default): nodes computing in float16/bfloat16; "all": float32 ones too.
 
@@ -430,9 +445,8 @@ def watch(
     [0, 2]
     """
     graphs = model_graphs(model)  # TypeError for a model not converted
-    for name, value, low in (("every", every, 1), ("history", history, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    _count("every", every)
+    _count("history", history)
     if nodes not in NODE_CHOICES:
         raise ValueError(f"nodes must be one of {NODE_CHOICES}, got {nodes!r}")
     if model in _WATCHES:
@@ -461,6 +475,13 @@ def watch(
         every,
     )
     return handle
+
+
+def _count(name: str, value: Any) -> int:
+    """``value`` where it is an int >= 1; else ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
 
 
 def measure(tensor: torch.Tensor) -> RangeStats:

@@ -210,7 +210,7 @@ def test_source_lines_and_inputs_name_the_users_code() -> None:
 
 def test_the_newest_overflowing_step_is_reported_and_clean_steps_give_none() -> None:
     model = _converted(CASES["matmul-forward"], "fx")
-    watch = amp_fx.watch(model)
+    watch = amp_fx.watch(model, every=1)
     model(torch.full((4, 8), 0.01)).sum().backward()
     assert amp_fx.find_overflow(model) is None
     model(torch.full((4, 8), 100.0)).sum().backward()  # step 1 overflows
@@ -228,7 +228,7 @@ def test_an_unwatched_model_is_refused() -> None:
 
 def test_gradient_accumulation_finds_the_micro_step_that_overflowed() -> None:
     model = _converted(CASES["matmul-forward"], "fx")
-    amp_fx.watch(model)
+    amp_fx.watch(model, every=1)
     for x in (0.01, 100.0, 0.01, 0.01):  # the second of four micro-steps overflows
         model(torch.full((4, 8), x)).sum().backward()
     assert amp_fx.find_overflow(model).step == 1

@@ -98,7 +98,7 @@ def test_recorded_statistics_are_the_values_and_gradients(dtype, level) -> None:
 
 def test_statistics_accumulate_over_steps_and_steps_are_kept_apart() -> None:
     gm = _converted(Mlp())
-    watch = amp_fx.watch(gm, history=2)
+    watch = amp_fx.watch(gm, history=2, every=1)
     scales = [1.0, 5.0, 2.0]
     for scale in scales:
         gm(_inputs() * scale).sum().backward()
@@ -120,8 +120,23 @@ def test_every_n_steps_records_those_steps_only() -> None:
     watch = amp_fx.watch(gm, every=3)
     for _ in range(7):
         gm(_inputs()).sum().backward()
-    assert DEFAULT_EVERY == 1 and watch.steps == [0, 3, 6]
+    assert watch.steps == [0, 3, 6]
     assert _by_node(watch.ranges())["up"].forward.numel == 3 * 5 * 8
+
+
+def test_the_default_records_every_sixteenth_step_and_every_can_change() -> None:
+    gm = _converted(Mlp())
+    watch = amp_fx.watch(gm, history=8)
+    for _ in range(DEFAULT_EVERY + 1):
+        gm(_inputs()).sum().backward()
+    assert DEFAULT_EVERY == 16 and watch.every == 16 and watch.steps == [0, 16]
+    watch.every = 1  # from the next step on: every step
+    for _ in range(2):
+        gm(_inputs()).sum().backward()
+    assert watch.steps == [0, 16, 17, 18]
+    with pytest.raises(ValueError, match="every must be an int >= 1"):
+        watch.every = 0
+    assert watch.every == 1
 
 
 def test_order_is_forward_in_graph_order_then_backward() -> None:
@@ -171,7 +186,7 @@ def test_removing_the_watch_leaves_the_code_as_it_was() -> None:
 
 def test_both_mode_graphs_record() -> None:
     gm = _converted(Dropping())
-    watch = amp_fx.watch(gm)
+    watch = amp_fx.watch(gm, every=1)
     gm.train()(_inputs())
     gm.eval()(_inputs())
     fc = _by_node(watch.ranges())["fc"]
@@ -213,7 +228,7 @@ def test_watch_export_front_end_before_and_after_its_first_call() -> None:
 
 def test_a_change_after_the_watch_is_watched_too() -> None:
     gm = _converted(Mlp())
-    watch = amp_fx.watch(gm)
+    watch = amp_fx.watch(gm, every=1)
     gm(_inputs())
     gm.down = nn.Linear(8, 3).half()  # a leaf replaced: the follower rewrites the graph
     gm(_inputs()).sum().backward()
@@ -223,7 +238,7 @@ def test_a_change_after_the_watch_is_watched_too() -> None:
 
 def test_pause_reset_and_copies() -> None:
     gm = _converted(Mlp())
-    watch = amp_fx.watch(gm)
+    watch = amp_fx.watch(gm, every=1)
     watch.pause()
     gm(_inputs())
     assert watch.steps == [] and not any(r.forward.recorded for r in watch.ranges())
@@ -232,7 +247,7 @@ def test_pause_reset_and_copies() -> None:
     copied = copy.deepcopy(gm)
     copied(_inputs() * 100)  # records apart from the original
     assert _by_node(watch.ranges())["up"].forward.numel == 5 * 8
-    copied_watch = amp_fx.watch(copied)  # watched on its own, its copied recording calls replaced
+    copied_watch = amp_fx.watch(copied, every=1)  # watched on its own, its copied recording calls replaced
     copied(_inputs())
     assert _by_node(copied_watch.ranges())["up"].forward.numel == 5 * 8
     assert sum(is_range_record(n) for n in copied.graph.nodes) == sum(

@@ -82,7 +82,7 @@ def test_the_table_shows_each_nodes_numbers() -> None:
 
 def test_several_graphs_are_labelled() -> None:
     model = _converted("export")
-    watch = amp_fx.watch(model)
+    watch = amp_fx.watch(model, every=1)
     _step(model, rows=5)
     _step(model, rows=7)  # a second graph, of dynamic sizes
     text = amp_fx.report(model).ranges_text()
@@ -93,7 +93,7 @@ def test_several_graphs_are_labelled() -> None:
 
 def test_an_overflow_shows_in_the_table() -> None:
     model = _converted()
-    amp_fx.watch(model)
+    amp_fx.watch(model, every=1)
     with torch.no_grad():
         model.fc2.weight.fill_(60000.0)
     _step(model)
