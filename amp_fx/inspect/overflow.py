@@ -173,12 +173,8 @@ def find_overflow(model: nn.Module, step: int | None = None) -> Overflow | None:
         found = _first_overflow(watch, candidate)
         if found is not None:
             return found
-    logger.info(
-        "no overflow in the recorded steps kept (%s); the watch records every %d-th step: set "
-        "watch.every = 1 and run the step again to record the one that overflows",
-        watch.steps,
-        watch.every,
-    )
+    hint = "" if watch.every == 1 else "; set watch.every = 1 to record every step from the next on"
+    logger.info("no overflow in the recorded steps kept (%s)%s", watch.steps, hint)
     return None
 
 
