@@ -35,9 +35,7 @@ from amp_fx.capture.traced_graph_module import FOLLOWER_ATTR, copy_graph
 from amp_fx.core.dtypes import default_device_type, low_precision_dtype, short_repr
 from amp_fx.core.node_info import (
     OTHER_MODE_GRAPH_KEY,
-    PARAMETERS_STORED_KEY,
     POLICY_KEY,
-    UNSTORED_PARAMETERS_KEY,
     UNTRACEABLE_MODULES_KEY,
     node_info,
 )
@@ -46,6 +44,7 @@ from amp_fx.core.policy import Policy, preset
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.optim.model_load_hooks import follow_model_loads, masters_for_stored_low
 from amp_fx.optim.step_checks import record_conversion
+from amp_fx.passes.shared.conversion import Conversion
 from amp_fx.pipeline import rewrite_graph
 
 logger = logging.getLogger(__name__)
@@ -165,7 +164,7 @@ def _is_converted(model: nn.Module) -> bool:
     return isinstance(model, torch.fx.GraphModule) and POLICY_KEY in model.meta
 
 
-def _rewrite_each_mode(gm: torch.fx.GraphModule, policy: Policy, examples: tuple[Any, ...] | None) -> None:
+def _rewrite_each_mode(gm: torch.fx.GraphModule, context: Conversion) -> None:
     """Rewrite ``gm.graph`` and, where the forward reads ``self.training``, the other mode's graph
     (`amp_fx.capture.traced_graph_module.TracedGraphModule`), each by the whole pipeline on
     the one module."""
@@ -173,11 +172,11 @@ def _rewrite_each_mode(gm: torch.fx.GraphModule, policy: Policy, examples: tuple
         training, other = gm.meta[OTHER_MODE_GRAPH_KEY]
         own = gm.graph
         gm.graph = other
-        rewrite_graph(gm, policy, examples)
+        rewrite_graph(gm, context)
         gm.meta[OTHER_MODE_GRAPH_KEY] = (training, gm.graph)
         gm.graph = own
     # The graph of the mode traced in last: the report and gm.meta describe it.
-    rewrite_graph(gm, policy, examples)
+    rewrite_graph(gm, context)
 
 
 def _traced_graphs(gm: torch.fx.GraphModule) -> list[torch.fx.Graph]:
@@ -204,8 +203,8 @@ def _rewrite_again(gm: torch.fx.GraphModule, added: frozenset[str]) -> None:
         if len(sources) > 1:
             gm.meta[OTHER_MODE_GRAPH_KEY] = (saved_meta[OTHER_MODE_GRAPH_KEY][0], sources[1])
         gm.graph = sources[0]
-        gm.meta[UNSTORED_PARAMETERS_KEY] = added  # plan only these; the rest are stored already
-        _rewrite_each_mode(gm, policy, None)
+        # Plan only the added tensors; the rest are stored already.
+        _rewrite_each_mode(gm, Conversion(policy, unstored_parameters=added))
         _capture_untraceable_children(gm, policy)
     except BaseException:
         for tensor, data in before:
@@ -214,8 +213,6 @@ def _rewrite_again(gm: torch.fx.GraphModule, added: frozenset[str]) -> None:
         gm.meta.update(saved_meta)
         gm.graph = saved_graph
         raise
-    finally:
-        gm.meta.pop(UNSTORED_PARAMETERS_KEY, None)
     lowered = [(t, data) for t, data in before if t.dtype != data.dtype and isinstance(t, nn.Parameter)]
     masters_for_stored_low(lowered)
 
@@ -391,7 +388,6 @@ def convert(
         # autocast islands' context managers at trace time. Convert a copy of it as it is; its
         # parameters are stored already (fused calls read weights whose dtype no op decides).
         gm = copy.deepcopy(model)
-        gm.meta[PARAMETERS_STORED_KEY] = True
         gm.__dict__.pop(FOLLOWER_ATTR, None)  # its graphs stay as they are now
     elif front_end == "export" or in_place:
         converted = captured_model(model, resolved, in_place=in_place)
@@ -409,8 +405,9 @@ def convert(
                     type(model).__name__,
                 )
             return record_conversion(model, follow_model_loads(captured_model(model, resolved)))
-    traced = None if PARAMETERS_STORED_KEY in gm.meta else _traced_graphs(gm)
-    _rewrite_each_mode(gm, resolved, examples)
+    stored = _is_converted(model)
+    traced = None if stored else _traced_graphs(gm)
+    _rewrite_each_mode(gm, Conversion(resolved, examples, parameters_stored=stored))
     _capture_untraceable_children(gm, resolved)
     logger.info(
         "converted %s at %s (%s, %s): %d cast nodes",

@@ -30,8 +30,8 @@ import torch.fx
 
 from amp_fx.core.node_info import node_info
 from amp_fx.core.op_facts import FLOATING_CONVERSION_METHODS
-from amp_fx.core.policy import Policy
 from amp_fx.passes.shared.casts import CastCache, insert_input_casts, is_output_structure
+from amp_fx.passes.shared.conversion import Conversion, PassResult
 from amp_fx.passes.shared.in_place_updates import updates_in_place
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def _existing_copies(gm: torch.fx.GraphModule, returned: set[torch.fx.Node]) -> 
     return copies
 
 
-def cast_outputs(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
+def cast_outputs(gm: torch.fx.GraphModule, context: Conversion) -> PassResult:
     """Cast returned values to the dtype `propagate_dtypes` recorded on the output node.
 
     Example::
@@ -86,16 +86,20 @@ def cast_outputs(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModu
         >>> from amp_fx.passes.classify import classify
         >>> from amp_fx.passes.normalize_ops import normalize_ops
         >>> from amp_fx.passes.propagate_dtypes import propagate_dtypes
+        >>> from amp_fx.passes.shared.decisions import plan_parameters
         >>> from amp_fx.capture.fx import trace
-        >>> policy = preset("O2", torch.float16, "cpu")
-        >>> gm = propagate_dtypes(classify(normalize_ops(trace(torch.nn.Linear(4, 2))), policy), policy)
-        >>> [n.name for n in cast_outputs(gm, policy).graph.nodes if node_info(n).is_cast]
+        >>> context = Conversion(preset("O2", torch.float16, "cpu"))
+        >>> gm = classify(normalize_ops(trace(torch.nn.Linear(4, 2))).graph_module, context).graph_module
+        >>> context = plan_parameters(gm, context)
+        >>> gm = propagate_dtypes(gm, context).graph_module
+        >>> [n.name for n in cast_outputs(gm, context).graph_module.graph.nodes if node_info(n).is_cast]
         ['linear_to_float32']
     """
+    policy = context.policy
     readers = [node for node in gm.graph.nodes if node.op == "output" or is_output_structure(node)]
     cache = _existing_copies(gm, {value for reader in readers for value in reader.all_input_nodes})
     created = 0
     for node in readers:
         created += insert_input_casts(gm, node, cache)
     logger.debug("cast_outputs %s: %d casts to %s", policy.opt_level, created, policy.cast_model_outputs)
-    return gm
+    return PassResult(gm, created > 0)

@@ -26,17 +26,18 @@ import logging
 import torch
 import torch.fx
 
-from amp_fx.core.node_info import PARAMETER_PLAN_KEY, node_info
-from amp_fx.core.policy import Policy
-from amp_fx.passes.shared.decisions import module_tensors, parameter_plan
+from amp_fx.core.node_info import node_info
+from amp_fx.passes.shared.conversion import Conversion, PassResult
+from amp_fx.passes.shared.decisions import module_tensors
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["cast_parameters"]
 
 
-def cast_parameters(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
-    """Cast parameters and floating buffers to their planned dtype, in place on `gm`.
+def cast_parameters(gm: torch.fx.GraphModule, context: Conversion) -> PassResult:
+    """Cast parameters and floating buffers to their planned dtype (``context.parameter_plan``), in
+    place on `gm` (``modified``: whether it cast one).
 
     Example::
 
@@ -44,16 +45,18 @@ def cast_parameters(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphM
         >>> from amp_fx.core.policy import preset
         >>> from amp_fx.passes.classify import classify
         >>> from amp_fx.passes.normalize_ops import normalize_ops
+        >>> from amp_fx.passes.shared.decisions import plan_parameters
         >>> from amp_fx.capture.fx import trace
-        >>> policy = preset("O2", torch.float16, "cpu")
-        >>> gm = classify(normalize_ops(trace(nn.Sequential(nn.Linear(2, 2)))), policy)
-        >>> cast_parameters(gm, policy).get_parameter("0.weight").dtype
+        >>> context = Conversion(preset("O2", torch.float16, "cpu"))
+        >>> gm = normalize_ops(trace(nn.Sequential(nn.Linear(2, 2)))).graph_module
+        >>> gm = classify(gm, context).graph_module
+        >>> cast_parameters(gm, plan_parameters(gm, context)).graph_module.get_parameter("0.weight").dtype
         torch.float16
     """
-    plan = parameter_plan(gm, policy)
-    del gm.meta[PARAMETER_PLAN_KEY]  # used up: the parameters are stored in their dtypes now
+    policy = context.policy
+    plan = context.parameter_plan
     if not plan:
-        return gm
+        return PassResult(gm, False)
     done: dict[int, torch.Tensor] = {}  # id(original buffer) -> its cast, so tied buffers stay tied
     counts: dict[torch.dtype, int] = {}
     for name, dtype in plan.items():
@@ -79,7 +82,7 @@ def cast_parameters(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphM
             owner._buffers[attribute] = done[key]
     _note_storage(gm, plan)
     logger.debug("cast_parameters %s: %s", policy.opt_level, {str(d): n for d, n in counts.items()})
-    return gm
+    return PassResult(gm, bool(counts))
 
 
 def _note_storage(gm: torch.fx.GraphModule, plan: dict[str, torch.dtype]) -> None:

@@ -35,7 +35,8 @@ import torch
 import torch.fx
 
 from amp_fx.core.node_info import node_info
-from amp_fx.core.policy import Policy, Rule
+from amp_fx.core.policy import Rule
+from amp_fx.passes.shared.conversion import Conversion, PassResult
 from amp_fx.passes.shared.decisions import decide_node
 
 logger = logging.getLogger(__name__)
@@ -43,10 +44,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["classify"]
 
 
-def classify(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
+def classify(gm: torch.fx.GraphModule, context: Conversion) -> PassResult:
     """Set ``node_info(node).rule`` and ``.reason`` on every call node from `policy`.
 
-    Placeholders, get_attr and output nodes get no rule. Returns `gm` (graph unchanged).
+    Placeholders, get_attr and output nodes get no rule. Returns ``PassResult(gm, False)``
+    (the graph is unchanged).
 
     Example::
 
@@ -54,11 +56,12 @@ def classify(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
         >>> from amp_fx.core.policy import preset
         >>> from amp_fx.passes.normalize_ops import normalize_ops
         >>> from amp_fx.capture.fx import trace
-        >>> gm = classify(normalize_ops(trace(nn.Sequential(nn.Linear(2, 2), nn.Softmax(-1)))),
-        ...               preset("O2", dtype=torch.bfloat16, device_type="cpu"))
+        >>> gm = normalize_ops(trace(nn.Sequential(nn.Linear(2, 2), nn.Softmax(-1)))).graph_module
+        >>> gm = classify(gm, Conversion(preset("O2", dtype=torch.bfloat16, device_type="cpu"))).graph_module
         >>> [(node_info(n).op, node_info(n).rule) for n in gm.graph.nodes if n.op == "call_module"]
         [('linear', <Rule.LOWER: 'lower'>), ('softmax', <Rule.FP32: 'fp32'>)]
     """
+    policy = context.policy
     counts: dict[Rule, int] = {}
     for node in gm.graph.nodes:
         decision = decide_node(node, gm, policy)
@@ -68,4 +71,4 @@ def classify(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
         info.rule, info.reason = decision.rule, decision.reason
         counts[decision.rule] = counts.get(decision.rule, 0) + 1
     logger.debug("classify %s: %s", policy.opt_level, {rule.value: n for rule, n in counts.items()})
-    return gm
+    return PassResult(gm, False)  # annotations only

@@ -32,6 +32,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from amp_fx.core.node_info import node_info
+from amp_fx.passes.shared.conversion import Conversion, PassResult
 
 logger = logging.getLogger(__name__)
 
@@ -85,15 +86,16 @@ def _erase_unread(nodes: list[torch.fx.Node], graph: torch.fx.Graph) -> None:
             node = source
 
 
-def drop_empty_concats(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Give users of ``cat([empty..., x, empty...])`` the tensor ``x``; returns ``gm``, changed in place.
+def drop_empty_concats(gm: torch.fx.GraphModule, context: Conversion | None = None) -> PassResult:
+    """Give users of ``cat([empty..., x, empty...])`` the tensor ``x``; changes ``gm`` in place
+    (``modified``: whether it dropped one). It does not read the context.
 
     Example:
         >>> class Cache(torch.nn.Module):
         ...     def forward(self, key):
         ...         return torch.cat([torch.tensor([]), key.transpose(0, 1)], dim=-2) * 2
         >>> gm = torch.export.export(Cache(), (torch.randn(3, 4),)).module()
-        >>> "cat" in gm.code, "cat" in drop_empty_concats(gm).code
+        >>> "cat" in gm.code, "cat" in drop_empty_concats(gm).graph_module.code
         (True, False)
     """
     dropped = 0
@@ -113,4 +115,4 @@ def drop_empty_concats(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         gm.graph.lint()
         gm.recompile()
     logger.debug("drop_empty_concats: %d concatenations with empty tensors dropped", dropped)
-    return gm
+    return PassResult(gm, bool(dropped))

@@ -56,9 +56,10 @@ import torch.fx
 
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES, dtype_name
 from amp_fx.core.node_info import NodeInfo, node_info
-from amp_fx.core.policy import Policy, Rule
+from amp_fx.core.policy import Rule
 from amp_fx.ops.activations import fp32_activation, fp32_gated_activation
 from amp_fx.passes.shared.cast_walk import output_readers
+from amp_fx.passes.shared.conversion import Conversion, PassResult
 from amp_fx.passes.shared.dtypes import dtype_is_assumed
 from amp_fx.passes.shared.fused_calls import insert_call, replace_chain
 from amp_fx.passes.shared.op_patterns import AnyOf, Const, Match, Op, Pattern, Var, match
@@ -195,8 +196,9 @@ _CANDIDATES: tuple[tuple[Pattern, str, bool], ...] = (
 )
 
 
-def fuse_activations(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
-    """Replace gated activations and written-out tanh GELUs with one fp32 call each; returns `gm`.
+def fuse_activations(gm: torch.fx.GraphModule, context: Conversion) -> PassResult:
+    """Replace gated activations and written-out tanh GELUs with one fp32 call each, in
+    place on `gm` (``modified``: whether it fused one).
 
     Example::
 
@@ -213,8 +215,9 @@ def fuse_activations(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.Graph
         >>> [n.target.__name__ for n in gm.graph.nodes if n.op == "call_function" and "activation" in n.name]
         ['fp32_gated_activation']
     """
+    policy = context.policy
     if not policy.fused_activations:
-        return gm
+        return PassResult(gm, False)
     fused: list[torch.fx.Node] = []
     erased: set[torch.fx.Node] = set()
     # Outermost expressions first (a gated tanh GELU before the tanh GELU inside it): the graph
@@ -234,4 +237,4 @@ def fuse_activations(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.Graph
     if fused:
         gm.recompile()
     logger.debug("fuse_activations %s: %d activations fused", policy.opt_level, len(fused))
-    return gm
+    return PassResult(gm, bool(fused))

@@ -36,9 +36,10 @@ import torch
 import torch.fx
 
 from amp_fx.core.node_info import node_info
-from amp_fx.core.policy import Policy, Rule
+from amp_fx.core.policy import Rule
 from amp_fx.ops.batch_norm import FusedBatchNormAct, is_fusable_batch_norm
 from amp_fx.ops.module_hooks import has_forward_hooks
+from amp_fx.passes.shared.conversion import Conversion, PassResult
 from amp_fx.passes.shared.fused_calls import insert_call, replace_chain
 
 logger = logging.getLogger(__name__)
@@ -109,8 +110,9 @@ def _fuse(
     replace_chain(gm, [relu, *fused_away, bn], {relu: fused})
 
 
-def fuse_batch_norm(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
-    """Replace BatchNorm2d -> [add] -> ReLU chains with `FusedBatchNormAct` calls; returns `gm`.
+def fuse_batch_norm(gm: torch.fx.GraphModule, context: Conversion) -> PassResult:
+    """Replace BatchNorm2d -> [add] -> ReLU chains with `FusedBatchNormAct` calls, in place on `gm`
+    (``modified``: whether it fused one).
 
     Example::
 
@@ -121,8 +123,9 @@ def fuse_batch_norm(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphM
         >>> sum(isinstance(m, FusedBatchNormAct) for m in gm.modules())
         17
     """
+    policy = context.policy
     if not policy.fused_batch_norm:
-        return gm
+        return PassResult(gm, False)
     fused = 0
     for bn in list(gm.graph.nodes):
         if (
@@ -148,4 +151,4 @@ def fuse_batch_norm(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphM
     if fused:
         gm.recompile()
     logger.debug("fuse_batch_norm %s: %d BatchNorm2d calls fused", policy.opt_level, fused)
-    return gm
+    return PassResult(gm, bool(fused))

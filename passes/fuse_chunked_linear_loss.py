@@ -31,7 +31,7 @@ head is a group of its own, gathered for its ops alone (`shard_regions`).
 
 Returned logits follow Liger-Kernel's convention: the output holds None in their place (a Hugging
 Face model's output then has ``logits=None`` and a real ``loss``). Hence the pass runs only on
-graphs whose mode is known to be training (`TRAINING_MODE_KEY`, recorded by the torch.export
+graphs whose mode is known to be training (``context.training``, known to the torch.export
 front end): eval graphs keep their logits and are left alone, and a torch.fx graph, which serves
 both modes, too. With ``policy.keep_logits`` heads whose logits are returned are left alone.
 It runs where ``policy.fused_chunked_linear_loss`` (default True at O2, on every device: on a CPU
@@ -56,9 +56,8 @@ import logging
 import torch
 import torch.fx
 
-from amp_fx.core.node_info import TRAINING_MODE_KEY
-from amp_fx.core.policy import Policy
 from amp_fx.ops.chunked_cross_entropy import chunked_linear_cross_entropy
+from amp_fx.passes.shared.conversion import Conversion, PassResult
 from amp_fx.passes.shared.linear_loss_calls import head_arguments, replace_head_and_loss
 from amp_fx.passes.shared.linear_loss_chains import LinearLoss, match_linear_loss
 
@@ -83,9 +82,10 @@ def _replace(gm: torch.fx.GraphModule, match: LinearLoss, output: torch.fx.Node)
     replace_head_and_loss(gm, match, output, chunked_linear_cross_entropy, args, kwargs, note=note)
 
 
-def fuse_chunked_linear_loss(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
+def fuse_chunked_linear_loss(gm: torch.fx.GraphModule, context: Conversion) -> PassResult:
     """Replace a language model's head -> casts and row views -> cross-entropy by one
-    `chunked_linear_cross_entropy` call in graphs captured in training mode; returns `gm`.
+    `chunked_linear_cross_entropy` call in graphs captured in training mode (``context.training``), in
+    place on `gm` (``modified``: whether it fused one).
 
     Example::
 
@@ -110,8 +110,9 @@ def fuse_chunked_linear_loss(gm: torch.fx.GraphModule, policy: Policy) -> torch.
         >>> [n.target.__name__ for n in graph.graph.nodes if n.name.startswith("chunked")]
         ['chunked_linear_cross_entropy']
     """
-    if not policy.fused_chunked_linear_loss or gm.meta.get(TRAINING_MODE_KEY) is not True:
-        return gm
+    policy = context.policy
+    if not policy.fused_chunked_linear_loss or context.training is not True:
+        return PassResult(gm, False)
     output = next(node for node in reversed(gm.graph.nodes) if node.op == "output")
     fused = 0
     for loss in list(gm.graph.nodes):
@@ -126,4 +127,4 @@ def fuse_chunked_linear_loss(gm: torch.fx.GraphModule, policy: Policy) -> torch.
         gm.graph.lint()
         gm.recompile()
     logger.debug("fuse_chunked_linear_loss %s: %d heads fused with their loss", policy.opt_level, fused)
-    return gm
+    return PassResult(gm, bool(fused))

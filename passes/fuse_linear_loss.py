@@ -38,8 +38,9 @@ import torch
 import torch.fx
 
 from amp_fx.core.node_info import node_info
-from amp_fx.core.policy import Policy, Rule
+from amp_fx.core.policy import Rule
 from amp_fx.ops.cross_entropy import linear_cross_entropy
+from amp_fx.passes.shared.conversion import Conversion, PassResult
 from amp_fx.passes.shared.linear_loss_calls import head_arguments, replace_head_and_loss
 from amp_fx.passes.shared.linear_loss_chains import LinearLoss, match_linear_loss
 
@@ -67,9 +68,10 @@ def _replace(gm: torch.fx.GraphModule, match: LinearLoss, output: torch.fx.Node)
     replace_head_and_loss(gm, match, output, linear_cross_entropy, args, kwargs, note=note)
 
 
-def fuse_linear_loss(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
+def fuse_linear_loss(gm: torch.fx.GraphModule, context: Conversion) -> PassResult:
     """Replace linear layer -> casts and row views -> cross-entropy by `linear_cross_entropy`, in
-    graphs of either front end; returns `gm`. Runs after `fuse_losses`.
+    graphs of either front end, in place on `gm` (``modified``: whether it
+    fused one). Runs after `fuse_losses`.
 
     Example::
 
@@ -89,8 +91,9 @@ def fuse_linear_loss(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.Graph
         >>> [n.target.__name__ for n in gm.graph.nodes if "cross_entropy" in n.name]
         ['linear_cross_entropy']
     """
+    policy = context.policy
     if not (policy.fused_losses and policy.fused_linear_loss):
-        return gm
+        return PassResult(gm, False)
     output = next(node for node in reversed(gm.graph.nodes) if node.op == "output")
     fused = 0
     for loss in list(gm.graph.nodes):
@@ -104,4 +107,4 @@ def fuse_linear_loss(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.Graph
         gm.graph.lint()
         gm.recompile()
     logger.debug("fuse_linear_loss %s: %d linear layers fused with their loss", policy.opt_level, fused)
-    return gm
+    return PassResult(gm, bool(fused))

@@ -43,9 +43,10 @@ from torch import nn
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES, dtype_name
 from amp_fx.core.node_info import node_info
 from amp_fx.core.op_facts import METADATA_ATTRIBUTES, OUTPUT_NOT_SAVED_OPS, RESHAPE_OPS, SHAPE_METHODS
-from amp_fx.core.policy import Policy, Rule
+from amp_fx.core.policy import Rule
 from amp_fx.ops.cross_entropy import fp32_cross_entropy
 from amp_fx.ops.module_hooks import has_forward_hooks
+from amp_fx.passes.shared.conversion import Conversion, PassResult
 from amp_fx.passes.shared.dtypes import dtype_is_assumed
 from amp_fx.passes.shared.fused_calls import retarget_call
 from amp_fx.passes.shared.losses import (
@@ -146,8 +147,9 @@ def _low_precision_source(cast: torch.fx.Node) -> torch.fx.Node | None:
     return source
 
 
-def fuse_losses(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
-    """Point FP32 cross-entropy losses at their low-precision logits; returns `gm`.
+def fuse_losses(gm: torch.fx.GraphModule, context: Conversion) -> PassResult:
+    """Point FP32 cross-entropy losses at their low-precision logits, in place on `gm`
+    (``modified``: whether it fused one).
 
     Example::
 
@@ -165,8 +167,9 @@ def fuse_losses(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModul
         >>> [n.target.__name__ for n in gm.graph.nodes if "cross_entropy" in n.name]
         ['fp32_cross_entropy']
     """
+    policy = context.policy
     if not policy.fused_losses:
-        return gm
+        return PassResult(gm, False)
     fused = 0
     for node in list(gm.graph.nodes):
         info = node_info(node)
@@ -195,4 +198,4 @@ def fuse_losses(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModul
     if fused:
         gm.recompile()
     logger.debug("fuse_losses %s: %d cross-entropy losses read low-precision logits", policy.opt_level, fused)
-    return gm
+    return PassResult(gm, bool(fused))

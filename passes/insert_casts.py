@@ -53,7 +53,7 @@ from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.passes.shared.call_nodes import call_argument
 from amp_fx.passes.shared.casts import CastCache, insert_input_casts, is_output_structure
-from amp_fx.passes.shared.decisions import parameter_plan
+from amp_fx.passes.shared.conversion import Conversion, PassResult
 from amp_fx.passes.shared.in_place_updates import write_back_updates
 
 logger = logging.getLogger(__name__)
@@ -277,7 +277,7 @@ def _needs_parameter_casts(
     return False
 
 
-def insert_casts(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
+def insert_casts(gm: torch.fx.GraphModule, context: Conversion) -> PassResult:
     """Insert the casts `propagate_dtypes` decided (run it first); see the module docstring.
 
     Example::
@@ -286,13 +286,17 @@ def insert_casts(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModu
         >>> from amp_fx.passes.classify import classify
         >>> from amp_fx.passes.normalize_ops import normalize_ops
         >>> from amp_fx.passes.propagate_dtypes import propagate_dtypes
+        >>> from amp_fx.passes.shared.decisions import plan_parameters
         >>> from amp_fx.capture.fx import trace
-        >>> policy = preset("O1", torch.bfloat16, "cpu")
-        >>> gm = propagate_dtypes(classify(normalize_ops(trace(nn.Linear(4, 2))), policy), policy)
-        >>> [n.name for n in insert_casts(gm, policy).graph.nodes if node_info(n).is_cast]
+        >>> context = Conversion(preset("O1", torch.bfloat16, "cpu"))
+        >>> gm = classify(normalize_ops(trace(nn.Linear(4, 2))).graph_module, context).graph_module
+        >>> context = plan_parameters(gm, context)
+        >>> gm = propagate_dtypes(gm, context).graph_module
+        >>> [n.name for n in insert_casts(gm, context).graph_module.graph.nodes if node_info(n).is_cast]
         ['input_1_to_bfloat16', 'weight_to_bfloat16', 'bias_to_bfloat16']
     """
-    plan = parameter_plan(gm, policy)
+    policy = context.policy
+    plan = context.parameter_plan
     cache: CastCache = {}
     attributes: dict[str, torch.fx.Node] = {}
     created = functional = islands = 0
@@ -334,4 +338,4 @@ def insert_casts(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModu
         islands,
         write_backs,
     )
-    return gm
+    return PassResult(gm, any((created, functional, islands, write_backs)))

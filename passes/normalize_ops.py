@@ -18,7 +18,7 @@ Example::
     ...         x += 1
     ...         return F.softmax(x, -1) @ self.act(x).mT
     >>> from amp_fx.capture.fx import trace
-    >>> gm = normalize_ops(trace(Net()))
+    >>> gm = normalize_ops(trace(Net())).graph_module
     >>> for n in gm.graph.nodes:                          # before: op None everywhere
     ...     if n.op.startswith("call"):
     ...         print(n.name, node_info(n).op, node_info(n).notes)
@@ -54,6 +54,7 @@ from amp_fx.core.node_info import node_info
 from amp_fx.core.op_lists import OPAQUE_OP, canonical_op_name, is_known_op
 from amp_fx.core.policy import Rule
 from amp_fx.passes.shared.call_nodes import call_argument
+from amp_fx.passes.shared.conversion import Conversion, PassResult
 
 logger = logging.getLogger(__name__)
 
@@ -255,8 +256,9 @@ def original_spelling(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str | No
     return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', target)}"
 
 
-def normalize_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Record the canonical op name and original spelling of every call node (graph unchanged).
+def normalize_ops(gm: torch.fx.GraphModule, context: Conversion | None = None) -> PassResult:
+    """Record the canonical op name and original spelling of every call node; returns
+    ``PassResult(gm, False)`` (the graph is unchanged). It does not read the context.
 
     Opaque nodes (rule OPAQUE, set by `trace`) get the op name policies use for untraced code,
     ``"opaque"`` (`amp_fx.core.op_lists.OPAQUE_OP`); their class or function goes to the notes.
@@ -264,7 +266,7 @@ def normalize_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     Example::
 
         >>> from amp_fx.capture.fx import trace
-        >>> gm = normalize_ops(trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU())))
+        >>> gm = normalize_ops(trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))).graph_module
         >>> [node_info(n).op for n in gm.graph.nodes]
         [None, 'linear', 'relu', None]
     """
@@ -280,7 +282,7 @@ def normalize_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         # calls (transformers' grouped_mm_fallback runs matmuls), which only an island reproduces.
         opaque = info.rule is Rule.OPAQUE or _is_library_op(node)
         info.op = OPAQUE_OP if opaque else canonical_op(node, gm)
-    return gm
+    return PassResult(gm, False)  # annotations only
 
 
 # Namespaces whose ops the policy knows by name (amp_fx's own custom ops are its passes' output).

@@ -31,9 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from amp_fx.core.node_info import node_info
-from amp_fx.core.policy import Policy, Rule
+from amp_fx.core.policy import Rule
 from amp_fx.ops.max_pool import max_pool2d
 from amp_fx.ops.module_hooks import has_forward_hooks
+from amp_fx.passes.shared.conversion import Conversion, PassResult
 from amp_fx.passes.shared.fused_calls import retarget_call
 
 logger = logging.getLogger(__name__)
@@ -87,8 +88,9 @@ def _arguments(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict[str, Any] 
     return None
 
 
-def replace_max_pool(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
-    """Point 2-D max-pool calls at `amp_fx.ops.max_pool.max_pool2d`; returns `gm`.
+def replace_max_pool(gm: torch.fx.GraphModule, context: Conversion) -> PassResult:
+    """Point 2-D max-pool calls at `amp_fx.ops.max_pool.max_pool2d`, in place on `gm`
+    (``modified``: whether it replaced one).
 
     Example::
 
@@ -99,8 +101,9 @@ def replace_max_pool(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.Graph
         >>> [n.target.__module__ for n in gm.graph.nodes if n.name == "maxpool"]
         ['amp_fx.ops.max_pool']
     """
+    policy = context.policy
     if not policy.fused_max_pool:
-        return gm
+        return PassResult(gm, False)
     replaced = 0
     for node in list(gm.graph.nodes):
         info = node_info(node)
@@ -116,4 +119,4 @@ def replace_max_pool(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.Graph
     if replaced:
         gm.recompile()
     logger.debug("replace_max_pool %s: %d max-pool calls", policy.opt_level, replaced)
-    return gm
+    return PassResult(gm, bool(replaced))

@@ -37,8 +37,8 @@ import torch
 import torch.fx
 
 from amp_fx.core.node_info import node_info
-from amp_fx.core.policy import Policy
 from amp_fx.passes.shared.casts import forget_casts, may_share_cast
+from amp_fx.passes.shared.conversion import Conversion, PassResult
 from amp_fx.passes.shared.dtypes import dtype_is_assumed, is_exact_widening
 from amp_fx.passes.shared.in_place_updates import alias_base, is_write_back, mutated_inputs, updates_in_place
 
@@ -78,7 +78,7 @@ def _forget_updated(
     forget_casts(first_cast, updated)
 
 
-def simplify_casts(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
+def simplify_casts(gm: torch.fx.GraphModule, context: Conversion) -> PassResult:
     """Remove no-op casts, merge duplicates, cancel exact round trips (see the module docstring).
 
     Example (a bfloat16 result cast to float32 and back, an exact round trip)::
@@ -89,17 +89,19 @@ def simplify_casts(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphMo
         >>> from amp_fx.passes.normalize_ops import normalize_ops
         >>> from amp_fx.passes.propagate_dtypes import propagate_dtypes
         >>> from amp_fx.passes.shared.casts import make_cast
+        >>> from amp_fx.passes.shared.decisions import plan_parameters
         >>> from amp_fx.capture.fx import trace
-        >>> policy = preset("O1", torch.bfloat16, "cpu")
-        >>> gm = trace(torch.nn.Linear(4, 2))
-        >>> gm = insert_casts(propagate_dtypes(classify(normalize_ops(gm), policy), policy), policy)
+        >>> gm, context = trace(torch.nn.Linear(4, 2)), Conversion(preset("O1", torch.bfloat16, "cpu"))
+        >>> gm = classify(normalize_ops(gm).graph_module, context).graph_module
+        >>> context = plan_parameters(gm, context)
+        >>> gm = insert_casts(propagate_dtypes(gm, context).graph_module, context).graph_module
         >>> linear = next(n for n in gm.graph.nodes if node_info(n).op == "linear")
         >>> with gm.graph.inserting_after(linear):
         ...     wide = make_cast(gm.graph, linear, torch.float32, guarded=False, reason="up")
         >>> with gm.graph.inserting_after(wide):
         ...     back = make_cast(gm.graph, wide, torch.bfloat16, guarded=False, reason="down")
         >>> gm.graph.output_node().replace_input_with(linear, back)
-        >>> [n.name for n in simplify_casts(gm, policy).graph.nodes if node_info(n).is_cast]
+        >>> [n.name for n in simplify_casts(gm, context).graph_module.graph.nodes if node_info(n).is_cast]
         ['input_1_to_bfloat16', 'weight_to_bfloat16', 'bias_to_bfloat16']
     """
     graph = gm.graph
@@ -145,4 +147,4 @@ def simplify_casts(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphMo
             graph.erase_node(node)
             removed["unused"] += 1
     logger.debug("simplify_casts: removed %s", removed)
-    return gm
+    return PassResult(gm, any(removed.values()))

@@ -48,6 +48,7 @@ from amp_fx.core.op_lists import AUTOCAST_OP_LISTS, UNLISTED_MATMUL_OPS
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.fp8_linear import fp8_linear_or_linear, fp8_linear_refusals
 from amp_fx.passes.shared.call_nodes import calling_module
+from amp_fx.passes.shared.conversion import Conversion, PassResult
 from amp_fx.passes.shared.linear_loss_chains import linear_call_arguments
 from amp_fx.passes.shared.op_patterns import tensor_value
 
@@ -153,10 +154,11 @@ def _replace(gm: torch.fx.GraphModule, node: torch.fx.Node, arguments: Any, reci
     return fp8
 
 
-def use_fp8_linears(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
+def use_fp8_linears(gm: torch.fx.GraphModule, context: Conversion) -> PassResult:
     """Run the linear layers ``policy.fp8`` puts in FP8 through `fp8_linear_or_linear`, in graphs
     of either front end, and record for each linear layer whether it runs in FP8, and why not;
-    returns `gm`. Runs after the casts are decided and before the head and loss fusions.
+    in place on `gm` (``modified``: whether a layer went to FP8). Runs after the casts are decided
+    and before the head and loss fusions.
 
     Example::
 
@@ -168,8 +170,9 @@ def use_fp8_linears(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphM
         >>> [(row.name, row.fp8[:20]) for row in report(gm).fp8_products]
         [('_0_fp8', 'FP8, recipe rowwise'), ('_2', 'not FP8: an output l')]
     """
+    policy = context.policy
     if policy.fp8 is None:
-        return gm
+        return PassResult(gm, False)
     read = _read_by_a_product(gm)
     converted = 0
     for node in list(gm.graph.nodes):
@@ -185,4 +188,4 @@ def use_fp8_linears(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphM
         _replace(gm, node, arguments, policy.fp8)
         converted += 1
     logger.debug("use_fp8_linears: %d linear layers in FP8 (recipe %s)", converted, policy.fp8)
-    return gm
+    return PassResult(gm, converted > 0)

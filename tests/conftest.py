@@ -202,3 +202,14 @@ def no_host_reads() -> Callable[[], contextlib.AbstractContextManager[None]]:
             yield
 
     return region
+
+
+@pytest.fixture(autouse=True)
+def grad_mode_kept() -> Iterator[None]:
+    """Each test leaves grad mode on, as it found it. One that leaves it off fails here, by name,
+    and the mode is put back: else every later test of its worker that runs a backward would fail
+    ("does not require grad"), far from the cause."""
+    yield
+    enabled = torch.is_grad_enabled()
+    torch.set_grad_enabled(True)
+    assert enabled, "the test left torch's grad mode off (a no_grad() entered and never exited?)"

@@ -56,6 +56,7 @@ from amp_fx.capture.export import (
     container_call,
     export_graph,
     graph_inputs,
+    kept_dtypes,
 )
 from amp_fx.capture.graph_choice import fits, fits_containers, structure, traced_choice
 from amp_fx.capture.islands import called_children, log_islands
@@ -79,6 +80,7 @@ from amp_fx.core.policy import Policy
 from amp_fx.ops.casts import cast_if_floating
 from amp_fx.passes.checkpoint_regions import checkpoint_regions
 from amp_fx.passes.shard_regions import shard_regions
+from amp_fx.passes.shared.conversion import Conversion
 from amp_fx.pipeline import rewrite_graph
 from amp_fx.training.saving import master_state_dict
 
@@ -412,8 +414,17 @@ def _capture(
         # Parameters the graph is first to read are stored now (`amp_fx.capture.storage`), not
         # those of a model FSDP2 shards or of a call on fake tensors (its graph is dropped after it).
         decide = not sharded and not _on_fake_tensors(args, kwargs)
-        with storing_unstored(module, state, graph, decide):
-            rewrite_graph(graph, policy, tuple(graph_inputs(graph, args, kwargs)))
+        with storing_unstored(module, state, graph, decide) as unstored:
+            keep_outputs, keep_inputs = kept_dtypes(graph)
+            context = Conversion(
+                policy,
+                tuple(graph_inputs(graph, args, kwargs)),
+                keep_output_dtype=keep_outputs,
+                keep_input_dtype=keep_inputs,
+                unstored_parameters=unstored,
+                training=module.training,
+            )
+            rewrite_graph(graph, context)
         graph = checkpoint_regions(graph, checkpoints)
         if sharded:
             graph = shard_regions(graph, module, sharded_modules(module))

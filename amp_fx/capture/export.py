@@ -64,7 +64,6 @@ from amp_fx.capture.export_meta_kernels import fp32_grouped_mm
 from amp_fx.capture.python_state import report, watching_python_state
 from amp_fx.capture.torch_source import TORCH_DIR as _TORCH_DIR
 from amp_fx.core.containers import Spec, flatten, leaves_in_objects, outer_objects, unflatten, write_back
-from amp_fx.core.node_info import KEEP_INPUT_DTYPE_KEY, KEEP_OUTPUT_DTYPE_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -264,6 +263,23 @@ def container_call(gm: torch.fx.GraphModule) -> ContainerCall | None:
     return getattr(gm, _CONTAINERS_ATTR, None)
 
 
+def kept_dtypes(gm: torch.fx.GraphModule) -> tuple[frozenset[int], frozenset[int]]:
+    """The indices of ``gm``'s flat outputs and of its placeholders that keep their dtype (the
+    conversion's ``keep_output_dtype`` and ``keep_input_dtype``); both empty for a graph captured
+    without containers."""
+    call = container_call(gm)
+    if call is None:
+        return frozenset(), frozenset()
+    # A cache's tensors and a container's state keep their dtype (an O2 KV cache stays low).
+    outputs = [*leaves_in_objects(call.output), *[True] * call.after.leaves]
+    # And a cache passed in is seen as it is: the next call's graph then fits what this one returns.
+    inputs = leaves_in_objects(call.arguments)
+    return (
+        frozenset(i for i, keep in enumerate(outputs) if keep),
+        frozenset(i for i, keep in enumerate(inputs) if keep),
+    )
+
+
 def call_graph(
     gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any] | None = None
 ) -> Any:
@@ -357,13 +373,6 @@ def export_graph(
     if calls:
         call = calls[-1]
         setattr(gm, _CONTAINERS_ATTR, call)
-        # A cache's tensors and a container's state keep their dtype (an O2 KV cache stays low).
-        kept = [*leaves_in_objects(call.output), *[True] * call.after.leaves]
-        gm.meta[KEEP_OUTPUT_DTYPE_KEY] = frozenset(i for i, keep in enumerate(kept) if keep)
-        # And a cache passed in is seen as it is: the next call's graph then fits what this one returns.
-        gm.meta[KEEP_INPUT_DTYPE_KEY] = frozenset(
-            i for i, keep in enumerate(leaves_in_objects(call.arguments)) if keep
-        )
     return gm
 
 

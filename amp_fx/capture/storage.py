@@ -43,7 +43,6 @@ import torch.fx
 from torch import nn
 
 from amp_fx.capture.state import CaptureState, record
-from amp_fx.core.node_info import UNSTORED_PARAMETERS_KEY
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.optim.model_load_hooks import masters_for_stored_fp32, masters_for_stored_low
 from amp_fx.passes.shared.decisions import decide_module
@@ -141,9 +140,10 @@ def store_added(module: nn.Module, state: CaptureState, known: Collection[int]) 
 @contextlib.contextmanager
 def storing_unstored(
     module: nn.Module, state: CaptureState, graph: torch.fx.GraphModule, decide: bool
-) -> Iterator[None]:
+) -> Iterator[frozenset[str]]:
     """Around the convert passes' rewrite of ``graph``, a capture of ``module``: the parameters
-    left unstored that the graph reads are planned and stored by the passes (``decide`` False: none,
+    left unstored that the graph reads (their names, given to the conversion's context as its
+    ``unstored_parameters``) are planned and stored by the passes (``decide`` False: none,
     for a capture on fake tensors or of a model FSDP2 shards). Afterwards they count as stored, and
     fused optimizers holding one now stored low keep its FP32 value as master; one stored low at
     convert that the passes store FP32 takes its master's exact value and is its own master
@@ -153,10 +153,9 @@ def storing_unstored(
     unstored = {id(param) for param in state.unstored} if decide else set()
     named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
     deciding = {name: tensor for name, tensor in named if id(tensor) in unstored and name in reads}
-    graph.meta[UNSTORED_PARAMETERS_KEY] = frozenset(deciding)
     before = {id(param): (param, param.data, param.grad) for param in deciding.values()}
     try:
-        yield
+        yield frozenset(deciding)
     except BaseException:
         _restore(before.values())
         raise

@@ -17,6 +17,11 @@ torch.fx reads a buffer as a constant and runs Python for real, so out of the bo
   `amp_fx.capture.export` inlines them: ``torch._C._set_grad_enabled(mode)`` and, at the end, the
   mode read with ``torch.is_grad_enabled()`` at the start.
 
+Both patch torch for the whole process while a trace runs, so they record only the traced code's
+own calls (`TracedCode`): another thread's, or those of a finalizer the garbage collector runs in
+the middle of the trace (a suspended generator of a ``@torch.no_grad()`` function, closed there
+under its own ``no_grad()``), run as they would without the trace.
+
     >>> class Frozen(nn.Module):
     ...     def forward(self, x):
     ...         with torch.no_grad():
@@ -32,7 +37,9 @@ torch.fx reads a buffer as a constant and runs Python for real, so out of the bo
 from __future__ import annotations
 
 import contextlib
+import gc
 import operator
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,6 +50,7 @@ from torch.autograd import grad_mode
 
 __all__ = [
     "StateUpdates",
+    "TracedCode",
     "UnrecordedUpdate",
     "drop_empty_grad_regions",
     "recording_grad_modes",
@@ -181,6 +189,36 @@ def _record_setitem(self: torch.fx.Proxy, key: Any, value: Any) -> None:
     self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
 
 
+class TracedCode:
+    """While a trace runs (``with`` it), whether a call comes from the traced code: it runs on the
+    thread that traces, and not inside a garbage collection, whose finalizers run whatever code
+    holds unreachable objects (a generator's ``finally``, a ``__del__``) wherever it happens to
+    start.
+
+    >>> with TracedCode() as traced:
+    ...     traced.calls()
+    True
+    """
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+        self.collecting = False
+
+    def calls(self) -> bool:
+        return not self.collecting and threading.get_ident() == self.thread
+
+    def _on_collection(self, phase: str, info: dict[str, Any]) -> None:
+        if threading.get_ident() == self.thread:
+            self.collecting = phase == "start"
+
+    def __enter__(self) -> TracedCode:
+        gc.callbacks.append(self._on_collection)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._on_collection)
+
+
 # The grad-mode context managers, and the methods of each that switch the mode.
 _ENTERING = {
     grad_mode.no_grad: "__enter__",
@@ -195,28 +233,36 @@ def recording_grad_modes(tracer: torch.fx.Tracer) -> Iterator[None]:
     """While a trace runs, each grad-mode region the traced code enters is recorded in its graph:
     ``previous = torch.is_grad_enabled(); torch._C._set_grad_enabled(mode)`` where it starts, and
     ``torch._C._set_grad_enabled(previous)`` where it ends, so the graph leaves the caller's mode
-    as it found it (``torch.no_grad()`` around a converted model stays in force)."""
+    as it found it (``torch.no_grad()`` around a converted model stays in force). A region is
+    recorded before the mode switches: where recording raises, the mode is as it was (the region's
+    ``__exit__`` never runs to put it back)."""
     depth = [0]  # no_grad's __enter__ runs set_grad_enabled's __init__: record the outer one only
     saved = []
 
     def entering(cls: type, method: Any) -> Any:
-        def enter(self: Any, *args: Any) -> Any:
-            depth[0] += 1
-            try:
-                result = method(self, *args)
-            finally:
-                depth[0] -= 1
+        def enter(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not traced.calls():
+                return method(self, *args, **kwargs)
             if depth[0] == 0:
+                if cls is grad_mode.set_grad_enabled:
+                    mode = args[0] if args else kwargs["mode"]
+                else:
+                    mode = cls is grad_mode.enable_grad
                 previous = tracer.create_node("call_function", torch.is_grad_enabled, (), {})
-                mode = self.mode if cls is grad_mode.set_grad_enabled else cls is grad_mode.enable_grad
                 tracer.create_node("call_function", torch._C._set_grad_enabled, (mode,), {})
                 self.__dict__.setdefault(_PREVIOUS_ATTR, []).append(previous)
-            return result
+            depth[0] += 1
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
 
         return enter
 
     def exiting(method: Any) -> Any:
         def exit_(self: Any, *args: Any) -> Any:
+            if not traced.calls():
+                return method(self, *args)
             depth[0] += 1
             try:
                 result = method(self, *args)
@@ -231,14 +277,15 @@ def recording_grad_modes(tracer: torch.fx.Tracer) -> Iterator[None]:
 
     for cls, name in _ENTERING.items():
         saved += [(cls, name, cls.__dict__[name]), (cls, "__exit__", cls.__dict__["__exit__"])]
-    try:
-        for cls, name in _ENTERING.items():
-            setattr(cls, name, entering(cls, cls.__dict__[name]))
-            cls.__exit__ = exiting(cls.__dict__["__exit__"])
-        yield
-    finally:
-        for cls, name, method in saved:
-            setattr(cls, name, method)
+    with TracedCode() as traced:
+        try:
+            for cls, name in _ENTERING.items():
+                setattr(cls, name, entering(cls, cls.__dict__[name]))
+                cls.__exit__ = exiting(cls.__dict__["__exit__"])
+            yield
+        finally:
+            for cls, name, method in saved:
+                setattr(cls, name, method)
 
 
 def _is_call(node: torch.fx.Node, target: Any) -> bool:
@@ -270,19 +317,23 @@ def drop_empty_grad_regions(graph: torch.fx.Graph) -> None:
 @contextlib.contextmanager
 def recording_random_factories(tracer: torch.fx.Tracer) -> Iterator[None]:
     """While a trace runs, ``torch.rand(())`` and the other `_RANDOM_FACTORIES` are graph ops even
-    with no traced argument (a layer-drop draw), so each call draws anew, as eagerly."""
+    with no traced argument (a layer-drop draw), so each call draws anew, as eagerly (other code's
+    calls meanwhile draw as they would, `TracedCode`)."""
     saved = {name: getattr(torch, name) for name in _RANDOM_FACTORIES}
 
     def recorded(function: Any) -> Any:
         def factory(*args: Any, **kwargs: Any) -> Any:
+            if not traced.calls():
+                return function(*args, **kwargs)
             return tracer.create_proxy("call_function", function, args, kwargs)
 
         return factory
 
-    try:
-        for name, function in saved.items():
-            setattr(torch, name, recorded(function))
-        yield
-    finally:
-        for name, function in saved.items():
-            setattr(torch, name, function)
+    with TracedCode() as traced:
+        try:
+            for name, function in saved.items():
+                setattr(torch, name, recorded(function))
+            yield
+        finally:
+            for name, function in saved.items():
+                setattr(torch, name, function)

@@ -1,7 +1,10 @@
-"""What the convert passes record on each fx node, read by `amp_fx.report`.
+"""What the convert passes record on each fx node, read by `amp_fx.report`, and the keys a
+converted or captured graph keeps in ``gm.meta`` (each with who writes and who reads it).
 
 Every pass writes into one `NodeInfo` per node, stored as ``node.meta["amp_fx"]``; no pass
-reads another pass's private state. Example::
+reads another pass's private state. What the passes read besides the graph (the policy, the
+example inputs, the front end's facts, the parameter plan) is the conversion's context,
+`amp_fx.passes.shared.conversion.Conversion`, not a record here. Example::
 
     >>> info = NodeInfo(op="linear", rule=Rule.LOWER, reason="autocast cuda lower_precision_fp list")
     >>> info.is_cast
@@ -17,35 +20,29 @@ import torch.fx
 
 from amp_fx.core.rules import Rule
 
-# Where amp_fx keeps its records: each node's NodeInfo in node.meta[META_KEY]; a converted
-# GraphModule's policy and its traced code before any cast in gm.meta (read by amp_fx.report).
+# Where amp_fx keeps its records: each node's NodeInfo in node.meta[META_KEY] (written by the passes,
+# read by the later passes and `amp_fx.report`).
 META_KEY = "amp_fx"
+# gm.meta keys of a converted graph, written by `amp_fx.pipeline.rewrite_graph` for after the
+# conversion: its policy (read by `amp_fx.report`, and by `amp_fx.convert`, `amp_fx.training.fsdp`
+# and the capture to know a converted graph and its policy) and its traced code before any cast
+# (read by `amp_fx.report`). What the passes read during the conversion is in its context
+# (`amp_fx.passes.shared.conversion.Conversion`), never in gm.meta.
 POLICY_KEY = "amp_fx_policy"
 ORIGINAL_CODE_KEY = "amp_fx_original_code"
-# Set on a graph whose parameters are already stored in their dtypes (a converted graph converted
-# again): the passes leave them as they are.
-PARAMETERS_STORED_KEY = "amp_fx_parameters_stored"
-# gm.meta of a torch.export front end graph: qualified names of the parameters not stored yet (left
-# FP32 at convert, see `amp_fx.capture.captured_model`); the passes store those the graph reads, as on the
-# fx front end, and leave every other parameter as it is.
-UNSTORED_PARAMETERS_KEY = "amp_fx_unstored_parameters"
-# gm.meta: indices of the graph's flat outputs that keep the dtype they are computed in (a KV
-# cache's tensors, a container's state after the call), not cast per ``cast_model_outputs``.
-KEEP_OUTPUT_DTYPE_KEY = "amp_fx_keep_output_dtype"
-# gm.meta: indices of the graph's placeholders that its users see in their own dtype (a KV cache's
-# tensors passed back in), not cast at the model entry (O2/O3): state the model itself left there.
-KEEP_INPUT_DTYPE_KEY = "amp_fx_keep_input_dtype"
-# gm.meta of a torch.export front end graph: the ``module.training`` it was captured in.
+# gm.meta of a torch.export front end graph: the ``module.training`` it was captured in; written
+# by `amp_fx.capture.captured_model` and read by the capture (`amp_fx.capture.graph_choice`), to
+# pick a graph for a call.
 TRAINING_MODE_KEY = "amp_fx_training"
-# gm.meta: (policy, qualified name -> storage dtype) of the parameters `cast_parameters` will cast,
-# planned once by the first pass that needs it (`amp_fx.passes.shared.decisions.parameter_plan`).
-PARAMETER_PLAN_KEY = "amp_fx_parameter_plan"
-# gm.meta keys of a `TracedGraphModule`: the traced model's ``inspect.signature(model.forward)``, and
-# (training, graph) for the mode whose graph is not ``gm.graph`` where the two modes' graphs differ.
+# gm.meta keys of a `TracedGraphModule`, written by `amp_fx.capture.fx.trace`: the traced model's
+# ``inspect.signature(model.forward)`` (read by `TracedGraphModule`), and (training, graph) for the
+# mode whose graph is not ``gm.graph`` where the two modes' graphs differ (read by the capture,
+# `amp_fx.convert`, which rewrites both, and the inspect tools).
 FORWARD_SIGNATURE_KEY = "amp_fx_forward_signature"
 OTHER_MODE_GRAPH_KEY = "amp_fx_other_mode_graph"
-# gm.meta key: qualified name -> opaque_reason of each submodule that stopped the tracer (not those
-# the user named in leaf_modules), for a later step to capture another way.
+# gm.meta key written by `amp_fx.capture.fx.trace`: qualified name -> opaque_reason of each
+# submodule that stopped the tracer (not those the user named in leaf_modules), for
+# `amp_fx.convert` to capture another way.
 UNTRACEABLE_MODULES_KEY = "amp_fx_untraceable_modules"
 # torch.fx's own node.meta key: a call_function recorded as a call (``torch.fx.wrap``), so tracing
 # the graph again records it as a call too instead of tracing into it.

@@ -40,6 +40,7 @@ from amp_fx.core.node_info import NodeInfo, node_info
 from amp_fx.core.policy import Policy, Rule
 from amp_fx.ops.norms import add_layer_norm_fp32, add_rms_norm_fp32, layer_norm_fp32, rms_norm_fp32
 from amp_fx.passes.fuse_norms.norm_chains import NormChain, match_norm_chain
+from amp_fx.passes.shared.conversion import Conversion, PassResult
 from amp_fx.passes.shared.decisions import decide_node
 from amp_fx.passes.shared.fused_calls import insert_call, parameter_node, replace_chain
 
@@ -143,9 +144,9 @@ def _rewrite(gm: torch.fx.GraphModule, policy: Policy, norm: NormChain) -> None:
     replace_chain(gm, norm.replaced, values)
 
 
-def fuse_norms(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
+def fuse_norms(gm: torch.fx.GraphModule, context: Conversion) -> PassResult:
     """Replace RMSNorm and LayerNorm chains (and the residual add before them) with fused calls;
-    returns `gm`.
+    in place on `gm` (``modified``: whether it fused one).
 
     Example::
 
@@ -156,8 +157,9 @@ def fuse_norms(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule
         >>> [n.target.__name__ for n in gm.graph.nodes if n.op == "call_function"]
         ['cast_if_floating', 'layer_norm_fp32']
     """
+    policy = context.policy
     if not policy.fused_norms:
-        return gm
+        return PassResult(gm, False)
     fused, erased = 0, set()
     for node in list(gm.graph.nodes):
         if node in erased:
@@ -171,4 +173,4 @@ def fuse_norms(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule
     if fused:
         gm.recompile()
     logger.debug("fuse_norms %s: %d norm chains fused", policy.opt_level, fused)
-    return gm
+    return PassResult(gm, bool(fused))

@@ -46,9 +46,10 @@ import torch.fx
 
 from amp_fx.core.dtypes import dtype_name
 from amp_fx.core.node_info import NodeInfo, node_info
-from amp_fx.core.policy import Policy, Rule
+from amp_fx.core.policy import Rule
 from amp_fx.ops.rotary import rotary_embedding, rotary_embedding_pair
 from amp_fx.passes.fuse_rotary.rotary_chains import SIZE_OPS, RotaryChain, match_rotary_chain
+from amp_fx.passes.shared.conversion import Conversion, PassResult
 from amp_fx.passes.shared.fused_calls import insert_call, replace_chain
 
 logger = logging.getLogger(__name__)
@@ -116,8 +117,9 @@ def _with_unread_sizes(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
     return chain
 
 
-def fuse_rotary(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModule:
-    """Replace rotary-embedding chains with `rotary_embedding` calls; returns `gm`.
+def fuse_rotary(gm: torch.fx.GraphModule, context: Conversion) -> PassResult:
+    """Replace rotary-embedding chains with `rotary_embedding` calls, in place on `gm`
+    (``modified``: whether it fused one).
 
     Example::
 
@@ -132,8 +134,9 @@ def fuse_rotary(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModul
         >>> [n.name for n in gm.graph.nodes if n.op == "call_function"]  # no lowered op: no casts
         ['rotary_embedding']
     """
+    policy = context.policy
     if not policy.fused_rotary:
-        return gm
+        return PassResult(gm, False)
     calls: list[torch.fx.Node] = []
     erased: set[torch.fx.Node] = set()
     for node in list(gm.graph.nodes):
@@ -149,7 +152,7 @@ def fuse_rotary(gm: torch.fx.GraphModule, policy: Policy) -> torch.fx.GraphModul
     logger.debug(
         "fuse_rotary %s: %d rotary embeddings fused, %d query/key pairs", policy.opt_level, len(calls), paired
     )
-    return gm
+    return PassResult(gm, bool(calls))
 
 
 def _pair_key(call: torch.fx.Node) -> tuple[Any, ...]:

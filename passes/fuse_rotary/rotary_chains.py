@@ -25,7 +25,7 @@ run time.
     >>> def rope(q, cos, sin):  # q's width unknown: the halves are its own shape[-1] // 2
     ...     half = q.shape[-1] // 2
     ...     return q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
-    >>> gm = normalize_ops(torch.fx.symbolic_trace(rope))
+    >>> gm = normalize_ops(torch.fx.symbolic_trace(rope)).graph_module
     >>> chain = match_rotary_chain(list(gm.graph.nodes)[-2], gm)
     >>> chain.x.name, chain.interleaved, len(chain.nodes)
     ('q', False, 7)

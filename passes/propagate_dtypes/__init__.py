@@ -48,8 +48,8 @@ import torch.fx
 from torch import nn
 from torch.fx.node import map_aggregate, map_arg
 
-from amp_fx.core.node_info import KEEP_INPUT_DTYPE_KEY, KEEP_OUTPUT_DTYPE_KEY, META_KEY, node_info
-from amp_fx.core.policy import Policy, Rule
+from amp_fx.core.node_info import META_KEY, node_info
+from amp_fx.core.policy import Rule
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.passes.propagate_dtypes.dtype_rules import (
     NOT_TENSOR,
@@ -64,7 +64,7 @@ from amp_fx.passes.propagate_dtypes.dtype_rules import (
     static_output,
 )
 from amp_fx.passes.shared.casts import is_output_structure
-from amp_fx.passes.shared.decisions import parameter_plan
+from amp_fx.passes.shared.conversion import Conversion, PassResult
 from amp_fx.passes.shared.dtypes import (
     ASSUMED_DTYPE_NOTE,
     DERIVED_ASSUMED_DTYPE_NOTE,
@@ -77,9 +77,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["propagate_dtypes", "ExampleInputsMismatch"]
 
 
-def _outputs_keeping_dtype(gm: torch.fx.GraphModule, output: torch.fx.Node) -> set[torch.fx.Node]:
-    """The returned values `KEEP_OUTPUT_DTYPE_KEY` names (a KV cache's tensors): not cast."""
-    indices = gm.meta.get(KEEP_OUTPUT_DTYPE_KEY, ())
+def _outputs_keeping_dtype(context: Conversion, output: torch.fx.Node) -> set[torch.fx.Node]:
+    """The returned values ``context.keep_output_dtype`` names (a KV cache's tensors): not cast."""
+    indices = context.keep_output_dtype
     flat = output.args[0] if output.args and isinstance(output.args[0], (tuple, list)) else ()
     return {flat[i] for i in indices if i < len(flat) and isinstance(flat[i], torch.fx.Node)}
 
@@ -106,11 +106,12 @@ class _Propagation:
     """Walks the graph in order, deciding what each node sees and computing what it produces."""
 
     def __init__(
-        self, gm: torch.fx.GraphModule, policy: Policy, example_inputs: Sequence[Any] | None
+        self, gm: torch.fx.GraphModule, context: Conversion, example_inputs: Sequence[Any] | None
     ) -> None:
         self.gm = gm
-        self.policy = policy
-        self.plan = parameter_plan(gm, policy)
+        self.context = context
+        self.policy = context.policy
+        self.plan = context.parameter_plan
         self.exact = example_inputs is not None
         self.example_inputs = list(example_inputs) if example_inputs is not None else []
         # node -> the value its users see: a dtype/marker/tuple (static) or a fake tensor (exact).
@@ -163,7 +164,7 @@ class _Propagation:
                 info.out_dtype = self._dtype_of(raw)
                 # Users of a model input see it cast to the entry dtype (cast_inputs_at_entry); a
                 # cache's do not. Otherwise the rule of each reader casts it (its first LOWER one).
-                kept = placeholder_index - 1 in self.gm.meta.get(KEEP_INPUT_DTYPE_KEY, ())
+                kept = placeholder_index - 1 in self.context.keep_input_dtype
                 entry = None if kept else self.policy.entry_cast_dtype
                 self.env[node] = self.cast_value(raw, entry, not self.exact)
                 continue
@@ -189,7 +190,7 @@ class _Propagation:
             targets = (target,) * len(values) if returned else input_cast_dtypes(node, target, values)
             info.in_dtypes = tuple(seen_dtype(v, t) for v, t in zip(values, targets, strict=True))
             if node.op == "output":
-                kept = _outputs_keeping_dtype(self.gm, node)
+                kept = _outputs_keeping_dtype(self.context, node)
                 info.in_dtypes = tuple(
                     seen_dtype(v, None if a in kept else target) for a, v in zip(inputs, values, strict=True)
                 )
@@ -415,14 +416,12 @@ def _getattr_path(root: Any, path: str) -> Any:
     return value
 
 
-def propagate_dtypes(
-    gm: torch.fx.GraphModule, policy: Policy, example_inputs: Sequence[Any] | None = None
-) -> torch.fx.GraphModule:
+def propagate_dtypes(gm: torch.fx.GraphModule, context: Conversion) -> PassResult:
     """Record ``in_dtypes`` and ``out_dtype`` on every node (see the module docstring).
 
-    With `example_inputs` (one per forward argument) the dtypes are exact, from a fake-tensor run;
+    With ``context.example_inputs`` (one per forward argument) the dtypes are exact, from a fake-tensor run;
     if that run fails (an op fake tensors do not support), the static rules are used and a
-    warning is logged. Returns `gm` (graph unchanged).
+    warning is logged. Returns ``PassResult(gm, False)`` (the graph is unchanged).
 
     Raises:
         ExampleInputsMismatch (a ValueError): an op of the model rejects the shapes the example
@@ -433,18 +432,22 @@ def propagate_dtypes(
         >>> from amp_fx.core.policy import preset
         >>> from amp_fx.passes.classify import classify
         >>> from amp_fx.passes.normalize_ops import normalize_ops
+        >>> from amp_fx.passes.shared.decisions import plan_parameters
         >>> from amp_fx.capture.fx import trace
-        >>> policy = preset("O1", torch.bfloat16, "cpu")
-        >>> gm = classify(normalize_ops(trace(nn.Sequential(nn.Linear(4, 2)))), policy)
-        >>> gm = propagate_dtypes(gm, policy)
+        >>> context = Conversion(preset("O1", torch.bfloat16, "cpu"))
+        >>> gm = normalize_ops(trace(nn.Sequential(nn.Linear(4, 2)))).graph_module
+        >>> gm = classify(gm, context).graph_module
+        >>> gm = propagate_dtypes(gm, plan_parameters(gm, context)).graph_module
         >>> [(n.name, node_info(n).in_dtypes, node_info(n).out_dtype) for n in gm.graph.nodes]
         [('input_1', (), torch.float32), ('_0', (torch.bfloat16,), torch.bfloat16),
          ('output', (torch.bfloat16,), None)]
     """
-    propagation = _Propagation(gm, policy, example_inputs)
+    policy = context.policy
+    example_inputs = context.example_inputs
+    propagation = _Propagation(gm, context, example_inputs)
     if example_inputs is None:
         propagation.run()
-        return gm
+        return PassResult(gm, False)
     propagation.check_example_inputs()
     devices = {v.device.type for v in example_inputs if isinstance(v, torch.Tensor)}
     if devices - {policy.device_type}:
@@ -454,8 +457,8 @@ def propagate_dtypes(
             sorted(devices),
             policy.device_type,
         )
-        _Propagation(gm, policy, None).run()
-        return gm
+        _Propagation(gm, context, None).run()
+        return PassResult(gm, False)
     saved = {node: copy.deepcopy(node.meta.get(META_KEY)) for node in gm.graph.nodes}
     try:
         propagation.run()
@@ -472,5 +475,5 @@ def propagate_dtypes(
             type(error).__name__,
             error,
         )
-        _Propagation(gm, policy, None).run()
-    return gm
+        _Propagation(gm, context, None).run()
+    return PassResult(gm, False)

@@ -4,6 +4,8 @@ Passes import `amp_fx.core`, `amp_fx.ops`, `amp_fx.kernels` and these modules, n
 amp_fx; a helper of one pass lives in that pass's folder (`fuse_norms/norm_chains.py`), and the
 front ends' helpers in `amp_fx.capture` (`tests/test_layers.py` checks both).
 
+- `conversion`: the one context of a conversion every pass takes (`Conversion`: policy, example
+  inputs, the front end's facts, the parameter plan) and torch.fx's `PassResult` every pass returns;
 - `call_nodes`: a call's argument by position or keyword, whether it updates in place, which
   module made it;
 - `dtypes`: the notes on assumed dtypes and which casts are exact;

@@ -210,7 +210,7 @@ def output_readers(node: torch.fx.Node) -> OutputReaders:
     are the ``ends`` of this walk.
 
     >>> from amp_fx.passes.normalize_ops import normalize_ops
-    >>> gm = normalize_ops(torch.fx.symbolic_trace(lambda x: x.exp().view(-1).half()))
+    >>> gm = normalize_ops(torch.fx.symbolic_trace(lambda x: x.exp().view(-1).half())).graph_module
     >>> readers = output_readers(list(gm.graph.nodes)[1])
     >>> [n.name for n in readers.reshapes], [n.name for n in readers.ends], readers.one_path
     (['view'], ['half'], True)

@@ -1,7 +1,8 @@
 """The policy's decisions for the graph: the rule of one node (`decide_node`, read by `classify`),
 of a module as the op it computes (`decide_module`, also where no graph exists yet) and the
-storage dtype of every parameter (`planned_parameter_dtypes`, planned by
-`cast_parameters` and read by `propagate_dtypes` and `insert_casts` before it runs).
+storage dtype of every parameter (`planned_parameter_dtypes`): the pipeline makes that plan once,
+after `classify`, into the conversion's context (`plan_parameters`), where `propagate_dtypes`,
+`insert_casts` and `cast_parameters` read it.
 
     >>> [name for name, _ in module_tensors(nn.BatchNorm1d(2), "bn")][:3]
     ['bn.weight', 'bn.bias', 'bn.running_mean']
@@ -9,6 +10,7 @@ storage dtype of every parameter (`planned_parameter_dtypes`, planned by
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -17,25 +19,21 @@ from torch import nn
 
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.core.module_ops import module_op
-from amp_fx.core.node_info import (
-    PARAMETER_PLAN_KEY,
-    PARAMETERS_STORED_KEY,
-    UNSTORED_PARAMETERS_KEY,
-    node_info,
-)
+from amp_fx.core.node_info import node_info
 from amp_fx.core.op_facts import NORM_OPS, VALUE_MOVING_OPS
 from amp_fx.core.op_lists import OPAQUE_OP, ROUTER_OP
 from amp_fx.core.policy import Decision, Policy, Rule
 from amp_fx.ops.autocast_island import AutocastIsland
 from amp_fx.ops.batch_norm import FusedBatchNormAct
 from amp_fx.passes.shared.call_nodes import calling_module, is_inplace_call
+from amp_fx.passes.shared.conversion import Conversion
 
 __all__ = [
     "UNLOWERED_PARAMETER_REASON",
     "decide_module",
     "decide_node",
     "module_tensors",
-    "parameter_plan",
+    "plan_parameters",
     "planned_parameter_dtypes",
 ]
 
@@ -106,7 +104,7 @@ def computes_router_logits(node: torch.fx.Node) -> bool:
     >>> class Router(nn.Linear):
     ...     def forward(self, x):
     ...         return torch.topk(torch.softmax(super().forward(x).float(), -1), 2).indices
-    >>> gm = normalize_ops(trace(nn.Sequential(nn.Linear(4, 4), Router(4, 3))))
+    >>> gm = normalize_ops(trace(nn.Sequential(nn.Linear(4, 4), Router(4, 3)))).graph_module
     >>> [computes_router_logits(n) for n in gm.graph.nodes if node_info(n).op == "linear"]
     [False, True]
     """
@@ -153,25 +151,20 @@ def _effective_users(node: torch.fx.Node) -> Iterator[torch.fx.Node]:
             yield user
 
 
-def parameter_plan(gm: torch.fx.GraphModule, policy: Policy) -> dict[str, torch.dtype]:
-    """`planned_parameter_dtypes`, planned once: the first pass that asks records it in ``gm.meta``
-    and the later ones (and `cast_parameters`, which then drops it) read the record.
+def plan_parameters(gm: torch.fx.GraphModule, context: Conversion) -> Conversion:
+    """``context`` with its parameter plan (`planned_parameter_dtypes` of ``gm``): made once, by the
+    pipeline after `classify`, and read by the passes after it.
 
     >>> from amp_fx.core.policy import preset
     >>> from amp_fx.capture.fx import trace
-    >>> gm, policy = trace(nn.Linear(2, 2)), preset("O2", torch.bfloat16, "cpu")
-    >>> parameter_plan(gm, policy) is parameter_plan(gm, policy)
-    True
+    >>> context = plan_parameters(trace(nn.Linear(2, 2)), Conversion(preset("O2", torch.bfloat16, "cpu")))
+    >>> context.parameter_plan
+    {'weight': torch.bfloat16, 'bias': torch.bfloat16}
     """
-    recorded = gm.meta.get(PARAMETER_PLAN_KEY)
-    if recorded is not None and recorded[0] is policy:
-        return recorded[1]
-    plan = planned_parameter_dtypes(gm, policy)
-    gm.meta[PARAMETER_PLAN_KEY] = (policy, plan)
-    return plan
+    return dataclasses.replace(context, planned=planned_parameter_dtypes(gm, context))
 
 
-def planned_parameter_dtypes(gm: torch.fx.GraphModule, policy: Policy) -> dict[str, torch.dtype]:
+def planned_parameter_dtypes(gm: torch.fx.GraphModule, context: Conversion) -> dict[str, torch.dtype]:
     """Qualified name -> storage dtype for every parameter/buffer `cast_parameters` will cast.
 
     Empty unless ``policy.stores_weights_low`` (O2/O3). A tensor reachable under several names
@@ -179,18 +172,19 @@ def planned_parameter_dtypes(gm: torch.fx.GraphModule, policy: Policy) -> dict[s
     level that keeps norms FP32 (O2) a tensor the graph reads directly is float32 unless a
     lowered op reads it (`_read_by_lowered_op`; the report notes why, `UNLOWERED_PARAMETER_REASON`).
     A graph of the torch.export front end plans only the parameters its model has not stored yet
-    (``gm.meta[UNSTORED_PARAMETERS_KEY]``) that it reads; the others keep their stored dtype.
+    (``context.unstored_parameters``) that it reads; the others keep their stored dtype.
 
     >>> from amp_fx.core.policy import preset
     >>> from amp_fx.passes.normalize_ops import normalize_ops
     >>> from amp_fx.capture.fx import trace
-    >>> gm = normalize_ops(trace(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))))
-    >>> planned_parameter_dtypes(gm, preset("O2", torch.bfloat16, "cpu"))
+    >>> gm = normalize_ops(trace(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)))).graph_module
+    >>> planned_parameter_dtypes(gm, Conversion(preset("O2", torch.bfloat16, "cpu")))
     {'0.weight': torch.bfloat16, '0.bias': torch.bfloat16, '1.weight': torch.float32, '1.bias': torch.float32}
     """
-    if not policy.stores_weights_low or gm.meta.get(PARAMETERS_STORED_KEY):
+    policy = context.policy
+    if not policy.stores_weights_low or context.parameters_stored:
         return {}
-    unstored = gm.meta.get(UNSTORED_PARAMETERS_KEY)  # None: every parameter is planned (fx)
+    unstored = context.unstored_parameters  # None: every parameter is planned (fx)
     unlowered_reads: list[torch.fx.Node] = []
     by_tensor: dict[int, torch.dtype] = {}
     names: dict[int, list[str]] = {}
@@ -296,7 +290,7 @@ def _read_by_lowered_op(node: torch.fx.Node, gm: torch.fx.GraphModule, policy: P
     ...         self.scale = nn.Parameter(torch.ones(1))
     ...     def forward(self, x):
     ...         return nn.functional.linear(x, self.weight.t().t(), self.bias) * self.scale.exp()
-    >>> gm, policy = normalize_ops(trace(Scaled())), preset("O2", torch.bfloat16, "cpu")
+    >>> gm, policy = normalize_ops(trace(Scaled())).graph_module, preset("O2", torch.bfloat16, "cpu")
     >>> {n.target: _read_by_lowered_op(n, gm, policy) for n in gm.graph.nodes if n.op == "get_attr"}
     {'weight': True, 'bias': True, 'scale': False}
     """

@@ -189,7 +189,8 @@ def log_softmax_over_classes(gm: torch.fx.GraphModule, node: torch.fx.Node) -> b
     An ``nll_loss`` of it is then a cross-entropy of its input.
 
     >>> from amp_fx.passes.normalize_ops import normalize_ops
-    >>> gm = normalize_ops(torch.fx.symbolic_trace(lambda x: F.log_softmax(x.view(-1, 7), dim=-1)))
+    >>> gm = torch.fx.symbolic_trace(lambda x: F.log_softmax(x.view(-1, 7), dim=-1))
+    >>> gm = normalize_ops(gm).graph_module
     >>> log_softmax_over_classes(gm, list(gm.graph.nodes)[2])
     True
     """

@@ -24,7 +24,7 @@ casts they all walk through, `amp_fx.passes.shared.cast_walk`.
 
     >>> gm = torch.fx.symbolic_trace(lambda x, y: torch.sigmoid(x) * y)
     >>> from amp_fx.passes.normalize_ops import normalize_ops
-    >>> root = [n for n in normalize_ops(gm).graph.nodes if n.name == "mul"][0]
+    >>> root = [n for n in normalize_ops(gm).graph_module.graph.nodes if n.name == "mul"][0]
     >>> found = match(Op("mul", (Op("sigmoid", (Var("x"),)), Var("y")), commutative=True), root, gm)
     >>> sorted(n.name for n in found.nodes), found.inputs["x"].name
     (['mul', 'sigmoid'], 'x')
@@ -255,7 +255,7 @@ def call_operands(
     else None.
 
     >>> from amp_fx.passes.normalize_ops import normalize_ops
-    >>> gm = normalize_ops(torch.fx.symbolic_trace(lambda x: x.neg() * 2))
+    >>> gm = normalize_ops(torch.fx.symbolic_trace(lambda x: x.neg() * 2)).graph_module
     >>> mul = [n for n in gm.graph.nodes if n.name == "mul"][0]
     >>> call_operands(mul, gm, "mul", 2)[1], call_operands(mul, gm, "add", 2)
     (2, None)
@@ -376,7 +376,7 @@ def matches(
     the value they update is read by them alone.
 
     >>> from amp_fx.passes.normalize_ops import normalize_ops
-    >>> gm = normalize_ops(torch.fx.symbolic_trace(lambda x, y: x * (y + 2)))
+    >>> gm = normalize_ops(torch.fx.symbolic_trace(lambda x, y: x * (y + 2))).graph_module
     >>> root = list(gm.graph.nodes)[-2]
     >>> pattern = Op("mul", (Var("a"), Op("add", (Var("b"), Num("c")))), commutative=True)
     >>> [(m.inputs["a"].name, m.numbers["c"]) for m in matches(pattern, root, gm)]
@@ -408,7 +408,7 @@ def match(
     Example:
         >>> gm = torch.fx.symbolic_trace(lambda x: torch.tanh(x) * 2.0)
         >>> from amp_fx.passes.normalize_ops import normalize_ops
-        >>> root = list(normalize_ops(gm).graph.nodes)[2]
+        >>> root = list(normalize_ops(gm).graph_module.graph.nodes)[2]
         >>> match(Op("mul", (Op("tanh", (Var("x"),)), Const(2.0))), root, gm) is not None
         True
         >>> match(Op("mul", (Op("tanh", (Var("x"),)), Const(3.0))), root, gm) is None

@@ -37,7 +37,7 @@ Example::
     ...         causal = (pos[None, :] <= pos[:, None])[None, None]
     ...         return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=causal)
     >>> gm = torch.export.export(Decoder(), (torch.randn(2, 1, 4, 8),), strict=False).module()
-    >>> simplify_attention(gm).graph.find_nodes(op="call_function", target=SDPA)[0].args[3:6]
+    >>> simplify_attention(gm).graph_module.graph.find_nodes(op="call_function", target=SDPA)[0].args[3:6]
     (None, 0.0, True)
 """
 
@@ -51,6 +51,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from amp_fx.passes.shared.call_nodes import call_argument
+from amp_fx.passes.shared.conversion import Conversion, PassResult
 from amp_fx.passes.simplify_attention.affine_masks import SAME_VALUE_OPS, mask_kind, value_shape
 
 logger = logging.getLogger(__name__)
@@ -207,9 +208,10 @@ def _unexpand_combined_mask(node: torch.fx.Node) -> bool:
     return True
 
 
-def simplify_attention(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def simplify_attention(gm: torch.fx.GraphModule, context: Conversion | None = None) -> PassResult:
     """Make the graph's SDPA calls the ones eager code makes: all-True masks dropped, causal masks
-    as ``is_causal=True``, repeated key/value heads as ``enable_gqa=True``; returns ``gm``."""
+    as ``is_causal=True``, repeated key/value heads as ``enable_gqa=True``, in place on ``gm``
+    (``modified``: whether it changed one). It does not read the context."""
     changed = {"all_true": 0, "causal": 0, "grouped": 0, "unexpanded": 0}
     for node in gm.graph.find_nodes(op="call_function", target=SDPA):
         kind = _simplify_mask(node)
@@ -224,4 +226,4 @@ def simplify_attention(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             "enable_gqa, %(unexpanded)d combined masks unexpanded",
             changed,
         )
-    return gm
+    return PassResult(gm, any(changed.values()))

@@ -19,6 +19,8 @@ from amp_fx.passes.insert_casts import insert_casts
 from amp_fx.passes.normalize_ops import normalize_ops
 from amp_fx.passes.propagate_dtypes import propagate_dtypes
 from amp_fx.passes.shared.casts import is_output_structure
+from amp_fx.passes.shared.conversion import Conversion
+from amp_fx.passes.shared.decisions import plan_parameters
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -38,11 +40,11 @@ class Heads(nn.Module):
 
 
 def _converted(model: nn.Module, policy) -> torch.fx.GraphModule:
-    gm = classify(normalize_ops(trace(model)), policy)
-    propagate_dtypes(gm, policy)
-    insert_casts(gm, policy)
-    cast_parameters(gm, policy)
-    cast_outputs(gm, policy)
+    gm = normalize_ops(trace(model)).graph_module
+    gm = classify(gm, Conversion(policy)).graph_module
+    context = plan_parameters(gm, Conversion(policy))
+    for step in (propagate_dtypes, insert_casts, cast_parameters, cast_outputs):
+        step(gm, context)
     gm.graph.lint()
     gm.recompile()
     return gm

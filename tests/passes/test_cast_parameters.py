@@ -15,13 +15,20 @@ from amp_fx.core.policy import Rule, preset
 from amp_fx.passes.cast_parameters import cast_parameters
 from amp_fx.passes.classify import classify
 from amp_fx.passes.normalize_ops import module_op, normalize_ops
-from amp_fx.passes.shared.decisions import UNLOWERED_PARAMETER_REASON, planned_parameter_dtypes
+from amp_fx.passes.shared.conversion import Conversion
+from amp_fx.passes.shared.decisions import UNLOWERED_PARAMETER_REASON, plan_parameters
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
 
+def _classified(model: nn.Module, policy) -> tuple[torch.fx.GraphModule, Conversion]:
+    """The model's graph through the passes before the parameter plan, and the context with it."""
+    gm = classify(normalize_ops(trace(model)).graph_module, Conversion(policy)).graph_module
+    return gm, plan_parameters(gm, Conversion(policy))
+
+
 def _cast(model: nn.Module, policy) -> torch.fx.GraphModule:
-    return cast_parameters(classify(normalize_ops(trace(model)), policy), policy)
+    return cast_parameters(*_classified(model, policy)).graph_module
 
 
 def _dtypes(module: nn.Module) -> dict[str, torch.dtype]:
@@ -72,9 +79,10 @@ def test_o3_casts_batchnorm_unless_kept():
 @pytest.mark.parametrize("opt_level", ["O0", "O1"])
 def test_o0_o1_leave_parameters_alone(opt_level):
     model = ConvNet()
-    gm = _cast(model, preset(opt_level, F16, "cpu"))
+    gm, context = _classified(model, preset(opt_level, F16, "cpu"))
+    assert context.parameter_plan == {}
+    assert cast_parameters(gm, context).modified is False
     assert _dtypes(gm) == _dtypes(model)
-    assert planned_parameter_dtypes(gm, preset(opt_level, F16, "cpu")) == {}
 
 
 def test_the_input_model_is_untouched():
@@ -125,10 +133,10 @@ def test_gradients_flow_to_low_precision_parameters():
 
 def test_existing_gradients_are_cast_with_their_parameter():
     policy = preset("O2", F16, "cpu")
-    gm = classify(normalize_ops(trace(nn.Sequential(nn.Linear(4, 4)))), policy)
+    gm, context = _classified(nn.Sequential(nn.Linear(4, 4)), policy)
     gm(torch.randn(2, 4)).sum().backward()
     grad = gm.get_parameter("0.weight").grad.clone()
-    cast_parameters(gm, policy)
+    assert cast_parameters(gm, context).modified is True
     weight = gm.get_parameter("0.weight")
     assert weight.dtype == F16 and weight.grad.dtype == F16
     assert torch.equal(weight.grad, grad.to(F16))

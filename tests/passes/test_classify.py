@@ -13,11 +13,12 @@ from amp_fx.core.policy import Rule, preset
 from amp_fx.passes.classify import classify
 from amp_fx.passes.normalize_ops import normalize_ops
 from amp_fx.passes.shared.call_nodes import calling_module, is_inplace_call
+from amp_fx.passes.shared.conversion import Conversion
 from amp_fx.passes.shared.decisions import decide_node
 
 
 def _classified(model: nn.Module, policy) -> torch.fx.GraphModule:
-    return classify(normalize_ops(trace(model)), policy)
+    return classify(normalize_ops(trace(model)).graph_module, Conversion(policy)).graph_module
 
 
 def _rules(gm: torch.fx.GraphModule) -> dict[str, Rule | None]:
@@ -92,9 +93,9 @@ def test_module_name_override_covers_ops_inside_a_traced_through_module():
 
 
 def test_classify_leaves_the_graph_unchanged():
-    gm = normalize_ops(trace(Net()))
+    gm = normalize_ops(trace(Net())).graph_module
     before = gm.code
-    classify(gm, preset("O1", torch.bfloat16, "cpu"))
+    assert classify(gm, Conversion(preset("O1", torch.bfloat16, "cpu"))).modified is False
     gm.recompile()
     assert gm.code == before
 

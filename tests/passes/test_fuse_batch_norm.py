@@ -21,6 +21,7 @@ from amp_fx.core.policy import preset
 from amp_fx.ops import batch_norm as fused_batch_norm
 from amp_fx.ops.batch_norm import FusedBatchNormAct
 from amp_fx.passes.fuse_batch_norm import fuse_batch_norm
+from amp_fx.passes.shared.conversion import Conversion
 from amp_fx.testing import grad_tolerances, tolerances
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
@@ -190,7 +191,7 @@ def test_patterns_that_are_not_fused():
     gm = _convert(Branches(), fused=True)
     assert not _fused_modules(gm)
     code = gm.code
-    assert fuse_batch_norm(gm, gm.meta["amp_fx_policy"]) is gm
+    assert fuse_batch_norm(gm, Conversion(gm.meta["amp_fx_policy"])) == (gm, False)
     gm.recompile()
     assert gm.code == code and not _fused_modules(gm)  # running it again fuses nothing either
 

@@ -18,9 +18,10 @@ from torch import nn
 
 import amp_fx
 from amp_fx.capture.captured_model import capture_states
-from amp_fx.core.node_info import TRAINING_MODE_KEY, node_info
+from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import preset
 from amp_fx.ops.chunked_cross_entropy import chunked_linear_cross_entropy
+from amp_fx.passes.shared.conversion import Conversion
 from amp_fx.passes.shared.module_regions import module_paths
 from amp_fx.pipeline import rewrite_graph
 from amp_fx.testing import assert_close_normwise, grad_tolerances, tolerances, with_autocast
@@ -318,8 +319,7 @@ def test_a_softcap_in_a_torch_fx_graph():
     unknown = amp_fx.convert(copy.deepcopy(model), "O2", policy=policy, front_end="fx")
     assert not any(n.target is chunked_linear_cross_entropy for n in unknown.graph.nodes)
     gm = torch.fx.symbolic_trace(copy.deepcopy(model))
-    gm.meta[TRAINING_MODE_KEY] = True
-    rewrite_graph(gm, policy)
+    rewrite_graph(gm, Conversion(policy, training=True))
     (call,) = [n for n in gm.graph.nodes if n.target is chunked_linear_cross_entropy]
     assert call.kwargs["softcap"] == 3.0
     ids = _ids()
@@ -390,8 +390,7 @@ def test_torch_fx_graph_of_known_training_mode():
     unknown = amp_fx.convert(model, "O2", policy=policy, front_end="fx")
     assert not any(n.target is chunked_linear_cross_entropy for n in unknown.graph.nodes)
     gm = torch.fx.symbolic_trace(copy.deepcopy(model))
-    gm.meta[TRAINING_MODE_KEY] = True
-    rewrite_graph(gm, policy)
+    rewrite_graph(gm, Conversion(policy, training=True))
     (call,) = [n for n in gm.graph.nodes if n.target is chunked_linear_cross_entropy]
     assert call.args[1].op == "get_attr" and call.args[1].target == "head.weight"
     ids = _ids()

@@ -22,17 +22,27 @@ from amp_fx.passes.classify import classify
 from amp_fx.passes.insert_casts import insert_casts
 from amp_fx.passes.normalize_ops import normalize_ops
 from amp_fx.passes.propagate_dtypes import propagate_dtypes
+from amp_fx.passes.shared.conversion import Conversion
+from amp_fx.passes.shared.decisions import plan_parameters
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
 
-def _inserted(model: nn.Module, policy, example_inputs=None) -> torch.fx.GraphModule:
-    gm = classify(normalize_ops(trace(model)), policy)
-    propagate_dtypes(gm, policy, example_inputs)
-    insert_casts(gm, policy)
+def _inserted_in_context(
+    gm: torch.fx.GraphModule, policy, example_inputs=None
+) -> tuple[torch.fx.GraphModule, Conversion]:
+    """``gm`` through the passes up to `insert_casts`, and the context they ran in."""
+    gm = classify(normalize_ops(gm).graph_module, Conversion(policy)).graph_module
+    context = plan_parameters(gm, Conversion(policy, example_inputs))
+    propagate_dtypes(gm, context)
+    insert_casts(gm, context)
     gm.graph.lint()
     gm.recompile()
-    return gm
+    return gm, context
+
+
+def _inserted(model: nn.Module, policy, example_inputs=None) -> torch.fx.GraphModule:
+    return _inserted_in_context(trace(model), policy, example_inputs)[0]
 
 
 def _casts(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
@@ -198,7 +208,7 @@ def test_converting_again_inserts_nothing():
     policy = preset("O1", BF16, "cpu")
     gm = _inserted(model, policy)
     before = len(_casts(gm))
-    again = insert_casts(propagate_dtypes(classify(normalize_ops(gm), policy), policy), policy)
+    again, _ = _inserted_in_context(gm, policy)
     assert len(_casts(again)) == before
 
 
@@ -257,7 +267,7 @@ def test_o2_norm_with_low_parameters_gets_its_float32_input_cast_down(example):
         .set_op("group_norm", Rule.PASSTHROUGH)
         .set_op("layer_norm", Rule.PASSTHROUGH)
     )
-    gm = cast_parameters(_inserted(model, policy, (x,) if example else None), policy)
+    gm = cast_parameters(*_inserted_in_context(trace(model), policy, (x,) if example else None)).graph_module
     casts = {n.name: node_info(n).cast_reason for n in _casts(gm)}
     assert "runs in its parameters' dtype" in casts["mul_to_bfloat16"]
     assert "runs in its parameters' dtype" in casts["softmax_1_to_bfloat16"]

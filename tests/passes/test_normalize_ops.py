@@ -24,7 +24,7 @@ def _ops(gm: torch.fx.GraphModule) -> dict[str, str]:
 
 def _normalized(fn_or_module) -> torch.fx.GraphModule:
     module = fn_or_module if isinstance(fn_or_module, nn.Module) else _Lambda(fn_or_module)
-    return normalize_ops(trace(module))
+    return normalize_ops(trace(module)).graph_module
 
 
 class _Lambda(nn.Module):
@@ -150,7 +150,7 @@ def test_dtype_and_device_conversions_are_to(method):
     ],
 )
 def test_module_table(module, expected):
-    gm = normalize_ops(trace(nn.Sequential(module)))
+    gm = normalize_ops(trace(nn.Sequential(module))).graph_module
     (call,) = [n for n in gm.graph.nodes if n.op == "call_module"]
     assert node_info(call).op == expected
     assert node_info(call).notes == [f"nn.{type(module).__name__}"]
@@ -198,7 +198,7 @@ class Gate(nn.Module):
 
 def test_opaque_nodes_keep_their_rule_and_get_the_opaque_op():
     model = nn.Sequential(nn.Linear(4, 4), Gate(), nn.MultiheadAttention(4, 1))
-    gm = normalize_ops(trace(model))
+    gm = normalize_ops(trace(model)).graph_module
     infos = {n.target: node_info(n) for n in gm.graph.nodes if n.op == "call_module"}
     assert infos["0"].op == "linear" and infos["0"].rule is None
     for target, spelling in (("1", f"{__name__}.Gate"), ("2", "nn.MultiheadAttention")):
@@ -210,9 +210,9 @@ def test_opaque_nodes_keep_their_rule_and_get_the_opaque_op():
 def test_graph_is_not_rewritten_and_normalizing_twice_changes_nothing():
     gm = trace(AllSoftmaxes())
     code = gm.code
-    normalize_ops(gm)
+    assert normalize_ops(gm).modified is False
     first = {n.name: (node_info(n).op, list(node_info(n).notes)) for n in gm.graph.nodes}
-    normalize_ops(gm)
+    assert normalize_ops(gm).modified is False
     assert gm.code == code
     assert {n.name: (node_info(n).op, node_info(n).notes) for n in gm.graph.nodes} == first
 
@@ -227,5 +227,5 @@ def test_canonical_names_are_known_to_the_policy():
         nn.Sequential(nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 1)),
     ]
     for model in models:
-        produced |= {op for op in _ops(normalize_ops(trace(model.eval()))).values()}
+        produced |= {op for op in _ops(normalize_ops(trace(model.eval())).graph_module).values()}
     assert produced <= known_ops(), sorted(produced - known_ops())

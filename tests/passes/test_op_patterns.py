@@ -18,7 +18,7 @@ from amp_fx.passes.shared.op_patterns import AnyOf, Const, Num, Op, Var, match, 
 
 
 def _graph(function) -> tuple[torch.fx.GraphModule, dict[str, torch.fx.Node]]:
-    gm = normalize_ops(torch.fx.symbolic_trace(function))
+    gm = normalize_ops(torch.fx.symbolic_trace(function)).graph_module
     return gm, {node.name: node for node in gm.graph.nodes}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 
@@ -22,14 +23,23 @@ from amp_fx.passes.classify import classify
 from amp_fx.passes.normalize_ops import normalize_ops
 from amp_fx.passes.propagate_dtypes import ExampleInputsMismatch, propagate_dtypes
 from amp_fx.passes.propagate_dtypes.dtype_rules import UNKNOWN, is_eligible, rule_cast_dtype
+from amp_fx.passes.shared.conversion import Conversion
+from amp_fx.passes.shared.decisions import plan_parameters
 from amp_fx.passes.shared.dtypes import ASSUMED_DTYPE_NOTE
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
 
+def _classified(
+    gm: torch.fx.GraphModule, policy, example_inputs=None
+) -> tuple[torch.fx.GraphModule, Conversion]:
+    """``gm`` through the passes before `propagate_dtypes`, and the context with its parameter plan."""
+    gm = classify(normalize_ops(gm).graph_module, Conversion(policy)).graph_module
+    return gm, plan_parameters(gm, Conversion(policy, example_inputs))
+
+
 def _propagated(model: nn.Module, policy, example_inputs=None) -> dict[str, tuple]:
-    gm = classify(normalize_ops(trace(model)), policy)
-    propagate_dtypes(gm, policy, example_inputs)
+    gm = propagate_dtypes(*_classified(trace(model), policy, example_inputs)).graph_module
     return {n.name: (node_info(n).in_dtypes, node_info(n).out_dtype) for n in gm.graph.nodes}
 
 
@@ -123,7 +133,7 @@ def test_static_fused_ops_are_typed_as_their_table_rows_say():
     graph.output((norm, summed, normed, gated, rotated))
     gm = torch.fx.GraphModule(nn.Module(), graph)
     policy = preset("O2", BF16, "cpu")
-    propagate_dtypes(classify(normalize_ops(gm), policy), policy)
+    propagate_dtypes(*_classified(gm, policy))
     static = [node_info(node).out_dtype for node in (norm, summed, normed, gated, rotated)]
     assert static == [BF16, F32, BF16, BF16, F32]
     inputs = (torch.randn(2, 4, 3, 8), torch.randn(2, 4, 3, 8), torch.rand(8), torch.randn(2, 1, 3, 8))
@@ -167,11 +177,11 @@ def test_exact_low_precision_input_at_o1():
 
 def test_an_assumed_input_dtype_is_noted_and_a_known_one_is_not():
     policy = preset("O1", BF16, "cpu")
-    gm = classify(normalize_ops(trace(Mlp())), policy)
+    gm, context = _classified(trace(Mlp()), policy)
     (x,) = gm.graph.find_nodes(op="placeholder")
-    propagate_dtypes(gm, policy)
+    propagate_dtypes(gm, context)
     assert ASSUMED_DTYPE_NOTE in node_info(x).notes
-    propagate_dtypes(gm, policy, (torch.randn(2, 4),))
+    propagate_dtypes(gm, dataclasses.replace(context, example_inputs=(torch.randn(2, 4),)))
     assert ASSUMED_DTYPE_NOTE not in node_info(x).notes and node_info(x).out_dtype == F32
 
 
@@ -237,11 +247,11 @@ def _annotations(gm: torch.fx.GraphModule) -> dict[str, tuple]:
 def test_wrong_shaped_example_inputs_are_refused_naming_the_mismatch_and_change_nothing():
     model = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
     policy = preset("O2", BF16, "cpu")
-    gm = classify(normalize_ops(trace(model)), policy)
+    gm, context = _classified(trace(model), policy, (torch.randn(3, 5),))
     before = _annotations(gm)
     mismatch = r"_0 \(linear\) rejects the shapes .*\[3, 5\] X \[8, 4\].*shapes: \(3, 5\)"
     with pytest.raises(ExampleInputsMismatch, match=mismatch):
-        propagate_dtypes(gm, policy, (torch.randn(3, 5),))
+        propagate_dtypes(gm, context)
     assert _annotations(gm) == before
     with pytest.raises(ValueError, match="example_inputs do not fit the model"):
         amp_fx.convert(model, "O2", dtype=BF16, example_inputs=(torch.randn(3, 5),))

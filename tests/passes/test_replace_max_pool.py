@@ -22,6 +22,7 @@ from amp_fx.core.policy import Policy, preset
 from amp_fx.ops import max_pool as pooling
 from amp_fx.ops.max_pool import max_pool2d
 from amp_fx.passes.replace_max_pool import replace_max_pool
+from amp_fx.passes.shared.conversion import Conversion
 from amp_fx.testing import rounding_tolerances
 
 
@@ -128,7 +129,8 @@ def test_the_flag_decides() -> None:
     assert len(_replaced(_convert(Pools(), "O3", fused=True))) == 4
     gm = _convert(Pools(), "O2", fused=False)
     assert not _replaced(gm)
-    assert len(_replaced(replace_max_pool(gm, preset("O2", device_type="cpu", fused_max_pool=True)))) == 4
+    result = replace_max_pool(gm, Conversion(preset("O2", device_type="cpu", fused_max_pool=True)))
+    assert result.modified is True and len(_replaced(result.graph_module)) == 4
 
 
 def test_converting_a_converted_graph_again_changes_nothing() -> None:

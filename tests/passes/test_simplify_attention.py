@@ -112,7 +112,7 @@ def _check(make_mask, dynamic: bool, expect_mask: bool, expect_causal: bool) -> 
     sizes = (5, 3, 9) if dynamic else (5,)
     inputs = [_inputs(n) for n in sizes]
     before = [gm(*i) for i in inputs]
-    mask, causal = _sdpa(simplify_attention(gm))
+    mask, causal = _sdpa(simplify_attention(gm).graph_module)
     assert (mask is not None, causal) == (expect_mask, expect_causal)
     if not expect_mask:
         assert not gm.graph.find_nodes(op="call_function", target=torch.ops.aten.arange.default)
@@ -221,7 +221,7 @@ def test_repeated_key_value_heads_become_enable_gqa(name, causal_mask, dynamic):
     ).module()
     inputs = [_grouped_inputs(n) for n in ((5, 3, 9) if dynamic else (5,))]
     before = [torch.autograd.functional.vjp(gm, i, torch.ones(2, 4, i[0].shape[2], 8)) for i in inputs]
-    (node,) = simplify_attention(gm).graph.find_nodes(op="call_function", target=SDPA)
+    (node,) = simplify_attention(gm).graph_module.graph.find_nodes(op="call_function", target=SDPA)
     assert node.kwargs.get("enable_gqa", False) == recognised
     assert (node.args[1].meta["val"].shape[1] == 2) == recognised
     for i, expected in zip(inputs, before, strict=True):

@@ -9,11 +9,12 @@ from torch import nn
 from amp_fx.core.node_info import node_info
 from amp_fx.core.policy import preset
 from amp_fx.passes.shared.casts import make_cast
+from amp_fx.passes.shared.conversion import Conversion
 from amp_fx.passes.shared.dtypes import ASSUMED_DTYPE_NOTE, is_exact_widening
 from amp_fx.passes.simplify_casts import simplify_casts
 
 F16, F32 = torch.float16, torch.float32
-POLICY = preset("O2", F16, "cpu")
+CONTEXT = Conversion(preset("O2", F16, "cpu"))
 
 
 def _node(graph: torch.fx.Graph, target, args, out_dtype) -> torch.fx.Node:
@@ -58,7 +59,7 @@ def test_simplify_removes_noops_merges_duplicates_and_cancels_exact_round_trips(
     gm = _build()
     x = torch.randn(3, 4).to(F16)
     expected = gm(x)
-    simplify_casts(gm, POLICY)
+    assert simplify_casts(gm, CONTEXT).modified is True
     gm.graph.lint()
     gm.recompile()
     casts = _casts(gm)
@@ -79,7 +80,7 @@ def test_simplify_removes_noops_merges_duplicates_and_cancels_exact_round_trips(
 
 def test_users_keep_in_dtypes_aligned_with_their_inputs():
     gm = _build()
-    simplify_casts(gm, POLICY)
+    simplify_casts(gm, CONTEXT)
     for node in gm.graph.nodes:
         info = node_info(node)
         if node.op == "call_function" and info.in_dtypes:
@@ -89,9 +90,10 @@ def test_users_keep_in_dtypes_aligned_with_their_inputs():
 
 
 def test_simplify_is_idempotent():
-    gm = simplify_casts(_build(), POLICY)
+    gm = simplify_casts(_build(), CONTEXT).graph_module
     before = _casts(gm)
-    assert _casts(simplify_casts(gm, POLICY)) == before
+    result = simplify_casts(gm, CONTEXT)
+    assert _casts(result.graph_module) == before and result.modified is False
 
 
 def test_exact_widenings():
