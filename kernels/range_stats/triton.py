@@ -15,7 +15,8 @@ Grid: at most ``_PROGRAMS_PER_SM`` programs per streaming multiprocessor (each t
 per block.
 
 `record_block` (with `bit_layout`) is the same statistics for a fused kernel of another family that
-writes a watched value (``record=`` in the family's contract): each program adds its stored block.
+writes a watched value (``record=`` in the family's contract): each program adds its stored block
+(or sums its blocks with `block_statistics` and adds them once, with `add_statistics`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from amp_fx.kernels.arguments import is_dense
 from amp_fx.kernels.devices import on_device
 from amp_fx.kernels.range_stats.arguments import check_record_range
 
-__all__ = ["bit_layout", "record_block", "record_range_"]
+__all__ = ["add_statistics", "bit_layout", "block_statistics", "record_block", "record_range_"]
 
 # Per value dtype: the integer type of its width, its exponent bits, every bit but the sign.
 _BIT_LAYOUTS = {
@@ -61,17 +62,32 @@ def _block_range(bits, VALUE_DTYPE: tl.constexpr, EXPONENT_MASK: tl.constexpr, M
 
 
 @triton.jit
-def _add_range(amax_ptr, counts_ptr, largest, underflow, nonfinite, numel, adds_numel):
-    """Add one program's share (blocks of `_block_range`'s results) to an entry: an atomic each,
-    the counts only where not zero (most programs then pay one atomic, the maximum); the program
-    with ``adds_numel`` adds the value's element count."""
-    tl.atomic_max(amax_ptr, tl.max(largest, axis=None))
-    underflow = tl.sum(underflow, axis=None).to(tl.int64)
+def add_statistics(amax_ptr, counts_ptr, index, largest, underflow, nonfinite, numel, adds_numel):
+    """Add one program's statistics (scalars: largest magnitude, underflow and inf/NaN counts) to
+    entry ``index``: an atomic each, the counts only where not zero (most programs then pay one
+    atomic, the maximum); a program with ``adds_numel`` (one per value) adds ``numel``, the value's
+    element count."""
+    tl.atomic_max(amax_ptr + index, largest)
+    counts_ptr += 3 * index
+    underflow = underflow.to(tl.int64)
     tl.atomic_add(counts_ptr, underflow, mask=underflow != 0)
-    nonfinite = tl.sum(nonfinite, axis=None).to(tl.int64)
+    nonfinite = nonfinite.to(tl.int64)
     tl.atomic_add(counts_ptr + 1, nonfinite, mask=nonfinite != 0)
     if adds_numel:
         tl.atomic_add(counts_ptr + 2, numel.to(tl.int64))
+
+
+@triton.jit
+def block_statistics(
+    value, inside, BITS_DTYPE: tl.constexpr, EXPONENT_MASK: tl.constexpr, MAGNITUDE_MASK: tl.constexpr
+):
+    """(largest magnitude, underflow count, inf/NaN count) of a block a fused kernel stores
+    (``value`` in the value's dtype, lanes outside ``inside`` counting nothing), as scalars for
+    `add_statistics`. The constexprs are `bit_layout`'s for the value's dtype."""
+    bits = value.to(BITS_DTYPE, bitcast=True)
+    bits = tl.where(inside, bits, tl.zeros_like(bits))
+    largest, underflow, nonfinite = _block_range(bits, value.dtype, EXPONENT_MASK, MAGNITUDE_MASK)
+    return tl.max(largest, axis=None), tl.sum(underflow, axis=None), tl.sum(nonfinite, axis=None)
 
 
 @triton.jit
@@ -87,14 +103,10 @@ def record_block(
     EXPONENT_MASK: tl.constexpr,
     MAGNITUDE_MASK: tl.constexpr,
 ):
-    """For a fused kernel that writes a value: add the statistics of the block it stores (``value``
-    in the value's dtype, lanes outside ``inside`` counting nothing) to entry ``index``; the one
-    program with ``adds_numel`` adds ``numel``, the value's element count. The constexprs are
-    `bit_layout`'s for the value's dtype."""
-    bits = value.to(BITS_DTYPE, bitcast=True)
-    bits = tl.where(inside, bits, tl.zeros_like(bits))
-    largest, underflow, nonfinite = _block_range(bits, value.dtype, EXPONENT_MASK, MAGNITUDE_MASK)
-    _add_range(amax_ptr + index, counts_ptr + 3 * index, largest, underflow, nonfinite, numel, adds_numel)
+    """For a fused kernel that writes a value: add the statistics of the block it stores to entry
+    ``index`` (`block_statistics`, then `add_statistics`)."""
+    largest, underflow, nonfinite = block_statistics(value, inside, BITS_DTYPE, EXPONENT_MASK, MAGNITUDE_MASK)
+    add_statistics(amax_ptr, counts_ptr, index, largest, underflow, nonfinite, numel, adds_numel)
 
 
 def bit_layout(dtype: torch.dtype) -> dict[str, object]:
@@ -139,7 +151,16 @@ def _record_range_kernel(
         largest = tl.maximum(largest, block_largest)
         underflow += block_underflow
         nonfinite += block_nonfinite
-    _add_range(amax_ptr + index, counts_ptr + 3 * index, largest, underflow, nonfinite, numel, program == 0)
+    add_statistics(
+        amax_ptr,
+        counts_ptr,
+        index,
+        tl.max(largest, axis=0),
+        tl.sum(underflow, axis=0),
+        tl.sum(nonfinite, axis=0),
+        numel,
+        program == 0,
+    )
 
 
 @functools.cache

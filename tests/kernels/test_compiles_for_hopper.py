@@ -315,6 +315,13 @@ def _rotary_calls() -> None:
         cos = torch.zeros(1, 64, 1, 64)
         (out,) = triton_ops.rotary_forward([x], cos, cos, True, [torch.float32])
         triton_ops.rotary_backward([out], cos, cos, True, [dtype])
+        # Recording the range statistics of what it writes (amp_fx.watch): both outputs of one
+        # launch, and a partial rotary's, pass-through features included.
+        amax, counts = torch.zeros(8), torch.zeros(24, dtype=torch.int64)
+        cos = torch.zeros(1, 1, 64, 128)
+        triton_ops.rotary_forward([q, k], cos, cos, False, [dtype, dtype], (amax, counts, (1, 2)))
+        cos = torch.zeros(1, 64, 1, 64)
+        triton_ops.rotary_forward([x], cos, cos, True, [dtype], (amax, counts, (3,)))
 
 
 def _norms_calls() -> None:
