@@ -22,11 +22,11 @@ value (by half a unit or more). What is recorded per node and step, for its valu
 gradient flowing back to it: the largest magnitude (inf included, NaN not), and the counts of
 underflowing values (non-zero, below the dtype's smallest normal), of inf/NaN values and of all
 values (`amp_fx.ops.range_record`, one kernel launch per value). A value the forward kernel of a
-fused norm or activation writes (a norm's output, and the sum of an add + norm) is recorded inside
-that kernel, in the launch that writes it, rather than by a launch of its own: the graph asks the
-op with a call of `amp_fx.ops.range_record.expect_kernel_records` before it (the gradient is
-recorded apart, as any node's; so are rotary embeddings' outputs). Nothing is read on the host
-while the model runs; `RangeWatch.ranges` reads the statistics when asked (one host sync).
+fused op writes (a norm's output and the sum of an add + norm, an activation's, a rotary
+embedding's) is recorded inside that kernel, in the launch that writes it, rather than by a launch
+of its own: the graph asks the op with a call of `amp_fx.ops.range_record.expect_kernel_records`
+before it (the gradient is recorded apart, as any node's). Nothing is read on the host while the
+model runs; `RangeWatch.ranges` reads the statistics when asked (one host sync).
 
 Steps: one step is one call of the model (its forward and the backward that follows). ``every=N``
 records the steps 0, N, 2N, ... and leaves the others as they would run unwatched but for a Python
@@ -572,15 +572,17 @@ def _kernel_recorded(slots: list[tuple[int, torch.fx.Node]]) -> dict[torch.fx.No
     found: dict[torch.fx.Node, list[tuple[Any, int]]] = {}
     for slot, node in slots:
         fused, position = node, None
-        if (
-            node.op == "call_function"
-            and node.target is operator.getitem
-            and isinstance(node.args[0], torch.fx.Node)
-        ):
+        if _is_getitem(node) and isinstance(node.args[0], torch.fx.Node):
             fused, position = node.args
+        elif any(_is_getitem(user) for user in node.users):
+            continue  # a tuple (its elements are asked for): a slot that never records
         if fused.op == "call_function" and fused.target in KERNEL_RECORDING_OPS:
             found.setdefault(fused, []).append((position, slot))
     return found
+
+
+def _is_getitem(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
 
 
 def _uninstrument(gm: torch.fx.GraphModule) -> None:

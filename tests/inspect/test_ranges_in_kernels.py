@@ -1,7 +1,8 @@
 """amp_fx.watch and the fused ops: where a fused kernel of ours writes a watched value (a norm's
-output and sum, an activation's output), that kernel records it. The statistics are what a separate
-record of the value gives, the model computes the same bits, and the separate launches are fewer
-by one per such value; a request no kernel takes is recorded apart, and by no later op."""
+output and sum, an activation's output, a rotary embedding's), that kernel records it. The
+statistics are what a separate record of the value gives, the model computes the same bits, and the
+separate launches are fewer by one per such value; a request no kernel takes is recorded apart,
+and by no later op."""
 
 from __future__ import annotations
 
@@ -63,6 +64,33 @@ class LanguageModel(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.block(self.wte(idx))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryAttention(nn.Module):
+    """Llama's rotary embeddings of a query and a key: at O2 two rotary_embedding calls, the
+    query's written in bf16 (the cast for the matmul folded in), the key's in fp32."""
+
+    def __init__(self, width: int = 16, heads: int = 2, seq: int = 5) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k = nn.Linear(width, width), nn.Linear(width, width)
+        angles = torch.arange(seq)[:, None] * torch.arange(width // heads // 2) / 3.0
+        angles = torch.cat((angles, angles), -1)
+        self.register_buffer("cos", angles.cos()[None, None])
+        self.register_buffer("sin", angles.sin()[None, None])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, -1).transpose(1, 2)
+        k = self.k(x).view(b, s, self.heads, -1).transpose(1, 2)
+        q = q * self.cos + rotate_half(q) * self.sin
+        k = k * self.cos + rotate_half(k) * self.sin
+        return (q @ k.transpose(-1, -2)).softmax(-1)
 
 
 @pytest.fixture
@@ -140,6 +168,27 @@ def test_fused_kernels_record_what_a_separate_record_does(
     assert recorded["fp32_gated_activation"]["forward"]["numel"] == 2 * idx.numel() * 16
     assert recorded["fp32_gated_activation"]["backward"]["numel"] == 2 * idx.numel() * 16
     assert any(r["forward"]["overflowed"] for r in in_kernel)
+
+
+@pytest.mark.parametrize("front_end", ["fx", "export"])
+def test_the_rotary_kernel_records_what_a_separate_record_does(kernels, front_end, separate_records) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1)) * 1e3
+    example = (x,) if front_end == "fx" else None  # the fx front end fuses where shapes are known
+    model = amp_fx.convert(
+        RotaryAttention(), "O2", dtype=torch.bfloat16, device_type="cpu", front_end=front_end,
+        example_inputs=example,
+    )  # fmt: skip
+    unwatched = _step(copy.deepcopy(model), x)
+    in_kernel, launches, watched = _watched_step(model, x, separate_records)
+    for expected, got in zip((unwatched[0], *unwatched[1]), (watched[0], *watched[1]), strict=True):
+        assert torch.equal(expected.view(torch.int8), got.view(torch.int8))
+    with no_kernel_records():
+        apart, launches_apart, _ = _watched_step(model, x, separate_records)
+    assert in_kernel == apart
+    assert launches_apart - launches == 1  # the query's bf16 rotary output
+    (query,) = (r for r in in_kernel if r["op"] == "rotary_embedding" and r["dtype"] == "bfloat16")
+    assert query["forward"]["numel"] == query["backward"]["numel"] == x.numel()
 
 
 def test_a_request_no_kernel_takes_is_recorded_apart_and_by_no_later_op() -> None:
