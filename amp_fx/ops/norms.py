@@ -38,6 +38,7 @@ from torch import Tensor
 # amp_fx.kernels loads Triton only when a CUDA tensor's kernels are asked for.
 from amp_fx.kernels import implementation_for, reference
 from amp_fx.kernels.arguments import KERNEL_DTYPES
+from amp_fx.kernels.range_stats import KernelRecord
 from amp_fx.ops.dispatch import compiler_fuses, fused_op, is_traced_backward
 from amp_fx.ops.outputs import reshaped_output
 from amp_fx.ops.range_record import kernel_record, records_in_kernel
@@ -111,7 +112,9 @@ def fused_norm(
     )
 
 
-def _kernel_record(x: Tensor, residual: Tensor | None, out_dtype: torch.dtype, sum_dtype: torch.dtype | None):
+def _kernel_record(
+    x: Tensor, residual: Tensor | None, out_dtype: torch.dtype, sum_dtype: torch.dtype | None
+) -> KernelRecord | None:
     """The kernel's ``record`` where a watch asks for it (`amp_fx.ops.range_record.kernel_record`):
     out is the functions' result, or with a residual the second of (sum, out)."""
     if residual is None:

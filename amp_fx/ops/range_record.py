@@ -361,6 +361,8 @@ def _recorded_by_kernel(recorder: RangeRecorder, slot: int) -> bool:
     if request is None or request.recorder is not recorder or slot not in request.recorded:
         return False
     request.recorded.discard(slot)
+    if not request.recorded:
+        _requests.pending = None
     return True
 
 
@@ -392,6 +394,8 @@ def record_range(value: Any, recorder: RangeRecorder | None, slot: int) -> Any:
     request = getattr(_requests, "pending", None)
     if request is not None:
         request.taken = True  # the op ran: no later op may take its request
+        if not request.recorded:
+            _requests.pending = None  # nothing left to tell (and the recorder is not held)
     if recorder is None or not recorder.wants(value):
         return value
     return _RecordRange.apply(value, recorder, slot)
