@@ -21,7 +21,11 @@ rounds once, so the output is inf exactly where the fp32 value passed the dtype'
 value (by half a unit or more). What is recorded per node and step, for its value and for the
 gradient flowing back to it: the largest magnitude (inf included, NaN not), and the counts of
 underflowing values (non-zero, below the dtype's smallest normal), of inf/NaN values and of all
-values (`amp_fx.ops.range_record`, one kernel launch per value). Nothing is read on the host while the
+values (`amp_fx.ops.range_record`, one kernel launch per value). A value the forward kernel of a
+fused op writes (a norm's output and the sum of an add + norm, an activation's, a rotary
+embedding's) is recorded inside that kernel, in the launch that writes it, rather than by a launch
+of its own: the graph asks the op with a call of `amp_fx.ops.range_record.expect_kernel_records`
+before it (the gradient is recorded apart, as any node's). Nothing is read on the host while the
 model runs; `RangeWatch.ranges` reads the statistics when asked (one host sync).
 
 Steps: one step is one call of the model (its forward and the backward that follows). ``every=N``
@@ -35,7 +39,8 @@ steps are kept apart (`RangeWatch.ranges` of one step, what `amp_fx.find_overflo
 `RangeWatch.ranges` without a step gives the totals since the watch began or was reset.
 
 The graph is changed in place: a call of `amp_fx.ops.range_record.range_begin` first and a call of
-`record_range` after each watched node, which returns the value unchanged (outputs and gradients are
+`record_range` after each watched node (and `expect_kernel_records` before a fused op whose kernel
+records), which returns the value unchanged (outputs and gradients are
 bit-identical to the unwatched model's). `RangeWatch.remove` takes them out again, leaving the
 code as it was. Graphs the torch.export front end captures after the call are watched too; a
 torch.fx front-end model rewritten after a change (`amp_fx.capture.changes.GraphFollower`) is
@@ -47,6 +52,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import operator
 import os
 import re
 import warnings
@@ -68,7 +74,16 @@ from amp_fx.core.node_info import OTHER_MODE_GRAPH_KEY, node_info
 from amp_fx.core.op_facts import BOOL_OPS, NON_TENSOR_METHODS, VIEW_OPS
 from amp_fx.inspect.graphs import ModelGraph, model_graphs
 from amp_fx.kernels import reference as kernels_reference
-from amp_fx.ops.range_record import BACKWARD, FORWARD, RangeClock, RangeRecorder, range_begin, record_range
+from amp_fx.ops.range_record import (
+    BACKWARD,
+    FORWARD,
+    KERNEL_RECORDING_OPS,
+    RangeClock,
+    RangeRecorder,
+    expect_kernel_records,
+    range_begin,
+    record_range,
+)
 from amp_fx.passes.shared.call_nodes import calling_module
 
 logger = logging.getLogger(__name__)
@@ -536,6 +551,7 @@ def _instrument_graph(graph: torch.fx.Graph, slots: list[tuple[int, torch.fx.Nod
     with graph.inserting_after(recorder):
         begin = graph.call_function(range_begin, (recorder,))
     recorder.meta[RECORD_KEY] = begin.meta[RECORD_KEY] = -1
+    kernel_recorded = _kernel_recorded(slots)  # before the records come between an op and its getitems
     for slot, node in slots:
         with graph.inserting_after(node):
             record = graph.create_node(
@@ -543,6 +559,30 @@ def _instrument_graph(graph: torch.fx.Graph, slots: list[tuple[int, torch.fx.Nod
             )
         record.meta[RECORD_KEY] = slot
         node.replace_all_uses_with(record, delete_user_cb=lambda user, record=record: user is not record)
+    for fused, outputs in kernel_recorded.items():
+        with graph.inserting_before(fused):
+            request = graph.call_function(expect_kernel_records, (begin, tuple(outputs)))
+        request.meta[RECORD_KEY] = -1
+
+
+def _kernel_recorded(slots: list[tuple[int, torch.fx.Node]]) -> dict[torch.fx.Node, list[tuple[Any, int]]]:
+    """The fused-op calls whose kernels record what they write (`records_in_kernel`), each with
+    (position in its result, slot) of its watched outputs: the call itself (position None), or an
+    element of the tuple it returns."""
+    found: dict[torch.fx.Node, list[tuple[Any, int]]] = {}
+    for slot, node in slots:
+        fused, position = node, None
+        if _is_getitem(node) and isinstance(node.args[0], torch.fx.Node):
+            fused, position = node.args
+        elif any(_is_getitem(user) for user in node.users):
+            continue  # a tuple (its elements are asked for): a slot that never records
+        if fused.op == "call_function" and fused.target in KERNEL_RECORDING_OPS:
+            found.setdefault(fused, []).append((position, slot))
+    return found
+
+
+def _is_getitem(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
 
 
 def _uninstrument(gm: torch.fx.GraphModule) -> None:

@@ -14,7 +14,8 @@ pure-torch reference elsewhere) are the custom ops ``amp_fx::gated_activation`` 
 tracers (torch.export, fake or functional tensors) see; eager calls run them directly, without the
 custom ops' dispatch (`amp_fx.ops.dispatch.fused_op`). Under torch.compile the functions are their
 torch expression, and a backward that torch.compile traces is the reference's torch math, both
-for Inductor to fuse with its neighbours.
+for Inductor to fuse with its neighbours. Under `amp_fx.watch` the forward kernel records the
+range statistics of the output it writes (`amp_fx.ops.range_record.kernel_record`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from amp_fx.kernels.activations import ACTIVATIONS
 from amp_fx.kernels.arguments import KERNEL_DTYPES
 from amp_fx.ops.dispatch import compiler_fuses, fused_op, is_traced_backward
 from amp_fx.ops.outputs import reshaped_output
+from amp_fx.ops.range_record import kernel_record, records_in_kernel
 
 __all__ = [
     "ACTIVATIONS",
@@ -61,7 +63,8 @@ def _kernels(tensor: Tensor) -> ModuleType:
 def fused_gated_activation(gate: Tensor, up: Tensor, activation: str) -> Tensor:
     """``act(gate) * up`` in fp32, rounded once: gate and up of one shape, dtype and device; the
     output contiguous, in their dtype (the kernel contract of ``amp_fx.kernels.activations``)."""
-    out = _kernels(gate).gated_activation_forward(_rows(gate), _rows(up), activation)
+    record = kernel_record(gate.device, [(None, gate.dtype)])
+    out = _kernels(gate).gated_activation_forward(_rows(gate), _rows(up), activation, record)
     return reshaped_output(out, gate.shape)
 
 
@@ -91,7 +94,9 @@ def _gated_activation_backward_fake(
 @fused_op("amp_fx::activation")
 def fused_activation(input: Tensor, activation: str) -> Tensor:
     """``act(input)`` in fp32, rounded once; contiguous, in the input's dtype."""
-    return reshaped_output(_kernels(input).activation_forward(_rows(input), activation), input.shape)
+    record = kernel_record(input.device, [(None, input.dtype)])
+    out = _kernels(input).activation_forward(_rows(input), activation, record)
+    return reshaped_output(out, input.shape)
 
 
 @fused_activation.register_fake
@@ -233,3 +238,7 @@ def fp32_activation(input: Tensor, activation: str = "gelu_tanh") -> Tensor:
     if not _runs_fused(input):
         return _torch_activation(input.float(), activation).to(input.dtype)
     return fused_activation(input, activation)
+
+
+# A watched graph asks these functions' kernel to record the range statistics of what it writes.
+records_in_kernel(fp32_activation, fp32_gated_activation)

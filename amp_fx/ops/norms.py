@@ -16,7 +16,9 @@ broadcasts) return exactly that expression. The kernels are wrapped as the custo
 autograd, so the functions work under autograd and compile under ``torch.compile`` and
 ``torch.export`` as one op; eager calls skip the custom ops' dispatch
 (`amp_fx.ops.dispatch.fused_op`). They run the Triton kernels on CUDA tensors and the pure-torch
-reference elsewhere (``amp_fx.kernels.implementation_for``).
+reference elsewhere (``amp_fx.kernels.implementation_for``). Under `amp_fx.watch` the forward
+kernel records the range statistics of the output and the sum it writes
+(`amp_fx.ops.range_record.kernel_record`).
 
     >>> x = torch.randn(4, 64, dtype=torch.bfloat16)
     >>> y = rms_norm_fp32(x, torch.ones(64), 1e-6)
@@ -36,8 +38,10 @@ from torch import Tensor
 # amp_fx.kernels loads Triton only when a CUDA tensor's kernels are asked for.
 from amp_fx.kernels import implementation_for, reference
 from amp_fx.kernels.arguments import KERNEL_DTYPES
+from amp_fx.kernels.range_stats import KernelRecord
 from amp_fx.ops.dispatch import compiler_fuses, fused_op, is_traced_backward
 from amp_fx.ops.outputs import reshaped_output
+from amp_fx.ops.range_record import kernel_record, records_in_kernel
 
 __all__ = [
     "add_layer_norm_fp32",
@@ -96,7 +100,7 @@ def fused_norm(
         _rows(x, width), weight, bias, eps,
         residual=None if residual is None else _rows(residual, width), subtract_mean=subtract_mean,
         weight_offset=weight_offset, mid_dtype=mid_dtype, product_dtype=product_dtype,
-        out_dtype=out_dtype, sum_dtype=sum_dtype,
+        out_dtype=out_dtype, sum_dtype=sum_dtype, record=_kernel_record(x, residual, out_dtype, sum_dtype),
     )  # fmt: skip
     # Outputs of their own, not views of the kernels' (rows, width) buffers: the next op may
     # modify them in place.
@@ -106,6 +110,17 @@ def fused_norm(
         _empty(x) if mean is None else mean,
         rstd,
     )
+
+
+def _kernel_record(
+    x: Tensor, residual: Tensor | None, out_dtype: torch.dtype, sum_dtype: torch.dtype | None
+) -> KernelRecord | None:
+    """The kernel's ``record`` where a watch asks for it (`amp_fx.ops.range_record.kernel_record`):
+    out is the functions' result, or with a residual the second of (sum, out)."""
+    if residual is None:
+        return kernel_record(x.device, [(None, out_dtype), None])
+    sum_dtype = sum_dtype or torch.promote_types(x.dtype, residual.dtype)
+    return kernel_record(x.device, [(1, out_dtype), (0, sum_dtype)])
 
 
 @fused_norm.register_fake
@@ -451,3 +466,7 @@ def add_layer_norm_fp32(
     sum_dtype = torch.promote_types(x.dtype, residual.dtype)
     out, summed = _layer_norm(flat[0], residual_flat[0], *flat[1:], eps, out_dtype, sum_dtype)
     return summed.reshape(x.shape), out.reshape(x.shape)
+
+
+# A watched graph asks these functions' kernel to record the range statistics of what it writes.
+records_in_kernel(rms_norm_fp32, add_rms_norm_fp32, layer_norm_fp32, add_layer_norm_fp32)

@@ -22,6 +22,14 @@ there without reading the device). A step begins at each call of the model's own
 graph); for a model whose own call runs no watched graph (a torch.export front-end model whose
 top module is an island), a step begins at the first graph call after a backward.
 
+A fused op of ours whose kernel writes the watched value records it in that kernel instead, in
+the same launch (the kernel families' ``record=`` argument, ``amp_fx.kernels.range_stats``): the
+graph calls `expect_kernel_records` right before the op, the op asks `kernel_record` for the
+argument to pass its kernel, and the `record_range` after it then records only the gradient (and
+keeps the order). An op that runs no kernel of ours for that call (its torch expression) takes no
+request, and `record_range` records its value as any node's. The ops whose kernels do so are
+registered with `records_in_kernel`.
+
 This module is the runtime half; `amp_fx.inspect.ranges` inserts the calls and reads the
 statistics.
 
@@ -39,6 +47,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,15 +56,19 @@ from torch import Tensor
 
 from amp_fx.core.dtypes import LOW_PRECISION_DTYPES
 from amp_fx.kernels import implementation_for
-from amp_fx.kernels.range_stats import COUNT_FIELDS
+from amp_fx.kernels.range_stats import COUNT_FIELDS, KernelRecord
 
 __all__ = [
     "BACKWARD",
     "FORWARD",
+    "KERNEL_RECORDING_OPS",
     "RangeClock",
     "RangeRecorder",
+    "expect_kernel_records",
+    "kernel_record",
     "range_begin",
     "record_range",
+    "records_in_kernel",
 ]
 
 # The two directions each watched node records: its value, and the gradient flowing back to it.
@@ -163,22 +177,31 @@ class RangeRecorder:
 
     def wants(self, value: Any) -> bool:
         """Whether ``value`` is a tensor this recorder records."""
-        if not isinstance(value, Tensor):
-            return False
-        return value.dtype in (LOW_PRECISION_DTYPES if self.low_only else _RECORDED_DTYPES)
+        return isinstance(value, Tensor) and self.wants_dtype(value.dtype)
+
+    def wants_dtype(self, dtype: torch.dtype) -> bool:
+        """Whether this recorder records values of ``dtype``."""
+        return dtype in (LOW_PRECISION_DTYPES if self.low_only else _RECORDED_DTYPES)
 
     def record(self, value: Tensor, slot: int, direction: int) -> None:
-        """Accumulate ``value``'s statistics into the row of the step in progress."""
+        """Accumulate ``value``'s statistics into the row of the step in progress (unless the
+        kernel that wrote it did: `expect_kernel_records`)."""
         clock = self.clock
         if direction == BACKWARD:
             clock.in_backward = True
         if not clock.recording:
             return
-        amax, counts = self._row(value.device, clock.row, clock.step)
         self.dtypes[slot] = value.dtype
-        # No detach: neither kernel records autograd (the reference runs under no_grad).
-        implementation_for((value,)).record_range_(value, amax, counts, 2 * slot + direction)
+        if direction == BACKWARD or not _recorded_by_kernel(self, slot):
+            amax, counts = self.step_row(value.device)
+            # No detach: neither kernel records autograd (the reference runs under no_grad).
+            implementation_for((value,)).record_range_(value, amax, counts, 2 * slot + direction)
         clock.order[clock.row].setdefault((self, slot, direction), None)
+
+    def step_row(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The (amax, counts) views, on ``device``, of the row of the step in progress, where each
+        record of the step adds: ``[size, 2]`` and ``[size, 2, 3]``, entry ``2 * slot + direction``."""
+        return self._row(device, self.clock.row, self.clock.step)
 
     def _row(self, device: torch.device, row: int, step: int) -> tuple[Tensor, Tensor]:
         if device not in self.buffers:
@@ -256,6 +279,93 @@ class _RecordRange(torch.autograd.Function):
         return grad, None, None
 
 
+# --- recording inside a fused op's kernel ---------------------------------------------------------
+
+# The fused-op functions (as graphs call them) whose kernels record their outputs when asked.
+KERNEL_RECORDING_OPS: set[Callable[..., Any]] = set()
+
+
+def records_in_kernel(*functions: Callable[..., Any]) -> None:
+    """Register fused-op functions that take `kernel_record`'s request for their kernels: the
+    watch then asks them (`expect_kernel_records`) instead of recording their outputs apart."""
+    KERNEL_RECORDING_OPS.update(functions)
+
+
+@dataclasses.dataclass(slots=True)
+class _KernelRequest:
+    """What `expect_kernel_records` asked of the fused op the graph calls next."""
+
+    recorder: RangeRecorder
+    # The watched outputs: position in the op's result (None: the result itself) -> slot.
+    slots: dict[int | None, int]
+    taken: bool = False
+    recorded: set[int] = dataclasses.field(default_factory=set)
+
+
+# The request of the fused op running on this thread (graphs run on the thread that calls them).
+_requests = threading.local()
+
+
+def expect_kernel_records(recorder: RangeRecorder | None, slots: tuple[tuple[int | None, int], ...]) -> None:
+    """Called by a watched graph right before a fused op registered with `records_in_kernel`:
+    where this call records, asks the op's kernel to record the outputs ``slots`` names
+    (``(position in the op's result, slot)``; position None: the result itself).
+
+    Example:
+        >>> recorder = RangeRecorder(RangeClock(every=1, history=1), size=1, root=True, low_only=True)
+        >>> expect_kernel_records(range_begin(recorder), ((None, 0),))
+        >>> amax, counts, indices = kernel_record(torch.device("cpu"), [(None, torch.float16)])
+        >>> indices, amax.shape
+        ((0,), torch.Size([1, 2]))
+    """
+    if recorder is None or not recorder.clock.recording:
+        _requests.pending = None
+        return
+    _requests.pending = _KernelRequest(recorder, dict(slots))
+
+
+def kernel_record(
+    device: torch.device, outputs: Sequence[tuple[int | None, torch.dtype] | None]
+) -> KernelRecord | None:
+    """The ``record`` argument for the kernel a fused op is about to launch on ``device``, or None
+    where nothing asked (the usual case) or none of its outputs is watched. ``outputs``: per value
+    the kernel writes, in its contract's order, its position in the op's result (None: the result
+    itself) and its dtype; None for a value this call does not write. A request is taken once.
+
+    Example:
+        >>> kernel_record(torch.device("cpu"), [(None, torch.float16)]) is None
+        True
+    """
+    request = getattr(_requests, "pending", None)
+    if request is None or request.taken:
+        return None
+    request.taken = True
+    recorder = request.recorder
+    indices: list[int | None] = []
+    for output in outputs:
+        slot = None if output is None else request.slots.get(output[0])
+        if slot is None or not recorder.wants_dtype(output[1]):
+            indices.append(None)
+            continue
+        request.recorded.add(slot)
+        indices.append(2 * slot + FORWARD)
+    if not request.recorded:
+        return None
+    amax, counts = recorder.step_row(device)
+    return amax, counts, tuple(indices)
+
+
+def _recorded_by_kernel(recorder: RangeRecorder, slot: int) -> bool:
+    """Whether the kernel that wrote ``slot``'s value recorded it (and forget it: once a step)."""
+    request = getattr(_requests, "pending", None)
+    if request is None or request.recorder is not recorder or slot not in request.recorded:
+        return False
+    request.recorded.discard(slot)
+    if not request.recorded:
+        _requests.pending = None
+    return True
+
+
 def range_begin(recorder: RangeRecorder) -> RangeRecorder | None:
     """Called first by a watched graph: tells the clock a graph began, and returns the recorder
     where this call records (or must see its backward), else None.
@@ -267,6 +377,7 @@ def range_begin(recorder: RangeRecorder) -> RangeRecorder | None:
     """
     clock = recorder.clock
     clock.begin(recorder.root)
+    _requests.pending = None  # none left over from a graph that stopped early
     return recorder if clock.recording or clock.tracks_backward else None
 
 
@@ -280,6 +391,11 @@ def record_range(value: Any, recorder: RangeRecorder | None, slot: int) -> Any:
         >>> record_range(x, None, 0) is x
         True
     """
+    request = getattr(_requests, "pending", None)
+    if request is not None:
+        request.taken = True  # the op ran: no later op may take its request
+        if not request.recorded:
+            _requests.pending = None  # nothing left to tell (and the recorder is not held)
     if recorder is None or not recorder.wants(value):
         return value
     return _RecordRange.apply(value, recorder, slot)

@@ -18,7 +18,8 @@ and, when they require it, to cos and sin (plain torch math: position tables rar
 
 A call whose tensors do not fit the kernels' contract (odd or mismatched widths, cos not
 broadcastable to x without enlarging it, float64) computes the chain it replaces with torch ops,
-so the call always has the chain's value.
+so the call always has the chain's value. Under `amp_fx.watch` the forward kernel records the
+range statistics of the outputs it writes (`amp_fx.ops.range_record.kernel_record`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from amp_fx.kernels import implementation_for, reference
 from amp_fx.kernels.arguments import KERNEL_DTYPES
 from amp_fx.kernels.rotary.arguments import rotary_width_problem
 from amp_fx.ops.dispatch import compiler_fuses, fused_op
+from amp_fx.ops.range_record import kernel_record, records_in_kernel
 
 __all__ = [
     "tables_fit",
@@ -60,7 +62,8 @@ def rotary_embedding_op(
 ) -> Tensor:
     """x's first ``cos.shape[-1]`` features rotated by (cos, sin) in fp32, the rest passed through,
     in ``out_dtype`` (the contract of ``amp_fx.kernels.rotary``)."""
-    return _implementation(x).rotary_forward([x], cos, sin, interleaved, [out_dtype])[0]
+    record = kernel_record(x.device, [(None, out_dtype)])
+    return _implementation(x).rotary_forward([x], cos, sin, interleaved, [out_dtype], record)[0]
 
 
 @rotary_embedding_op.register_fake
@@ -97,7 +100,10 @@ def rotary_embedding_pair_op(
 ) -> tuple[Tensor, Tensor]:
     """`rotary_embedding_op` of a query and a key sharing cos and sin: one launch when they differ
     only in their head counts."""
-    q_out, k_out = _implementation(q, k).rotary_forward([q, k], cos, sin, interleaved, [q_dtype, k_dtype])
+    record = kernel_record(q.device, [(0, q_dtype), (1, k_dtype)])
+    q_out, k_out = _implementation(q, k).rotary_forward(
+        [q, k], cos, sin, interleaved, [q_dtype, k_dtype], record
+    )
     return q_out, k_out
 
 
@@ -394,3 +400,7 @@ def rotary_embedding_pair(
     return rotary_embedding_pair_op(
         q, k, cos, sin, interleaved, _out_dtype(q, cos, sin, q_dtype), _out_dtype(k, cos, sin, k_dtype)
     )
+
+
+# A watched graph asks these functions' kernel to record the range statistics of what it writes.
+records_in_kernel(rotary_embedding, rotary_embedding_pair)

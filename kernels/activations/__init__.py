@@ -22,10 +22,14 @@ out with ``torch.pow`` (the same formula).
 The kernels (``KERNELS``); every tensor is 2-D (rows, columns) in fp16, bf16 or fp32, at any
 strides, all of one shape, dtype and device; outputs are contiguous, in the inputs' dtype:
 
-- ``gated_activation_forward(gate, up, activation) -> out``
+- ``gated_activation_forward(gate, up, activation, record=None) -> out``
 - ``gated_activation_backward(grad_out, gate, up, activation) -> (grad_gate, grad_up)``
-- ``activation_forward(input, activation) -> out``
+- ``activation_forward(input, activation, record=None) -> out``
 - ``activation_backward(grad_out, input, activation) -> grad_input``
+
+``record``: None, or ``(amax, counts, (out_index,))`` (``amp_fx.kernels.range_stats``'
+``KernelRecord``): the range statistics of out added to that entry by the same launch, as
+``record_range_(out, amax, counts, out_index)`` would add them.
 
 Neither implementation reads a tensor value on the host.
 """

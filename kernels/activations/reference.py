@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from amp_fx.kernels.activations.arguments import check_activation_arguments
+from amp_fx.kernels.range_stats import KernelRecord
+from amp_fx.kernels.range_stats.reference import record_outputs_
 
 __all__ = [
     "activation_backward",
@@ -32,9 +34,11 @@ def _act_backward(grad: Tensor, x: Tensor, activation: str) -> Tensor:
     return torch.ops.aten.gelu_backward(grad, x, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
-def gated_activation_forward(gate: Tensor, up: Tensor, activation: str) -> Tensor:
+def gated_activation_forward(
+    gate: Tensor, up: Tensor, activation: str, record: KernelRecord | None = None
+) -> Tensor:
     """``act(gate) * up`` in fp32, rounded once to the inputs' dtype: the contract of
-    ``amp_fx.kernels.activations``.
+    ``amp_fx.kernels.activations`` (with ``record``, its range statistics recorded).
 
     Example:
         >>> gate = torch.tensor([[-1.0, 0.0, 2.0]], dtype=torch.bfloat16)
@@ -43,7 +47,9 @@ def gated_activation_forward(gate: Tensor, up: Tensor, activation: str) -> Tenso
     """
     check_activation_arguments(activation, gate=gate, up=up)
     # fp32 * up promotes: the product reads up's values as the fp32 copy would hold them.
-    return (_act(gate.float(), activation) * up).to(gate.dtype).contiguous()
+    out = (_act(gate.float(), activation) * up).to(gate.dtype).contiguous()
+    record_outputs_(record, [out])
+    return out
 
 
 def gated_activation_backward(
@@ -65,15 +71,18 @@ def gated_activation_backward(
     return grad_gate.to(gate.dtype).contiguous(), grad_up.to(up.dtype).contiguous()
 
 
-def activation_forward(input: Tensor, activation: str) -> Tensor:
-    """``act(input)`` in fp32, rounded once to the input's dtype.
+def activation_forward(input: Tensor, activation: str, record: KernelRecord | None = None) -> Tensor:
+    """``act(input)`` in fp32, rounded once to the input's dtype (with ``record``, its range
+    statistics recorded).
 
     Example:
         >>> activation_forward(torch.tensor([[-1.0, 3.0]], dtype=torch.bfloat16), "gelu_tanh")
         tensor([[-0.1592,  3.0000]], dtype=torch.bfloat16)
     """
     check_activation_arguments(activation, input=input)
-    return _act(input.float(), activation).to(input.dtype).contiguous()
+    out = _act(input.float(), activation).to(input.dtype).contiguous()
+    record_outputs_(record, [out])
+    return out
 
 
 def activation_backward(grad_out: Tensor, input: Tensor, activation: str) -> Tensor:

@@ -30,6 +30,9 @@ from amp_fx.kernels.activations import ACTIVATIONS
 from amp_fx.kernels.activations.arguments import check_activation_arguments
 from amp_fx.kernels.devices import on_device
 from amp_fx.kernels.pointer_table import triton_dtype
+from amp_fx.kernels.range_stats import KernelRecord
+from amp_fx.kernels.range_stats.arguments import check_kernel_record
+from amp_fx.kernels.range_stats.triton import bit_layout, record_block
 from amp_fx.kernels.rounding import round_to_dtype
 
 
@@ -96,7 +99,8 @@ def _tile(num_rows, num_columns, BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.con
     return rows, columns, (rows < num_rows) & (columns < num_columns)
 
 
-@triton.jit
+# The entry is never specialized: each watched node records at an index of its own.
+@triton.jit(do_not_specialize=["out_index"])
 def _activation_forward_kernel(
     x_ptr,  # DTYPE* (rows, columns): the activation's input (the gate), at (row, column) strides
     x_row_stride,
@@ -105,11 +109,18 @@ def _activation_forward_kernel(
     up_row_stride,
     up_column_stride,
     out_ptr,  # DTYPE* (rows, columns) contiguous, out: act(x) [* up], rounded once
+    record_amax_ptr,  # float32*: the range statistics' amax, with RECORD
+    record_counts_ptr,  # int64*: their counts
+    out_index,  # the entry out's statistics go to, with RECORD
     num_rows,
     num_columns,
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
     DTYPE: tl.constexpr,
+    RECORD: tl.constexpr,
+    BITS_DTYPE: tl.constexpr,  # range_stats' bit_layout of DTYPE, with RECORD
+    EXPONENT_MASK: tl.constexpr,
+    MAGNITUDE_MASK: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLUMNS: tl.constexpr,
 ):
@@ -119,7 +130,15 @@ def _activation_forward_kernel(
     if GATED:
         up = tl.load(up_ptr + rows * up_row_stride + columns * up_column_stride, mask=mask)
         out = out * up.to(tl.float32)
-    tl.store(out_ptr + rows * num_columns + columns, round_to_dtype(out, DTYPE), mask=mask)
+    stored = round_to_dtype(out, DTYPE)
+    tl.store(out_ptr + rows * num_columns + columns, stored, mask=mask)
+    if RECORD:
+        first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
+        numel = num_rows.to(tl.int64) * num_columns
+        record_block(
+            stored, mask, record_amax_ptr, record_counts_ptr, out_index, numel, first,
+            BITS_DTYPE, EXPONENT_MASK, MAGNITUDE_MASK,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -182,20 +201,29 @@ def _strided(tensor: Tensor | None, fallback: Tensor) -> tuple[Tensor, int, int]
     return tensor, tensor.stride(0), tensor.stride(1)
 
 
-def _forward(x: Tensor, up: Tensor | None, activation: str) -> Tensor:
+def _forward(x: Tensor, up: Tensor | None, activation: str, record: KernelRecord | None) -> Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if record is not None:
+        check_kernel_record(record, [out])
     if x.numel() == 0:
         return out
+    amax, counts, (out_index,) = record or (out, out, (None,))
     grid, block_rows, block_columns, num_warps = _launch(x.shape)
     with on_device(x.device):
         _activation_forward_kernel[grid](
             *_strided(x, x),
             *_strided(up, x),
             out,
+            amax,
+            counts,
+            out_index or 0,
             *x.shape,
             ACTIVATION=ACTIVATIONS.index(activation),
             GATED=up is not None,
             DTYPE=triton_dtype(x.dtype),
+            RECORD=out_index is not None,
+            # Fixed where it does not record: no kernel variant per unused dtype.
+            **bit_layout(x.dtype if out_index is not None else torch.float32),
             BLOCK_ROWS=block_rows,
             BLOCK_COLUMNS=block_columns,
             num_warps=num_warps,
@@ -229,16 +257,18 @@ def _backward(
     return grad_x, grad_up
 
 
-def gated_activation_forward(gate: Tensor, up: Tensor, activation: str) -> Tensor:
+def gated_activation_forward(
+    gate: Tensor, up: Tensor, activation: str, record: KernelRecord | None = None
+) -> Tensor:
     """``act(gate) * up`` in fp32, rounded once: the contract of ``amp_fx.kernels.activations``.
-    One read of each input, one write.
+    One read of each input, one write (recording its range statistics where ``record`` asks).
 
     Example:
         >>> gate = torch.randn(8, 4096, dtype=torch.bfloat16, device="cuda")  # doctest: +SKIP
         >>> out = gated_activation_forward(gate, torch.randn_like(gate), "silu")  # doctest: +SKIP
     """
     check_activation_arguments(activation, gate=gate, up=up)
-    return _forward(gate, up, activation)
+    return _forward(gate, up, activation, record)
 
 
 def gated_activation_backward(
@@ -255,15 +285,15 @@ def gated_activation_backward(
     return grad_gate, grad_up
 
 
-def activation_forward(input: Tensor, activation: str) -> Tensor:
-    """``act(input)`` in fp32, rounded once.
+def activation_forward(input: Tensor, activation: str, record: KernelRecord | None = None) -> Tensor:
+    """``act(input)`` in fp32, rounded once (recording its range statistics where ``record`` asks).
 
     Example:
         >>> x = torch.randn(8, 3072, dtype=torch.float16, device="cuda")  # doctest: +SKIP
         >>> out = activation_forward(x, "gelu_tanh")  # doctest: +SKIP
     """
     check_activation_arguments(activation, input=input)
-    return _forward(input, None, activation)
+    return _forward(input, None, activation, record)
 
 
 def activation_backward(grad_out: Tensor, input: Tensor, activation: str) -> Tensor:

@@ -33,11 +33,14 @@ the returned sum from its other readers, zero when none), with the roundings tak
 The kernels (``KERNELS``), on 2-D (rows, D) tensors whose rows are contiguous:
 
 - ``norm_forward(x, weight, bias, eps, *, residual=None, subtract_mean=False, weight_offset=0.0,
-  mid_dtype=None, product_dtype=torch.float32, out_dtype=None, sum_dtype=None)
+  mid_dtype=None, product_dtype=torch.float32, out_dtype=None, sum_dtype=None, record=None)
   -> (out, summed, mean, rstd)``: ``out`` (rows, D) in ``out_dtype`` (x's when None); ``summed``
   the (rows, D) sum in ``sum_dtype`` (torch's promotion of x and residual when None), None
   without a residual; ``mean`` float32 (rows,) for LayerNorm, None for RMSNorm; ``rstd`` float32
-  (rows,). weight and bias are (D,) vectors of any float dtype, or None.
+  (rows,). weight and bias are (D,) vectors of any float dtype, or None. ``record``: None, or
+  ``(amax, counts, (out_index, sum_index))`` (``amp_fx.kernels.range_stats``' ``KernelRecord``):
+  the range statistics of out and of the sum (an index None: not recorded) added to those entries
+  by the same launch, as ``record_range_`` of each would add them.
 - ``norm_backward(grad_out, grad_sum, normalized, weight, mean, rstd, *, bias_dtype=None,
   subtract_mean=False, weight_offset=0.0, mid_dtype=None, grad_dtype, residual_grad_dtype=None)
   -> (grad_x, grad_residual, grad_weight, grad_bias)``: ``normalized`` is the forward's s (x, or

@@ -8,6 +8,8 @@ import torch
 from torch import Tensor
 
 from amp_fx.kernels.norms.arguments import check_norm_backward_arguments, check_norm_forward_arguments
+from amp_fx.kernels.range_stats import KernelRecord
+from amp_fx.kernels.range_stats.reference import record_outputs_
 
 __all__ = ["norm_backward", "norm_forward"]
 
@@ -47,9 +49,11 @@ def norm_forward(
     product_dtype: torch.dtype = torch.float32,
     out_dtype: torch.dtype | None = None,
     sum_dtype: torch.dtype | None = None,
+    record: KernelRecord | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
     """RMSNorm (or LayerNorm with ``subtract_mean``) of the rows of ``x`` (+ ``residual``):
-    ``(out, summed, mean, rstd)``, the contract of ``amp_fx.kernels.norms``.
+    ``(out, summed, mean, rstd)``, the contract of ``amp_fx.kernels.norms``; where ``record``
+    asks, the range statistics of out and the sum too.
 
     Example:
         >>> x = torch.tensor([[3.0, 4.0]], dtype=torch.bfloat16)
@@ -81,6 +85,7 @@ def norm_forward(
     if product_dtype != torch.float32:
         y = y.to(product_dtype)
     out = y.to(out_dtype or x.dtype)
+    record_outputs_(record, [out, summed])
     return out, summed, None if mean is None else mean.view(-1), rstd.view(-1)
 
 

@@ -29,6 +29,9 @@ from torch import Tensor
 from amp_fx.kernels.devices import on_device
 from amp_fx.kernels.norms.arguments import check_norm_backward_arguments, check_norm_forward_arguments
 from amp_fx.kernels.pointer_table import triton_dtype
+from amp_fx.kernels.range_stats import KernelRecord
+from amp_fx.kernels.range_stats.arguments import check_kernel_record
+from amp_fx.kernels.range_stats.triton import bit_layout, record_block
 from amp_fx.kernels.rounding import round_to_dtype
 
 __all__ = ["MAX_WIDTH", "norm_backward", "norm_forward"]
@@ -68,7 +71,8 @@ def _weight_row(weight_ptr, columns, in_row, weight_offset, HAS_OFFSET: tl.const
     return w
 
 
-@triton.jit
+# The entries are never specialized: each watched node records at an index of its own.
+@triton.jit(do_not_specialize=["out_index", "sum_index"])
 def _norm_forward_kernel(
     x_ptr,  # X_DTYPE* (N, D): row i at x_ptr + i * x_row_stride, columns contiguous
     x_row_stride,
@@ -80,6 +84,10 @@ def _norm_forward_kernel(
     out_ptr,  # OUT_DTYPE* (N, D) contiguous out
     mean_ptr,  # float32* (N,) out, only with SUBTRACT_MEAN
     rstd_ptr,  # float32* (N,) out
+    record_amax_ptr,  # float32*: the range statistics' amax, with RECORD_OUT or RECORD_SUM
+    record_counts_ptr,  # int64*: their counts
+    out_index,  # the entry out's statistics go to, with RECORD_OUT
+    sum_index,  # the entry the sum's go to, with RECORD_SUM
     width,
     eps,
     weight_offset,
@@ -93,9 +101,18 @@ def _norm_forward_kernel(
     MID_DTYPE: tl.constexpr,
     PRODUCT_DTYPE: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
+    RECORD_OUT: tl.constexpr,
+    OUT_BITS_DTYPE: tl.constexpr,  # range_stats' bit_layout of out's dtype, with RECORD_OUT
+    OUT_EXPONENT_MASK: tl.constexpr,
+    OUT_MAGNITUDE_MASK: tl.constexpr,
+    RECORD_SUM: tl.constexpr,
+    SUM_BITS_DTYPE: tl.constexpr,  # the same for the sum's dtype, with RECORD_SUM
+    SUM_EXPONENT_MASK: tl.constexpr,
+    SUM_MAGNITUDE_MASK: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    numel = tl.num_programs(0).to(tl.int64) * width
     columns = tl.arange(0, BLOCK_SIZE)
     in_row = columns < width
     s = tl.load(x_ptr + row * x_row_stride + columns, mask=in_row, other=0.0).to(tl.float32)
@@ -103,6 +120,11 @@ def _norm_forward_kernel(
         r = tl.load(residual_ptr + row * residual_row_stride + columns, mask=in_row, other=0.0)
         summed = round_to_dtype(s + r.to(tl.float32), SUM_DTYPE)
         tl.store(sum_ptr + row * width + columns, summed, mask=in_row)
+        if RECORD_SUM:
+            record_block(
+                summed, in_row, record_amax_ptr, record_counts_ptr, sum_index, numel, row == 0,
+                SUM_BITS_DTYPE, SUM_EXPONENT_MASK, SUM_MAGNITUDE_MASK,
+            )  # fmt: skip
         s = summed.to(tl.float32)  # the rounded sum is what the next op reads
     if SUBTRACT_MEAN:
         mean = tl.sum(s, axis=0) / width
@@ -117,8 +139,13 @@ def _norm_forward_kernel(
         y = y * _weight_row(weight_ptr, columns, in_row, weight_offset, HAS_OFFSET, W_DTYPE)
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + columns, mask=in_row, other=0.0).to(tl.float32)
-    y = _rounded(y, PRODUCT_DTYPE)
-    tl.store(out_ptr + row * width + columns, round_to_dtype(y, OUT_DTYPE), mask=in_row)
+    stored = round_to_dtype(_rounded(y, PRODUCT_DTYPE), OUT_DTYPE)
+    tl.store(out_ptr + row * width + columns, stored, mask=in_row)
+    if RECORD_OUT:
+        record_block(
+            stored, in_row, record_amax_ptr, record_counts_ptr, out_index, numel, row == 0,
+            OUT_BITS_DTYPE, OUT_EXPONENT_MASK, OUT_MAGNITUDE_MASK,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -223,9 +250,11 @@ def norm_forward(
     product_dtype: torch.dtype = torch.float32,
     out_dtype: torch.dtype | None = None,
     sum_dtype: torch.dtype | None = None,
+    record: KernelRecord | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
     """RMSNorm (or LayerNorm with ``subtract_mean``) of the rows of ``x`` (+ ``residual``):
-    ``(out, summed, mean, rstd)``, the contract of ``amp_fx.kernels.norms``. One launch.
+    ``(out, summed, mean, rstd)``, the contract of ``amp_fx.kernels.norms``. One launch, which
+    also records the range statistics of out and the sum where ``record`` asks.
 
     Example:
         >>> x = torch.randn(8 * 2048, 1536, dtype=torch.bfloat16, device="cuda")  # doctest: +SKIP
@@ -243,8 +272,11 @@ def norm_forward(
     if residual is not None:
         sum_dtype = sum_dtype or torch.promote_types(x.dtype, residual.dtype)
         summed = torch.empty((num_rows, width), dtype=sum_dtype, device=x.device)
+    if record is not None:
+        check_kernel_record(record, [out, summed])
     if num_rows == 0:
         return out, summed, mean, rstd
+    amax, counts, (out_index, sum_index) = record or (rstd, rstd, (None, None))
     block_size = triton.next_power_of_2(width)
     with on_device(x.device):
         _norm_forward_kernel[(num_rows,)](
@@ -258,6 +290,10 @@ def norm_forward(
             out,
             mean if mean is not None else rstd,
             rstd,
+            amax,
+            counts,
+            out_index or 0,
+            sum_index or 0,
             width,
             float(eps),
             float(weight_offset),
@@ -271,10 +307,21 @@ def norm_forward(
             MID_DTYPE=_mid(mid_dtype),
             PRODUCT_DTYPE=triton_dtype(product_dtype),
             OUT_DTYPE=triton_dtype(out.dtype),
+            RECORD_OUT=out_index is not None,
+            **_record_layout("OUT", out.dtype if out_index is not None else None),
+            RECORD_SUM=sum_index is not None,
+            **_record_layout("SUM", summed.dtype if sum_index is not None else None),
             BLOCK_SIZE=block_size,
             num_warps=_num_warps(block_size),
         )
     return out, summed, mean, rstd
+
+
+def _record_layout(prefix: str, dtype: torch.dtype | None) -> dict[str, object]:
+    """The forward kernel's bit-layout constexprs of a value it records (``dtype``), or fixed ones
+    for one it does not (no kernel variant per unused dtype)."""
+    layout = bit_layout(torch.float32 if dtype is None else dtype)
+    return {f"{prefix}_{name}": value for name, value in layout.items()}
 
 
 def _backward_programs(device: torch.device, num_rows: int) -> int:

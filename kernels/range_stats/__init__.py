@@ -19,7 +19,25 @@ the value's device. With ``tiny`` the smallest normal number of the value's dtyp
 An inf counts in the largest magnitude (it is inf then) and as non-finite; a NaN only as
 non-finite. The maximum and the integer sums do not depend on the order the elements are read in,
 so both implementations give the same bits. Neither reads a tensor value on the host.
+
+Recorded by the kernel that writes the value: a fused kernel of another family (``norms``,
+``activations``, ``rotary``) takes an optional ``record=(amax, counts, indices)``
+(`KernelRecord`), ``indices`` holding one entry per value the kernel writes, in its contract's
+order (None: that one is not recorded). It then adds to each entry what ``record_range_(value,
+amax, counts, index)`` would add for the value as stored (rounded to its dtype), in the same
+launch that writes it: the reference calls this family's reference on its outputs, the Triton
+kernels use this family's Triton helpers on the blocks they store
+(`amp_fx.kernels.range_stats.triton.record_block`), so both give the same bits.
+``arguments.check_kernel_record`` holds its checks.
 """
+
+from __future__ import annotations
+
+from torch import Tensor
+
+# A fused kernel's ``record`` argument: the statistics' amax and counts, and the entry of each value
+# the kernel writes (None: not recorded).
+KernelRecord = tuple[Tensor, Tensor, tuple[int | None, ...]]
 
 KERNELS = ("record_range_",)
 

@@ -3,12 +3,15 @@ computed with torch ops, on any device."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
-from amp_fx.kernels.range_stats.arguments import check_record_range
+from amp_fx.kernels.range_stats import KernelRecord
+from amp_fx.kernels.range_stats.arguments import check_kernel_record, check_record_range
 
-__all__ = ["record_range_"]
+__all__ = ["record_outputs_", "record_range_"]
 
 
 @torch.no_grad()
@@ -36,3 +39,22 @@ def record_range_(value: Tensor, amax: Tensor, counts: Tensor, index: int) -> No
     three[0].add_(underflow)
     three[1].add_(nonfinite)
     three[2].add_(value.numel())
+
+
+def record_outputs_(record: KernelRecord | None, values: Sequence[Tensor | None]) -> None:
+    """A fused kernel's ``record`` for its reference: `record_range_` of each value it wrote into
+    that value's entry (``values`` in its contract's order, None where it writes none).
+
+    Example:
+        >>> amax, counts = torch.zeros(2), torch.zeros(6, dtype=torch.int64)
+        >>> record_outputs_((amax, counts, (None, 1)), [torch.ones(2), torch.tensor([-4.0])])
+        >>> amax.tolist(), counts.tolist()
+        ([0.0, 4.0], [0, 0, 0, 0, 0, 1])
+    """
+    if record is None:
+        return
+    check_kernel_record(record, values)
+    amax, counts, indices = record
+    for value, index in zip(values, indices, strict=True):
+        if index is not None:
+            record_range_(value, amax, counts, index)

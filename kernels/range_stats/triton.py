@@ -13,6 +13,10 @@ are the same whatever order the atomics land in, so the results are deterministi
 Grid: at most ``_PROGRAMS_PER_SM`` programs per streaming multiprocessor (each then loops over
 ``blocks_per_program`` blocks), so a large value costs a few hundred atomics per entry, not one
 per block.
+
+`record_block` (with `bit_layout`) is the same statistics for a fused kernel of another family that
+writes a watched value (``record=`` in the family's contract): each program adds its stored block
+(or sums its blocks with `block_statistics` and adds them once, with `add_statistics`).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from amp_fx.kernels.arguments import is_dense
 from amp_fx.kernels.devices import on_device
 from amp_fx.kernels.range_stats.arguments import check_record_range
 
-__all__ = ["record_range_"]
+__all__ = ["add_statistics", "bit_layout", "block_statistics", "record_block", "record_range_"]
 
 # Per value dtype: the integer type of its width, its exponent bits, every bit but the sign.
 _BIT_LAYOUTS = {
@@ -41,6 +45,80 @@ _NUM_WARPS = 4
 _PROGRAMS_PER_SM = 4
 # Programs for a launch on the CPU (the interpreter): few, so a test runs quickly.
 _CPU_PROGRAMS = 4
+
+
+@triton.jit
+def _block_range(bits, VALUE_DTYPE: tl.constexpr, EXPONENT_MASK: tl.constexpr, MAGNITUDE_MASK: tl.constexpr):
+    """Per element of a block of values given by their bits: (|value| widened to fp32, NaN as 0;
+    1 where subnormal; 1 where inf or NaN)."""
+    magnitude = tl.abs(bits.to(VALUE_DTYPE, bitcast=True).to(tl.float32))
+    largest = tl.where(magnitude != magnitude, 0.0, magnitude)
+    # |v| < inf is False exactly for inf and NaN.
+    nonfinite = (~(magnitude < float("inf"))).to(tl.int32)
+    # Subnormal: no exponent bits and not zero. Read from the bits, not compared as floats: a GPU
+    # may flush an fp32 subnormal to zero in arithmetic.
+    underflow = (((bits & EXPONENT_MASK) == 0) & ((bits & MAGNITUDE_MASK) != 0)).to(tl.int32)
+    return largest, underflow, nonfinite
+
+
+@triton.jit
+def add_statistics(amax_ptr, counts_ptr, index, largest, underflow, nonfinite, numel, adds_numel):
+    """Add one program's statistics (scalars: largest magnitude, underflow and inf/NaN counts) to
+    entry ``index``: an atomic each, the counts only where not zero (most programs then pay one
+    atomic, the maximum); a program with ``adds_numel`` (one per value) adds ``numel``, the value's
+    element count."""
+    tl.atomic_max(amax_ptr + index, largest)
+    counts_ptr += 3 * index
+    underflow = underflow.to(tl.int64)
+    tl.atomic_add(counts_ptr, underflow, mask=underflow != 0)
+    nonfinite = nonfinite.to(tl.int64)
+    tl.atomic_add(counts_ptr + 1, nonfinite, mask=nonfinite != 0)
+    if adds_numel:
+        tl.atomic_add(counts_ptr + 2, numel.to(tl.int64))
+
+
+@triton.jit
+def block_statistics(
+    value, inside, BITS_DTYPE: tl.constexpr, EXPONENT_MASK: tl.constexpr, MAGNITUDE_MASK: tl.constexpr
+):
+    """(largest magnitude, underflow count, inf/NaN count) of a block a fused kernel stores
+    (``value`` in the value's dtype, lanes outside ``inside`` counting nothing), as scalars for
+    `add_statistics`. The constexprs are `bit_layout`'s for the value's dtype."""
+    bits = value.to(BITS_DTYPE, bitcast=True)
+    bits = tl.where(inside, bits, tl.zeros_like(bits))
+    largest, underflow, nonfinite = _block_range(bits, value.dtype, EXPONENT_MASK, MAGNITUDE_MASK)
+    return tl.max(largest, axis=None), tl.sum(underflow, axis=None), tl.sum(nonfinite, axis=None)
+
+
+@triton.jit
+def record_block(
+    value,
+    inside,
+    amax_ptr,
+    counts_ptr,
+    index,
+    numel,
+    adds_numel,
+    BITS_DTYPE: tl.constexpr,
+    EXPONENT_MASK: tl.constexpr,
+    MAGNITUDE_MASK: tl.constexpr,
+):
+    """For a fused kernel that writes a value: add the statistics of the block it stores to entry
+    ``index`` (`block_statistics`, then `add_statistics`)."""
+    largest, underflow, nonfinite = block_statistics(value, inside, BITS_DTYPE, EXPONENT_MASK, MAGNITUDE_MASK)
+    add_statistics(amax_ptr, counts_ptr, index, largest, underflow, nonfinite, numel, adds_numel)
+
+
+def bit_layout(dtype: torch.dtype) -> dict[str, object]:
+    """`record_block`'s constexprs for values of ``dtype``, by their names there.
+
+    Example:
+        >>> bit_layout(torch.float16)["EXPONENT_MASK"]
+        31744
+    """
+    _, _, exponent_mask, magnitude_mask = _BIT_LAYOUTS[dtype]
+    bits = tl.int32 if dtype == torch.float32 else tl.int16
+    return {"BITS_DTYPE": bits, "EXPONENT_MASK": exponent_mask, "MAGNITUDE_MASK": magnitude_mask}
 
 
 # numel is never specialized (a one-element value would make it a constant, which has no ``.to``),
@@ -59,8 +137,6 @@ def _record_range_kernel(
     BLOCK_SIZE: tl.constexpr,
 ):
     program = tl.program_id(0).to(tl.int64)
-    amax_ptr += index
-    counts_ptr += 3 * index
     block = tl.arange(0, BLOCK_SIZE)
     largest = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
     underflow = tl.zeros([BLOCK_SIZE], dtype=tl.int32)
@@ -68,22 +144,23 @@ def _record_range_kernel(
     first = program * blocks_per_program * BLOCK_SIZE
     for i in range(blocks_per_program):
         offsets = first + i * BLOCK_SIZE + block
-        inside = offsets < numel
-        bits = tl.load(bits_ptr + offsets, mask=inside, other=0)
-        magnitude = tl.abs(bits.to(VALUE_DTYPE, bitcast=True).to(tl.float32))
-        is_nan = magnitude != magnitude
-        largest = tl.maximum(largest, tl.where(is_nan, 0.0, magnitude))
-        # |v| < inf is False exactly for inf and NaN.
-        nonfinite += (~(magnitude < float("inf"))).to(tl.int32)
-        # Subnormal: no exponent bits and not zero. Read from the bits, not compared as floats: a
-        # GPU may flush an fp32 subnormal to zero in arithmetic.
-        subnormal = ((bits & EXPONENT_MASK) == 0) & ((bits & MAGNITUDE_MASK) != 0)
-        underflow += subnormal.to(tl.int32)
-    tl.atomic_max(amax_ptr, tl.max(largest, axis=0))
-    tl.atomic_add(counts_ptr, tl.sum(underflow, axis=0).to(tl.int64))
-    tl.atomic_add(counts_ptr + 1, tl.sum(nonfinite, axis=0).to(tl.int64))
-    if program == 0:
-        tl.atomic_add(counts_ptr + 2, numel.to(tl.int64))
+        bits = tl.load(bits_ptr + offsets, mask=offsets < numel, other=0)
+        block_largest, block_underflow, block_nonfinite = _block_range(
+            bits, VALUE_DTYPE, EXPONENT_MASK, MAGNITUDE_MASK
+        )
+        largest = tl.maximum(largest, block_largest)
+        underflow += block_underflow
+        nonfinite += block_nonfinite
+    add_statistics(
+        amax_ptr,
+        counts_ptr,
+        index,
+        tl.max(largest, axis=0),
+        tl.sum(underflow, axis=0),
+        tl.sum(nonfinite, axis=0),
+        numel,
+        program == 0,
+    )
 
 
 @functools.cache

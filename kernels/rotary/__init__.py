@@ -27,9 +27,12 @@ the output dtype.
 
 The kernels (``KERNELS``) take one or two tensors that share cos and sin (a query and a key):
 
-- ``rotary_forward(xs, cos, sin, interleaved, out_dtypes) -> outs``: each x in ``xs``, cos and sin
-  in fp16, bf16 or fp32 (each its own), any strides; each out in its ``out_dtypes`` entry (fp16,
-  bf16 or fp32), its x's shape, strides as ``torch.empty_like(x)`` gives them. A list.
+- ``rotary_forward(xs, cos, sin, interleaved, out_dtypes, record=None) -> outs``: each x in ``xs``,
+  cos and sin in fp16, bf16 or fp32 (each its own), any strides; each out in its ``out_dtypes``
+  entry (fp16, bf16 or fp32), its x's shape, strides as ``torch.empty_like(x)`` gives them. A
+  list. ``record``: None, or ``(amax, counts, indices)`` with an index (or None) per out
+  (``amp_fx.kernels.range_stats``' ``KernelRecord``): the outs' range statistics added to those
+  entries by the launch that writes them, as ``record_range_`` of each would add them.
 - ``rotary_backward(grad_outs, cos, sin, interleaved, out_dtypes) -> grad_xs``: the same with the
   transposed rotation; ``out_dtypes`` are the xs' dtypes.
 

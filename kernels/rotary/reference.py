@@ -9,6 +9,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from amp_fx.kernels.range_stats import KernelRecord
+from amp_fx.kernels.range_stats.reference import record_outputs_
 from amp_fx.kernels.rotary.arguments import check_rotary_tensors
 
 __all__ = ["rotary_backward", "rotary_forward"]
@@ -52,11 +54,16 @@ def _rotate(
 
 
 def rotary_forward(
-    xs: Sequence[Tensor], cos: Tensor, sin: Tensor, interleaved: bool, out_dtypes: Sequence[torch.dtype]
+    xs: Sequence[Tensor],
+    cos: Tensor,
+    sin: Tensor,
+    interleaved: bool,
+    out_dtypes: Sequence[torch.dtype],
+    record: KernelRecord | None = None,
 ) -> list[Tensor]:
     """Each x of ``xs``: ``x * cos + rotate_half(x) * sin`` on its first ``cos.shape[-1]`` features
     (the rest passed through), in fp32, rounded once to its ``out_dtypes`` entry: the contract of
-    ``amp_fx.kernels.rotary``.
+    ``amp_fx.kernels.rotary`` (with ``record``, the outputs' range statistics recorded).
 
     Example:
         >>> x = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]], dtype=torch.bfloat16)
@@ -67,9 +74,11 @@ def rotary_forward(
         tensor([[-2.,  1., -4.,  3.,  5.]])
     """
     check_rotary_tensors(xs, cos, sin, interleaved, out_dtypes)
-    return [
+    outs = [
         _rotate(x, cos, sin, interleaved, d, transposed=False) for x, d in zip(xs, out_dtypes, strict=True)
     ]
+    record_outputs_(record, outs)
+    return outs
 
 
 def rotary_backward(

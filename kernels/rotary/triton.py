@@ -32,6 +32,9 @@ from torch import Tensor
 
 from amp_fx.kernels.devices import on_device
 from amp_fx.kernels.pointer_table import triton_dtype
+from amp_fx.kernels.range_stats import KernelRecord
+from amp_fx.kernels.range_stats.arguments import check_kernel_record
+from amp_fx.kernels.range_stats.triton import add_statistics, bit_layout, block_statistics, record_block
 from amp_fx.kernels.rotary.arguments import check_rotary_tensors
 from amp_fx.kernels.rounding import round_to_dtype
 
@@ -61,14 +64,24 @@ def _rotate_heads(
     num_heads,
     width,  # D: features of x
     rotary_width,  # R: features rotated (even, <= D)
+    record_amax_ptr,  # with RECORD: the range statistics' amax and counts, out's entry, its numel,
+    record_counts_ptr,
+    record_index,
+    record_numel,
+    adds_numel,  # and whether this program adds that numel (one program per tensor does)
     INTERLEAVED: tl.constexpr,
     TRANSPOSED: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
+    RECORD: tl.constexpr,
+    BITS_DTYPE: tl.constexpr,  # range_stats' bit_layout of OUT_DTYPE, with RECORD
+    EXPONENT_MASK: tl.constexpr,
+    MAGNITUDE_MASK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_PAIRS: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
 ):
-    """Rotate every head of one position, BLOCK_H heads at a time."""
+    """Rotate every head of one position, BLOCK_H heads at a time (and with RECORD, add the range
+    statistics of what it stores: one atomic each per BLOCK_H heads, and per pass-through block)."""
     half = rotary_width // 2
     pairs = tl.arange(0, BLOCK_PAIRS)[None, :]
     if INTERLEAVED:
@@ -93,17 +106,38 @@ def _rotate_heads(
         else:
             new_a = a * c1 - b * s1
             new_b = b * c2 + a * s2
-        tl.store(out_row + head * os1 + feature_a * os3, round_to_dtype(new_a, OUT_DTYPE), mask=mask)
-        tl.store(out_row + head * os1 + feature_b * os3, round_to_dtype(new_b, OUT_DTYPE), mask=mask)
+        stored_a = round_to_dtype(new_a, OUT_DTYPE)
+        stored_b = round_to_dtype(new_b, OUT_DTYPE)
+        tl.store(out_row + head * os1 + feature_a * os3, stored_a, mask=mask)
+        tl.store(out_row + head * os1 + feature_b * os3, stored_b, mask=mask)
+        if RECORD:
+            largest_a, underflow_a, nonfinite_a = block_statistics(
+                stored_a, mask, BITS_DTYPE, EXPONENT_MASK, MAGNITUDE_MASK
+            )
+            largest_b, underflow_b, nonfinite_b = block_statistics(
+                stored_b, mask, BITS_DTYPE, EXPONENT_MASK, MAGNITUDE_MASK
+            )
+            add_statistics(
+                record_amax_ptr, record_counts_ptr, record_index, tl.maximum(largest_a, largest_b),
+                underflow_a + underflow_b, nonfinite_a + nonfinite_b, record_numel,
+                adds_numel & (head_start == 0),
+            )  # fmt: skip
         # Features past R pass through (partial rotary, GPT-NeoX and Phi), converted to OUT_DTYPE.
         for pass_start in range(rotary_width, width, BLOCK_PASS):
             feature = pass_start + tl.arange(0, BLOCK_PASS)[None, :]
             pass_mask = (head < num_heads) & (feature < width)
             value = tl.load(x_row + head * xs1 + feature * xs3, mask=pass_mask, other=0.0).to(tl.float32)
-            tl.store(out_row + head * os1 + feature * os3, round_to_dtype(value, OUT_DTYPE), mask=pass_mask)
+            stored = round_to_dtype(value, OUT_DTYPE)
+            tl.store(out_row + head * os1 + feature * os3, stored, mask=pass_mask)
+            if RECORD:
+                record_block(
+                    stored, pass_mask, record_amax_ptr, record_counts_ptr, record_index, record_numel,
+                    False, BITS_DTYPE, EXPONENT_MASK, MAGNITUDE_MASK,
+                )  # fmt: skip
 
 
-@triton.jit
+# The entries are never specialized: each watched node records at an index of its own.
+@triton.jit(do_not_specialize=["x_index", "y_index"])
 def _rotary_kernel(
     x_ptr,  # first tensor (A0, A1, A2, D), any strides: (i0, i1, i2, f) at x_ptr + i0*xs0 + ... + f*xs3
     xs0,
@@ -140,11 +174,25 @@ def _rotary_kernel(
     size2,  # A2
     width,  # D
     rotary_width,  # R
+    record_amax_ptr,  # float32*: the range statistics' amax, with RECORD_X or RECORD_Y
+    record_counts_ptr,  # int64*: their counts
+    x_index,  # the entry of the first output's statistics, with RECORD_X
+    x_numel,  # its element count
+    y_index,  # the same for the second output, with RECORD_Y
+    y_numel,
     HAS_SECOND: tl.constexpr,
     INTERLEAVED: tl.constexpr,  # pairs (2j, 2j + 1) instead of (j, j + R/2)
     TRANSPOSED: tl.constexpr,  # the backward: rotation by -sin
     OUT_DTYPE: tl.constexpr,
     Y_OUT_DTYPE: tl.constexpr,
+    RECORD_X: tl.constexpr,
+    X_BITS_DTYPE: tl.constexpr,  # range_stats' bit_layout of OUT_DTYPE, with RECORD_X
+    X_EXPONENT_MASK: tl.constexpr,
+    X_MAGNITUDE_MASK: tl.constexpr,
+    RECORD_Y: tl.constexpr,
+    Y_BITS_DTYPE: tl.constexpr,  # of Y_OUT_DTYPE, with RECORD_Y
+    Y_EXPONENT_MASK: tl.constexpr,
+    Y_MAGNITUDE_MASK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_PAIRS: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
@@ -157,14 +205,18 @@ def _rotary_kernel(
     _rotate_heads(
         x_ptr + i0 * xs0 + i2 * xs2, xs1, xs3, out_ptr + i0 * os0 + i2 * os2, os1, os3,
         cos_row, cs1, cs3, sin_row, ss1, ss3, num_heads, width, rotary_width,
-        INTERLEAVED, TRANSPOSED, OUT_DTYPE, BLOCK_H, BLOCK_PAIRS, BLOCK_PASS,
+        record_amax_ptr, record_counts_ptr, x_index, x_numel, position == 0,
+        INTERLEAVED, TRANSPOSED, OUT_DTYPE, RECORD_X, X_BITS_DTYPE, X_EXPONENT_MASK, X_MAGNITUDE_MASK,
+        BLOCK_H, BLOCK_PAIRS, BLOCK_PASS,
     )  # fmt: skip
     if HAS_SECOND:
         # The same position's table rows, still in cache.
         _rotate_heads(
             y_ptr + i0 * ys0 + i2 * ys2, ys1, ys3, y_out_ptr + i0 * yos0 + i2 * yos2, yos1, yos3,
             cos_row, cs1, cs3, sin_row, ss1, ss3, y_num_heads, width, rotary_width,
-            INTERLEAVED, TRANSPOSED, Y_OUT_DTYPE, BLOCK_H, BLOCK_PAIRS, BLOCK_PASS,
+            record_amax_ptr, record_counts_ptr, y_index, y_numel, position == 0,
+            INTERLEAVED, TRANSPOSED, Y_OUT_DTYPE, RECORD_Y, Y_BITS_DTYPE, Y_EXPONENT_MASK, Y_MAGNITUDE_MASK,
+            BLOCK_H, BLOCK_PAIRS, BLOCK_PASS,
         )  # fmt: skip
 
 
@@ -174,15 +226,19 @@ def _four_dims(t: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class _Operand:
-    """One tensor and its output as the kernel sees them: 4-D views, the loop dimension second."""
+    """One tensor and its output as the kernel sees them: 4-D views, the loop dimension second;
+    and the entry the output's range statistics go to (None: not recorded)."""
 
     x: Tensor
     out: Tensor
     cos: Tensor
     sin: Tensor
+    record_index: int | None = None
 
 
-def _operand(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor, loop: int | None) -> tuple[_Operand, int]:
+def _operand(
+    x: Tensor, cos: Tensor, sin: Tensor, out: Tensor, loop: int | None, record_index: int | None
+) -> tuple[_Operand, int]:
     """x, out and the tables as (A0, A1, A2, D) views with A1 the loop dimension: ``loop`` if given,
     else the largest leading dimension cos and sin are shared over (the heads)."""
     rotated_shape = (*x.shape[:-1], cos.shape[-1])
@@ -192,7 +248,7 @@ def _operand(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor, loop: int | None)
         loop = max(shared, key=lambda d: views[0].shape[d]) if shared else 1
     outer, inner = (d for d in range(_MAX_DIMS - 1) if d != loop)
     x4, out4, cos4, sin4 = (t.permute(outer, loop, inner, _MAX_DIMS - 1) for t in views)
-    return _Operand(x4, out4, cos4, sin4), loop
+    return _Operand(x4, out4, cos4, sin4, record_index), loop
 
 
 def _shares_launch(first: _Operand, second: _Operand) -> bool:
@@ -213,7 +269,24 @@ def _table_strides(table: Tensor, shared: bool) -> tuple[int, ...]:
     return (strides[0], 0, *strides[2:]) if shared else strides
 
 
-def _launch(first: _Operand, second: _Operand | None, interleaved: bool, transposed: bool) -> None:
+def _record_arguments(operand: _Operand | None, prefix: str) -> tuple[tuple[int, int], dict[str, object]]:
+    """((entry, numel), constexprs) of an operand's range record; fixed ones where it records
+    none (no kernel variant per unused dtype)."""
+    recorded = operand is not None and operand.record_index is not None
+    layout = bit_layout(operand.out.dtype if recorded else torch.float32)
+    constexprs = {f"RECORD_{prefix}": recorded, **{f"{prefix}_{name}": v for name, v in layout.items()}}
+    if not recorded:
+        return (0, 0), constexprs
+    return (operand.record_index, operand.out.numel()), constexprs
+
+
+def _launch(
+    first: _Operand,
+    second: _Operand | None,
+    interleaved: bool,
+    transposed: bool,
+    statistics: tuple[Tensor, Tensor] | None,
+) -> None:
     size0, num_heads, size2, width = first.x.shape
     rotary_width = first.cos.shape[-1]
     heads = max(num_heads, second.x.shape[1] if second is not None else 0)
@@ -221,6 +294,9 @@ def _launch(first: _Operand, second: _Operand | None, interleaved: bool, transpo
     block_h = max(1, min(triton.next_power_of_2(heads), _PAIRS_PER_TILE // block_pairs))
     block_pass = max(16, min(triton.next_power_of_2(max(width - rotary_width, 1)), 2 * block_pairs))
     other = second if second is not None else first
+    amax, counts = statistics or (first.cos, first.cos)
+    x_record, x_constexprs = _record_arguments(first, "X")
+    y_record, y_constexprs = _record_arguments(second, "Y")
     with on_device(first.x.device):
         _rotary_kernel[(size0 * size2,)](
             first.x, *first.x.stride(), first.out, *first.out.stride(), num_heads,
@@ -228,11 +304,14 @@ def _launch(first: _Operand, second: _Operand | None, interleaved: bool, transpo
             first.cos, *_table_strides(first.cos, second is not None),
             first.sin, *_table_strides(first.sin, second is not None),
             size2, width, rotary_width,
+            amax, counts, *x_record, *y_record,
             HAS_SECOND=second is not None,
             INTERLEAVED=interleaved,
             TRANSPOSED=transposed,
             OUT_DTYPE=triton_dtype(first.out.dtype),
             Y_OUT_DTYPE=triton_dtype(other.out.dtype),
+            **x_constexprs,
+            **y_constexprs,
             BLOCK_H=block_h,
             BLOCK_PAIRS=block_pairs,
             BLOCK_PASS=block_pass,
@@ -247,6 +326,7 @@ def _rotate(
     interleaved: bool,
     out_dtypes: Sequence[torch.dtype],
     transposed: bool,
+    record: KernelRecord | None = None,
 ) -> list[Tensor]:
     check_rotary_tensors(xs, cos, sin, interleaved, out_dtypes)
     for x in xs:
@@ -256,26 +336,36 @@ def _rotate(
                 "use amp_fx.kernels.reference.rotary_forward/rotary_backward"
             )
     outs = [torch.empty_like(x, dtype=d) for x, d in zip(xs, out_dtypes, strict=True)]
+    if record is not None:
+        check_kernel_record(record, outs)
+    indices = record[2] if record is not None else (None,) * len(xs)
     operands: list[_Operand] = []
     loop = None
-    for x, out in zip(xs, outs, strict=True):
+    for x, out, index in zip(xs, outs, indices, strict=True):
         if out.numel() > 0:
-            operand, loop = _operand(x, cos, sin, out, loop if x.dim() == xs[0].dim() else None)
+            operand, loop = _operand(x, cos, sin, out, loop if x.dim() == xs[0].dim() else None, index)
             operands.append(operand)
+    statistics = None if record is None else record[:2]
     if len(operands) == 2 and _shares_launch(*operands):
-        _launch(operands[0], operands[1], interleaved, transposed)
+        _launch(operands[0], operands[1], interleaved, transposed, statistics)
     else:
         for operand in operands:
-            _launch(operand, None, interleaved, transposed)
+            _launch(operand, None, interleaved, transposed, statistics)
     return outs
 
 
 def rotary_forward(
-    xs: Sequence[Tensor], cos: Tensor, sin: Tensor, interleaved: bool, out_dtypes: Sequence[torch.dtype]
+    xs: Sequence[Tensor],
+    cos: Tensor,
+    sin: Tensor,
+    interleaved: bool,
+    out_dtypes: Sequence[torch.dtype],
+    record: KernelRecord | None = None,
 ) -> list[Tensor]:
     """Each x's first ``cos.shape[-1]`` features rotated by (cos, sin), the rest passed through, in
     fp32, rounded once to its ``out_dtypes`` entry: the contract of ``amp_fx.kernels.rotary``. One
-    launch for a query and a key that differ only in their head counts.
+    launch for a query and a key that differ only in their head counts, which also records the
+    range statistics of the outputs ``record`` asks for.
 
     Example:
         >>> q = torch.randn(8, 12, 2048, 128, dtype=torch.bfloat16, device="cuda")  # doctest: +SKIP
@@ -283,7 +373,7 @@ def rotary_forward(
         >>> cos = torch.randn(1, 1, 2048, 128, device="cuda"); sin = torch.randn_like(cos)  # doctest: +SKIP
         >>> q_out, k_out = rotary_forward([q, k], cos, sin, False, [torch.bfloat16] * 2)  # doctest: +SKIP
     """
-    return _rotate(xs, cos, sin, interleaved, out_dtypes, transposed=False)
+    return _rotate(xs, cos, sin, interleaved, out_dtypes, transposed=False, record=record)
 
 
 def rotary_backward(

@@ -215,3 +215,33 @@ def test_any_shape_matches_reference(device, rows, columns, activation, dtype, s
         grads, reference.gated_activation_backward(grad, gate, up, activation), strict=True
     ):
         assert_rounding_close(actual, expected, dtype, gate, up, grad)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "triton"])
+@pytest.mark.parametrize("gated", [False, True], ids=["alone", "gated"])
+@pytest.mark.parametrize("dtype", [*LOW_DTYPES, torch.float32])
+def test_the_forward_records_what_record_range_records(device, implementation, gated, dtype) -> None:
+    # amp_fx.watch asks the kernel for the range statistics of the output it writes: the same as
+    # record_range_ of it (the range_stats reference), the output unchanged. Tiles of several
+    # programs; an overflowing product, a NaN and underflowing values among them.
+    if implementation == "triton" and triton_ops is None:
+        pytest.skip("needs Triton")
+    kernels = reference if implementation == "reference" else triton_ops
+    gate = make((37, 50), dtype, seed=3, device=device, scale=30.0)
+    up = make((37, 50), dtype, seed=4, device=device, scale=1e-3)
+    up[0, :3] = torch.finfo(dtype).max
+    gate[2, 5] = float("nan")
+    amax, counts = torch.full((3,), 0.5, device=device), torch.arange(9, device=device)
+    expected = (amax.clone(), counts.clone())
+    with launch_config(SMALL):
+        if gated:
+            out = kernels.gated_activation_forward(gate, up, "silu", (amax, counts, (2,)))
+            unrecorded = kernels.gated_activation_forward(gate, up, "silu")
+        else:
+            out = kernels.activation_forward(gate, "gelu_tanh", (amax, counts, (2,)))
+            unrecorded = kernels.activation_forward(gate, "gelu_tanh")
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(out.view(bits), unrecorded.view(bits))
+    reference.record_range_(out, *expected, 2)
+    assert torch.equal(amax, expected[0]) and torch.equal(counts, expected[1])
+    assert counts[6] > 0 and counts[7] > (3 if gated else 0)  # underflow and inf/NaN are there

@@ -315,6 +315,13 @@ def _rotary_calls() -> None:
         cos = torch.zeros(1, 64, 1, 64)
         (out,) = triton_ops.rotary_forward([x], cos, cos, True, [torch.float32])
         triton_ops.rotary_backward([out], cos, cos, True, [dtype])
+        # Recording the range statistics of what it writes (amp_fx.watch): both outputs of one
+        # launch, and a partial rotary's, pass-through features included.
+        amax, counts = torch.zeros(8), torch.zeros(24, dtype=torch.int64)
+        cos = torch.zeros(1, 1, 64, 128)
+        triton_ops.rotary_forward([q, k], cos, cos, False, [dtype, dtype], (amax, counts, (1, 2)))
+        cos = torch.zeros(1, 64, 1, 64)
+        triton_ops.rotary_forward([x], cos, cos, True, [dtype], (amax, counts, (3,)))
 
 
 def _norms_calls() -> None:
@@ -344,6 +351,17 @@ def _norms_calls() -> None:
             x if summed is None else summed, weight, mean, rstd, bias_dtype=bias_dtype,
             grad_dtype=dtype, residual_grad_dtype=residual_dtype, **options,
         )  # fmt: skip
+    # Recording the range statistics of what it writes (amp_fx.watch): out alone, and out and a
+    # low-precision sum.
+    amax, counts = torch.zeros(8), torch.zeros(24, dtype=torch.int64)
+    x = torch.zeros(16, 1536, dtype=torch.bfloat16)
+    triton_ops.norm_forward(
+        x, torch.ones(1536), None, 1e-6, out_dtype=torch.bfloat16, record=(amax, counts, (3, None))
+    )
+    triton_ops.norm_forward(
+        x, torch.ones(1536), torch.zeros(1536), 1e-6, residual=x, subtract_mean=True, out_dtype=torch.float16,
+        record=(amax, counts, (1, 2)),
+    )  # fmt: skip
 
 
 def _activation_calls() -> None:
@@ -356,6 +374,10 @@ def _activation_calls() -> None:
             triton_ops.gated_activation_backward(torch.zeros_like(out), gate, up, activation)
             x = torch.zeros(64, 3072, dtype=dtype)
             triton_ops.activation_backward(triton_ops.activation_forward(x, activation), x, activation)
+            # Recording the range statistics of the output (amp_fx.watch).
+            amax, counts = torch.zeros(8), torch.zeros(24, dtype=torch.int64)
+            triton_ops.gated_activation_forward(gate, up, activation, (amax, counts, (5,)))
+            triton_ops.activation_forward(x, activation, (amax, counts, (0,)))
 
 
 def _range_stats_calls() -> None:

@@ -322,3 +322,54 @@ def test_bad_arguments_are_refused_before_any_work() -> None:
         reference.norm_forward(x, None, None, EPS, sum_dtype=torch.float32)
     with pytest.raises(ValueError, match="x's shape"):
         reference.norm_forward(x, None, None, EPS, residual=torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("implementation", ["reference", "triton"])
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("subtract_mean", [False, True], ids=["rms", "layer"])
+def test_the_forward_records_what_record_range_records(device, implementation, dtype, subtract_mean) -> None:
+    # amp_fx.watch asks the kernel for the range statistics of out and the sum it writes: the same
+    # as record_range_ of each (the range_stats reference), out unchanged. A low-precision stream
+    # with an overflowing sum, a NaN, huge weights (out overflows) and tiny ones (out underflows).
+    if implementation == "triton" and triton_ops is None:
+        pytest.skip("needs Triton")
+    kernels = reference if implementation == "reference" else triton_ops
+    case = make_case(
+        (21, 1000), dtype, 9, residual=True, subtract_mean=subtract_mean, device=device, stream_dtype=dtype
+    )
+    x, residual = case["x"].clone(), case["residual"].clone()
+    x[0, :4] = torch.finfo(dtype).max
+    residual[0, :4] = torch.finfo(dtype).max
+    x[3, 7] = float("nan")
+    weight = case["weight"].clone()
+    weight[:5], weight[5:10] = 1e6, torch.finfo(dtype).tiny / 4
+    options = {"residual": residual, "subtract_mean": subtract_mean, "out_dtype": dtype}
+    amax = torch.full((5,), 0.25, device=device)  # accumulates onto what is there
+    counts = torch.arange(15, device=device)
+    record = (amax, counts, (3, 1))
+    out, summed, _, _ = kernels.norm_forward(x, weight, case["bias"], EPS, record=record, **options)
+    unrecorded, _, _, _ = kernels.norm_forward(x, weight, case["bias"], EPS, **options)
+    assert torch.equal(out.view(torch.int16), unrecorded.view(torch.int16))
+    expected = (torch.full((5,), 0.25, device=device), torch.arange(15, device=device))
+    reference.record_range_(out, *expected, 3)
+    reference.record_range_(summed, *expected, 1)
+    assert torch.equal(amax, expected[0]) and torch.equal(counts, expected[1])
+    added = (counts - torch.arange(15, device=device)).view(-1, 3)
+    assert added[3, 1] > 0 and added[1, 1] > 0  # the cases are there: inf/NaN in out and the sum
+    # (fp16's smallest normal times n is a normal fp32 value; bf16's is not, which a GPU may flush.)
+    assert added[3, 0] > 0 or dtype == torch.bfloat16
+    # Only what is asked: the sum alone, and nothing.
+    only_sum = (torch.zeros(5, device=device), torch.zeros(15, dtype=torch.int64, device=device), (None, 1))
+    kernels.norm_forward(x, weight, case["bias"], EPS, record=only_sum, **options)
+    assert only_sum[0].count_nonzero() == 1 and only_sum[1].view(-1, 3)[3].sum() == 0
+
+
+def test_a_record_that_does_not_fit_is_refused() -> None:
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    amax, counts = torch.zeros(4), torch.zeros(12, dtype=torch.int64)
+    with pytest.raises(ValueError, match="one per value the kernel writes"):
+        reference.norm_forward(x, None, None, EPS, record=(amax, counts, (1,)))
+    with pytest.raises(ValueError, match="a value this call does not write"):
+        reference.norm_forward(x, None, None, EPS, record=(amax, counts, (1, 2)))
+    with pytest.raises(ValueError, match="index must be an int in"):
+        reference.norm_forward(x, None, None, EPS, record=(amax, counts, (4, None)))

@@ -132,3 +132,38 @@ def test_kernels_refuse_bad_arguments(cos_shape, message) -> None:
         reference.rotary_backward([q, q], torch.randn(5, 8), torch.randn(5, 8), False, [torch.float32])
     with pytest.raises(TypeError, match="one or two tensors"):
         triton_ops.rotary_forward(q, torch.randn(5, 8), torch.randn(5, 8), False, [torch.float32])
+
+
+@pytest.mark.parametrize("implementation", ["reference", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_forward_records_what_record_range_records(device, implementation, dtype) -> None:
+    # amp_fx.watch asks the kernel for the range statistics of the outputs it writes: the same as
+    # record_range_ of each (the range_stats reference), outputs unchanged. A query and key in one
+    # launch (the key's statistics not asked for), and a partial rotary with pass-through features;
+    # overflowing, NaN and underflowing values among them.
+    if implementation == "triton" and triton_ops is None:
+        pytest.skip("needs Triton")
+    kernels = reference if implementation == "reference" else triton_ops
+    generator = torch.Generator().manual_seed(2)
+    q, k = (
+        torch.randn(shape, generator=generator).to(dtype).to(device)
+        for shape in ((2, 4, 3, 16), (2, 2, 3, 16))
+    )
+    q[0, 0, 0, :4] = torch.finfo(dtype).max
+    q[0, 1, 0, 5] = float("nan")
+    q[1, 0, 2, :] = torch.finfo(dtype).tiny / 2  # subnormal, and passed through below
+    tables = torch.randn(1, 1, 3, 16, generator=generator).to(device)
+    partial = torch.randn(2, 1, 3, 10, generator=generator).to(device)
+    for xs, cos, interleaved, indices in (([q, k], tables, False, (1, None)), ([q], partial, True, (3,))):
+        amax, counts = torch.full((4,), 0.5, device=device), torch.arange(12, device=device)
+        expected = (amax.clone(), counts.clone())
+        out_dtypes = [dtype] * len(xs)
+        outs = kernels.rotary_forward(xs, cos, cos.flip(-1), interleaved, out_dtypes, (amax, counts, indices))
+        plain = kernels.rotary_forward(xs, cos, cos.flip(-1), interleaved, out_dtypes)
+        for out, unrecorded, index in zip(outs, plain, indices, strict=True):
+            assert torch.equal(out.view(torch.int16), unrecorded.view(torch.int16))
+            if index is not None:
+                reference.record_range_(out, *expected, index)
+        assert torch.equal(amax, expected[0]) and torch.equal(counts, expected[1])
+        added = (counts - torch.arange(12, device=device)).view(-1, 3)
+        assert added[indices[-1] or 1, 1] > 0  # inf/NaN among them
