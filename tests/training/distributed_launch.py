@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
+import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -71,6 +74,21 @@ def save_rank_result(result: Any, out_dir: str | Path, rank: int) -> None:
     torch.save(result, _result_path(out_dir, rank))
 
 
+def _run_rank(rank: int, worker: Callable[..., None], args: tuple, out_dir: str) -> None:
+    """One rank's process: the worker, then an exit that skips the interpreter's teardown.
+
+    A rank of CI's (torch 2.14.1, gloo) once died of SIGABRT, "terminate called without an active
+    exception", with no Python error: a C++ thread object destroyed unjoined, which is what torch's
+    exit-time destruction of gloo's threads does when it goes wrong. A finished rank has destroyed
+    its group and saved its result, so it leaves with ``os._exit``; an abort anywhere else prints
+    every thread's Python stack (faulthandler) into the test's captured stderr."""
+    faulthandler.enable()
+    worker(rank, *args, out_dir)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def run_ranks(
     worker: Callable[..., None], out_dir: Path, *, world_size: int, timeout_s: float, args: tuple = ()
 ) -> list[Any]:
@@ -78,7 +96,7 @@ def run_ranks(
     ``timeout_s`` (then raises TimeoutError), kills any process left, and returns each rank's
     `save_rank_result`. A worker that raises makes this raise torch's ProcessRaisedException."""
     context = mp.start_processes(
-        worker, args=(*args, str(out_dir)), nprocs=world_size, join=False, start_method="spawn"
+        _run_rank, args=(worker, args, str(out_dir)), nprocs=world_size, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + timeout_s
     try:
