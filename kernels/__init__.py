@@ -18,7 +18,10 @@ Two modules gather every family's kernels under one name space:
   Loaded on first use: importing the reference or a family's argument checks (what convert and
   the passes read) does not load Triton.
 
-``implementation_for(tensors)`` picks one.
+``implementation_for(tensors)`` picks one: Triton for CUDA tensors, or for all with
+``AMP_FX_FORCE_TRITON=1``. The fused norms, activations and rotary embeddings of ``amp_fx.ops``
+compute their torch expression where the reference would run, unless ``AMP_FX_FORCE_TRITON`` is
+set (`kernels_run_for`).
 
 Example:
     >>> import torch
@@ -41,7 +44,7 @@ from torch import Tensor
 
 from amp_fx.kernels import reference
 
-__all__ = ["reference", "triton_ops", "implementation_for"]
+__all__ = ["reference", "triton_ops", "implementation_for", "kernels_run_for"]
 
 FORCE_TRITON_ENV = "AMP_FX_FORCE_TRITON"
 
@@ -61,6 +64,21 @@ def implementation_for(tensors: Iterable[Tensor]) -> ModuleType:
         return reference
     triton = _triton_ops()
     return reference if triton is None else triton
+
+
+def kernels_run_for(tensor: Tensor) -> bool:
+    """Whether a fused norm, activation or rotary embedding of ``amp_fx.ops`` calls this package's
+    kernels for ``tensor`` when run eagerly: on CUDA, or wherever ``AMP_FX_FORCE_TRITON`` is set
+    ("1": Triton, "0": the reference off CUDA, as tests and the host-cost benchmark ask). Else (a
+    CPU) the op computes its torch expression: the reference is the same math in torch ops, with
+    more host time than torch's own chain (BENCHMARKS.md, "Host time on the CPU").
+
+    Example:
+        >>> import torch
+        >>> kernels_run_for(torch.zeros(2))  # a CPU tensor, AMP_FX_FORCE_TRITON unset
+        False
+    """
+    return tensor.is_cuda or os.environ.get(FORCE_TRITON_ENV) in ("0", "1")
 
 
 @functools.cache

@@ -30,7 +30,7 @@ An expression is replaced only whole, from its inputs to its output:
   they produced, rounded once instead of several times.
 
 Anything else is left as it is. It runs only where ``policy.fused_activations`` (default: O2, on
-every device; on CPU the calls run their pure-torch reference). Each call's NodeInfo notes say
+every device; on a CPU an eager call computes the chain's torch expression). Each call's NodeInfo notes say
 which nodes it replaced.
 
 Example (O2, bf16; GPT-2's MLP as torch.export records it)::

@@ -37,6 +37,12 @@ def _repo_root_last() -> None:
 
 _repo_root_last()
 
+# Fused ops on CPU tensors run their kernels' pure-torch reference (AMP_FX_FORCE_TRITON=0): what the
+# Triton kernels are tested against, computing what they compute on a GPU. Unset, an eager CPU call
+# computes the op's torch expression instead (what CPU users run, `amp_fx.kernels.kernels_run_for`);
+# the tests of that default unset it. Spawned ranks and subprocesses inherit the setting.
+os.environ.setdefault("AMP_FX_FORCE_TRITON", "0")
+
 # CI runs on 2 CPU cores with a 10-minute budget for the whole suite: bounded examples, no deadline
 # (the first call of a Triton kernel under the interpreter or of torch.fx tracing is slow).
 settings.register_profile(

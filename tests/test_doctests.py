@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from amp_fx.kernels import FORCE_TRITON_ENV
+
 OPTIONFLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 # `python -m amp_fx` runs the CLI on import.
 NOT_IMPORTED = {"amp_fx.__main__"}
@@ -51,7 +53,9 @@ def _modules_with_examples() -> list[Any]:
 
 
 @pytest.mark.parametrize("module_name", _modules_with_examples())
-def test_docstring_examples(module_name: str) -> None:
+def test_docstring_examples(module_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The examples run as a user runs them: AMP_FX_FORCE_TRITON unset (tests/conftest.py sets it).
+    monkeypatch.delenv(FORCE_TRITON_ENV, raising=False)
     module = importlib.import_module(module_name)
     runner = doctest.DocTestRunner(optionflags=OPTIONFLAGS)
     report: list[str] = []

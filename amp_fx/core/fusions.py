@@ -124,7 +124,7 @@ FUSIONS: tuple[Fusion, ...] = (
             "``silu(gate) * up``, ``gelu(gate) * up`` and a tanh GELU written out in torch ops "
             "(``gelu_new``), from low-precision inputs to their output and the casts around them, run "
             "as one call (`amp_fx.ops.activations`: fp32 math, one rounding, the activation recomputed "
-            "in the backward); on CPU the call runs its pure-torch reference."
+            "in the backward); on a CPU an eager call computes the torch expression."
         ),
         ops_module="activations",
         kernel_family="activations",
@@ -139,7 +139,7 @@ FUSIONS: tuple[Fusion, ...] = (
         description=(
             "rotary position embeddings (``q * cos + rotate_half(q) * sin``, interleaved or partial) "
             "run as one call reading q in its dtype, fp32 math (`amp_fx.ops.rotary.rotary_embedding`; "
-            "on CPU its torch reference)."
+            "on a CPU an eager call computes the chain)."
         ),
         ops_module="rotary",
         kernel_family="rotary",

@@ -8,14 +8,15 @@ These functions compute the same math in fp32 from the low-precision inputs and 
 once to their dtype (``amp_fx.kernels.activations``: one read of each input and one write each
 way; the backward recomputes the activation from the inputs, which are all it saves).
 
-The kernels (``amp_fx.kernels.implementation_for``: the Triton kernels on CUDA tensors, the
-pure-torch reference elsewhere) are the custom ops ``amp_fx::gated_activation`` /
-``amp_fx::activation`` and their backward ops, with fake implementations and autograd, which
-tracers (torch.export, fake or functional tensors) see; eager calls run them directly, without the
-custom ops' dispatch (`amp_fx.ops.dispatch.fused_op`). Under torch.compile the functions are their
-torch expression, and a backward that torch.compile traces is the reference's torch math, both
-for Inductor to fuse with its neighbours. Under `amp_fx.watch` the forward kernel records the
-range statistics of the output it writes (`amp_fx.ops.range_record.kernel_record`).
+The kernels (``amp_fx.kernels.implementation_for``: the Triton kernels on CUDA tensors; an eager
+call on a CPU computes the torch expression instead, `amp_fx.kernels.kernels_run_for`) are the
+custom ops ``amp_fx::gated_activation`` / ``amp_fx::activation`` and their backward ops, with fake
+implementations and autograd, which tracers (torch.export, fake or functional tensors) see; eager
+calls run them directly, without the custom ops' dispatch (`amp_fx.ops.dispatch.fused_op`). Under
+torch.compile the functions are their torch expression, and a backward that torch.compile traces is
+the reference's torch math, both for Inductor to fuse with its neighbours. Under `amp_fx.watch` the
+forward kernel records the range statistics of the output it writes
+(`amp_fx.ops.range_record.kernel_record`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from torch.autograd.function import once_differentiable
 from amp_fx.kernels import implementation_for, reference
 from amp_fx.kernels.activations import ACTIVATIONS
 from amp_fx.kernels.arguments import KERNEL_DTYPES
-from amp_fx.ops.dispatch import compiler_fuses, fused_op, is_traced_backward
+from amp_fx.ops.dispatch import fused_op, gives_expression, is_traced_backward
 from amp_fx.ops.outputs import reshaped_output
 from amp_fx.ops.range_record import kernel_record, records_in_kernel
 
@@ -183,9 +184,9 @@ def _torch_activation(x: Tensor, name: str) -> Tensor:
 def _runs_fused(*tensors: Tensor) -> bool:
     """Whether the kernels compute this call: tensors of one shape, dtype and device, at least
     1-D. Reads metadata only, so torch.compile decides it while tracing."""
-    if compiler_fuses():
-        return False
     first = tensors[0]
+    if not isinstance(first, Tensor) or gives_expression(first):
+        return False
     return all(
         isinstance(t, Tensor)
         and t.dim() >= 1

@@ -23,7 +23,9 @@ from torch import Tensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["FusedOp", "compiler_fuses", "fused_op", "is_eager", "is_traced_backward"]
+from amp_fx.kernels import kernels_run_for
+
+__all__ = ["FusedOp", "fused_op", "gives_expression", "is_eager", "is_traced_backward"]
 
 # What an eager call's tensors are: a Parameter is a Tensor to the dispatcher. Subclasses with a
 # dispatch of their own (fake, functional, DTensor) are not, and take the custom op.
@@ -57,16 +59,21 @@ def _eager_and_recorded(arguments: Iterable[object]) -> tuple[bool, bool]:
     return True, requires_grad and torch.is_grad_enabled()
 
 
-def compiler_fuses() -> bool:
-    """Whether torch.compile's Dynamo is tracing this call. The fused norm, activation and rotary
-    ops then give their torch expression: Inductor fuses it with its neighbours (the bias add,
-    dropout and residual add before a norm), which it cannot do across an opaque kernel call.
+def gives_expression(tensor: Tensor) -> bool:
+    """Whether a fused norm, activation or rotary call on ``tensor`` computes its torch expression
+    rather than its kernels: while torch.compile's Dynamo traces it (Inductor fuses the expression
+    with its neighbours, the bias add, dropout and residual add before a norm, which it cannot do
+    across an opaque kernel call), and in an eager call where the kernels would be their pure-torch
+    reference (a CPU: `amp_fx.kernels.kernels_run_for`). Other tracers (torch.export, fake
+    tensors) get the custom op.
 
     Example:
-        >>> compiler_fuses()
-        False
+        >>> gives_expression(torch.ones(2))  # eager, on a CPU
+        True
     """
-    return torch.compiler.is_dynamo_compiling()
+    if torch.compiler.is_dynamo_compiling():
+        return True
+    return not kernels_run_for(tensor) and is_eager(tensor)
 
 
 def is_traced_backward(saved: Tensor) -> bool:

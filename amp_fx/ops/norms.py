@@ -15,8 +15,8 @@ broadcasts) return exactly that expression. The kernels are wrapped as the custo
 ``amp_fx::fused_norm`` and ``amp_fx::fused_norm_backward``, with fake implementations and
 autograd, so the functions work under autograd and compile under ``torch.compile`` and
 ``torch.export`` as one op; eager calls skip the custom ops' dispatch
-(`amp_fx.ops.dispatch.fused_op`). They run the Triton kernels on CUDA tensors and the pure-torch
-reference elsewhere (``amp_fx.kernels.implementation_for``). Under `amp_fx.watch` the forward
+(`amp_fx.ops.dispatch.fused_op`). They run the Triton kernels on CUDA tensors; an eager call on a CPU
+computes the function's torch expression (`amp_fx.kernels.kernels_run_for`). Under `amp_fx.watch` the forward
 kernel records the range statistics of the output and the sum it writes
 (`amp_fx.ops.range_record.kernel_record`).
 
@@ -39,7 +39,7 @@ from torch import Tensor
 from amp_fx.kernels import implementation_for, reference
 from amp_fx.kernels.arguments import KERNEL_DTYPES
 from amp_fx.kernels.range_stats import KernelRecord
-from amp_fx.ops.dispatch import compiler_fuses, fused_op, is_traced_backward
+from amp_fx.ops.dispatch import fused_op, gives_expression, is_traced_backward
 from amp_fx.ops.outputs import reshaped_output
 from amp_fx.ops.range_record import kernel_record, records_in_kernel
 
@@ -268,9 +268,9 @@ def _is_vector(vector: Tensor | None, width: int, x: Tensor) -> bool:
 def _runs_fused(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None) -> bool:
     """Whether the kernels compute this call: dtypes, shapes and devices only, so torch.compile
     decides it while tracing."""
-    if compiler_fuses():
+    if not isinstance(x, Tensor) or gives_expression(x):
         return False
-    if not (isinstance(x, Tensor) and x.dim() >= 1 and x.shape[-1] > 0 and x.dtype in KERNEL_DTYPES):
+    if not (x.dim() >= 1 and x.shape[-1] > 0 and x.dtype in KERNEL_DTYPES):
         return False
     if residual is not None and not (
         isinstance(residual, Tensor)

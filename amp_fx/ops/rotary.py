@@ -12,8 +12,8 @@ The kernels are wrapped as the custom ops ``amp_fx::rotary_embedding`` (x, cos, 
 out_dtype) and ``amp_fx::rotary_embedding_backward``, with fake implementations and autograd, so
 the call works under autograd and ``torch.export`` (eager calls skip the custom ops' dispatch:
 `amp_fx.ops.dispatch.fused_op`); under ``torch.compile`` the chain is traced instead, for Inductor
-to fuse with its neighbours (`amp_fx.ops.dispatch.compiler_fuses`). The ops run the Triton kernels
-on CUDA tensors of at most 4 dimensions, the pure-torch reference elsewhere. Gradients flow to x
+to fuse with its neighbours (`amp_fx.ops.dispatch.gives_expression`). The ops run the Triton kernels
+on CUDA tensors of at most 4 dimensions; on a CPU an eager call computes the chain. Gradients flow to x
 and, when they require it, to cos and sin (plain torch math: position tables rarely need one).
 
 A call whose tensors do not fit the kernels' contract (odd or mismatched widths, cos not
@@ -34,7 +34,7 @@ from torch import Tensor
 from amp_fx.kernels import implementation_for, reference
 from amp_fx.kernels.arguments import KERNEL_DTYPES
 from amp_fx.kernels.rotary.arguments import rotary_width_problem
-from amp_fx.ops.dispatch import compiler_fuses, fused_op
+from amp_fx.ops.dispatch import fused_op, gives_expression
 from amp_fx.ops.range_record import kernel_record, records_in_kernel
 
 __all__ = [
@@ -305,7 +305,7 @@ def _fits_kernels(
 ) -> bool:
     """Whether the kernels compute this call: dtypes, shapes and devices only, so torch.compile
     decides it while tracing."""
-    if compiler_fuses() or not all(isinstance(t, Tensor) for t in (x, cos, sin)):
+    if not all(isinstance(t, Tensor) for t in (x, cos, sin)) or gives_expression(x):
         return False
     # Other dtypes (float64) compute the chain.
     if any(t.dtype not in KERNEL_DTYPES for t in (x, cos, sin)) or (

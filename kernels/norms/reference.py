@@ -1,6 +1,6 @@
 """RMSNorm and LayerNorm (with an optional residual add) in plain torch: the family's contract
 (``amp_fx.kernels.norms``, which has the math) computed with torch ops, on any device; the
-definition the Triton kernels are tested against, and what CPU runs."""
+definition the Triton kernels are tested against."""
 
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ and the torch.export graphs share one description, and exactly or not at all) an
 from its input to its output, with one call of `amp_fx.ops.norms`: the same fp32 math, the input
 read once in its own dtype, each output written once in the dtype the chain (or the casts after
 it) wrote, the residual add before the norm in the same pass. It runs where
-``policy.fused_norms`` (default: O2, any device; on a CPU the kernels' pure-torch reference runs).
+``policy.fused_norms`` (default: O2, any device; on a CPU an eager call computes the chain's torch
+expression).
 Each fused call's `NodeInfo` notes the nodes it replaced.
 
 Example (Llama at O2, bf16; torch.export graph, weight names shortened)::

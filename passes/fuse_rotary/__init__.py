@@ -15,8 +15,8 @@ Two fused calls that share cos and sin (a layer's query and key) become one
 `amp_fx.ops.rotary.rotary_embedding_pair` call where the graph's order allows it: one kernel launch
 each way for both, each position's table row read once.
 
-It runs where ``policy.fused_rotary`` (default: O2, on every device: on CPU the call runs the
-kernels' torch reference). Each fused call records the nodes it replaced in its report notes.
+It runs where ``policy.fused_rotary`` (default: O2, on every device: on a CPU an eager call
+computes the chain's torch expression). Each fused call records the nodes it replaced in its report notes.
 
 Example (O2, bf16; Llama's attention, torch.export front end; k's chain, the same on transpose_1
 with no cast after it (the KV cache keeps fp32, as under autocast), pairs with q's)::
