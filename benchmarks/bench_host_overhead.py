@@ -1,14 +1,17 @@
 """Host cost of amp_fx's fused ops and of a tiny model's O2 training step, on CPU.
 
 Where the tensors are tiny, a step is host work: Python, argument checks, dispatch and autograd
-nodes, one per op. This script measures that cost where no GPU is needed (on CPU the ops run the
-pure-torch reference kernels, ``amp_fx.kernels.reference``, unless ``AMP_FX_FORCE_TRITON=1``):
+nodes, one per op. This script measures that cost where no GPU is needed:
 
-(a) every fused op of ``amp_fx.ops`` on tiny tensors: the median microseconds of one call, forward
-    alone and forward + backward (``torch.autograd.grad``), beside the unfused torch chain it
-    stands for;
+(a) every fused op of ``amp_fx.ops`` on tiny tensors, through its kernels (``AMP_FX_FORCE_TRITON=0``:
+    the pure-torch reference kernels, ``amp_fx.kernels.reference``, on the host path a GPU call
+    takes; ``=1`` for the Triton kernels under ``TRITON_INTERPRET=1``): the median microseconds of
+    one call, forward alone and forward + backward (``torch.autograd.grad``), beside the unfused
+    torch chain it stands for;
 (b) a tiny Llama (transformers ``LlamaConfig``, hidden 32, 4 layers, vocabulary 128) trained with
-    ``labels=``: ``amp_fx.convert`` at O2 (bf16) with `amp_fx.optim.FusedAdam` against eager
+    ``labels=``: ``amp_fx.convert`` at O2 (bf16) with `amp_fx.optim.FusedAdam`, as a CPU user runs
+    it (the fused norms, activations and rotary compute their torch expressions eagerly on a CPU,
+    `amp_fx.kernels.kernels_run_for`) and with the reference kernels forced, against eager
     ``torch.autocast(bf16)`` with ``torch.optim.AdamW(foreach=True)``, median ms per step and the
     ratio.
 
@@ -23,11 +26,12 @@ a load that changes during the run reaches both. The load average is printed wit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +40,7 @@ from reporting import environment
 
 import amp_fx
 import amp_fx.optim
+from amp_fx.kernels import FORCE_TRITON_ENV
 from amp_fx.ops import max_pool as max_pool_op
 from amp_fx.ops.activations import fp32_activation, fp32_gated_activation
 from amp_fx.ops.batch_norm import batch_norm_act
@@ -277,11 +282,33 @@ def _autocast_step(model: torch.nn.Module, tokens: torch.Tensor) -> Callable[[],
     return step
 
 
+@contextlib.contextmanager
+def _kernels_forced() -> Iterator[None]:
+    """The fused ops run their kernels (the reference on a CPU) while inside."""
+    previous = os.environ.get(FORCE_TRITON_ENV)
+    os.environ.setdefault(FORCE_TRITON_ENV, "0")
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(FORCE_TRITON_ENV)
+
+
+def _forced(step: Callable[[], None]) -> Callable[[], None]:
+    def forced_step() -> None:
+        with _kernels_forced():
+            step()
+
+    return forced_step
+
+
 def step_table(steps: int) -> str:
-    """(b): the tiny Llama's step, O2 + FusedAdam against eager autocast + AdamW."""
+    """(b): the tiny Llama's step, O2 + FusedAdam (as CPU users run it, and on the reference kernels)
+    against eager autocast + AdamW."""
     model, tokens = tiny_llama()
     variants = {
         "amp_fx O2 + FusedAdam": _o2_step(copy.deepcopy(model), tokens),
+        "same, the kernels' reference forced": _forced(_o2_step(copy.deepcopy(model), tokens)),
         "autocast(bf16) + AdamW(foreach)": _autocast_step(copy.deepcopy(model), tokens),
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -313,7 +340,8 @@ def main(argv: list[str] | None = None) -> None:
     clock = "wall time" if args.wall else "the thread's CPU time"
     print(f"{environment(torch.device('cpu'))}, load average {os.getloadavg()[0]:.2f} (1 min), {clock}")
     if args.only != "step":
-        print(op_table(args.repeats))
+        with _kernels_forced():
+            print(op_table(args.repeats))
     if args.only != "ops":
         print(step_table(args.steps))
 
