@@ -97,13 +97,21 @@ def _op_db_entries() -> dict[str, Any]:
 def _template(info: Any) -> tuple[Any, Any] | None:
     """(leaves with each floating tensor a maker, spec) of the op's first sample with two floating
     tensors; None where it has none."""
-    for index, sample in enumerate(info.sample_inputs("cpu", torch.float32)):
-        if index >= 8:
-            return None
-        leaves, spec = pytree.tree_flatten((sample.input, list(sample.args), dict(sample.kwargs)))
-        if sum(_is_probed(leaf) for leaf in leaves) >= 2:
-            return leaves, spec
-    return None
+    samples = info.sample_inputs("cpu", torch.float32)
+    try:
+        for index, sample in enumerate(samples):
+            if index >= 8:
+                return None
+            leaves, spec = pytree.tree_flatten((sample.input, list(sample.args), dict(sample.kwargs)))
+            if sum(_is_probed(leaf) for leaf in leaves) >= 2:
+                return leaves, spec
+        return None
+    finally:
+        # Closed here, not by a garbage collection during a later test: some of op_db's sample
+        # generators run under torch.no_grad(), whose exit then changes that test's grad mode.
+        close = getattr(samples, "close", None)
+        if close is not None:
+            close()
 
 
 def _calls(op: str, entries: dict[str, Any]) -> list[tuple[str, Callable[[list[torch.dtype]], Any]]]:
