@@ -35,10 +35,10 @@ from collections.abc import Sequence
 import torch
 import torch.fx
 
+from amp_fx.core.dtypes import LOW_PRECISION_DTYPE_NAMES
 from amp_fx.core.opt_levels import OPT_LEVELS
 from amp_fx.inspect.capture_summary import CaptureSummary, capture_summary
 
-DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 INPUT_DTYPES = {"float32": torch.float32, "int64": torch.int64, "long": torch.int64}
 # torchvision classification models whose stem needs another input size than 224x224.
 _TORCHVISION_INPUT_SIZE = {"inception_v3": 299}
@@ -303,7 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
         "model", metavar="MODEL", help="torchvision:NAME, path/to/file.py:Class or pkg.module:Class"
     )
     inspect_cmd.add_argument("--opt-level", default="O2", choices=OPT_LEVELS)
-    inspect_cmd.add_argument("--dtype", default="fp16", choices=sorted(DTYPES), help="low-precision dtype")
+    inspect_cmd.add_argument(
+        "--dtype", default="fp16", choices=sorted(LOW_PRECISION_DTYPE_NAMES), help="low-precision dtype"
+    )
     inspect_cmd.add_argument(
         "--device-type", default=None, choices=["cuda", "cpu"], help="whose autocast op lists O1 follows"
     )
@@ -394,7 +396,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         converted = amp_fx.convert(
             model,
             args.opt_level,
-            dtype=DTYPES[args.dtype],
+            dtype=args.dtype,
             device_type=args.device_type,
             example_inputs=call[0] or None,
         )
