@@ -17,6 +17,7 @@ import amp_fx
 from amp_fx.kernels import FORCE_TRITON_ENV
 from amp_fx.ops import norms
 from amp_fx.testing import assert_close_normwise, grad_tolerances, tolerances
+from tests.models.hf import VOCAB, causal_lm_without_dropout
 from tests.ops.test_inplace_after_fused import FUSED_CALLS, _autograd_nodes
 from tests.passes.test_fuse_norms import assert_close_to, loss_and_grads
 
@@ -94,13 +95,8 @@ def test_tracers_still_get_the_custom_op_on_a_cpu(monkeypatch: pytest.MonkeyPatc
 
 
 def _tiny_llama() -> tuple[torch.nn.Module, torch.Tensor]:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config), torch.randint(0, 64, (2, 8))
+    pytest.importorskip("transformers")
+    return causal_lm_without_dropout("llama", tied=False), torch.randint(0, VOCAB, (2, 8))
 
 
 def _converted(model: torch.nn.Module) -> torch.nn.Module:
