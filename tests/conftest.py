@@ -41,7 +41,9 @@ _repo_root_last()
 # Triton kernels are tested against, computing what they compute on a GPU. Unset, an eager CPU call
 # computes the op's torch expression instead (what CPU users run, `amp_fx.kernels.kernels_run_for`);
 # the tests of that default unset it. Spawned ranks and subprocesses inherit the setting.
-os.environ.setdefault("AMP_FX_FORCE_TRITON", "0")
+from amp_fx.kernels import FORCE_TRITON_ENV  # noqa: E402  (after the sys.path fix above)
+
+os.environ.setdefault(FORCE_TRITON_ENV, "0")
 
 # CI runs on 2 CPU cores with a 10-minute budget for the whole suite: bounded examples, no deadline
 # (the first call of a Triton kernel under the interpreter or of torch.fx tracing is slow).
