@@ -3,9 +3,11 @@
 on a one-element tensor). The other helpers are the reference kernels' (``adam``, ``sgd``,
 ``overflow_check``).
 
-The skip rule: when ``found_inf`` is given and > 0, nothing is written. Here that is done with
-``torch.where(skip, old, new)`` per tensor, so skipped tensors keep their exact bits; the Triton
-kernels do the same by not storing at all.
+The skip rule: when ``found_inf`` is given and > 0, nothing is written. On a device that is done
+with ``torch.where(skip, old, new)`` per tensor, so skipped tensors keep their exact bits without
+the host reading the flag; the Triton kernels do the same by not storing at all. A flag in CPU
+memory is read on the host (a memory read, no device sync), and the step is skipped or taken whole,
+in place (`skip_flag`).
 """
 
 from __future__ import annotations
@@ -26,9 +28,21 @@ __all__ = [
 ]
 
 
-def skip_flag(found_inf: Tensor | None) -> Tensor | None:
-    """A 0-dim bool tensor, True when the step must be skipped (broadcasts against any shape)."""
-    return None if found_inf is None else found_inf.reshape(()) > 0
+def skip_flag(found_inf: Tensor | None) -> Tensor | bool | None:
+    """How ``found_inf`` decides the step: None, the step writes; True, it writes nothing (a flag in
+    CPU memory, read here: no device sync); else a 0-dim bool tensor, True when the step must be
+    skipped, which `working_copies` and `write_unless_skipped` apply on the device.
+
+    Example:
+        >>> skip_flag(torch.ones(1)), skip_flag(torch.zeros(1)), skip_flag(None)
+        (True, None, None)
+    """
+    if found_inf is None:
+        return None
+    skip = found_inf.reshape(()) > 0
+    if found_inf.device.type == "cpu":
+        return True if bool(skip) else None
+    return skip
 
 
 def write_unless_skipped(

@@ -71,6 +71,8 @@ def adam_step_(
     if len(params) == 0:
         return
     skip = skip_flag(found_inf)
+    if skip is True:
+        return
     t = own_steps(step, step_offsets, len(params)) + 1
     step_sizes = (lr / _bias_correction(beta1, t)).unbind()
     bias_corrections2_sqrt = _bias_correction(beta2, t).sqrt().unbind()

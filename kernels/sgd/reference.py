@@ -62,6 +62,8 @@ def sgd_step_(
     if len(params) == 0:
         return
     skip = skip_flag(found_inf)
+    if skip is True:
+        return
     masters = [None] * len(params) if masters is None else masters
     # Each param's fp32 weight is its master, or the param itself.
     sources = [param if master is None else master for param, master in zip(params, masters, strict=True)]

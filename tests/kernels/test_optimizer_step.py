@@ -13,7 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from amp_fx.kernels import reference, triton_ops
+from amp_fx.kernels import optimizer_step, reference, triton_ops
 from amp_fx.kernels.adam import triton as adam_triton
 from amp_fx.kernels.overflow_check import triton as overflow_check_triton
 from amp_fx.kernels.sgd import triton as sgd_triton
@@ -203,7 +203,11 @@ def test_bad_input_is_refused_like_the_reference(device) -> None:
             )
 
 
-def test_skip_leaves_everything_bit_identical() -> None:
+# On a CPU the reference reads the flag and returns before any write; on a GPU it keeps the bits
+# with torch.where, never reading the flag on the host (`optimizer_step.skip_flag`).
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_skip_leaves_everything_bit_identical(device: str) -> None:
+    torch.manual_seed(0)
     params = [torch.randn(4).half(), torch.randn(3).half()]
     masters = [
         p.float() + 1e-4 for p in params
@@ -211,8 +215,11 @@ def test_skip_leaves_everything_bit_identical() -> None:
     grads = [torch.randn(4).half(), torch.tensor([1.0, float("nan"), 2.0]).half()]
     exp_avgs = [torch.randn(4), torch.randn(3)]
     exp_avg_sqs = [torch.rand(4), torch.rand(3)]
-    step = torch.full((1,), 3.0)
-    found_inf = torch.zeros(1)
+    params, masters, grads, exp_avgs, exp_avg_sqs = (
+        [t.to(device) for t in tensors] for tensors in (params, masters, grads, exp_avgs, exp_avg_sqs)
+    )
+    step = torch.full((1,), 3.0, device=device)
+    found_inf = torch.zeros(1, device=device)
     reference.check_finite_and_norm_(grads, found_inf)
     assert found_inf.item() == 1.0
     before = [t.clone() for t in [*params, *masters, *exp_avgs, *exp_avg_sqs, step]]
@@ -235,6 +242,21 @@ def test_skip_leaves_everything_bit_identical() -> None:
     after = [*params, *masters, *exp_avgs, *exp_avg_sqs, step]
     for old, new in zip(before, after, strict=True):
         assert torch.equal(old.view(torch.uint8), new.view(torch.uint8))
+
+
+def test_a_skip_flag_on_a_device_keeps_bits_with_where() -> None:
+    # What the reference does with a flag it does not read (on a GPU), run here with the flag a
+    # tensor: working copies apart from the originals, and no write where the flag is set.
+    targets = [torch.randn(3).half(), torch.randn(2)]
+    before = [t.clone() for t in targets]
+    for skip, expected in ((torch.tensor(True), before), (torch.tensor(False), None)):
+        work = optimizer_step.working_copies(targets, skip)
+        assert all(w is not t and w.dtype == torch.float32 for w, t in zip(work, targets, strict=True))
+        torch._foreach_add_(work, 1.0)
+        optimizer_step.write_unless_skipped(targets, work, skip)
+        expected = expected or [(b.float() + 1.0).to(b.dtype) for b in before]
+        for target, value in zip(targets, expected, strict=True):
+            assert torch.equal(target.view(torch.uint8), value.view(torch.uint8))
 
 
 def test_bad_input_is_refused_before_any_write() -> None:
