@@ -8,12 +8,13 @@ nodes, one per op. This script measures that cost where no GPU is needed:
     takes; ``=1`` for the Triton kernels under ``TRITON_INTERPRET=1``): the median microseconds of
     one call, forward alone and forward + backward (``torch.autograd.grad``), beside the unfused
     torch chain it stands for;
-(b) a tiny Llama (transformers ``LlamaConfig``, hidden 32, 4 layers, vocabulary 128) trained with
-    ``labels=``: ``amp_fx.convert`` at O2 (bf16) with `amp_fx.optim.FusedAdam`, as a CPU user runs
-    it (the fused norms, activations and rotary compute their torch expressions eagerly on a CPU,
-    `amp_fx.kernels.kernels_run_for`) and with the reference kernels forced, against eager
-    ``torch.autocast(bf16)`` with ``torch.optim.AdamW(foreach=True)``, median ms per step and the
-    ratio.
+(b) two tiny Hugging Face causal LMs trained with ``labels=``, a Llama (hidden 32, 4 layers,
+    vocabulary 128) in bf16 and a GPT-2 (width 64, 12 layers, vocabulary 256) in fp16 with loss
+    scaling: ``amp_fx.convert`` at O2 with `amp_fx.optim.FusedAdam` (and `amp_fx.LossScaler`), as a
+    CPU user runs it (the fused norms, activations and rotary compute their torch expressions
+    eagerly on a CPU, `amp_fx.kernels.kernels_run_for`) and with the reference kernels forced,
+    against eager ``torch.autocast`` with ``torch.optim.AdamW(foreach=True)`` (and
+    ``torch.amp.GradScaler``), median ms per step and the ratio.
 
 One thread (``torch.set_num_threads(1)``), timed by its CPU time (``time.thread_time``): on a
 machine shared with other work, wall time also counts the time the thread waits for a core, which
@@ -40,6 +41,7 @@ from reporting import environment
 
 import amp_fx
 import amp_fx.optim
+from amp_fx.core.dtypes import dtype_name
 from amp_fx.kernels import FORCE_TRITON_ENV
 from amp_fx.ops import max_pool as max_pool_op
 from amp_fx.ops.activations import fp32_activation, fp32_gated_activation
@@ -256,28 +258,49 @@ def tiny_llama() -> tuple[torch.nn.Module, torch.Tensor]:
     return model, torch.randint(0, config.vocab_size, (2, 16))
 
 
-def _o2_step(model: torch.nn.Module, tokens: torch.Tensor) -> Callable[[], None]:
-    converted = amp_fx.convert(model, policy=amp_fx.preset("O2", LOW, "cpu"))
+def tiny_gpt2() -> tuple[torch.nn.Module, torch.Tensor]:
+    """A randomly initialized GPT-2 of GPT-2 small's 12 layers, width 64, and a 2 x 32 batch."""
+    import transformers
+
+    config = transformers.GPT2Config(
+        n_layer=12, n_embd=64, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    return model, torch.randint(0, config.vocab_size, (2, 32))
+
+
+# The models of table (b): each built by its function, trained in its dtype; fp16 with loss scaling
+# (amp_fx.LossScaler against torch.amp.GradScaler), as each recipe trains it.
+STEP_MODELS = {"tiny Llama": (tiny_llama, torch.bfloat16), "tiny GPT-2": (tiny_gpt2, torch.float16)}
+
+
+def _o2_step(model: torch.nn.Module, tokens: torch.Tensor, dtype: torch.dtype) -> Callable[[], None]:
+    converted = amp_fx.convert(model, policy=amp_fx.preset("O2", dtype, "cpu"))
     params = [p for p in converted.parameters() if p.requires_grad]
     optimizer = amp_fx.optim.FusedAdam(params, lr=1e-3, adam_w_mode=True, master_weights=True)
+    scaler = amp_fx.LossScaler(enabled=dtype == torch.float16)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        converted(input_ids=tokens, labels=tokens).loss.backward()
-        optimizer.step()
+        scaler.scale(converted(input_ids=tokens, labels=tokens).loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
 
     return step
 
 
-def _autocast_step(model: torch.nn.Module, tokens: torch.Tensor) -> Callable[[], None]:
+def _autocast_step(model: torch.nn.Module, tokens: torch.Tensor, dtype: torch.dtype) -> Callable[[], None]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=LOW):
+        with torch.autocast("cpu", dtype=dtype):
             loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        optimizer.step()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
 
     return step
 
@@ -303,25 +326,27 @@ def _forced(step: Callable[[], None]) -> Callable[[], None]:
 
 
 def step_table(steps: int) -> str:
-    """(b): the tiny Llama's step, O2 + FusedAdam (as CPU users run it, and on the reference kernels)
-    against eager autocast + AdamW."""
-    model, tokens = tiny_llama()
-    variants = {
-        "amp_fx O2 + FusedAdam": _o2_step(copy.deepcopy(model), tokens),
-        "same, the kernels' reference forced": _forced(_o2_step(copy.deepcopy(model), tokens)),
-        "autocast(bf16) + AdamW(foreach)": _autocast_step(copy.deepcopy(model), tokens),
-    }
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for i in range(steps + 5):
-        for name, step in variants.items():
-            start = _clock()
-            step()
-            if i >= 5:  # warm-up
-                times[name].append(_clock() - start)
-    medians = {name: statistics.median(samples) * 1e3 for name, samples in times.items()}
-    baseline = medians["autocast(bf16) + AdamW(foreach)"]
-    lines = ["| tiny Llama step (CPU) | median ms | ratio |", "|---|---|---|"]
-    lines += [f"| {name} | {ms:.2f} | {ms / baseline:.2f} |" for name, ms in medians.items()]
+    """(b): each tiny model's step, O2 + FusedAdam (as CPU users run it, and on the reference
+    kernels) against eager autocast + AdamW."""
+    lines = ["| tiny model step (CPU) | median ms | ratio |", "|---|---|---|"]
+    for model_name, (build, dtype) in STEP_MODELS.items():
+        model, tokens = build()
+        baseline_name = f"{model_name}: autocast({dtype_name(dtype)}) + AdamW(foreach)"
+        variants = {
+            f"{model_name}: amp_fx O2 + FusedAdam": _o2_step(copy.deepcopy(model), tokens, dtype),
+            "same, the kernels' reference forced": _forced(_o2_step(copy.deepcopy(model), tokens, dtype)),
+            baseline_name: _autocast_step(copy.deepcopy(model), tokens, dtype),
+        }
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for i in range(steps + 5):
+            for name, step in variants.items():
+                start = _clock()
+                step()
+                if i >= 5:  # warm-up
+                    times[name].append(_clock() - start)
+        medians = {name: statistics.median(samples) * 1e3 for name, samples in times.items()}
+        baseline = medians[baseline_name]
+        lines += [f"| {name} | {ms:.2f} | {ms / baseline:.2f} |" for name, ms in medians.items()]
     return "\n".join(lines)
 
 
