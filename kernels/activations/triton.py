@@ -32,7 +32,7 @@ from amp_fx.kernels.devices import on_device
 from amp_fx.kernels.pointer_table import triton_dtype
 from amp_fx.kernels.range_stats import KernelRecord
 from amp_fx.kernels.range_stats.arguments import check_kernel_record
-from amp_fx.kernels.range_stats.triton import bit_layout, record_block
+from amp_fx.kernels.range_stats.triton import record_block, record_constexprs
 from amp_fx.kernels.rounding import round_to_dtype
 
 
@@ -222,8 +222,7 @@ def _forward(x: Tensor, up: Tensor | None, activation: str, record: KernelRecord
             GATED=up is not None,
             DTYPE=triton_dtype(x.dtype),
             RECORD=out_index is not None,
-            # Fixed where it does not record: no kernel variant per unused dtype.
-            **bit_layout(x.dtype if out_index is not None else torch.float32),
+            **record_constexprs(x.dtype if out_index is not None else None),
             BLOCK_ROWS=block_rows,
             BLOCK_COLUMNS=block_columns,
             num_warps=num_warps,

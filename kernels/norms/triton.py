@@ -31,7 +31,7 @@ from amp_fx.kernels.norms.arguments import check_norm_backward_arguments, check_
 from amp_fx.kernels.pointer_table import triton_dtype
 from amp_fx.kernels.range_stats import KernelRecord
 from amp_fx.kernels.range_stats.arguments import check_kernel_record
-from amp_fx.kernels.range_stats.triton import bit_layout, record_block
+from amp_fx.kernels.range_stats.triton import record_block, record_constexprs
 from amp_fx.kernels.rounding import round_to_dtype
 
 __all__ = ["MAX_WIDTH", "norm_backward", "norm_forward"]
@@ -308,20 +308,13 @@ def norm_forward(
             PRODUCT_DTYPE=triton_dtype(product_dtype),
             OUT_DTYPE=triton_dtype(out.dtype),
             RECORD_OUT=out_index is not None,
-            **_record_layout("OUT", out.dtype if out_index is not None else None),
+            **record_constexprs(out.dtype if out_index is not None else None, "OUT_"),
             RECORD_SUM=sum_index is not None,
-            **_record_layout("SUM", summed.dtype if sum_index is not None else None),
+            **record_constexprs(summed.dtype if sum_index is not None else None, "SUM_"),
             BLOCK_SIZE=block_size,
             num_warps=_num_warps(block_size),
         )
     return out, summed, mean, rstd
-
-
-def _record_layout(prefix: str, dtype: torch.dtype | None) -> dict[str, object]:
-    """The forward kernel's bit-layout constexprs of a value it records (``dtype``), or fixed ones
-    for one it does not (no kernel variant per unused dtype)."""
-    layout = bit_layout(torch.float32 if dtype is None else dtype)
-    return {f"{prefix}_{name}": value for name, value in layout.items()}
 
 
 def _backward_programs(device: torch.device, num_rows: int) -> int:

@@ -14,7 +14,7 @@ Grid: at most ``_PROGRAMS_PER_SM`` programs per streaming multiprocessor (each t
 ``blocks_per_program`` blocks), so a large value costs a few hundred atomics per entry, not one
 per block.
 
-`record_block` (with `bit_layout`) is the same statistics for a fused kernel of another family that
+`record_block` (its constexprs from `record_constexprs`) is the same statistics for a fused kernel that
 writes a watched value (``record=`` in the family's contract): each program adds its stored block
 (or sums its blocks with `block_statistics` and adds them once, with `add_statistics`).
 """
@@ -32,7 +32,14 @@ from amp_fx.kernels.arguments import is_dense
 from amp_fx.kernels.devices import on_device
 from amp_fx.kernels.range_stats.arguments import check_record_range
 
-__all__ = ["add_statistics", "bit_layout", "block_statistics", "record_block", "record_range_"]
+__all__ = [
+    "add_statistics",
+    "bit_layout",
+    "block_statistics",
+    "record_block",
+    "record_constexprs",
+    "record_range_",
+]
 
 # Per value dtype: the integer type of its width, its exponent bits, every bit but the sign.
 _BIT_LAYOUTS = {
@@ -119,6 +126,19 @@ def bit_layout(dtype: torch.dtype) -> dict[str, object]:
     _, _, exponent_mask, magnitude_mask = _BIT_LAYOUTS[dtype]
     bits = tl.int32 if dtype == torch.float32 else tl.int16
     return {"BITS_DTYPE": bits, "EXPONENT_MASK": exponent_mask, "MAGNITUDE_MASK": magnitude_mask}
+
+
+def record_constexprs(dtype: torch.dtype | None, prefix: str = "") -> dict[str, object]:
+    """A fused kernel's `bit_layout` constexprs for the value it records, of ``dtype``, each name
+    after ``prefix``; None (a value it does not record): float32's, so that no kernel variant is
+    compiled per dtype of a value nothing records.
+
+    Example:
+        >>> record_constexprs(None, "OUT_") == record_constexprs(torch.float32, "OUT_")
+        True
+    """
+    layout = bit_layout(torch.float32 if dtype is None else dtype)
+    return {f"{prefix}{name}": value for name, value in layout.items()}
 
 
 # numel is never specialized (a one-element value would make it a constant, which has no ``.to``),

@@ -34,7 +34,12 @@ from amp_fx.kernels.devices import on_device
 from amp_fx.kernels.pointer_table import triton_dtype
 from amp_fx.kernels.range_stats import KernelRecord
 from amp_fx.kernels.range_stats.arguments import check_kernel_record
-from amp_fx.kernels.range_stats.triton import add_statistics, bit_layout, block_statistics, record_block
+from amp_fx.kernels.range_stats.triton import (
+    add_statistics,
+    block_statistics,
+    record_block,
+    record_constexprs,
+)
 from amp_fx.kernels.rotary.arguments import check_rotary_tensors
 from amp_fx.kernels.rounding import round_to_dtype
 
@@ -273,8 +278,8 @@ def _record_arguments(operand: _Operand | None, prefix: str) -> tuple[tuple[int,
     """((entry, numel), constexprs) of an operand's range record; fixed ones where it records
     none (no kernel variant per unused dtype)."""
     recorded = operand is not None and operand.record_index is not None
-    layout = bit_layout(operand.out.dtype if recorded else torch.float32)
-    constexprs = {f"RECORD_{prefix}": recorded, **{f"{prefix}_{name}": v for name, v in layout.items()}}
+    layout = record_constexprs(operand.out.dtype if recorded else None, f"{prefix}_")
+    constexprs = {f"RECORD_{prefix}": recorded, **layout}
     if not recorded:
         return (0, 0), constexprs
     return (operand.record_index, operand.out.numel()), constexprs
