@@ -142,6 +142,19 @@ def _watched_step(model, x, counter) -> tuple[list[dict], int, tuple]:
     return ranges, counter["launches"] - before, result
 
 
+def _in_kernel_and_apart(model, x, counter) -> tuple[list[dict], list[dict], int]:
+    """A watched step with the fused kernels recording and one with every record apart: (the
+    in-kernel ranges, the separate ones, how many fewer separate launches the first took). Checks
+    that watching changed no bit of the output or gradients."""
+    unwatched = _step(copy.deepcopy(model), x)
+    in_kernel, launches, watched = _watched_step(model, x, counter)
+    for expected, got in zip((unwatched[0], *unwatched[1]), (watched[0], *watched[1]), strict=True):
+        assert torch.equal(expected.view(torch.int8), got.view(torch.int8))
+    with no_kernel_records():
+        apart, launches_apart, _ = _watched_step(model, x, counter)
+    return in_kernel, apart, launches_apart - launches
+
+
 @pytest.mark.parametrize("front_end", ["fx", "export"])
 @pytest.mark.parametrize("low_stream", [False, True], ids=["fp32_stream", "bf16_stream"])
 def test_fused_kernels_record_what_a_separate_record_does(
@@ -152,18 +165,11 @@ def test_fused_kernels_record_what_a_separate_record_does(
     model = amp_fx.convert(LanguageModel(), policy=policy, front_end=front_end)
     idx = torch.randint(0, 32, (3, 5), generator=torch.Generator().manual_seed(1))
     idx[0, 0] = 0
-    unwatched = _step(copy.deepcopy(model), idx)
-
-    in_kernel, launches, watched = _watched_step(model, idx, separate_records)
-    for expected, got in zip((unwatched[0], *unwatched[1]), (watched[0], *watched[1]), strict=True):
-        assert torch.equal(expected.view(torch.int8), got.view(torch.int8))
-    with no_kernel_records():
-        apart, launches_apart, _ = _watched_step(model, idx, separate_records)
-
+    in_kernel, apart, launches_saved = _in_kernel_and_apart(model, idx, separate_records)
     assert in_kernel == apart
     # The kernels recorded the bf16 values they wrote: the RMSNorm's, the two activations' and the
     # first add + LayerNorm's output, and with a bf16 stream the two sums too.
-    assert launches_apart - launches == (6 if low_stream else 4)
+    assert launches_saved == (6 if low_stream else 4)
     recorded = {r["node"]: r for r in in_kernel}
     assert recorded["fp32_gated_activation"]["forward"]["numel"] == 2 * idx.numel() * 16
     assert recorded["fp32_gated_activation"]["backward"]["numel"] == 2 * idx.numel() * 16
@@ -179,14 +185,9 @@ def test_the_rotary_kernel_records_what_a_separate_record_does(kernels, front_en
         RotaryAttention(), "O2", dtype=torch.bfloat16, device_type="cpu", front_end=front_end,
         example_inputs=example,
     )  # fmt: skip
-    unwatched = _step(copy.deepcopy(model), x)
-    in_kernel, launches, watched = _watched_step(model, x, separate_records)
-    for expected, got in zip((unwatched[0], *unwatched[1]), (watched[0], *watched[1]), strict=True):
-        assert torch.equal(expected.view(torch.int8), got.view(torch.int8))
-    with no_kernel_records():
-        apart, launches_apart, _ = _watched_step(model, x, separate_records)
+    in_kernel, apart, launches_saved = _in_kernel_and_apart(model, x, separate_records)
     assert in_kernel == apart
-    assert launches_apart - launches == 1  # the query's bf16 rotary output
+    assert launches_saved == 1  # the query's bf16 rotary output
     (query,) = (r for r in in_kernel if r["op"] == "rotary_embedding" and r["dtype"] == "bfloat16")
     assert query["forward"]["numel"] == query["backward"]["numel"] == x.numel()
 
